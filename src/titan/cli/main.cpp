@@ -1,0 +1,50 @@
+// titan: the command-line entry point. Bad input surfaces as UserError with a message naming what was wrong.
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "titan/cli/commands.h"
+#include "titan/common/error.h"
+
+namespace {
+
+const char* kUsage =
+    "titan.cpp " TITAN_VERSION " - native Llama 3 pretraining\n"
+    "\n"
+    "usage: titan <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  train       train a model (torchtitan-compatible TOML and --section.key options; `titan train --help`)\n"
+    "  tokenizer   encode, decode or train tokenizers (`titan tokenizer --help`)\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  if (args[0] == "--version") {
+    std::puts("titan.cpp " TITAN_VERSION);
+    return 0;
+  }
+  const std::string command = args[0];
+  std::vector<std::string> rest(args.begin() + 1, args.end());
+  try {
+    if (command == "train") return titan::cli::run_train(rest);
+    if (command == "tokenizer") return titan::cli::run_tokenizer(rest);
+    std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), kUsage);
+    return 2;
+  } catch (const titan::UserError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

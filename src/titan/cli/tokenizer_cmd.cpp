@@ -1,0 +1,110 @@
+// `titan tokenizer encode|decode|info|train`: tokenizers from the command line, reading stdin.
+#include <iostream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+
+#include "titan/cli/commands.h"
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/tokenizer/bpe_trainer.h"
+#include "titan/components/tokenizer/tokenizer.h"
+
+namespace titan::cli {
+namespace {
+
+const char* kTokenizerUsage =
+    "usage:\n"
+    "  titan tokenizer encode --tokenizer PATH [--document]     UTF-8 text on stdin -> JSON array of ids on stdout\n"
+    "  titan tokenizer decode --tokenizer PATH [--skip-special] JSON array of ids on stdin -> text on stdout\n"
+    "  titan tokenizer info --tokenizer PATH                    vocabulary size and special tokens\n"
+    "  titan tokenizer train --input PATH [--input PATH ...] --vocab-size N --output FILE\n"
+    "                        learn a byte-level BPE (Llama 3 pre-tokenizer, tiktoken format, Llama 3 special tokens)\n"
+    "\n"
+    "PATH is a tokenizer file (tokenizer.json, tokenizer.model, *.tiktoken) or a directory holding one.\n"
+    "--document adds BOS and EOS as the training data pipeline does.\n";
+
+struct Options {
+  std::string tokenizer;
+  std::vector<std::string> inputs;
+  std::string output;
+  int64_t vocab_size = 0;
+  bool document = false, skip_special = false;
+};
+
+Options parse(const std::vector<std::string>& args, size_t first) {
+  Options o;
+  for (size_t i = first; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= args.size()) fail(a, " expects a value\n", kTokenizerUsage);
+      return args[++i];
+    };
+    if (a == "--tokenizer") o.tokenizer = value();
+    else if (a == "--input") o.inputs.push_back(value());
+    else if (a == "--output") o.output = value();
+    else if (a == "--vocab-size") {
+      std::string v = value();
+      char* end = nullptr;
+      o.vocab_size = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end) fail("--vocab-size expects an integer, got ", quote(v));
+    } else if (a == "--document") o.document = true;
+    else if (a == "--skip-special") o.skip_special = true;
+    else fail("unknown option ", quote(a), " for `titan tokenizer ", args[0], "`\n", kTokenizerUsage);
+  }
+  return o;
+}
+
+std::string read_stdin() {
+  std::ios::sync_with_stdio(false);
+  return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+int run_tokenizer(const std::vector<std::string>& args) {
+  if (args.empty() || args[0] == "--help" || args[0] == "-h") {
+    std::cout << kTokenizerUsage;
+    return args.empty() ? 2 : 0;
+  }
+  const std::string& verb = args[0];
+  Options o = parse(args, 1);
+  if (verb == "train") {
+    if (o.inputs.empty() || o.output.empty() || o.vocab_size <= 0)
+      fail("`titan tokenizer train` needs --input, --vocab-size and --output\n", kTokenizerUsage);
+    tokenizer::BpeTrainerOptions options;
+    options.vocab_size = o.vocab_size;
+    auto stats = tokenizer::train_bpe_files(o.inputs, options, o.output);
+    std::cerr << "trained " << stats.merges << " merges on " << with_thousands(stats.bytes) << " bytes ("
+              << with_thousands(stats.unique_words) << " distinct pieces) in " << strprintf("%.2f", stats.seconds)
+              << " s -> " << o.output << "\n";
+    return 0;
+  }
+  if (verb != "encode" && verb != "decode" && verb != "info") fail("unknown tokenizer command ", quote(verb), "\n", kTokenizerUsage);
+  if (o.tokenizer.empty()) fail("`titan tokenizer ", verb, "` needs --tokenizer PATH");
+  auto tok = tokenizer::load(o.tokenizer);
+  if (verb == "info") {
+    nlohmann::ordered_json j;
+    j["description"] = tok->description();
+    j["vocab_size"] = tok->vocab_size();
+    j["bos_id"] = tok->bos_id() ? nlohmann::ordered_json(*tok->bos_id()) : nlohmann::ordered_json(nullptr);
+    j["eos_id"] = tok->eos_id() ? nlohmann::ordered_json(*tok->eos_id()) : nlohmann::ordered_json(nullptr);
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::string input = read_stdin();
+  if (verb == "encode") {
+    auto ids = o.document ? tok->encode_document(input) : tok->encode(input);
+    std::cout << nlohmann::json(ids).dump() << "\n";
+    return 0;
+  }
+  std::vector<int32_t> ids;
+  try {
+    ids = nlohmann::json::parse(input).get<std::vector<int32_t>>();
+  } catch (const nlohmann::json::exception&) {
+    fail("`titan tokenizer decode` expects a JSON array of integer ids on stdin, e.g. [9906, 1917]");
+  }
+  std::cout << tok->decode(ids, o.skip_special);
+  return 0;
+}
+
+}  // namespace titan::cli

@@ -1,0 +1,405 @@
+// HF tokenizers' tokenizer.json with a BPE model (Llama 3's, torchtitan's test tokenizer), plus the special
+// tokens torchtitan adds from a sibling tokenizer_config.json.
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/tokenizer/bpe_merge.h"
+#include "titan/components/tokenizer/byte_level.h"
+#include "titan/components/tokenizer/regex_splitter.h"
+#include "titan/components/tokenizer/tokenizer.h"
+#include "titan/components/tokenizer/utf8.h"
+
+namespace titan::tokenizer {
+namespace {
+
+using json = nlohmann::json;
+
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+using VocabMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+
+struct AddedToken {
+  std::string content;
+  int32_t id;
+  bool special = true, lstrip = false, rstrip = false, single_word = false;
+};
+
+struct PreStep {
+  enum class Kind { ByteLevel, Split } kind = Kind::Split;
+  bool add_prefix_space = false;
+  std::unique_ptr<RegexSplitter> regex;  // null: no splitting
+  bool remove_matches = false;           // Split behavior "Removed"
+};
+
+bool is_space_char(std::string_view s, size_t pos, size_t& len) {
+  unsigned char c = static_cast<unsigned char>(s[pos]);
+  if (c == ' ' || (c >= '\t' && c <= '\r')) return len = 1, true;
+  return false;
+}
+
+class HfTokenizer : public Tokenizer {
+ public:
+  explicit HfTokenizer(const std::string& path) : path_(path) {
+    json root;
+    {
+      std::ifstream in(path);
+      if (!in) fail("cannot open tokenizer file ", quote(path));
+      try {
+        root = json::parse(in);
+      } catch (const json::parse_error& e) {
+        fail(path, ": not valid JSON (", e.what(), "); expected a Hugging Face tokenizer.json");
+      }
+    }
+    try {
+      load_model(root.at("model"));
+      if (!root.value("normalizer", json()).is_null())
+        fail(path, ": normalizer ", quote(root["normalizer"].value("type", "?")),
+             " is not supported yet (Llama 3 tokenizers have none)");
+      load_pre_tokenizer(root.value("pre_tokenizer", json()));
+      load_decoder(root.value("decoder", json()));
+      for (const auto& t : root.value("added_tokens", json::array())) {
+        AddedToken a{t.at("content").get<std::string>(), t.at("id").get<int32_t>(), t.value("special", false),
+                     t.value("lstrip", false), t.value("rstrip", false), t.value("single_word", false)};
+        register_added(a);
+      }
+      load_post_processor(root.value("post_processor", json()));
+    } catch (const json::exception& e) {
+      fail(path, ": unexpected tokenizer.json structure: ", e.what());
+    }
+    auto config_path = std::filesystem::path(path).parent_path() / "tokenizer_config.json";
+    if (std::filesystem::exists(config_path)) apply_tokenizer_config(config_path.string());
+    else infer_bos_eos_by_name();
+    if (bos_id_) encode_adds_bos_ = std::find(prefix_.begin(), prefix_.end(), *bos_id_) != prefix_.end();
+    if (eos_id_) encode_adds_eos_ = std::find(suffix_.begin(), suffix_.end(), *eos_id_) != suffix_.end();
+    for (const auto& a : added_)
+      if (!a.content.empty()) added_by_first_byte_[static_cast<unsigned char>(a.content[0])].push_back(&a);
+  }
+
+  std::vector<int32_t> encode(std::string_view text) const override {
+    std::vector<int32_t> ids(prefix_.begin(), prefix_.end());
+    size_t pos = 0, plain_start = 0;
+    while (pos < text.size()) {
+      size_t match_begin, match_end;
+      const AddedToken* added = match_added(text, pos, plain_start, match_begin, match_end);
+      if (!added) {
+        ++pos;
+        continue;
+      }
+      encode_plain(text.substr(plain_start, match_begin - plain_start), ids);
+      ids.push_back(added->id);
+      pos = plain_start = match_end;
+    }
+    encode_plain(text.substr(plain_start), ids);
+    ids.insert(ids.end(), suffix_.begin(), suffix_.end());
+    return ids;
+  }
+
+  std::string decode(std::span<const int32_t> ids, bool skip_special) const override {
+    std::string bytes;
+    for (int32_t id : ids) {
+      auto added = added_by_id_.find(id);
+      if (added != added_by_id_.end() && added->second.special && skip_special) continue;
+      const std::string* token = nullptr;
+      if (added != added_by_id_.end()) token = &added->second.content;
+      else if (id >= 0 && static_cast<size_t>(id) < id_to_token_.size() && !id_to_token_[id].empty()) token = &id_to_token_[id];
+      if (!token) fail("token id ", id, " is outside the vocabulary of ", path_, " (", vocab_size(), " ids)");
+      if (decoder_byte_level_) {
+        auto raw = chars_to_bytes(*token);
+        bytes += raw ? *raw : *token;
+      } else if (byte_fallback_ && token->size() == 6 && starts_with(*token, "<0x") && (*token)[5] == '>') {
+        bytes.push_back(static_cast<char>(std::stoi(token->substr(3, 2), nullptr, 16)));
+      } else {
+        bytes += *token;
+      }
+    }
+    return utf8_lossy(bytes);
+  }
+
+  int64_t vocab_size() const override {
+    int64_t n = static_cast<int64_t>(id_to_token_.size());
+    for (const auto& [id, a] : added_by_id_) n = std::max<int64_t>(n, id + 1);
+    return n;
+  }
+
+  std::optional<int32_t> token_to_id(std::string_view token) const override {
+    for (const auto& a : added_)
+      if (a.content == token) return a.id;
+    if (auto it = vocab_.find(token); it != vocab_.end()) return it->second;
+    return std::nullopt;
+  }
+
+  std::string description() const override {
+    return cat("HF BPE tokenizer ", path_, " (", vocab_.size(), " tokens, ", merges_.size(), " merges, ", added_.size(),
+               " added tokens", byte_level_ ? ", byte-level" : "", ")");
+  }
+
+ private:
+  void load_model(const json& model) {
+    std::string type = model.value("type", "BPE");
+    if (type != "BPE") fail(path_, ": model type ", quote(type), " is not supported yet (only BPE)");
+    if (!model.value("continuing_subword_prefix", json()).is_null() || !model.value("end_of_word_suffix", json()).is_null())
+      fail(path_, ": BPE continuing_subword_prefix / end_of_word_suffix are not supported yet");
+    if (!model.value("dropout", json()).is_null() && model["dropout"].get<double>() > 0)
+      fail(path_, ": BPE dropout is a training-time augmentation and is not supported");
+    ignore_merges_ = model.value("ignore_merges", false);
+    byte_fallback_ = model.value("byte_fallback", false);
+    fuse_unk_ = model.value("fuse_unk", false);
+    for (const auto& [token, id] : model.at("vocab").items()) {
+      int32_t i = id.get<int32_t>();
+      vocab_[token] = i;
+      if (static_cast<size_t>(i) >= id_to_token_.size()) id_to_token_.resize(static_cast<size_t>(i) + 1);
+      id_to_token_[i] = token;
+    }
+    if (auto unk = model.value("unk_token", json()); !unk.is_null()) {
+      auto it = vocab_.find(unk.get<std::string>());
+      if (it == vocab_.end()) fail(path_, ": unk_token ", quote(unk.get<std::string>()), " is not in the vocabulary");
+      unk_id_ = it->second;
+    }
+    int32_t rank = 0;
+    for (const auto& m : model.at("merges")) {
+      std::string left, right;
+      if (m.is_string()) {
+        auto s = m.get<std::string>();
+        auto space = s.find(' ');
+        if (space == std::string::npos) fail(path_, ": merge ", quote(s), " is not \"left right\"");
+        left = s.substr(0, space), right = s.substr(space + 1);
+      } else {
+        left = m.at(0).get<std::string>(), right = m.at(1).get<std::string>();
+      }
+      auto l = vocab_.find(left), r = vocab_.find(right), merged = vocab_.find(left + right);
+      if (l == vocab_.end() || r == vocab_.end() || merged == vocab_.end())
+        fail(path_, ": merge ", quote(left + " " + right), " (rank ", rank, ") uses a token missing from the vocabulary");
+      merges_.emplace(pair_key(l->second, r->second), std::make_pair(rank, merged->second));
+      ++rank;
+    }
+  }
+
+  void load_pre_tokenizer(const json& pre) {
+    if (pre.is_null()) return;
+    std::string type = pre.at("type").get<std::string>();
+    if (type == "Sequence") {
+      for (const auto& p : pre.at("pretokenizers")) load_pre_tokenizer(p);
+    } else if (type == "ByteLevel") {
+      PreStep step;
+      step.kind = PreStep::Kind::ByteLevel;
+      step.add_prefix_space = pre.value("add_prefix_space", false);
+      if (pre.value("use_regex", true)) step.regex = std::make_unique<RegexSplitter>(kGpt2Pattern, path_);
+      byte_level_ = true;
+      pre_.push_back(std::move(step));
+    } else if (type == "Split") {
+      PreStep step;
+      step.kind = PreStep::Kind::Split;
+      const auto& pattern = pre.at("pattern");
+      std::string regex;
+      if (pattern.contains("Regex")) {
+        regex = pattern["Regex"].get<std::string>();
+      } else {
+        for (char c : pattern.at("String").get<std::string>()) {
+          if (std::strchr("\\^$.|?*+()[]{}", c)) regex.push_back('\\');
+          regex.push_back(c);
+        }
+      }
+      if (pre.value("invert", false)) fail(path_, ": Split pre-tokenizer with invert = true is not supported yet");
+      std::string behavior = pre.value("behavior", "Isolated");
+      if (behavior != "Isolated" && behavior != "Removed")
+        fail(path_, ": Split behavior ", quote(behavior), " is not supported yet (Isolated, Removed)");
+      step.remove_matches = behavior == "Removed";
+      step.regex = std::make_unique<RegexSplitter>(regex, path_);
+      pre_.push_back(std::move(step));
+    } else {
+      fail(path_, ": pre_tokenizer ", quote(type), " is not supported yet (ByteLevel, Split, Sequence)");
+    }
+  }
+
+  void load_decoder(const json& dec) {
+    if (dec.is_null()) return;
+    std::string type = dec.at("type").get<std::string>();
+    if (type == "Sequence") {
+      for (const auto& d : dec.at("decoders")) load_decoder(d);
+    } else if (type == "ByteLevel") {
+      decoder_byte_level_ = true;
+    } else if (type != "ByteFallback") {
+      fail(path_, ": decoder ", quote(type), " is not supported yet (ByteLevel)");
+    }
+  }
+
+  void load_post_processor(const json& post) {
+    if (post.is_null()) return;
+    std::string type = post.at("type").get<std::string>();
+    if (type == "Sequence") {
+      for (const auto& p : post.at("processors")) load_post_processor(p);
+    } else if (type == "TemplateProcessing") {
+      bool after = false;
+      for (const auto& item : post.at("single")) {
+        if (item.contains("Sequence")) {
+          after = true;
+          continue;
+        }
+        std::string name = item.at("SpecialToken").at("id").get<std::string>();
+        for (const auto& id : post.at("special_tokens").at(name).at("ids")) (after ? suffix_ : prefix_).push_back(id.get<int32_t>());
+      }
+    } else if (type != "ByteLevel") {
+      fail(path_, ": post_processor ", quote(type), " is not supported yet (TemplateProcessing, ByteLevel)");
+    }
+  }
+
+  static uint64_t pair_key(int32_t a, int32_t b) { return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b); }
+
+  void register_added(const AddedToken& a) {
+    for (auto& existing : added_)
+      if (existing.content == a.content) return;
+    added_.push_back(a);
+    added_by_id_[a.id] = a;
+    std::sort(added_.begin(), added_.end(), [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
+  }
+
+  // HF's rule for a new special token: reuse an existing id, else the next id after the model and added vocab.
+  int32_t add_special_token(const std::string& content) {
+    if (auto id = token_to_id(content)) {
+      register_added(AddedToken{content, *id});
+      return *id;
+    }
+    int32_t model_size = static_cast<int32_t>(id_to_token_.size());
+    int32_t max_added = -1;
+    for (const auto& a : added_) max_added = std::max(max_added, a.id);
+    int32_t id = max_added >= model_size ? max_added + 1 : model_size;
+    register_added(AddedToken{content, id});
+    return id;
+  }
+
+  void apply_tokenizer_config(const std::string& config_path) {
+    json config;
+    try {
+      std::ifstream in(config_path);
+      config = json::parse(in);
+    } catch (const json::exception& e) {
+      fail(config_path, ": not valid JSON: ", e.what());
+    }
+    auto token_name = [&](const char* key) -> std::optional<std::string> {
+      if (!config.contains(key) || config[key].is_null()) return std::nullopt;
+      const auto& v = config[key];
+      if (v.is_string()) return v.get<std::string>();
+      if (v.is_object() && v.contains("content")) return v["content"].get<std::string>();
+      fail(config_path, ": ", key, " must be a string or {\"content\": ...}");
+    };
+    auto bos = token_name("bos_token"), eos = token_name("eos_token");
+    // The same order torchtitan uses: the standard keys, then added_tokens_decoder, all added as special tokens.
+    for (const char* key : {"bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"})
+      if (auto name = token_name(key)) add_special_token(*name);
+    if (config.contains("added_tokens_decoder"))
+      for (const auto& [id, entry] : config["added_tokens_decoder"].items())
+        if (entry.is_object() && entry.contains("content")) add_special_token(entry["content"].get<std::string>());
+    if (bos) bos_id_ = token_to_id(*bos);
+    if (eos) eos_id_ = token_to_id(*eos);
+  }
+
+  void infer_bos_eos_by_name() {
+    for (const char* n : {"<|begin_of_text|>", "<s>", "<|startoftext|>"})
+      if (!bos_id_) bos_id_ = token_to_id(n);
+    for (const char* n : {"<|end_of_text|>", "</s>", "<|endoftext|>"})
+      if (!eos_id_) eos_id_ = token_to_id(n);
+  }
+
+  const AddedToken* match_added(std::string_view text, size_t pos, size_t plain_start, size_t& begin, size_t& end) const {
+    for (const AddedToken* candidate : added_by_first_byte_[static_cast<unsigned char>(text[pos])]) {  // longest first
+      const AddedToken& a = *candidate;
+      if (text.compare(pos, a.content.size(), a.content) != 0) continue;
+      begin = pos;
+      end = pos + a.content.size();
+      if (a.single_word) {
+        auto word = [&](size_t i) { return std::isalnum(static_cast<unsigned char>(text[i])) || text[i] == '_'; };
+        if ((begin > 0 && word(begin - 1)) || (end < text.size() && word(end))) continue;
+      }
+      size_t len;
+      if (a.lstrip)
+        while (begin > plain_start && is_space_char(text, begin - 1, len)) --begin;
+      if (a.rstrip)
+        while (end < text.size() && is_space_char(text, end, len)) ++end;
+      return &a;
+    }
+    return nullptr;
+  }
+
+  void encode_plain(std::string_view text, std::vector<int32_t>& ids) const {
+    if (text.empty()) return;
+    std::vector<std::string> pieces{std::string(text)};
+    for (const auto& step : pre_) {
+      std::vector<std::string> next;
+      for (auto& piece : pieces) {
+        std::string source = piece;
+        if (step.kind == PreStep::Kind::ByteLevel && step.add_prefix_space && !starts_with(source, " ")) source = " " + source;
+        if (!step.regex) {
+          next.push_back(source);
+          continue;
+        }
+        step.regex->split(source, [&](std::string_view part, bool matched) {
+          if (!(matched && step.remove_matches)) next.emplace_back(part);
+        });
+      }
+      pieces = std::move(next);
+    }
+    for (const auto& piece : pieces) encode_word(byte_level_ ? bytes_to_chars(piece) : piece, ids);
+  }
+
+  void encode_word(const std::string& word, std::vector<int32_t>& ids) const {
+    if (word.empty()) return;
+    if (ignore_merges_)
+      if (auto it = vocab_.find(word); it != vocab_.end()) {
+        ids.push_back(it->second);
+        return;
+      }
+    std::vector<std::pair<uint32_t, int32_t>> starts;
+    bool last_unk = false;
+    size_t pos = 0;
+    while (pos < word.size()) {
+      size_t n = std::max<size_t>(1, utf8_sequence_length(word, pos));
+      std::string_view ch(word.data() + pos, n);
+      if (auto it = vocab_.find(ch); it != vocab_.end()) {
+        starts.emplace_back(static_cast<uint32_t>(pos), it->second);
+        last_unk = false;
+      } else if (byte_fallback_) {
+        for (size_t b = 0; b < n; ++b) {
+          auto fb = vocab_.find(strprintf("<0x%02X>", static_cast<unsigned char>(word[pos + b])));
+          if (fb != vocab_.end()) starts.emplace_back(static_cast<uint32_t>(pos + b), fb->second);
+          else if (unk_id_) starts.emplace_back(static_cast<uint32_t>(pos + b), *unk_id_);
+        }
+      } else if (unk_id_) {
+        if (!(fuse_unk_ && last_unk)) starts.emplace_back(static_cast<uint32_t>(pos), *unk_id_);
+        last_unk = true;
+      }
+      pos += n;
+    }
+    auto symbols = make_symbols(starts, static_cast<uint32_t>(word.size()));
+    bpe_merge(symbols, [&](const Symbol& l, const Symbol& r) -> std::pair<int32_t, int32_t> {
+      auto it = merges_.find(pair_key(l.id, r.id));
+      if (it == merges_.end()) return {-1, -1};
+      return it->second;
+    });
+    for_each_symbol(symbols, [&](const Symbol& s) { ids.push_back(s.id); });
+  }
+
+  std::string path_;
+  VocabMap vocab_;
+  std::vector<std::string> id_to_token_;
+  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges_;
+  bool ignore_merges_ = false, byte_fallback_ = false, fuse_unk_ = false;
+  std::optional<int32_t> unk_id_;
+  std::vector<PreStep> pre_;
+  bool byte_level_ = false, decoder_byte_level_ = false;
+  std::vector<AddedToken> added_;  // longest content first
+  std::array<std::vector<const AddedToken*>, 256> added_by_first_byte_;
+  std::map<int32_t, AddedToken> added_by_id_;
+  std::vector<int32_t> prefix_, suffix_;
+};
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_hf_json(const std::string& json_path) { return std::make_unique<HfTokenizer>(json_path); }
+
+}  // namespace titan::tokenizer

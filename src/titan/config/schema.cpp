@@ -1,0 +1,335 @@
+#include "titan/config/schema.h"
+
+#include <set>
+
+#include "titan/common/strings.h"
+
+namespace titan::config {
+namespace {
+
+struct Builder {
+  std::vector<KeySpec> keys;
+  std::string section;
+
+  Builder& in(std::string s) {
+    section = std::move(s);
+    return *this;
+  }
+  KeySpec& add(std::string name, ValuePtr value, std::string doc) {
+    keys.push_back(KeySpec{section, std::move(name), value, std::move(doc), {}, {}, {}, false, {}});
+    return keys.back();
+  }
+};
+
+KeySpec& choices(KeySpec& k, std::vector<std::string> c) {
+  k.choices = std::move(c);
+  return k;
+}
+KeySpec& at_least(KeySpec& k, double v) {
+  k.min = v;
+  return k;
+}
+KeySpec& positive(KeySpec& k) {
+  k.min = 0;
+  k.min_exclusive = true;
+  return k;
+}
+KeySpec& between(KeySpec& k, double lo, double hi) {
+  k.min = lo;
+  k.max = hi;
+  return k;
+}
+
+std::string number_string(double v) {
+  std::string s = strprintf("%.10g", v);
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::string list_string(const StringList& list) {
+  std::vector<std::string> quoted_items;
+  for (const auto& s : list) quoted_items.push_back(quote(s));
+  return "[" + join(quoted_items, ", ") + "]";
+}
+
+}  // namespace
+
+std::string KeySpec::type_name() const {
+  struct Visitor {
+    std::string operator()(bool*) const { return "bool"; }
+    std::string operator()(int64_t*) const { return "int"; }
+    std::string operator()(double*) const { return "float"; }
+    std::string operator()(std::string*) const { return "str"; }
+    std::string operator()(std::optional<std::string>*) const { return "str | None"; }
+    std::string operator()(std::optional<int64_t>*) const { return "int | None"; }
+    std::string operator()(std::optional<double>*) const { return "float | None"; }
+    std::string operator()(StringList*) const { return "list[str]"; }
+    std::string operator()(std::optional<std::vector<StringList>>*) const { return "list[list[str]] | None"; }
+  };
+  return std::visit(Visitor{}, value);
+}
+
+std::string KeySpec::value_string() const {
+  struct Visitor {
+    std::string operator()(bool* v) const { return *v ? "true" : "false"; }
+    std::string operator()(int64_t* v) const { return std::to_string(*v); }
+    std::string operator()(double* v) const { return number_string(*v); }
+    std::string operator()(std::string* v) const { return quote(*v); }
+    std::string operator()(std::optional<std::string>* v) const { return *v ? quote(**v) : "None"; }
+    std::string operator()(std::optional<int64_t>* v) const { return *v ? std::to_string(**v) : "None"; }
+    std::string operator()(std::optional<double>* v) const { return *v ? number_string(**v) : "None"; }
+    std::string operator()(StringList* v) const { return list_string(*v); }
+    std::string operator()(std::optional<std::vector<StringList>>* v) const {
+      if (!*v) return "None";
+      std::vector<std::string> inner;
+      for (const auto& l : **v) inner.push_back(list_string(l));
+      return "[" + join(inner, ", ") + "]";
+    }
+  };
+  return std::visit(Visitor{}, value);
+}
+
+std::vector<KeySpec> describe(JobConfig& c) {
+  Builder b;
+
+  auto add_dataloader = [&b](const char* section, DataLoader* dl) {
+    b.in(section);
+    at_least(b.add("num_workers", &dl->num_workers, "background data workers"), 0);
+    b.add("persistent_workers", &dl->persistent_workers, "keep workers alive between epochs");
+    b.add("pin_memory", &dl->pin_memory, "put batches in pinned host memory before the device copy");
+    at_least(b.add("prefetch_factor", &dl->prefetch_factor, "batches each worker loads ahead"), 1);
+  };
+
+  b.in("job");
+  b.add("config_file", &c.job.config_file, "TOML file to read the job config from");
+  b.add("dump_folder", &c.job.dump_folder, "folder for all job outputs (checkpoints, traces, tokenizer caches)");
+  b.add("description", &c.job.description, "free-text description of the job, printed at start");
+  b.add("print_config", &c.job.print_config, "print the resolved config as JSON at start");
+  b.add("save_config_file", &c.job.save_config_file, "file name under dump_folder to save the resolved config as JSON");
+  b.add("custom_config_module", &c.job.custom_config_module, "torchtitan Python config extension (accepted, unused by titan.cpp)");
+
+  b.in("profiling");
+  b.add("enable_profiling", &c.profiling.enable_profiling, "record profiler traces");
+  b.add("save_traces_folder", &c.profiling.save_traces_folder, "folder under dump_folder for profiler traces");
+  at_least(b.add("profile_freq", &c.profiling.profile_freq, "steps between profiler trace captures"), 1);
+  at_least(b.add("profiler_active", &c.profiling.profiler_active, "steps the profiler records in each cycle"), 1);
+  at_least(b.add("profiler_warmup", &c.profiling.profiler_warmup, "warm-up steps before each recorded profiler cycle"), 0);
+  b.add("enable_memory_snapshot", &c.profiling.enable_memory_snapshot, "dump allocator memory snapshots");
+  b.add("save_memory_snapshot_folder", &c.profiling.save_memory_snapshot_folder, "folder under dump_folder for memory snapshots");
+
+  b.in("metrics");
+  at_least(b.add("log_freq", &c.metrics.log_freq, "steps between metric log lines (step 1 is always logged)"), 1);
+  b.add("enable_tensorboard", &c.metrics.enable_tensorboard, "write TensorBoard event files");
+  b.add("disable_color_printing", &c.metrics.disable_color_printing, "print log lines without ANSI colors");
+  b.add("save_tb_folder", &c.metrics.save_tb_folder, "folder under dump_folder for TensorBoard files");
+  b.add("save_for_all_ranks", &c.metrics.save_for_all_ranks, "write metrics files on every rank, not only rank 0");
+  b.add("enable_wandb", &c.metrics.enable_wandb, "log metrics to Weights & Biases");
+
+  b.in("model");
+  b.add("name", &c.model.name, "model family to train");
+  b.add("flavor", &c.model.flavor, "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B, ...)");
+  b.add("hf_assets_path", &c.model.hf_assets_path,
+        "directory with tokenizer.json or tokenizer.model (or a tokenizer file); \"builtin\" trains a small BPE on the built-in corpus");
+  b.add("tokenizer_path", &c.model.tokenizer_path, "deprecated alias of hf_assets_path");
+  b.add("converters", &c.model.converters, "model converters to apply, comma-separated (e.g. float8)");
+  b.add("print_after_conversion", &c.model.print_after_conversion, "print the model structure after converters ran");
+
+  b.in("optimizer");
+  choices(b.add("name", &c.optimizer.name, "optimizer"), {"AdamW", "Adam"});
+  positive(b.add("lr", &c.optimizer.lr, "peak learning rate"));
+  between(b.add("beta1", &c.optimizer.beta1, "Adam first-moment decay"), 0, 1);
+  between(b.add("beta2", &c.optimizer.beta2, "Adam second-moment decay"), 0, 1);
+  positive(b.add("eps", &c.optimizer.eps, "Adam denominator epsilon"));
+  at_least(b.add("weight_decay", &c.optimizer.weight_decay, "decoupled weight decay"), 0);
+  choices(b.add("implementation", &c.optimizer.implementation, "optimizer kernels: fused, foreach or for-loop"),
+          {"fused", "foreach", "for-loop"});
+  b.add("early_step_in_backward", &c.optimizer.early_step_in_backward, "step the optimizer per parameter during backward");
+
+  b.in("lr_scheduler");
+  at_least(b.add("warmup_steps", &c.lr_scheduler.warmup_steps, "steps of linear warm-up ((step+1)/warmup_steps)"), 0);
+  at_least(b.add("total_steps", &c.lr_scheduler.total_steps, "steps the schedule spans (default: training.steps)"), 1);
+  between(b.add("decay_ratio", &c.lr_scheduler.decay_ratio, "share of steps spent decaying; the rest after warm-up is stable (WSD)"), 0, 1);
+  choices(b.add("decay_type", &c.lr_scheduler.decay_type, "decay curve: linear, sqrt or cosine"), {"linear", "sqrt", "cosine"});
+  between(b.add("min_lr_factor", &c.lr_scheduler.min_lr_factor, "final learning rate as a fraction of optimizer.lr"), 0, 1);
+
+  b.in("training");
+  b.add("dataset", &c.training.dataset, "dataset name; \"fortunes\" is the built-in corpus");
+  b.add("dataset_path", &c.training.dataset_path, "a .txt or .jsonl file, or a directory of them; overrides the dataset's location");
+  at_least(b.add("local_batch_size", &c.training.local_batch_size, "sequences per device per micro-batch"), 1);
+  b.add("global_batch_size", &c.training.global_batch_size,
+        "sequences per optimizer step over all ranks; -1 means local_batch_size x data-parallel degree")
+      .also_allowed = {-1};
+  b.keys.back().min = 1;
+  at_least(b.add("seq_len", &c.training.seq_len, "tokens per sequence"), 1);
+  positive(b.add("max_norm", &c.training.max_norm, "gradient clipping threshold on the total L2 norm"));
+  at_least(b.add("steps", &c.training.steps, "optimizer steps to run"), 1);
+  b.add("enable_cpu_offload", &c.training.enable_cpu_offload, "keep FSDP parameters, gradients and optimizer state on the CPU");
+  choices(b.add("dtype", &c.training.dtype, "dtype of parameters, gradients and optimizer state"), {"float32", "bfloat16"});
+  choices(b.add("mixed_precision_param", &c.training.mixed_precision_param,
+                "compute dtype under mixed precision (autocast on one device or DDP, FSDP's param dtype)"),
+          {"bfloat16", "float32"});
+  choices(b.add("mixed_precision_reduce", &c.training.mixed_precision_reduce, "dtype of FSDP gradient reductions"), {"float32"});
+  at_least(b.add("gc_freq", &c.training.gc_freq, "Python GC interval in torchtitan (accepted, no effect here)"), 1);
+  b.add("gc_debug", &c.training.gc_debug, "Python GC debugging in torchtitan (accepted, no effect here)");
+  add_dataloader("training.dataloader", &c.training.dataloader);
+
+  b.in("parallelism");
+  at_least(b.add("data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree,
+                 "replicas of the weights (DDP, or HSDP with sharding)"), 1);
+  b.add("data_parallel_shard_degree", &c.parallelism.data_parallel_shard_degree,
+        "ranks the weights are sharded over (FSDP); -1 takes the ranks left over")
+      .also_allowed = {-1};
+  b.keys.back().min = 1;
+  choices(b.add("fsdp_reshard_after_forward", &c.parallelism.fsdp_reshard_after_forward,
+                "free gathered parameters after forward: default, always or never"),
+          {"default", "always", "never"});
+  at_least(b.add("tensor_parallel_degree", &c.parallelism.tensor_parallel_degree, "tensor-parallel degree"), 1);
+  b.add("disable_loss_parallel", &c.parallelism.disable_loss_parallel, "compute the loss on gathered logits under TP");
+  b.add("enable_async_tensor_parallel", &c.parallelism.enable_async_tensor_parallel, "overlap TP communication with matmuls");
+  at_least(b.add("pipeline_parallel_degree", &c.parallelism.pipeline_parallel_degree, "pipeline stages' ranks"), 1);
+  b.add("module_fqns_per_model_part", &c.parallelism.module_fqns_per_model_part, "explicit module names of each pipeline stage");
+  at_least(b.add("pipeline_parallel_first_stage_less_layers", &c.parallelism.pipeline_parallel_first_stage_less_layers,
+                 "layers fewer on the first stage (it holds the embedding)"), 0);
+  at_least(b.add("pipeline_parallel_last_stage_less_layers", &c.parallelism.pipeline_parallel_last_stage_less_layers,
+                 "layers fewer on the last stage (it holds the output)"), 0);
+  at_least(b.add("pipeline_parallel_layers_per_stage", &c.parallelism.pipeline_parallel_layers_per_stage,
+                 "layers per virtual pipeline stage"), 1);
+  b.add("pipeline_parallel_schedule", &c.parallelism.pipeline_parallel_schedule, "pipeline schedule (1F1B, Interleaved1F1B, GPipe, ...)");
+  b.add("pipeline_parallel_schedule_csv", &c.parallelism.pipeline_parallel_schedule_csv, "CSV file describing a custom pipeline schedule");
+  at_least(b.add("pipeline_parallel_microbatch_size", &c.parallelism.pipeline_parallel_microbatch_size,
+                 "sequences per pipeline micro-batch"), 1);
+  b.add("pipeline_parallel_expert_parallel_overlap", &c.parallelism.pipeline_parallel_expert_parallel_overlap,
+        "overlap EP and PP communication (MoE only)");
+  at_least(b.add("context_parallel_degree", &c.parallelism.context_parallel_degree, "context-parallel degree"), 1);
+  b.add("context_parallel_load_balancer", &c.parallelism.context_parallel_load_balancer, "CP load balancer: headtail, ptrr or None");
+  choices(b.add("context_parallel_rotate_method", &c.parallelism.context_parallel_rotate_method,
+                "CP key/value exchange: allgather or alltoall"),
+          {"allgather", "alltoall"});
+  at_least(b.add("expert_parallel_degree", &c.parallelism.expert_parallel_degree, "expert-parallel degree (MoE only)"), 1);
+  at_least(b.add("expert_tensor_parallel_degree", &c.parallelism.expert_tensor_parallel_degree, "TP degree inside experts (MoE only)"), 1);
+  choices(b.add("expert_parallel_comm_backend", &c.parallelism.expert_parallel_comm_backend, "EP all-to-all backend"),
+          {"standard", "deepep"});
+
+  b.in("checkpoint");
+  b.add("enable", &c.checkpoint.enable, "save and resume checkpoints");
+  b.add("enable_ft_dataloader_checkpoints", &c.checkpoint.enable_ft_dataloader_checkpoints, "checkpoint dataloader state under fault tolerance");
+  b.add("folder", &c.checkpoint.folder, "checkpoint folder under dump_folder");
+  at_least(b.add("interval", &c.checkpoint.interval, "steps between checkpoints"), 1);
+  b.add("initial_load_path", &c.checkpoint.initial_load_path, "checkpoint to start from when the run's folder is empty");
+  b.add("initial_load_model_only", &c.checkpoint.initial_load_model_only, "load only the model from initial_load_path");
+  b.add("initial_load_in_hf", &c.checkpoint.initial_load_in_hf, "initial_load_path is a Hugging Face safetensors model");
+  b.add("initial_load_in_hf_quantized", &c.checkpoint.initial_load_in_hf_quantized, "the HF initial checkpoint has quantized weights");
+  b.add("last_save_model_only", &c.checkpoint.last_save_model_only, "the final save holds only the model");
+  b.add("last_save_in_hf", &c.checkpoint.last_save_in_hf, "write the final save as Hugging Face safetensors");
+  choices(b.add("export_dtype", &c.checkpoint.export_dtype, "dtype of a model-only final save"), {"float16", "bfloat16", "float32"});
+  choices(b.add("async_mode", &c.checkpoint.async_mode, "checkpoint writing: disabled (synchronous), async or async_with_pinned_mem"),
+          {"disabled", "async", "async_with_pinned_mem"});
+  b.add("keep_latest_k", &c.checkpoint.keep_latest_k, "checkpoints to keep (0 keeps all; 1 is not allowed)").also_allowed = {0};
+  b.keys.back().min = 2;
+  b.add("load_step", &c.checkpoint.load_step, "step to resume from; -1 means the latest complete one").also_allowed = {-1};
+  b.keys.back().min = 0;
+  b.add("exclude_from_loading", &c.checkpoint.exclude_from_loading, "state parts not to load, comma-separated (optimizer,lr_scheduler,dataloader)");
+  b.add("enable_first_step_checkpoint", &c.checkpoint.enable_first_step_checkpoint, "save right after step 1");
+  b.add("create_seed_checkpoint", &c.checkpoint.create_seed_checkpoint, "write an initial checkpoint of the unsharded model and exit");
+  b.add("load_only", &c.checkpoint.load_only, "load checkpoints but never save");
+
+  b.in("activation_checkpoint");
+  choices(b.add("mode", &c.activation_checkpoint.mode, "activation checkpointing: none, selective, full or memory_budget"),
+          {"selective", "full", "memory_budget", "none"});
+  b.add("selective_ac_option", &c.activation_checkpoint.selective_ac_option,
+        "selective mode: an integer N checkpoints every N-th block, \"op\" recomputes cheap ops only");
+  b.add("per_op_sac_force_recompute_mm_shapes_by_fqns", &c.activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns,
+        "modules whose matmuls op-level AC always recomputes");
+  b.add("early_stop", &c.activation_checkpoint.early_stop, "stop recomputation once all needed tensors exist");
+  between(b.add("memory_budget", &c.activation_checkpoint.memory_budget, "memory_budget mode's compute/memory trade-off"), 0, 1);
+  b.add("visualize_memory_budget_pareto", &c.activation_checkpoint.visualize_memory_budget_pareto, "plot the memory budget trade-off");
+  b.add("preserve_rng_state", &c.activation_checkpoint.preserve_rng_state, "replay RNG state during recomputation");
+  b.add("determinism_check", &c.activation_checkpoint.determinism_check, "recomputation determinism check");
+  b.add("debug", &c.activation_checkpoint.debug, "log activation checkpointing details");
+
+  b.in("compile");
+  b.add("enable", &c.compile.enable, "compile the model and loss (torch.compile)");
+  b.add("components", &c.compile.components, "what to compile: model, loss");
+  b.add("backend", &c.compile.backend, "compiler backend");
+
+  b.in("quantize.linear.float8");
+  b.add("enable_fsdp_float8_all_gather", &c.quantize.linear.float8.enable_fsdp_float8_all_gather, "all-gather float8 weights under FSDP");
+  b.add("precompute_float8_dynamic_scale_for_fsdp", &c.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp,
+        "precompute float8 scales for FSDP");
+  b.add("recipe_name", &c.quantize.linear.float8.recipe_name, "float8 recipe: tensorwise, rowwise or rowwise_with_gw_hp");
+  b.add("filter_fqns", &c.quantize.linear.float8.filter_fqns, "linear layers to keep in high precision");
+  b.add("emulate", &c.quantize.linear.float8.emulate, "emulate float8 matmuls (testing)");
+
+  b.in("quantize.linear.mx");
+  choices(b.add("mxfp8_dim1_cast_kernel_choice", &c.quantize.linear.mx.mxfp8_dim1_cast_kernel_choice, "MX cast kernel"),
+          {"triton", "cuda", "torch"});
+  b.add("recipe_name", &c.quantize.linear.mx.recipe_name, "MX recipe");
+  b.add("filter_fqns", &c.quantize.linear.mx.filter_fqns, "linear layers to keep in high precision");
+
+  b.in("quantize.grouped_mm.float8");
+  b.add("fqns", &c.quantize.grouped_mm.float8.fqns, "MoE layers with float8 grouped matmuls");
+
+  b.in("quantize.grouped_mm.mx");
+  choices(b.add("recipe_name", &c.quantize.grouped_mm.mx.recipe_name, "MX grouped-matmul recipe"), {"mxfp8"});
+  b.add("fqns", &c.quantize.grouped_mm.mx.fqns, "MoE layers with MX grouped matmuls");
+
+  b.in("comm");
+  positive(b.add("init_timeout_seconds", &c.comm.init_timeout_seconds, "collective timeout during start-up and the first step"));
+  positive(b.add("train_timeout_seconds", &c.comm.train_timeout_seconds, "collective timeout after the first step"));
+  at_least(b.add("trace_buf_size", &c.comm.trace_buf_size, "flight-recorder entries (0 disables)"), 0);
+  b.add("save_traces_folder", &c.comm.save_traces_folder, "flight-recorder dump folder");
+  b.add("save_traces_file_prefix", &c.comm.save_traces_file_prefix, "flight-recorder file prefix");
+  choices(b.add("mode", &c.comm.mode, "communication mode: default, fake_backend or local_tensor"),
+          {"default", "fake_backend", "local_tensor"});
+
+  b.in("memory_estimation");
+  b.add("enable", &c.memory_estimation.enable, "estimate FSDP memory use before training");
+  b.add("disable_fake_mode", &c.memory_estimation.disable_fake_mode, "estimate with real tensors");
+
+  b.in("fault_tolerance");
+  b.add("enable", &c.fault_tolerance.enable, "fault-tolerant training (TorchFT)");
+  choices(b.add("process_group", &c.fault_tolerance.process_group, "fault-tolerance process group"), {"gloo", "nccl"});
+  positive(b.add("process_group_timeout_ms", &c.fault_tolerance.process_group_timeout_ms, "fault-tolerance timeout"));
+  at_least(b.add("replica_id", &c.fault_tolerance.replica_id, "this replica's id"), 0);
+  at_least(b.add("group_size", &c.fault_tolerance.group_size, "number of replica groups"), 0);
+  at_least(b.add("min_replica_size", &c.fault_tolerance.min_replica_size, "minimum replicas per step"), 1);
+  b.add("semi_sync_method", &c.fault_tolerance.semi_sync_method, "semi-synchronous method: local_sgd or diloco");
+
+  b.in("experimental");
+  b.add("custom_import", &c.experimental.custom_import, "torchtitan Python module import (accepted, unused by titan.cpp)");
+  b.add("custom_args_module", &c.experimental.custom_args_module, "deprecated alias of job.custom_config_module");
+
+  b.in("validation");
+  b.add("enable", &c.validation.enable, "run validation during training");
+  b.add("dataset", &c.validation.dataset, "validation dataset name");
+  b.add("dataset_path", &c.validation.dataset_path, "validation data file or directory");
+  at_least(b.add("local_batch_size", &c.validation.local_batch_size, "validation sequences per device"), 1);
+  at_least(b.add("seq_len", &c.validation.seq_len, "validation sequence length"), 1);
+  at_least(b.add("freq", &c.validation.freq, "steps between validations"), 1);
+  b.add("steps", &c.validation.steps, "validation batches per run; -1 consumes the whole set").also_allowed = {-1};
+  b.keys.back().min = 1;
+  add_dataloader("validation.dataloader", &c.validation.dataloader);
+
+  b.in("debug");
+  b.add("seed", &c.debug.seed, "base random seed (None: a fresh seed each run)");
+  b.add("deterministic", &c.debug.deterministic, "use deterministic kernels only (may be slower)");
+  b.add("deterministic_warn_only", &c.debug.deterministic_warn_only, "warn instead of failing on non-deterministic kernels");
+  b.add("moe_force_load_balance", &c.debug.moe_force_load_balance, "round-robin tokens over experts (MoE debugging)");
+
+  return std::move(b.keys);
+}
+
+std::vector<std::string> section_names() {
+  JobConfig scratch;
+  std::set<std::string> names;
+  for (const auto& key : describe(scratch)) {
+    std::string path;
+    for (const auto& part : split(key.section, '.')) {
+      path = path.empty() ? part : path + "." + part;
+      names.insert(path);
+    }
+  }
+  return {names.begin(), names.end()};
+}
+
+}  // namespace titan::config

@@ -1,0 +1,154 @@
+#include "titan/distributed/activation_checkpoint.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "titan/common/error.h"
+#include "titan/models/llama3/model.h"
+
+namespace titan::distributed {
+namespace {
+
+// Autocast is thread-local and usually off by the time backward runs, so the recomputation must re-enter the
+// state the forward ran under, or it would compute in a different precision.
+struct AutocastState {
+  bool cpu_enabled = false, cuda_enabled = false;
+  at::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
+
+  static AutocastState current() {
+    AutocastState s;
+    s.cpu_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+    s.cuda_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
+    s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
+    s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+    return s;
+  }
+  void apply() const {
+    at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
+    at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
+    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
+    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
+  }
+};
+
+struct Closure : torch::CustomClassHolder {
+  nn::Unit::Next next;
+  nn::Context context;
+  std::vector<at::Tensor> parameters;
+  AutocastState autocast;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs, at::TensorList parameters,
+                            c10::intrusive_ptr<Closure> closure) {
+    at::Tensor output;
+    {
+      at::NoGradGuard no_grad;
+      output = closure->next(inputs.vec(), closure->context);
+    }
+    ctx->save_for_backward(inputs.vec());
+    ctx->saved_data["closure"] = c10::IValue::make_capsule(closure);
+    ctx->saved_data["num_parameters"] = static_cast<int64_t>(parameters.size());
+    return output;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto closure = c10::static_intrusive_pointer_cast<Closure>(ctx->saved_data["closure"].toCapsule());
+    auto saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> inputs;
+    for (const auto& t : saved) inputs.push_back(t.detach().requires_grad_(t.requires_grad()));
+
+    at::Tensor output;
+    {
+      at::AutoGradMode grad_mode(true);
+      AutocastState outer = AutocastState::current();
+      closure->autocast.apply();
+      try {
+        output = closure->next(inputs, closure->context);
+      } catch (...) {
+        outer.apply();
+        throw;
+      }
+      outer.apply();
+    }
+
+    std::vector<at::Tensor> wrt;
+    std::vector<int64_t> slot;  // position in the returned gradient list
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].requires_grad()) wrt.push_back(inputs[i]), slot.push_back(static_cast<int64_t>(i));
+    for (size_t i = 0; i < closure->parameters.size(); ++i)
+      if (closure->parameters[i].requires_grad())
+        wrt.push_back(closure->parameters[i]), slot.push_back(static_cast<int64_t>(inputs.size() + i));
+
+    torch::autograd::variable_list result(inputs.size() + closure->parameters.size() + 1);
+    if (!wrt.empty() && output.requires_grad()) {
+      auto grads = torch::autograd::grad({output}, wrt, {grad_outputs[0]}, /*retain_graph=*/false,
+                                         /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t j = 0; j < grads.size(); ++j) result[slot[j]] = grads[j];
+    }
+    return result;
+  }
+};
+
+}  // namespace
+
+at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next,
+                             const std::vector<at::Tensor>& parameters) {
+  if (!at::GradMode::is_enabled()) return next(inputs, context);
+  auto closure = c10::make_intrusive<Closure>();
+  closure->next = next;
+  closure->context = context;
+  closure->parameters = parameters;
+  closure->autocast = AutocastState::current();
+  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(parameters), closure);
+}
+
+void checkpoint_unit(nn::Unit& unit) {
+  nn::Unit* self = &unit;
+  unit.add_wrapper("activation_checkpoint", [self](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                   const nn::Unit::Next& next) {
+    return checkpointed_call(inputs, context, next, self->parameters());
+  });
+}
+
+ActivationCheckpointSummary apply_activation_checkpointing(llama3::Transformer& model,
+                                                           const config::ActivationCheckpoint& ac) {
+  ActivationCheckpointSummary summary;
+  if (ac.mode == "none") {
+    summary.description = "activation checkpointing off";
+    return summary;
+  }
+  if (ac.mode == "memory_budget")
+    fail("activation_checkpoint.mode = \"memory_budget\" needs a graph compiler (torch.compile), which titan.cpp does not "
+         "have; use \"full\" or \"selective\"");
+  if (ac.mode == "full") {
+    for (auto& block : model.layers) checkpoint_unit(*block), ++summary.wrapped_units;
+    summary.description = cat("full activation checkpointing of all ", summary.wrapped_units, " blocks");
+    return summary;
+  }
+  // selective
+  if (ac.selective_ac_option == "op") {
+    for (auto& block : model.layers) {
+      checkpoint_unit(*block->attention_norm);
+      checkpoint_unit(*block->ffn_norm);
+      checkpoint_unit(*block->feed_forward->gate);
+      summary.wrapped_units += 3;
+    }
+    summary.description = "op-level selective activation checkpointing (RMSNorm and SwiGLU gating recomputed)";
+    return summary;
+  }
+  const int64_t every = std::stoll(ac.selective_ac_option);
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    if (every == 0 || (static_cast<int64_t>(i) + 1) % every == 0) {
+      checkpoint_unit(*model.layers[i]);
+      ++summary.wrapped_units;
+    }
+  }
+  summary.description = cat("selective activation checkpointing of every ", every == 0 ? 1 : every, "-th block (",
+                            summary.wrapped_units, " of ", model.layers.size(), ")");
+  return summary;
+}
+
+}  // namespace titan::distributed

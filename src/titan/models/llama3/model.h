@@ -1,0 +1,96 @@
+// The Llama 3 transformer (Meta/torchtitan layout and parameter names), built from nn::Unit blocks.
+// It knows nothing of parallelism or activation checkpointing; those wrap its units from outside.
+#pragma once
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <vector>
+
+#include "titan/models/llama3/args.h"
+#include "titan/nn/unit.h"
+
+namespace titan::llama3 {
+
+// Complex64 (end, head_dim / 2) table of e^{i * position * frequency} with Llama 3.1 frequency scaling.
+at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling);
+// Rotates interleaved (even, odd) pairs of the last dimension of x (batch, seq, heads, head_dim).
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& positions);
+
+class Attention : public nn::Unit {
+ public:
+  explicit Attention(const ModelArgs& args);
+  std::shared_ptr<nn::Linear> wq, wk, wv, wo;
+  void init_weights(double output_std);
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+
+ private:
+  int64_t n_heads_, n_kv_heads_, head_dim_;
+};
+
+class FeedForward : public nn::Unit {
+ public:
+  FeedForward(int64_t dim, int64_t hidden_dim);
+  std::shared_ptr<nn::Linear> w1, w2, w3;
+  std::shared_ptr<nn::SwiGLU> gate;
+  void init_weights(double output_std);
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+};
+
+class TransformerBlock : public nn::Unit {
+ public:
+  TransformerBlock(int64_t layer_id, const ModelArgs& args);
+  std::shared_ptr<Attention> attention;
+  std::shared_ptr<FeedForward> feed_forward;
+  std::shared_ptr<nn::RMSNorm> attention_norm, ffn_norm;
+  void init_weights();
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+
+ private:
+  double weight_init_std_;
+};
+
+// The output projection; with tied embeddings it reads the embedding's weight and owns no parameter.
+class OutputProjection : public nn::Unit {
+ public:
+  OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* tied_weight);
+  at::Tensor& weight() { return tied_ ? *tied_ : own_weight_; }
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+
+ private:
+  at::Tensor own_weight_;
+  at::Tensor* tied_;
+};
+
+class Transformer : public torch::nn::Module {
+ public:
+  explicit Transformer(const ModelArgs& args);
+
+  // tokens: int64 (batch, seq) -> logits (batch, seq, vocab). positions: optional int64 (batch or 1, seq).
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {});
+  // torchtitan's initialisation; draws from the default generator (seed it for reproducibility).
+  void init_weights();
+
+  const ModelArgs& args() const { return args_; }
+  std::shared_ptr<nn::Embedding> tok_embeddings;
+  std::vector<std::shared_ptr<TransformerBlock>> layers;
+  std::shared_ptr<nn::RMSNorm> norm;
+  std::shared_ptr<OutputProjection> output;
+
+  // Moves parameters (and the RoPE table) to a device/dtype; the RoPE table stays complex64.
+  void to_device(const at::Device& device, std::optional<at::ScalarType> dtype = std::nullopt);
+
+ private:
+  ModelArgs args_;
+  at::Tensor rope_;
+};
+
+}  // namespace titan::llama3

@@ -1,0 +1,83 @@
+// Unit: a torch::nn::Module with a uniform forward (tensors + Context) that wrappers can surround from outside
+// (activation checkpointing now, FSDP gathering later) without the model code knowing about them.
+#pragma once
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace titan::nn {
+
+// Per-forward inputs every unit may read: the RoPE table for this sequence length and optional positions.
+struct Context {
+  at::Tensor rope;       // complex64 (seq_len, head_dim / 2)
+  at::Tensor positions;  // undefined, or int64 (batch or 1, seq_len) indices into the RoPE table
+};
+
+class Unit : public torch::nn::Module {
+ public:
+  using Inputs = std::vector<at::Tensor>;
+  using Next = std::function<at::Tensor(const Inputs&, const Context&)>;
+  using Wrapper = std::function<at::Tensor(const Inputs&, const Context&, const Next&)>;
+
+  at::Tensor operator()(const at::Tensor& x, const Context& context) { return call({x}, context); }
+  at::Tensor call(const Inputs& inputs, const Context& context) { return invoke(wrappers_.size(), inputs, context); }
+
+  // Wrappers nest in the order added: the first added runs closest to forward().
+  void add_wrapper(std::string name, Wrapper wrapper);
+  bool has_wrapper(const std::string& name) const;
+  void clear_wrappers() { wrappers_.clear(); }
+
+ protected:
+  virtual at::Tensor forward(const Inputs& inputs, const Context& context) = 0;
+
+ private:
+  at::Tensor invoke(size_t depth, const Inputs& inputs, const Context& context);
+  std::vector<std::pair<std::string, Wrapper>> wrappers_;
+};
+
+// y = x W^T (no bias, as in Llama).
+class Linear : public Unit {
+ public:
+  Linear(int64_t in_features, int64_t out_features);
+  at::Tensor weight;
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const Context& context) override;
+};
+
+class Embedding : public Unit {
+ public:
+  Embedding(int64_t num_embeddings, int64_t dim);
+  at::Tensor weight;
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const Context& context) override;
+};
+
+class RMSNorm : public Unit {
+ public:
+  RMSNorm(int64_t dim, double eps);
+  at::Tensor weight;
+  void reset_parameters();
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const Context& context) override;
+
+ private:
+  int64_t dim_;
+  double eps_;
+};
+
+// silu(gate) * up: the parameter-free part of SwiGLU, a unit of its own so it can be recomputed alone.
+class SwiGLU : public Unit {
+ protected:
+  at::Tensor forward(const Inputs& inputs, const Context& context) override;
+};
+
+// Fills `tensor` from N(mean, std^2) truncated to [low, high] (absolute bounds), sampling in float32.
+void trunc_normal_(at::Tensor& tensor, double mean, double std, double low, double high);
+
+}  // namespace titan::nn
