@@ -3,6 +3,7 @@
 
 #include "titan/cli/commands.h"
 #include "titan/config/loader.h"
+#include "titan/trainer/trainer.h"
 
 namespace titan::cli {
 
@@ -12,7 +13,8 @@ int run_train(const std::vector<std::string>& args) {
     std::cout << config::help_text();
     return 0;
   }
-  return 0;
+  Trainer trainer(std::move(loaded));
+  return trainer.train();
 }
 
 }  // namespace titan::cli

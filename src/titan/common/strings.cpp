@@ -4,6 +4,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <numeric>
+#include <cstdlib>
 
 namespace titan {
 
@@ -92,6 +93,16 @@ std::string with_thousands(long long value) {
   }
   if (value < 0) out.push_back('-');
   return std::string(out.rbegin(), out.rend());
+}
+
+std::string with_thousands(double value, int decimals) {
+  std::string fixed = strprintf("%.*f", decimals, value);
+  size_t dot = fixed.find('.');
+  std::string whole = fixed.substr(0, dot == std::string::npos ? fixed.size() : dot);
+  bool negative = !whole.empty() && whole[0] == '-';
+  std::string out = with_thousands(std::atoll(whole.c_str() + (negative ? 1 : 0)));
+  if (negative) out = "-" + out;
+  return dot == std::string::npos ? out : out + fixed.substr(dot);
 }
 
 std::string strprintf(const char* format, ...) {

@@ -19,6 +19,8 @@ std::string closest_match(std::string_view word, const std::vector<std::string>&
 
 // 1234567 -> "1,234,567" (Python's "{:,}").
 std::string with_thousands(long long value);
+// 1234.5678, 2 -> "1,234.57" (Python's "{:,.2f}").
+std::string with_thousands(double value, int decimals);
 // printf-style formatting into a std::string.
 std::string strprintf(const char* format, ...) __attribute__((format(printf, 1, 2)));
 // JSON-style quoting for messages: "abc" with escapes.

@@ -112,10 +112,15 @@ BpeTrainerStats train_bpe(const std::function<void(const std::function<void(std:
     };
     std::vector<int32_t> affected = std::move(pair_words[k]);
     pair_words.erase(k);
+    std::vector<std::pair<uint64_t, int64_t>> delta;
     for (int32_t wi : affected) {
       auto& s = words[wi].symbols;
       const int64_t n = words[wi].count;
-      for (size_t i = 0; i + 1 < s.size(); ++i) adjust(key(s[i], s[i + 1]), -n, wi);
+      bool found = false;
+      for (size_t i = 0; i + 1 < s.size() && !found; ++i) found = s[i] == left && s[i + 1] == right;
+      if (!found) continue;  // listed when the pair first appeared, merged away since
+      delta.clear();
+      for (size_t i = 0; i + 1 < s.size(); ++i) delta.emplace_back(key(s[i], s[i + 1]), -n);
       std::vector<int32_t> out;
       out.reserve(s.size());
       for (size_t i = 0; i < s.size();) {
@@ -127,7 +132,16 @@ BpeTrainerStats train_bpe(const std::function<void(const std::function<void(std:
         }
       }
       s = std::move(out);
-      for (size_t i = 0; i + 1 < s.size(); ++i) adjust(key(s[i], s[i + 1]), n, wi);
+      for (size_t i = 0; i + 1 < s.size(); ++i) delta.emplace_back(key(s[i], s[i + 1]), n);
+      // Only pairs whose count changed are touched, so untouched neighbours cost nothing.
+      std::sort(delta.begin(), delta.end());
+      for (size_t i = 0; i < delta.size();) {
+        size_t j = i;
+        int64_t sum = 0;
+        for (; j < delta.size() && delta[j].first == delta[i].first; ++j) sum += delta[j].second;
+        if (sum != 0) adjust(delta[i].first, sum, wi);
+        i = j;
+      }
     }
     pair_count.erase(k);
     std::sort(touched.begin(), touched.end());

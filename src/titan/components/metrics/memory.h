@@ -1,0 +1,33 @@
+// Peak memory for the step log line: resident set size on CPU (Linux VmHWM, reset per log window), the caching
+// allocator's peak reservation on CUDA.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <ATen/ATen.h>
+
+namespace titan::metrics {
+
+struct MemoryStats {
+  double peak_gib = 0;
+  double peak_pct = 0;  // of the device's capacity (total RAM on CPU)
+};
+
+class MemoryMonitor {
+ public:
+  explicit MemoryMonitor(const at::Device& device);
+  MemoryStats peak() const;
+  void reset_peak();
+  std::string describe() const;  // "CPU: 23.47GiB memory"
+  double capacity_bytes() const { return capacity_; }
+
+ private:
+  at::Device device_;
+  double capacity_ = 0;
+};
+
+// Current and peak resident set size of this process in bytes (Linux /proc).
+int64_t current_rss_bytes();
+int64_t peak_rss_bytes();
+
+}  // namespace titan::metrics

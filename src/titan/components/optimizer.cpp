@@ -1,0 +1,104 @@
+#include "titan/components/optimizer.h"
+
+#include <cmath>
+
+#include "titan/common/error.h"
+
+namespace titan {
+
+AdamW::AdamW(std::vector<at::Tensor> parameters, const config::Optimizer& c)
+    : params_(std::move(parameters)), lr_(c.lr), beta1_(c.beta1), beta2_(c.beta2), eps_(c.eps),
+      weight_decay_(c.weight_decay), decoupled_(c.name == "AdamW"), implementation_(c.implementation) {}
+
+void AdamW::zero_grad() {
+  for (auto& p : params_) p.mutable_grad() = at::Tensor();
+}
+
+void AdamW::init_state() {
+  state_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (state_[i].exp_avg.defined()) continue;
+    state_[i].step = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(params_[i].device()));
+    state_[i].exp_avg = at::zeros_like(params_[i], at::MemoryFormat::Preserve);
+    state_[i].exp_avg_sq = at::zeros_like(params_[i], at::MemoryFormat::Preserve);
+  }
+}
+
+void AdamW::step() {
+  at::NoGradGuard no_grad;
+  init_state();
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].grad().defined()) continue;
+    params.push_back(params_[i]);
+    grads.push_back(params_[i].grad());
+    exp_avgs.push_back(state_[i].exp_avg);
+    exp_avg_sqs.push_back(state_[i].exp_avg_sq);
+    steps.push_back(state_[i].step);
+  }
+  if (params.empty()) return;
+
+  if (implementation_ == "fused") {
+    at::_foreach_add_(steps, 1);
+    if (decoupled_)
+      at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr_, beta1_, beta2_,
+                        weight_decay_, eps_, /*amsgrad=*/false, /*maximize=*/false);
+    else
+      at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr_, beta1_, beta2_,
+                       weight_decay_, eps_, /*amsgrad=*/false, /*maximize=*/false);
+    return;
+  }
+
+  if (implementation_ == "foreach") {
+    at::_foreach_add_(steps, 1);
+    if (weight_decay_ != 0) {
+      if (decoupled_) at::_foreach_mul_(params, 1 - lr_ * weight_decay_);
+      else grads = at::_foreach_add(grads, params, weight_decay_);
+    }
+    at::_foreach_lerp_(exp_avgs, grads, 1 - beta1_);
+    at::_foreach_mul_(exp_avg_sqs, beta2_);
+    at::_foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2_);
+    std::vector<double> step_sizes, bias2_sqrt;
+    for (auto& s : steps) {
+      const double t = s.item<double>();
+      step_sizes.push_back(-lr_ / (1 - std::pow(beta1_, t)));
+      bias2_sqrt.push_back(std::sqrt(1 - std::pow(beta2_, t)));
+    }
+    auto denom = at::_foreach_sqrt(exp_avg_sqs);
+    at::_foreach_div_(denom, at::ArrayRef<at::Scalar>(std::vector<at::Scalar>(bias2_sqrt.begin(), bias2_sqrt.end())));
+    at::_foreach_add_(denom, eps_);
+    at::_foreach_addcdiv_(params, exp_avgs, denom,
+                          at::ArrayRef<at::Scalar>(std::vector<at::Scalar>(step_sizes.begin(), step_sizes.end())));
+    return;
+  }
+
+  for (size_t i = 0; i < params.size(); ++i) {
+    steps[i].add_(1);
+    const double t = steps[i].item<double>();
+    at::Tensor grad = grads[i];
+    if (weight_decay_ != 0) {
+      if (decoupled_) params[i].mul_(1 - lr_ * weight_decay_);
+      else grad = grad.add(params[i], weight_decay_);
+    }
+    exp_avgs[i].lerp_(grad, 1 - beta1_);
+    exp_avg_sqs[i].mul_(beta2_).addcmul_(grad, grad, 1 - beta2_);
+    const double step_size = lr_ / (1 - std::pow(beta1_, t));
+    at::Tensor denom = (exp_avg_sqs[i].sqrt() / std::sqrt(1 - std::pow(beta2_, t))).add_(eps_);
+    params[i].addcdiv_(exp_avgs[i], denom, -step_size);
+  }
+}
+
+at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return at::zeros({});
+  auto norms = at::_foreach_norm(grads, 2);
+  at::Tensor total = at::linalg_vector_norm(at::stack(norms), 2);
+  at::Tensor coef = at::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  at::_foreach_mul_(grads, coef);
+  return total;
+}
+
+}  // namespace titan

@@ -1,0 +1,45 @@
+// Adam / AdamW over a list of parameters with PyTorch's update rule and its three kernel paths: "fused" (one
+// fused kernel per step, as torch.optim fused=True), "foreach" (horizontally fused ops) and "for-loop".
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "titan/config/job_config.h"
+
+namespace titan {
+
+class AdamW {
+ public:
+  // decoupled_weight_decay: true for AdamW, false for Adam (weight decay added to the gradient).
+  AdamW(std::vector<at::Tensor> parameters, const config::Optimizer& config);
+
+  void zero_grad();
+  void step();
+  void set_lr(double lr) { lr_ = lr; }
+  double lr() const { return lr_; }
+
+  const std::vector<at::Tensor>& parameters() const { return params_; }
+  // Optimizer state per parameter, created lazily on the first step (as PyTorch does).
+  struct State {
+    at::Tensor step;  // float32 scalar
+    at::Tensor exp_avg, exp_avg_sq;
+  };
+  const std::vector<State>& state() const { return state_; }
+  std::vector<State>& mutable_state() { return state_; }
+
+ private:
+  void init_state();
+  std::vector<at::Tensor> params_;
+  std::vector<State> state_;
+  double lr_, beta1_, beta2_, eps_, weight_decay_;
+  bool decoupled_;
+  std::string implementation_;
+};
+
+// Scales gradients so that their global L2 norm is at most max_norm (PyTorch's foreach clip_grad_norm_), and
+// returns the norm before clipping.
+at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm);
+
+}  // namespace titan

@@ -1,0 +1,63 @@
+#include "titan/config/support.h"
+
+#include "titan/common/error.h"
+#include "titan/common/logging.h"
+#include "titan/common/strings.h"
+
+namespace titan::config {
+
+SupportReport check_supported(const LoadedConfig& loaded, int64_t world_size) {
+  const JobConfig& c = loaded.config;
+  SupportReport r;
+  auto not_yet = [&](const std::string& key, const std::string& value, const std::string& what) {
+    r.errors.push_back(cat(key, " = ", value, " ", loaded.where(key), ": ", what, " is not supported yet"));
+  };
+  const auto& p = c.parallelism;
+  if (world_size > 1)
+    r.errors.push_back(cat("this job runs ", world_size, " processes: multi-process training (Communicator, DDP, FSDP) is not "
+                           "supported yet; run a single process"));
+  for (auto [key, value, what] : {std::tuple{"parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, "DDP/HSDP"},
+                                  std::tuple{"parallelism.tensor_parallel_degree", p.tensor_parallel_degree, "tensor parallelism"},
+                                  std::tuple{"parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, "pipeline parallelism"},
+                                  std::tuple{"parallelism.context_parallel_degree", p.context_parallel_degree, "context parallelism"},
+                                  std::tuple{"parallelism.expert_parallel_degree", p.expert_parallel_degree, "expert parallelism"},
+                                  std::tuple{"parallelism.expert_tensor_parallel_degree", p.expert_tensor_parallel_degree, "expert tensor parallelism"}})
+    if (value > 1) not_yet(key, std::to_string(value), what);
+  if (p.data_parallel_shard_degree > 1) not_yet("parallelism.data_parallel_shard_degree", std::to_string(p.data_parallel_shard_degree), "FSDP");
+  if (c.checkpoint.enable) not_yet("checkpoint.enable", "true", "checkpointing");
+  if (c.checkpoint.create_seed_checkpoint) not_yet("checkpoint.create_seed_checkpoint", "true", "checkpointing");
+  if (c.checkpoint.initial_load_path) not_yet("checkpoint.initial_load_path", quote(*c.checkpoint.initial_load_path), "loading checkpoints");
+  if (!c.model.converters.empty()) not_yet("model.converters", join(c.model.converters, ","), "model conversion (float8/MX)");
+  if (c.model.name != "llama3")
+    r.errors.push_back(cat("model.name = ", quote(c.model.name), " ", loaded.where("model.name"), ": only \"llama3\" is available"));
+  if (c.profiling.enable_profiling) not_yet("profiling.enable_profiling", "true", "profiling");
+  if (c.profiling.enable_memory_snapshot) not_yet("profiling.enable_memory_snapshot", "true", "memory snapshots");
+  if (c.metrics.enable_tensorboard) not_yet("metrics.enable_tensorboard", "true", "TensorBoard logging");
+  if (c.metrics.enable_wandb) not_yet("metrics.enable_wandb", "true", "Weights & Biases logging");
+  if (c.validation.enable) not_yet("validation.enable", "true", "validation");
+  if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
+  if (c.memory_estimation.enable) not_yet("memory_estimation.enable", "true", "memory estimation");
+  if (c.training.enable_cpu_offload) not_yet("training.enable_cpu_offload", "true", "CPU offload");
+  if (c.optimizer.early_step_in_backward) not_yet("optimizer.early_step_in_backward", "true", "optimizer steps in backward");
+  if (c.training.dataloader.num_workers > 0)
+    not_yet("training.dataloader.num_workers", std::to_string(c.training.dataloader.num_workers), "background data workers");
+  if (c.comm.mode != "default") not_yet("comm.mode", quote(c.comm.mode), "a simulated communication mode");
+  if (c.activation_checkpoint.mode == "memory_budget")
+    r.errors.push_back(cat("activation_checkpoint.mode = \"memory_budget\" ", loaded.where("activation_checkpoint.mode"),
+                           ": needs a graph compiler (torch.compile), which titan.cpp does not have; use full or selective"));
+  if (c.compile.enable)
+    r.warnings.push_back(cat("compile.enable = true ", loaded.where("compile.enable"),
+                             ": titan.cpp runs eager LibTorch kernels and has no torch.compile; continuing uncompiled"));
+  return r;
+}
+
+void require_supported(const LoadedConfig& loaded, int64_t world_size) {
+  auto report = check_supported(loaded, world_size);
+  for (const auto& w : report.warnings) log::warn(w);
+  if (report.errors.empty()) return;
+  std::string message = "this configuration asks for features titan.cpp cannot run yet:";
+  for (const auto& e : report.errors) message += "\n  - " + e;
+  fail(message);
+}
+
+}  // namespace titan::config

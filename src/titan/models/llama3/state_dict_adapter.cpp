@@ -1,0 +1,70 @@
+#include "titan/models/llama3/state_dict_adapter.h"
+
+#include <regex>
+
+namespace titan::llama3 {
+namespace {
+
+// (titan suffix inside a block, HF suffix inside a decoder layer)
+const std::pair<const char*, const char*> kLayerNames[] = {
+    {"attention.wq.weight", "self_attn.q_proj.weight"},   {"attention.wk.weight", "self_attn.k_proj.weight"},
+    {"attention.wv.weight", "self_attn.v_proj.weight"},   {"attention.wo.weight", "self_attn.o_proj.weight"},
+    {"feed_forward.w1.weight", "mlp.gate_proj.weight"},   {"feed_forward.w2.weight", "mlp.down_proj.weight"},
+    {"feed_forward.w3.weight", "mlp.up_proj.weight"},     {"attention_norm.weight", "input_layernorm.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"}};
+
+// Meta keeps each head's rotary pairs interleaved (x0, x1), (x2, x3), ...; HF stores the first halves of all pairs,
+// then the second halves. Rows of wq/wk are reordered accordingly.
+at::Tensor interleaved_to_halves(const at::Tensor& w, int64_t heads) {
+  const int64_t rows = w.size(0), cols = w.size(1);
+  return w.view({heads, rows / heads / 2, 2, cols}).transpose(1, 2).reshape({rows, cols});
+}
+
+at::Tensor halves_to_interleaved(const at::Tensor& w, int64_t heads) {
+  const int64_t rows = w.size(0), cols = w.size(1);
+  return w.view({heads, 2, rows / heads / 2, cols}).transpose(1, 2).reshape({rows, cols});
+}
+
+int64_t rotary_heads(const std::string& titan_name, const ModelArgs& args) {
+  if (titan_name.find("attention.wq.weight") != std::string::npos) return args.n_heads;
+  if (titan_name.find("attention.wk.weight") != std::string::npos) return args.kv_heads();
+  return 0;
+}
+
+}  // namespace
+
+std::optional<std::string> to_hf_name(const std::string& name) {
+  if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
+  if (name == "norm.weight") return "model.norm.weight";
+  if (name == "output.weight") return "lm_head.weight";
+  static const std::regex layer(R"(layers\.(\d+)\.(.+))");
+  std::smatch m;
+  if (std::regex_match(name, m, layer))
+    for (const auto& [titan, hf] : kLayerNames)
+      if (m[2] == titan) return "model.layers." + m[1].str() + "." + hf;
+  return std::nullopt;
+}
+
+std::optional<std::string> from_hf_name(const std::string& name) {
+  if (name == "model.embed_tokens.weight") return "tok_embeddings.weight";
+  if (name == "model.norm.weight") return "norm.weight";
+  if (name == "lm_head.weight") return "output.weight";
+  static const std::regex layer(R"(model\.layers\.(\d+)\.(.+))");
+  std::smatch m;
+  if (std::regex_match(name, m, layer))
+    for (const auto& [titan, hf] : kLayerNames)
+      if (m[2] == hf) return "layers." + m[1].str() + "." + titan;
+  return std::nullopt;
+}
+
+at::Tensor to_hf_tensor(const std::string& titan_name, const at::Tensor& t, const ModelArgs& args) {
+  int64_t heads = rotary_heads(titan_name, args);
+  return heads ? interleaved_to_halves(t, heads) : t;
+}
+
+at::Tensor from_hf_tensor(const std::string& titan_name, const at::Tensor& t, const ModelArgs& args) {
+  int64_t heads = rotary_heads(titan_name, args);
+  return heads ? halves_to_interleaved(t, heads) : t;
+}
+
+}  // namespace titan::llama3

@@ -1,0 +1,245 @@
+#include "titan/trainer/trainer.h"
+
+#include <ATen/autocast_mode.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "titan/common/error.h"
+#include "titan/common/logging.h"
+#include "titan/common/strings.h"
+#include "titan/components/data/builtin.h"
+#include "titan/components/loss.h"
+#include "titan/config/support.h"
+#include "titan/distributed/activation_checkpoint.h"
+
+namespace titan {
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+
+void on_stop_signal(int signal) {
+  g_stop_signal = signal;
+  // A second signal gets the default behaviour (terminate at once).
+  std::signal(signal, SIG_DFL);
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+at::ScalarType dtype_from_name(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
+
+int64_t world_size_from_environment() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE"})
+    if (const char* v = std::getenv(var)) return std::max<int64_t>(1, std::atoll(v));
+  return 1;
+}
+
+// Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
+// training.mixed_precision_param through autocast).
+class AutocastScope {
+ public:
+  AutocastScope(const at::Device& device, std::optional<at::ScalarType> dtype) : device_(device.type()), active_(dtype.has_value()) {
+    if (!active_) return;
+    at::autocast::set_autocast_dtype(device_, *dtype);
+    at::autocast::set_autocast_enabled(device_, true);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (!active_) return;
+    at::autocast::set_autocast_enabled(device_, false);
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  }
+
+ private:
+  at::DeviceType device_;
+  bool active_;
+};
+
+}  // namespace
+
+Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
+  const config::JobConfig& c = loaded_.config;
+  config::require_supported(loaded_, world_size_from_environment());
+  log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
+
+  log::info("Starting job: ", c.job.description);
+  if (c.job.print_config) log::info("Running with configs: ", config::to_json(c));
+  std::filesystem::create_directories(c.job.dump_folder);
+  if (c.job.save_config_file) {
+    auto path = std::filesystem::path(c.job.dump_folder) / *c.job.save_config_file;
+    std::ofstream(path) << config::to_json(c) << "\n";
+    log::info("Saved job configs to ", path.string());
+  }
+
+  if (at::hasCUDA()) device_ = at::Device(at::kCUDA, 0);
+
+  // Determinism and seeding.
+  if (c.debug.deterministic) {
+    at::globalContext().setDeterministicAlgorithms(true, c.debug.deterministic_warn_only);
+    at::globalContext().setDeterministicCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(false);
+    log::info("Deterministic algorithms enabled (", c.debug.deterministic_warn_only ? "warn only" : "errors on non-deterministic ops", ")");
+  }
+  uint64_t seed = c.debug.seed ? static_cast<uint64_t>(*c.debug.seed) : std::random_device{}();
+  at::manual_seed(seed);
+  log::info("Seed ", seed, c.debug.seed ? " (debug.seed)" : " (random; set --debug.seed to reproduce)");
+
+  // Model arguments: the flavor, with max_seq_len taken from the training sequence length as torchtitan does.
+  llama3::ModelArgs args = llama3::flavor(c.model.flavor);
+  args.max_seq_len = c.training.seq_len;
+
+  // Tokenizer.
+  std::string tokenizer_path = c.model.hf_assets_path;
+  if (tokenizer_path == data::kBuiltinTokenizer)
+    tokenizer_path = data::ensure_builtin_tokenizer(c.job.dump_folder, args.vocab_size);
+  tokenizer_ = tokenizer::load(tokenizer_path);
+  log::info("Tokenizer: ", tokenizer_->description(), "; BOS ", tokenizer_->bos_id() ? std::to_string(*tokenizer_->bos_id()) : "none",
+            ", EOS ", tokenizer_->eos_id() ? std::to_string(*tokenizer_->eos_id()) : "none");
+  if (tokenizer_->vocab_size() > args.vocab_size)
+    fail("the tokenizer at ", quote(tokenizer_path), " has ", tokenizer_->vocab_size(), " ids but model.flavor ",
+         quote(c.model.flavor), " has vocab_size ", args.vocab_size,
+         "; pick a tokenizer that fits the flavor (model.hf_assets_path) or a flavor with a larger vocabulary");
+
+  // Model, initialised in float32 on the CPU, then moved to the device and training dtype.
+  const at::ScalarType param_dtype = dtype_from_name(c.training.dtype);
+  model_ = std::make_shared<llama3::Transformer>(args);
+  model_->init_weights();
+  model_->to_device(device_, param_dtype);
+  const int64_t n_params = llama3::count_parameters(args);
+  flops_per_token_ = llama3::flops_per_token(args, c.training.seq_len);
+  log::info("Model llama3 ", c.model.flavor, " size: ", with_thousands(n_params), " total parameters; ",
+            strprintf("%.2f", flops_per_token_ / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
+
+  auto ac = distributed::apply_activation_checkpointing(*model_, c.activation_checkpoint);
+  log::info("Activation checkpointing: ", ac.description);
+
+  if (param_dtype == at::kFloat && c.training.mixed_precision_param == "bfloat16") autocast_dtype_ = at::kBFloat16;
+  log::info(autocast_dtype_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters)"
+                            : cat("Training in ", c.training.dtype, " without autocast"));
+
+  optimizer_ = std::make_unique<AdamW>(model_->parameters(), c.optimizer);
+  lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);
+  optimizer_->set_lr(lr_scheduler_->current_lr());
+
+  // Batch sizes: global = local x data-parallel degree unless set; the rest is gradient accumulation.
+  const int64_t dp_degree = 1;
+  const int64_t per_step = c.training.local_batch_size * dp_degree;
+  const int64_t global = c.training.global_batch_size < 0 ? per_step : c.training.global_batch_size;
+  if (global % per_step != 0)
+    fail("training.global_batch_size ", global, " ", loaded_.where("training.global_batch_size"),
+         " must be a multiple of training.local_batch_size x data-parallel degree = ", per_step);
+  grad_accum_steps_ = global / per_step;
+  if (grad_accum_steps_ > 1) log::info("Gradient accumulation over ", grad_accum_steps_, " micro-batches per step");
+
+  auto spec = data::resolve_dataset(c.training.dataset, c.training.dataset_path);
+  log::info("Dataset ", spec.name, ": ", spec.files.size(), " file(s)");
+  dataloader_ = std::make_unique<data::TextDataLoader>(spec, *tokenizer_, c.training.seq_len, c.training.local_batch_size);
+
+  memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
+  const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
+  peak_ = metrics::peak_flops(device_, compute_dtype);
+  log::info(memory_->describe(), "; ", peak_.derivation);
+}
+
+Trainer::~Trainer() = default;
+
+std::vector<data::Batch> Trainer::next_microbatches() {
+  std::vector<data::Batch> out;
+  for (int64_t i = 0; i < grad_accum_steps_; ++i) out.push_back(dataloader_->next());
+  return out;
+}
+
+StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
+  StepResult result;
+  result.lr = optimizer_->lr();
+  optimizer_->zero_grad();
+  int64_t valid = 0;
+  for (const auto& mb : microbatches) valid += count_valid_tokens(mb.labels);
+  if (valid == 0) fail("a training step has no valid label tokens");
+  const double global_valid = static_cast<double>(valid);
+
+  at::Tensor loss_total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  for (const auto& mb : microbatches) {
+    at::Tensor inputs = mb.inputs.to(device_), labels = mb.labels.to(device_);
+    at::Tensor loss;
+    {
+      AutocastScope autocast(device_, autocast_dtype_);
+      at::Tensor logits = model_->forward(inputs);
+      loss = cross_entropy_sum(logits, labels) / global_valid;
+    }
+    loss.backward();
+    loss_total += loss.detach();
+    result.tokens += labels.numel();
+  }
+  at::Tensor norm = clip_grad_norm_(optimizer_->parameters(), loaded_.config.training.max_norm);
+  optimizer_->step();
+  lr_scheduler_->step();
+  optimizer_->set_lr(lr_scheduler_->current_lr());
+  result.loss = loss_total.item<double>();
+  result.grad_norm = norm.item<double>();
+  return result;
+}
+
+void Trainer::log_step(const StepResult& r, double data_seconds) {
+  const double now = now_seconds();
+  const double elapsed = std::max(1e-9, now - time_last_log_);
+  const double tps = static_cast<double>(tokens_since_log_) / elapsed;
+  const double tflops = flops_per_token_ * tps / 1e12;
+  const double mfu = peak_.flops > 0 ? 100.0 * flops_per_token_ * tps / peak_.flops : 0.0;
+  auto mem = memory_->peak();
+  const auto& k = log::colors();
+  log::info(strprintf("%sstep: %2lld  %sloss: %8.5f  %sgrad_norm: %7.4f  %smemory: %5.2fGiB(%.2f%%)  %stps: %s  %stflops: %s  %smfu: %.2f%%%s",
+                      k.red, static_cast<long long>(step_), k.green, r.loss, k.orange, r.grad_norm, k.turquoise, mem.peak_gib,
+                      mem.peak_pct, k.blue, with_thousands(static_cast<long long>(std::nearbyint(tps))).c_str(), k.cyan,
+                      with_thousands(tflops, 2).c_str(),
+                      k.magenta, mfu, k.reset));
+  if (step_ > 1 && data_seconds > 0.05 * elapsed)
+    log::info(strprintf("data loading took %.1f%% of the last %.2f s", 100.0 * data_seconds / elapsed, elapsed));
+  tokens_since_log_ = 0;
+  data_seconds_since_log_ = 0;
+  time_last_log_ = now_seconds();
+  memory_->reset_peak();
+}
+
+int Trainer::train() {
+  const auto& c = loaded_.config;
+  g_stop_signal = 0;
+  auto previous_int = std::signal(SIGINT, on_stop_signal);
+  auto previous_term = std::signal(SIGTERM, on_stop_signal);
+  log::info("Training starts at step ", step_ + 1, " of ", c.training.steps, " (local batch ", c.training.local_batch_size,
+            " x seq_len ", c.training.seq_len, ", ", grad_accum_steps_, " micro-batch(es) per step, lr warm-up ",
+            lr_scheduler_->warmup_steps(), " steps)");
+  time_last_log_ = now_seconds();
+  memory_->reset_peak();
+  int exit_code = 0;
+  while (step_ < c.training.steps) {
+    const double data_start = now_seconds();
+    auto microbatches = next_microbatches();
+    const double data_seconds = now_seconds() - data_start;
+    data_seconds_since_log_ += data_seconds;
+    ++step_;
+    StepResult r = train_step(microbatches);
+    tokens_seen_ += r.tokens;
+    tokens_since_log_ += r.tokens;
+    if (!std::isfinite(r.loss)) log::warn("step ", step_, ": loss is ", r.loss);
+    if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
+    if (int sig = g_stop_signal.load()) {
+      log::warn("received ", sig == SIGINT ? "SIGINT" : "SIGTERM", ": stopped cleanly after step ", step_, " of ", c.training.steps);
+      exit_code = 128 + sig;
+      break;
+    }
+  }
+  std::signal(SIGINT, previous_int);
+  std::signal(SIGTERM, previous_term);
+  if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
+  return exit_code;
+}
+
+}  // namespace titan

@@ -1,0 +1,69 @@
+// Trainer: builds tokenizer, model, activation checkpointing, optimizer, schedule and data from a JobConfig and
+// runs torchtitan's training loop (gradient accumulation, loss over global valid tokens, clipping, metrics).
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "titan/components/data/text_dataset.h"
+#include "titan/components/lr_scheduler.h"
+#include "titan/components/metrics/memory.h"
+#include "titan/components/metrics/peak_flops.h"
+#include "titan/components/optimizer.h"
+#include "titan/components/tokenizer/tokenizer.h"
+#include "titan/config/loader.h"
+#include "titan/models/llama3/model.h"
+
+namespace titan {
+
+struct StepResult {
+  double loss = 0;       // global average loss over valid tokens
+  double grad_norm = 0;  // total L2 norm before clipping
+  double lr = 0;         // learning rate used by this step
+  int64_t tokens = 0;    // tokens processed (all label positions)
+};
+
+class Trainer {
+ public:
+  explicit Trainer(config::LoadedConfig loaded);
+  ~Trainer();
+
+  // The loop: steps until training.steps or a stop request (SIGINT/SIGTERM after the current step).
+  // Returns the process exit code.
+  int train();
+
+  // One optimizer step over the given micro-batches (exposed for tests and tools).
+  StepResult train_step(const std::vector<data::Batch>& microbatches);
+  std::vector<data::Batch> next_microbatches();
+
+  llama3::Transformer& model() { return *model_; }
+  AdamW& optimizer() { return *optimizer_; }
+  LRScheduler& lr_scheduler() { return *lr_scheduler_; }
+  const tokenizer::Tokenizer& tokenizer() const { return *tokenizer_; }
+  const config::JobConfig& config() const { return loaded_.config; }
+  int64_t gradient_accumulation_steps() const { return grad_accum_steps_; }
+  int64_t step() const { return step_; }
+  const at::Device& device() const { return device_; }
+
+ private:
+  void log_step(const StepResult& result, double data_seconds);
+
+  config::LoadedConfig loaded_;
+  at::Device device_{at::kCPU};
+  std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
+  std::shared_ptr<llama3::Transformer> model_;
+  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<LRScheduler> lr_scheduler_;
+  std::unique_ptr<data::TextDataLoader> dataloader_;
+  std::unique_ptr<metrics::MemoryMonitor> memory_;
+  metrics::PeakFlops peak_;
+  std::optional<at::ScalarType> autocast_dtype_;
+  double flops_per_token_ = 0;
+  int64_t grad_accum_steps_ = 1;
+  int64_t step_ = 0;
+  int64_t tokens_seen_ = 0;
+  int64_t tokens_since_log_ = 0;
+  double data_seconds_since_log_ = 0;
+  double time_last_log_ = 0;
+};
+
+}  // namespace titan

@@ -1,0 +1,68 @@
+// Test helper: loads Hugging Face-layout weights into titan's Llama 3, runs forward + loss + backward on given
+// tokens (optionally with activation checkpointing) and writes logits, loss and gradients in HF layout.
+// usage: titan_model_probe --flavor F --weights W.safetensors --batch B.safetensors --out O.safetensors
+//                          [--ac-mode none|full|selective] [--ac-option N|op] [--autocast-bf16]
+#include <ATen/autocast_mode.h>
+
+#include <iostream>
+
+#include "titan/components/checkpoint/safetensors.h"
+#include "titan/components/loss.h"
+#include "titan/config/job_config.h"
+#include "titan/distributed/activation_checkpoint.h"
+#include "titan/models/llama3/model.h"
+#include "titan/models/llama3/state_dict_adapter.h"
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> opt = {{"--ac-mode", "none"}, {"--ac-option", "1"}};
+  bool autocast = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--autocast-bf16") autocast = true;
+    else if (i + 1 < argc) opt[a] = argv[++i];
+  }
+  try {
+    auto args = titan::llama3::flavor(opt.at("--flavor"));
+    titan::safetensors::File batch(opt.at("--batch"));
+    at::Tensor inputs = batch.load("inputs"), labels = batch.load("labels");
+    args.max_seq_len = inputs.size(1);
+    auto model = std::make_shared<titan::llama3::Transformer>(args);
+    titan::safetensors::File weights(opt.at("--weights"));
+    {
+      at::NoGradGuard no_grad;
+      for (auto& item : model->named_parameters()) {
+        auto hf = titan::llama3::to_hf_name(item.key());
+        item.value().copy_(titan::llama3::from_hf_tensor(item.key(), weights.load(*hf), args));
+      }
+    }
+    titan::config::ActivationCheckpoint ac;
+    ac.mode = opt["--ac-mode"];
+    ac.selective_ac_option = opt["--ac-option"];
+    titan::distributed::apply_activation_checkpointing(*model, ac);
+
+    at::Tensor logits, loss;
+    if (autocast) {
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+    }
+    logits = model->forward(inputs);
+    const double valid = static_cast<double>(titan::count_valid_tokens(labels));
+    loss = titan::cross_entropy_sum(logits, labels) / valid;
+    if (autocast) {
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::clear_cache();
+    }
+    loss.backward();
+
+    std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", logits.detach().to(at::kFloat)},
+                                                           {"loss", loss.detach().reshape({1})}};
+    for (auto& item : model->named_parameters())
+      out.emplace_back("grad." + *titan::llama3::to_hf_name(item.key()),
+                       titan::llama3::to_hf_tensor(item.key(), item.value().grad(), args));
+    titan::safetensors::save(opt.at("--out"), out);
+  } catch (const std::exception& e) {
+    std::cerr << "titan_model_probe: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,133 @@
+"""titan's tokenizers against tiktoken and HF tokenizers (and torchtitan's wrapper) on varied text."""
+import json
+import time
+
+import pytest
+
+from titan_testing import binary, run, shared
+
+TEXTS = [
+    "Hello world, the cat! It's 2026; we're testing.",
+    "def main(argc, argv):\n    return {'x': [1, 2, 3]}  # code\n\tindented\r\n",
+    "Ünïcödé: naïve café, Ærøskøbing, Straße, İstanbul",
+    "日本語のテキストと中文混合，한국어도 있습니다。",
+    "Русский текст и ελληνικά, עברית, العربية, हिन्दी",
+    "emoji 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵, ZWJ sequences",
+    "    leading spaces\n\n\n   \t  mixed \u00a0whitespace\u2003runs   \n",
+    "numbers 1234567890 3.14159 1e-9 0xDEADBEEF 1,000,000",
+    "a" * 3000,
+    "abc" * 1000 + " " + "xyz " * 500,
+    "don't I'LL WE'VE they'D she'S",
+    "next\u0085line and\u2028separator",
+    "<|endoftext|> special-looking <|begin_of_text|> text",
+    "",
+]
+
+
+def titan_encode(tokenizer, text, document=False):
+    args = [binary("titan"), "tokenizer", "encode", "--tokenizer", str(tokenizer)] + (["--document"] if document else [])
+    return json.loads(run(args, input_text=text).stdout)
+
+
+def titan_decode(tokenizer, ids):
+    return run([binary("titan"), "tokenizer", "decode", "--tokenizer", str(tokenizer)], input_text=json.dumps(ids)).stdout
+
+
+def cl100k():
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    path = shared("tokenizers", "cl100k_base.tiktoken")
+    meta = json.loads(shared("tokenizers", "cl100k_base.meta.json").read_text())
+    enc = tiktoken.Encoding("cl100k_base", pat_str=meta["pat_str"], mergeable_ranks=load_tiktoken_bpe(str(path)),
+                            special_tokens=meta["special_tokens"])
+    return path, enc
+
+
+@pytest.mark.parametrize("index", range(len(TEXTS)))
+def test_tiktoken_cl100k(index):
+    path, enc = cl100k()
+    text = TEXTS[index]
+    ids = titan_encode(path, text)
+    assert ids == enc.encode_ordinary(text)
+    assert titan_decode(path, ids) == enc.decode(ids)
+
+
+def test_tiktoken_prose_file_and_speed():
+    path, enc = cl100k()
+    text = shared("text", "tinyshakespeare.txt").read_text()
+    ids = titan_encode(path, text)
+    assert ids == enc.encode_ordinary(text)
+    # A long word must not take quadratic time: 200k bytes without a pre-tokenizer split.
+    long_word = "x" * 200_000
+    start = time.time()
+    assert titan_encode(path, long_word) == enc.encode_ordinary(long_word)
+    assert time.time() - start < 30
+
+
+def test_torchtitan_test_tokenizer_matches_hf_tokenizers():
+    from tokenizers import Tokenizer
+
+    folder = shared("tokenizers", "torchtitan_test")
+    ref = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    # torchtitan adds the tokenizer_config.json specials to the HF tokenizer; do the same through its own wrapper.
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    wrapped = HuggingFaceTokenizer(str(folder))
+    for text in TEXTS + [shared("text", "tinyshakespeare.txt").read_text()[:20000]]:
+        expected = wrapped.tokenizer.encode(text).ids
+        assert titan_encode(folder, text) == expected
+        assert titan_encode(folder, text, document=True) == wrapped.encode(text, add_bos=True, add_eos=True)
+    info = json.loads(run([binary("titan"), "tokenizer", "info", "--tokenizer", str(folder)]).stdout)
+    assert info["bos_id"] == wrapped.bos_id and info["eos_id"] == wrapped.eos_id
+    assert info["vocab_size"] == wrapped.get_vocab_size()
+
+
+def llama3_style_tokenizer_json(tmp_path):
+    """A Llama 3-layout tokenizer.json (Split regex + ByteLevel, ignore_merges, BOS template) built by
+    transformers' own tiktoken converter from the cl100k ranks."""
+    from tokenizers import processors
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    path, enc = cl100k()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok = TikTokenConverter(vocab_file=str(path), extra_special_tokens=specials).converted()
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                                      special_tokens=[("<|begin_of_text|>", bos)]),
+    ])
+    folder = tmp_path / "llama3_style"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder, tok
+
+
+def test_llama3_layout_tokenizer_json(tmp_path):
+    folder, ref = llama3_style_tokenizer_json(tmp_path)
+    for text in TEXTS:
+        expected = ref.encode(text).ids
+        ids = titan_encode(folder, text)
+        assert ids == expected, text
+        assert titan_decode(folder, ids) == ref.decode(ids, skip_special_tokens=False)
+
+
+def test_builtin_bpe_training_round_trips_through_tiktoken(tmp_path):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    corpus = shared("text", "tinyshakespeare.txt")
+    out = tmp_path / "shakespeare.tiktoken"
+    run([binary("titan"), "tokenizer", "train", "--input", str(corpus), "--vocab-size", "1024", "--output", str(out)])
+    ranks = load_tiktoken_bpe(str(out))
+    assert len(ranks) == 1024 - 256
+    from titan_testing import SOURCE_DIR  # noqa: F401
+
+    pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    enc = tiktoken.Encoding("trained", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    text = corpus.read_text()[:50000]
+    ids = titan_encode(out, text)
+    assert ids == enc.encode_ordinary(text)
+    # Learned merges compress: far fewer tokens than bytes.
+    assert len(ids) < 0.5 * len(text.encode())

@@ -1,0 +1,176 @@
+// Llama 3 flavors (exact parameter counts from shapes alone), FLOPs, and activation checkpointing: identical
+// gradients, less memory.
+#include <gtest/gtest.h>
+
+#include "titan/common/error.h"
+#include "titan/components/loss.h"
+#include "titan/components/metrics/allocation_tracker.h"
+#include "titan/config/job_config.h"
+#include "titan/distributed/activation_checkpoint.h"
+#include "titan/models/llama3/args.h"
+#include "titan/models/llama3/model.h"
+#include "titan/models/llama3/state_dict_adapter.h"
+
+using namespace titan::llama3;
+
+TEST(ModelArgs, ParameterCountsMatchTorchtitanAndMeta) {
+  EXPECT_EQ(count_parameters(flavor("debugmodel")), 6'163'712);
+  EXPECT_EQ(count_parameters(flavor("8B")), 8'030'261'248);
+  EXPECT_EQ(count_parameters(flavor("70B")), 70'553'706'496);
+  EXPECT_EQ(count_parameters(flavor("405B")), 405'853'388'800);
+  EXPECT_EQ(count_parameters(flavor("1B")), 1'235'814'400);  // Llama 3.2, tied embeddings
+  EXPECT_EQ(count_parameters(flavor("3B")), 3'212'749'824);
+  EXPECT_EQ(flavor("8B").ffn_hidden_dim(), 14336);
+  EXPECT_EQ(flavor("70B").ffn_hidden_dim(), 28672);
+  EXPECT_EQ(flavor("405B").ffn_hidden_dim(), 53248);
+  EXPECT_EQ(flavor("debugmodel").ffn_hidden_dim(), 768);
+  EXPECT_EQ(flavor("1B").ffn_hidden_dim(), 8192);
+}
+
+TEST(ModelArgs, FlopsPerTokenIsTorchtitansFormula) {
+  // 6 x (6,163,712 - 524,288) + 12 x 6 x 16 x 16 x 2048 = 71,585,280
+  EXPECT_DOUBLE_EQ(flops_per_token(flavor("debugmodel"), 2048), 71'585'280.0);
+  auto a8 = flavor("8B");
+  EXPECT_DOUBLE_EQ(flops_per_token(a8, 8192), 6.0 * (8'030'261'248 - 128256LL * 4096) + 12.0 * 32 * 32 * 128 * 8192);
+}
+
+TEST(ModelArgs, UnknownFlavorListsKnownOnes) {
+  try {
+    flavor("8b");
+    FAIL();
+  } catch (const titan::UserError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("8B"), std::string::npos) << m;
+    EXPECT_NE(m.find("debugmodel"), std::string::npos) << m;
+  }
+}
+
+TEST(Model, BuiltParametersMatchShapeOnlyCount) {
+  for (const char* name : {"debugmodel", "debugmodel_gqa"}) {
+    auto args = flavor(name);
+    args.max_seq_len = 64;
+    Transformer model(args);
+    auto shapes = parameter_shapes(args);
+    auto named = model.named_parameters();
+    ASSERT_EQ(named.size(), shapes.size());
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      EXPECT_EQ(named[i].key(), shapes[i].name);
+      EXPECT_EQ(named[i].value().sizes().vec(), shapes[i].shape) << shapes[i].name;
+      EXPECT_TRUE(to_hf_name(named[i].key()).has_value()) << named[i].key();
+      EXPECT_EQ(from_hf_name(*to_hf_name(named[i].key())), named[i].key());
+    }
+  }
+}
+
+TEST(Model, InitialisationFollowsTorchtitan) {
+  at::manual_seed(0);
+  auto args = flavor("debugmodel");
+  args.max_seq_len = 64;
+  Transformer model(args);
+  model.init_weights();
+  EXPECT_NEAR(model.tok_embeddings->weight.std().item<double>(), 1.0, 0.01);
+  EXPECT_NEAR(model.layers[0]->attention->wq->weight.std().item<double>(), 0.02, 0.001);
+  // Depth-scaled residual-output projections: 0.02 / sqrt(2 (layer + 1)).
+  EXPECT_NEAR(model.layers[0]->attention->wo->weight.std().item<double>(), 0.02 / std::sqrt(2.0), 0.001);
+  EXPECT_NEAR(model.layers[5]->feed_forward->w2->weight.std().item<double>(), 0.02 / std::sqrt(12.0), 0.0005);
+  const double out_std = 1.0 / 16.0;
+  EXPECT_NEAR(model.output->weight().std().item<double>(), out_std, 0.003);
+  EXPECT_LE(model.output->weight().abs().max().item<double>(), 3 * out_std + 1e-6);
+  EXPECT_EQ(model.norm->weight.min().item<double>(), 1.0);
+}
+
+TEST(Model, RopeTableAppliesLlama31Scaling) {
+  // Frequencies with wavelength above 8192 / 1 are divided by 8; those below 8192 / 4 are untouched.
+  auto table = precompute_rope(64, 4, 500000.0, RopeScaling{});
+  auto angle = at::angle(table.select(0, 1));  // position 1: the frequencies themselves
+  const double f0 = 1.0;                       // exponent 0
+  EXPECT_NEAR(angle[0].item<double>(), f0, 1e-6);
+  const double f_last = 1.0 / std::pow(500000.0, 62.0 / 64.0) / 8.0;
+  EXPECT_NEAR(angle[31].item<double>(), f_last, 1e-9);
+}
+
+namespace {
+
+struct GradRun {
+  std::vector<at::Tensor> grads;
+  double loss;
+  int64_t peak_bytes;
+};
+
+GradRun run_with_ac(const std::string& mode, const std::string& option, int64_t seq = 256, int64_t batch = 4) {
+  titan::metrics::install_cpu_allocation_tracker();
+  at::manual_seed(1234);
+  auto args = flavor("debugmodel");
+  args.max_seq_len = seq;
+  auto model = std::make_shared<Transformer>(args);
+  model->init_weights();
+  titan::config::ActivationCheckpoint ac;
+  ac.mode = mode;
+  ac.selective_ac_option = option;
+  titan::distributed::apply_activation_checkpointing(*model, ac);
+  at::Tensor tokens = at::randint(0, args.vocab_size, {batch, seq + 1}, at::kLong);
+  at::Tensor inputs = tokens.narrow(1, 0, seq).contiguous(), labels = tokens.narrow(1, 1, seq).contiguous();
+  titan::metrics::reset_cpu_peak_bytes();
+  const int64_t before = titan::metrics::cpu_bytes_in_use();
+  at::Tensor loss = titan::cross_entropy_sum(model->forward(inputs), labels) / static_cast<double>(labels.numel());
+  loss.backward();
+  GradRun r;
+  r.peak_bytes = titan::metrics::cpu_peak_bytes() - before;
+  r.loss = loss.item<double>();
+  for (auto& p : model->parameters()) r.grads.push_back(p.grad().clone());
+  return r;
+}
+
+}  // namespace
+
+TEST(ActivationCheckpointing, GradientsIdenticalAndMemoryLower) {
+  GradRun none = run_with_ac("none", "1");
+  struct Case {
+    const char* mode;
+    const char* option;
+  } cases[] = {{"full", "1"}, {"selective", "2"}, {"selective", "1"}, {"selective", "op"}};
+  std::map<std::string, int64_t> peaks = {{"none", none.peak_bytes}};
+  for (const auto& c : cases) {
+    GradRun r = run_with_ac(c.mode, c.option);
+    std::string label = std::string(c.mode) + ":" + c.option;
+    EXPECT_EQ(r.loss, none.loss) << label;
+    ASSERT_EQ(r.grads.size(), none.grads.size());
+    // Recomputing whole blocks replays the same operations: bitwise equal. Op-level AC recomputes RMSNorm alone,
+    // which sums the residual stream's gradient contributions in another order: equal up to float32 rounding.
+    const bool bitwise = std::string(c.option) != "op";
+    for (size_t i = 0; i < r.grads.size(); ++i) {
+      if (bitwise) EXPECT_TRUE(at::equal(r.grads[i], none.grads[i])) << label << " parameter " << i;
+      else EXPECT_TRUE(at::allclose(r.grads[i], none.grads[i], /*rtol=*/1e-5, /*atol=*/1e-8)) << label << " parameter " << i;
+    }
+    peaks[label] = r.peak_bytes;
+    EXPECT_LT(r.peak_bytes, none.peak_bytes) << label;
+  }
+  EXPECT_LT(peaks["full:1"], peaks["selective:2"]);
+  EXPECT_LT(peaks["selective:2"], peaks["selective:op"]);
+  for (const auto& [label, bytes] : peaks)
+    std::printf("[ memory ] activation checkpointing %-12s peak %.1f MiB (%.0f%% of none)\n", label.c_str(), bytes / 1048576.0,
+                100.0 * bytes / none.peak_bytes);
+}
+
+TEST(ActivationCheckpointing, MemoryBudgetModeIsAClearError) {
+  auto args = flavor("debugmodel");
+  args.max_seq_len = 16;
+  Transformer model(args);
+  titan::config::ActivationCheckpoint ac;
+  ac.mode = "memory_budget";
+  EXPECT_THROW(titan::distributed::apply_activation_checkpointing(model, ac), titan::UserError);
+}
+
+TEST(StateDictAdapter, RopePermutationRoundTrips) {
+  auto args = flavor("debugmodel_gqa");
+  at::Tensor wq = at::randn({256, 256}), wk = at::randn({64, 256});
+  for (auto [name, w] : {std::pair{"layers.3.attention.wq.weight", wq}, std::pair{"layers.3.attention.wk.weight", wk}}) {
+    at::Tensor hf = to_hf_tensor(name, w, args);
+    EXPECT_FALSE(at::equal(hf, w));
+    EXPECT_TRUE(at::equal(from_hf_tensor(name, hf, args), w));
+  }
+  // HF's half-split layout: row 1 of a head is Meta's row 2 (the first element of the second rotary pair).
+  at::Tensor hf = to_hf_tensor("layers.0.attention.wq.weight", wq, args);
+  EXPECT_TRUE(at::equal(hf[1], wq[2]));
+  EXPECT_TRUE(at::equal(hf[8], wq[1]));  // head_dim 16: the second half starts at row 8
+}
