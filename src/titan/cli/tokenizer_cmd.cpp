@@ -14,7 +14,9 @@ namespace {
 
 const char* kTokenizerUsage =
     "usage:\n"
-    "  titan tokenizer encode --tokenizer PATH [--document]     UTF-8 text on stdin -> JSON array of ids on stdout\n"
+    "  titan tokenizer encode --tokenizer PATH [--document] [--jsonl]\n"
+    "                        UTF-8 text on stdin -> JSON array of ids on stdout; with --jsonl every input line is a\n"
+    "                        JSON string (or an object with a \"text\" field) and every output line an array\n"
     "  titan tokenizer decode --tokenizer PATH [--skip-special] JSON array of ids on stdin -> text on stdout\n"
     "  titan tokenizer info --tokenizer PATH                    vocabulary size and special tokens\n"
     "  titan tokenizer train --input PATH [--input PATH ...] --vocab-size N --output FILE\n"
@@ -28,7 +30,7 @@ struct Options {
   std::vector<std::string> inputs;
   std::string output;
   int64_t vocab_size = 0;
-  bool document = false, skip_special = false;
+  bool document = false, skip_special = false, jsonl = false;
 };
 
 Options parse(const std::vector<std::string>& args, size_t first) {
@@ -48,6 +50,7 @@ Options parse(const std::vector<std::string>& args, size_t first) {
       o.vocab_size = std::strtoll(v.c_str(), &end, 10);
       if (v.empty() || *end) fail("--vocab-size expects an integer, got ", quote(v));
     } else if (a == "--document") o.document = true;
+    else if (a == "--jsonl") o.jsonl = true;
     else if (a == "--skip-special") o.skip_special = true;
     else fail("unknown option ", quote(a), " for `titan tokenizer ", args[0], "`\n", kTokenizerUsage);
   }
@@ -89,6 +92,25 @@ int run_tokenizer(const std::vector<std::string>& args) {
     j["bos_id"] = tok->bos_id() ? nlohmann::ordered_json(*tok->bos_id()) : nlohmann::ordered_json(nullptr);
     j["eos_id"] = tok->eos_id() ? nlohmann::ordered_json(*tok->eos_id()) : nlohmann::ordered_json(nullptr);
     std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  if (verb == "encode" && o.jsonl) {
+    std::ios::sync_with_stdio(false);
+    std::string line;
+    size_t line_no = 0;
+    while (std::getline(std::cin, line)) {
+      ++line_no;
+      if (trim(line).empty()) continue;
+      std::string text;
+      try {
+        auto j = nlohmann::json::parse(line);
+        text = j.is_object() ? j.at("text").get<std::string>() : j.get<std::string>();
+      } catch (const nlohmann::json::exception&) {
+        fail("stdin line ", line_no, ": expected a JSON string or an object with a \"text\" string");
+      }
+      auto ids = o.document ? tok->encode_document(text) : tok->encode(text);
+      std::cout << nlohmann::json(ids).dump() << "\n";
+    }
     return 0;
   }
   std::string input = read_stdin();
