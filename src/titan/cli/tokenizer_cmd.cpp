@@ -1,4 +1,5 @@
 // `titan tokenizer encode|decode|info|train`: tokenizers from the command line, reading stdin.
+#include <algorithm>
 #include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>

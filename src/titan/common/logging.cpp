@@ -1,5 +1,6 @@
 #include "titan/common/logging.h"
 
+#include <algorithm>
 #include <sys/time.h>
 #include <unistd.h>
 

@@ -1,5 +1,6 @@
 #include "titan/config/loader.h"
 
+#include <algorithm>
 #include <toml++/toml.h>
 
 #include <cerrno>

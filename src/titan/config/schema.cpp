@@ -1,5 +1,6 @@
 #include "titan/config/schema.h"
 
+#include <algorithm>
 #include <set>
 
 #include "titan/common/strings.h"

@@ -9,6 +9,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/components/metrics/cuda_device.h"
 
 namespace titan::metrics {
 namespace {
@@ -96,9 +97,14 @@ PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype) {
     return out;
   }
   if (device.is_cuda()) {
-    // Filled in by the caller that can query the GPU's name (see trainer); unknown GPUs fall back to A100.
-    out.flops = 312e12;
-    out.derivation = "unknown GPU, assuming A100 (312 TFLOP/s bf16)";
+    const std::string name = cuda_device_name(device.index());
+    out.flops = gpu_peak_flops_by_name(name);
+    if (out.flops > 0) {
+      out.derivation = cat(name, ": peak ", strprintf("%.1f", out.flops / 1e12), " TFLOP/s (dense bf16, torchtitan's table)");
+    } else {
+      out.flops = 312e12;
+      out.derivation = cat("peak FLOP/s unknown for ", name, "; assuming A100 (312 TFLOP/s) as torchtitan does");
+    }
     return out;
   }
   const std::string flags = cpuinfo_field("flags");

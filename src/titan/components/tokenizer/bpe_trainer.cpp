@@ -1,5 +1,6 @@
 #include "titan/components/tokenizer/bpe_trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>

@@ -1,5 +1,6 @@
 // HF tokenizers' tokenizer.json with a BPE model (Llama 3's, torchtitan's test tokenizer), plus the special
 // tokens torchtitan adds from a sibling tokenizer_config.json.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>

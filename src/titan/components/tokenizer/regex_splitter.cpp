@@ -1,6 +1,7 @@
 #include "titan/components/tokenizer/regex_splitter.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <algorithm>
 #include <pcre2.h>
 
 #include "titan/common/error.h"

@@ -1,4 +1,5 @@
 // tiktoken-format BPE (Llama 3's tokenizer.model, cl100k_base.tiktoken): ranks of byte strings, Llama 3 regex.
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>

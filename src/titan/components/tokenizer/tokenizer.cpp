@@ -1,5 +1,6 @@
 #include "titan/components/tokenizer/tokenizer.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 

@@ -1,0 +1,33 @@
+#include "titan/components/metrics/cuda_device.h"
+
+#ifdef TITAN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <ATen/Context.h>
+
+namespace titan::metrics {
+
+#ifdef TITAN_WITH_CUDA
+bool cuda_available() { return at::hasCUDA(); }
+
+std::string cuda_device_name(int index) { return at::cuda::getDeviceProperties(index)->name; }
+
+double cuda_total_memory_bytes(int index) { return static_cast<double>(at::cuda::getDeviceProperties(index)->totalGlobalMem); }
+
+int64_t cuda_peak_reserved_bytes(int index) {
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  return stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+}
+
+void cuda_reset_peak(int index) { c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index)); }
+#else
+bool cuda_available() { return false; }
+std::string cuda_device_name(int) { return ""; }
+double cuda_total_memory_bytes(int) { return 0; }
+int64_t cuda_peak_reserved_bytes(int) { return 0; }
+void cuda_reset_peak(int) {}
+#endif
+
+}  // namespace titan::metrics
