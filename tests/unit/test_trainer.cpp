@@ -52,3 +52,10 @@ TEST(Trainer, GradientAccumulationFromGlobalBatchSize) {
   args[9] = "5";
   EXPECT_THROW(titan::Trainer(titan::config::load_job_config(args)), titan::UserError);
 }
+
+TEST(Trainer, Bfloat16ParametersTrain) {
+  if (!std::filesystem::exists("/usr/share/games/fortunes")) GTEST_SKIP() << "fortunes package not installed";
+  auto losses = train_losses({"--training.steps", "8", "--training.dtype", "bfloat16", "--debug.seed", "2", "--optimizer.lr", "3e-3"});
+  for (double l : losses) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+}

@@ -16,7 +16,8 @@ const char* kUsage =
     "\n"
     "commands:\n"
     "  train       train a model (torchtitan-compatible TOML and --section.key options; `titan train --help`)\n"
-    "  tokenizer   encode, decode or train tokenizers (`titan tokenizer --help`)\n";
+    "  tokenizer   encode, decode or train tokenizers (`titan tokenizer --help`)\n"
+    "  estimate    parameters, FLOPs per token and training-state memory of a job's model\n";
 
 }  // namespace
 
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
   try {
     if (command == "train") return titan::cli::run_train(rest);
     if (command == "tokenizer") return titan::cli::run_tokenizer(rest);
+    if (command == "estimate") return titan::cli::run_estimate(rest);
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), kUsage);
     return 2;
   } catch (const titan::UserError& e) {

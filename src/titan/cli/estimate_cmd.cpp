@@ -1,0 +1,52 @@
+// `titan estimate`: model size, training FLOPs per token and the memory that weights, gradients and AdamW state
+// need, computed from shapes alone (nothing is allocated), for any flavor and job config.
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "titan/cli/commands.h"
+#include "titan/common/strings.h"
+#include "titan/config/loader.h"
+#include "titan/models/llama3/args.h"
+
+namespace titan::cli {
+
+int run_estimate(const std::vector<std::string>& raw_args) {
+  bool as_json = false;
+  std::vector<std::string> args;
+  for (const auto& a : raw_args) {
+    if (a == "--json") as_json = true;
+    else args.push_back(a);
+  }
+  auto loaded = config::load_job_config(args);
+  if (loaded.help_requested) {
+    std::cout << "usage: titan estimate [--json] [--job.config_file FILE] [--model.flavor F] [--training.seq_len N] ...\n"
+                 "Parameters, FLOPs per token and training-state memory of a job's model, from shapes alone.\n";
+    return 0;
+  }
+  const auto& c = loaded.config;
+  auto args_model = llama3::flavor(c.model.flavor);
+  const int64_t params = llama3::count_parameters(args_model);
+  const int64_t embedding = llama3::count_embedding_parameters(args_model);
+  const double flops = llama3::flops_per_token(args_model, c.training.seq_len);
+  // Parameters and gradients in training.dtype; AdamW keeps two moments of the same dtype per parameter.
+  const double bytes_per_value = c.training.dtype == "bfloat16" ? 2.0 : 4.0;
+  const double state_bytes = static_cast<double>(params) * bytes_per_value * 4.0;
+  if (as_json) {
+    nlohmann::ordered_json j = {{"flavor", c.model.flavor},
+                                {"parameters", params},
+                                {"embedding_parameters", embedding},
+                                {"seq_len", c.training.seq_len},
+                                {"flops_per_token", flops},
+                                {"training_state_bytes", state_bytes}};
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "model llama3 " << c.model.flavor << ": " << with_thousands(params) << " parameters ("
+            << with_thousands(embedding) << " in the embedding)\n"
+            << "training FLOPs per token at seq_len " << c.training.seq_len << ": " << strprintf("%.4g", flops) << "\n"
+            << "weights + gradients + AdamW state in " << c.training.dtype << ": "
+            << strprintf("%.2f", state_bytes / (1024.0 * 1024.0 * 1024.0)) << " GiB (unsharded)\n";
+  return 0;
+}
+
+}  // namespace titan::cli
