@@ -140,6 +140,8 @@ TEST(TextData, BadInputNamesFileAndLine) {
   EXPECT_THROW(titan::data::resolve_dataset("x", tmp.path() + "/missing"), titan::UserError);
   tmp.write("empty/readme.md", "no data here");
   EXPECT_THROW(titan::data::resolve_dataset("x", tmp.path() + "/empty"), titan::UserError);
+  tmp.write("rows.json", "[]");
+  EXPECT_THROW(titan::data::resolve_dataset("x", tmp.path() + "/rows.json"), titan::UserError);
   tmp.write("blank.txt", "");
   titan::data::TextDataLoader blank(titan::data::resolve_dataset("x", tmp.path() + "/blank.txt"), tok, 4, 1);
   EXPECT_THROW(blank.next(), titan::UserError);

@@ -96,9 +96,9 @@ std::vector<KeySpec> describe(JobConfig& c) {
   auto add_dataloader = [&b](const char* section, DataLoader* dl) {
     b.in(section);
     at_least(b.add("num_workers", &dl->num_workers, "background data workers"), 0);
-    b.add("persistent_workers", &dl->persistent_workers, "keep workers alive between epochs");
-    b.add("pin_memory", &dl->pin_memory, "put batches in pinned host memory before the device copy");
-    at_least(b.add("prefetch_factor", &dl->prefetch_factor, "batches each worker loads ahead"), 1);
+    b.add("persistent_workers", &dl->persistent_workers, "keep workers alive between epochs (not used yet)");
+    b.add("pin_memory", &dl->pin_memory, "put batches in pinned host memory before the device copy (not used yet)");
+    at_least(b.add("prefetch_factor", &dl->prefetch_factor, "batches each worker loads ahead (not used yet)"), 1);
   };
 
   b.in("job");
@@ -123,7 +123,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("enable_tensorboard", &c.metrics.enable_tensorboard, "write TensorBoard event files");
   b.add("disable_color_printing", &c.metrics.disable_color_printing, "print log lines without ANSI colors");
   b.add("save_tb_folder", &c.metrics.save_tb_folder, "folder under dump_folder for TensorBoard files");
-  b.add("save_for_all_ranks", &c.metrics.save_for_all_ranks, "write metrics files on every rank, not only rank 0");
+  b.add("save_for_all_ranks", &c.metrics.save_for_all_ranks, "write metrics files on every rank, not only rank 0 (single process: no effect)");
   b.add("enable_wandb", &c.metrics.enable_wandb, "log metrics to Weights & Biases");
 
   b.in("model");
@@ -182,7 +182,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
       .also_allowed = {-1};
   b.keys.back().min = 1;
   choices(b.add("fsdp_reshard_after_forward", &c.parallelism.fsdp_reshard_after_forward,
-                "free gathered parameters after forward: default, always or never"),
+                "FSDP: free gathered parameters after forward: default, always or never"),
           {"default", "always", "never"});
   at_least(b.add("tensor_parallel_degree", &c.parallelism.tensor_parallel_degree, "tensor-parallel degree"), 1);
   b.add("disable_loss_parallel", &c.parallelism.disable_loss_parallel, "compute the loss on gathered logits under TP");
@@ -240,18 +240,18 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("selective_ac_option", &c.activation_checkpoint.selective_ac_option,
         "selective mode: an integer N checkpoints every N-th block, \"op\" recomputes cheap ops only");
   b.add("per_op_sac_force_recompute_mm_shapes_by_fqns", &c.activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns,
-        "modules whose matmuls op-level AC always recomputes");
-  b.add("early_stop", &c.activation_checkpoint.early_stop, "stop recomputation once all needed tensors exist");
+        "MoE router matmuls op-level AC recomputes (no effect on dense Llama)");
+  b.add("early_stop", &c.activation_checkpoint.early_stop, "stop recomputation early (PyTorch non-reentrant checkpoint option; no effect here)");
   between(b.add("memory_budget", &c.activation_checkpoint.memory_budget, "memory_budget mode's compute/memory trade-off"), 0, 1);
   b.add("visualize_memory_budget_pareto", &c.activation_checkpoint.visualize_memory_budget_pareto, "plot the memory budget trade-off");
-  b.add("preserve_rng_state", &c.activation_checkpoint.preserve_rng_state, "replay RNG state during recomputation");
-  b.add("determinism_check", &c.activation_checkpoint.determinism_check, "recomputation determinism check");
-  b.add("debug", &c.activation_checkpoint.debug, "log activation checkpointing details");
+  b.add("preserve_rng_state", &c.activation_checkpoint.preserve_rng_state, "replay RNG state during recomputation (Llama has no random ops: no effect)");
+  b.add("determinism_check", &c.activation_checkpoint.determinism_check, "PyTorch checkpoint determinism check (no effect here)");
+  b.add("debug", &c.activation_checkpoint.debug, "PyTorch checkpoint debug output (no effect here)");
 
   b.in("compile");
   b.add("enable", &c.compile.enable, "compile the model and loss (torch.compile)");
   b.add("components", &c.compile.components, "what to compile: model, loss");
-  b.add("backend", &c.compile.backend, "compiler backend");
+  b.add("backend", &c.compile.backend, "compiler backend (no compiler in titan.cpp)");
 
   b.in("quantize.linear.float8");
   b.add("enable_fsdp_float8_all_gather", &c.quantize.linear.float8.enable_fsdp_float8_all_gather, "all-gather float8 weights under FSDP");

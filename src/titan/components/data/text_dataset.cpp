@@ -55,6 +55,10 @@ DatasetSpec resolve_dataset(const std::string& name, const std::optional<std::st
   fs::path p(*path);
   if (!fs::exists(p)) fail("training.dataset_path ", quote(*path), " does not exist");
   if (fs::is_regular_file(p)) {
+    std::string ext = to_lower(p.extension().string());
+    if (ext != ".txt" && ext != ".jsonl")
+      fail("training.dataset_path ", quote(*path), ": unsupported file type ", quote(ext),
+           "; expected a .txt file (one document) or a .jsonl file (a \"text\" field per line)");
     spec.files.push_back(p.string());
   } else {
     for (const auto& e : fs::recursive_directory_iterator(p)) {

@@ -11,6 +11,7 @@
 #include "titan/components/tokenizer/bpe_merge.h"
 #include "titan/components/tokenizer/byte_level.h"
 #include "titan/components/tokenizer/regex_splitter.h"
+#include "titan/components/tokenizer/string_map.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/components/tokenizer/utf8.h"
 
@@ -19,11 +20,7 @@ namespace {
 
 using json = nlohmann::json;
 
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-};
-using VocabMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+using VocabMap = StringMap<int32_t>;
 
 struct AddedToken {
   std::string content;

@@ -9,17 +9,14 @@
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/bpe_merge.h"
 #include "titan/components/tokenizer/regex_splitter.h"
+#include "titan/components/tokenizer/string_map.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/components/tokenizer/utf8.h"
 
 namespace titan::tokenizer {
 namespace {
 
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-};
-using RankMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+using RankMap = StringMap<int32_t>;
 
 std::optional<std::string> base64_decode(std::string_view in) {
   auto value = [](char c) -> int {
