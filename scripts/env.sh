@@ -8,4 +8,6 @@ TITAN_PYTHON="$TITAN_VENV/bin/python"
 TITAN_TORCH_VERSION="${TITAN_TORCH_VERSION:-2.15.0}"
 TITAN_BUILD="${TITAN_BUILD:-$TITAN_ROOT/build}"
 export CCACHE_DIR="${CCACHE_DIR:-$TITAN_CACHE/ccache}"
+# Paths under the repository are hashed relative to it, so separate clones share cache entries.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$TITAN_ROOT}"
 export TITAN_ROOT TITAN_CACHE TITAN_VENV TITAN_PYTHON TITAN_BUILD
