@@ -141,6 +141,10 @@ TEST(Config, WrongTypesAndRanges) {
   EXPECT_NE(e.find("one of {linear, sqrt, cosine}"), std::string::npos) << e;
   e = error_of([] { load_job_config({"--activation_checkpoint.selective_ac_option", "every"}); });
   EXPECT_NE(e.find("selective_ac_option"), std::string::npos) << e;
+  for (const char* bad : {"+5", " 5", "99999999999999999999"}) {
+    e = error_of([&] { load_job_config({"--activation_checkpoint.selective_ac_option", bad}); });
+    EXPECT_NE(e.find("selective_ac_option"), std::string::npos) << bad;
+  }
   e = error_of([] { load_job_config({"--compile.enable", "maybe"}); });  // "maybe" is not a boolean: it is a stray argument
   EXPECT_NE(e.find("unexpected argument"), std::string::npos) << e;
   e = error_of([] { load_job_config({"--training.stepz", "3"}); });

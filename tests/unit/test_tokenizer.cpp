@@ -86,6 +86,9 @@ TEST(TokenizerLoading, ErrorsNameThePath) {
   expect_error(tmp.path() + "/empty_dir", "expected tokenizer.json or tokenizer.model");
   expect_error(tmp.write("bad.tiktoken", "QQ== 0\nnot base64!! 1\n"), "bad.tiktoken:2");
   expect_error(tmp.write("partial.tiktoken", "QQ== 0\n"), "has no token");
+  expect_error(tmp.write("huge.tiktoken", "QQ== 3000000000\n"), "huge.tiktoken:1");
+  expect_error(tmp.write("neg/tokenizer.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -1}, \"merges\": []}}"),
+               "has id -1");
   expect_error(tmp.write("tokenizer.json", "{\"model\": "), "not valid JSON");
   expect_error(tmp.write("u/tokenizer.json", "{\"model\": {\"type\": \"Unigram\", \"vocab\": []}}"), "not supported yet");
 }

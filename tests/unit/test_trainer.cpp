@@ -59,3 +59,21 @@ TEST(Trainer, Bfloat16ParametersTrain) {
   for (double l : losses) EXPECT_TRUE(std::isfinite(l));
   EXPECT_LT(losses.back(), losses.front() - 0.5);
 }
+
+TEST(Trainer, ActivationCheckpointingUnderAutocastKeepsLossesAcrossSteps) {
+  // bf16 autocast (the default) with checkpointed blocks: recomputation must not leave low-precision weight copies
+  // behind for the next step's forward.
+  if (!std::filesystem::exists("/usr/share/games/fortunes")) GTEST_SKIP() << "fortunes package not installed";
+  std::vector<std::string> base = {"--training.steps", "4", "--debug.seed", "3", "--optimizer.lr", "3e-3"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), base.begin(), base.end());
+    return train_losses(extra);
+  };
+  auto none = with({"--activation_checkpoint.mode", "none"});
+  auto full = with({"--activation_checkpoint.mode", "full"});
+  auto every2 = with({"--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"});
+  for (size_t i = 0; i < none.size(); ++i) {
+    EXPECT_EQ(full[i], none[i]) << "step " << i + 1;
+    EXPECT_EQ(every2[i], none[i]) << "step " << i + 1;
+  }
+}

@@ -18,7 +18,9 @@ void AdamW::init_state() {
   state_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (state_[i].exp_avg.defined()) continue;
-    state_[i].step = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(params_[i].device()));
+    // The fused kernel reads the step on the device; the other paths read it on the host (no device sync).
+    const at::Device step_device = implementation_ == "fused" ? params_[i].device() : at::Device(at::kCPU);
+    state_[i].step = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(step_device));
     state_[i].exp_avg = at::zeros_like(params_[i], at::MemoryFormat::Preserve);
     state_[i].exp_avg_sq = at::zeros_like(params_[i], at::MemoryFormat::Preserve);
   }

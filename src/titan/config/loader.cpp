@@ -91,8 +91,9 @@ void set_from_toml(KeySpec& spec, const toml::node& node, const std::string& whe
           if (!v) wrong("an integer");
           *target = *v;
         } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, std::optional<double>>) {
-          if (!node.is_number()) wrong("a number");
-          *target = *node.value<double>();
+          auto v = node.is_number() ? node.value<double>() : std::nullopt;
+          if (!v) wrong("a number (representable as a double)");
+          *target = *v;
         } else if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::optional<std::string>>) {
           auto v = node.value_exact<std::string>();
           if (!v) wrong("a string");
@@ -363,9 +364,9 @@ void validate(LoadedConfig& loaded) {
   }
   const std::string& option = c.activation_checkpoint.selective_ac_option;
   if (option != "op") {
-    char* end = nullptr;
-    long v = std::strtol(option.c_str(), &end, 10);
-    if (option.empty() || *end != '\0' || v < 0)
+    const bool digits = !option.empty() && option.size() <= 9 &&
+                        std::all_of(option.begin(), option.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+    if (!digits)
       fail(where("activation_checkpoint.selective_ac_option"),
            ": activation_checkpoint.selective_ac_option must be \"op\" or a non-negative integer N (checkpoint every N-th block), got ",
            quote(option));

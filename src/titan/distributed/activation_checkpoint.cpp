@@ -32,6 +32,28 @@ struct AutocastState {
   }
 };
 
+// Re-enters a recorded autocast state for a recomputation and restores the outer state afterwards. Autocast keeps
+// a cache of low-precision weight copies that only nesting bookkeeping clears; without it, copies made here would
+// outlive the optimizer step and the next forward would read stale weights.
+class AutocastRegion {
+ public:
+  explicit AutocastRegion(const AutocastState& inner) : outer_(AutocastState::current()) {
+    inner.apply();
+    active_ = inner.cpu_enabled || inner.cuda_enabled;
+    if (active_) at::autocast::increment_nesting();
+  }
+  ~AutocastRegion() {
+    if (active_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    outer_.apply();
+  }
+  AutocastRegion(const AutocastRegion&) = delete;
+  AutocastRegion& operator=(const AutocastRegion&) = delete;
+
+ private:
+  AutocastState outer_;
+  bool active_ = false;
+};
+
 struct Closure : torch::CustomClassHolder {
   nn::Unit::Next next;
   nn::Context context;
@@ -63,15 +85,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor output;
     {
       at::AutoGradMode grad_mode(true);
-      AutocastState outer = AutocastState::current();
-      closure->autocast.apply();
-      try {
-        output = closure->next(inputs, closure->context);
-      } catch (...) {
-        outer.apply();
-        throw;
-      }
-      outer.apply();
+      AutocastRegion region(closure->autocast);
+      output = closure->next(inputs, closure->context);
     }
 
     std::vector<at::Tensor> wrt;

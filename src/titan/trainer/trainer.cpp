@@ -82,6 +82,8 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 
   // Determinism and seeding.
   if (c.debug.deterministic) {
+    // cuBLAS is deterministic only with a fixed workspace configuration, set before its first use.
+    setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
     at::globalContext().setDeterministicAlgorithms(true, c.debug.deterministic_warn_only);
     at::globalContext().setDeterministicCuDNN(true);
     at::globalContext().setBenchmarkCuDNN(false);

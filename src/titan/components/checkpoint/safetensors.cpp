@@ -65,7 +65,11 @@ File::File(const std::string& path) : path_(path) {
       fail(path, ": malformed entry for tensor ", quote(name), ": ", e.what());
     }
     uint64_t numel = 1;
-    for (auto d : info.shape) numel *= static_cast<uint64_t>(d);
+    for (auto d : info.shape) {
+      if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d)))
+        fail(path, ": tensor ", quote(name), " has an invalid shape entry ", d);
+      numel *= static_cast<uint64_t>(d);
+    }
     if (info.end < info.begin || info.end > data_size || info.end - info.begin != numel * c10::elementSize(info.dtype))
       fail(path, ": tensor ", quote(name), " byte range [", info.begin, ", ", info.end, ") does not match its shape or the file size; "
            "the file is truncated or corrupt");

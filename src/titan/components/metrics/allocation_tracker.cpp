@@ -14,10 +14,11 @@ std::atomic<int64_t> g_peak{0};
 
 // The context of each DataPtr is the data pointer itself (raw_allocate requires that), so the wrapped
 // allocation is found again through this table when it is freed.
-std::mutex g_mutex;
+// Both live for the whole process (never destroyed) so that tensors freed during static destruction still find them.
+std::mutex& g_mutex = *new std::mutex;
 std::unordered_map<void*, std::pair<c10::DataPtr, int64_t>>& live() {
-  static std::unordered_map<void*, std::pair<c10::DataPtr, int64_t>> table;
-  return table;
+  static auto* table = new std::unordered_map<void*, std::pair<c10::DataPtr, int64_t>>;
+  return *table;
 }
 
 void release(void* data) {

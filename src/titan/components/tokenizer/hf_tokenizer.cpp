@@ -62,6 +62,8 @@ class HfTokenizer : public Tokenizer {
       load_pre_tokenizer(root.value("pre_tokenizer", json()));
       load_decoder(root.value("decoder", json()));
       for (const auto& t : root.value("added_tokens", json::array())) {
+        if (!t.at("id").is_number_integer() || t["id"].get<int64_t>() < 0 || t["id"].get<int64_t>() > (int64_t{1} << 30))
+          fail(path_, ": added token ", t.value("content", "?"), " has an invalid id ", t["id"].dump());
         AddedToken a{t.at("content").get<std::string>(), t.at("id").get<int32_t>(), t.value("special", false),
                      t.value("lstrip", false), t.value("rstrip", false), t.value("single_word", false)};
         register_added(a);
@@ -110,7 +112,8 @@ class HfTokenizer : public Tokenizer {
       if (decoder_byte_level_) {
         auto raw = chars_to_bytes(*token);
         bytes += raw ? *raw : *token;
-      } else if (byte_fallback_ && token->size() == 6 && starts_with(*token, "<0x") && (*token)[5] == '>') {
+      } else if (byte_fallback_ && token->size() == 6 && starts_with(*token, "<0x") && (*token)[5] == '>' &&
+                 std::isxdigit(static_cast<unsigned char>((*token)[3])) && std::isxdigit(static_cast<unsigned char>((*token)[4]))) {
         bytes.push_back(static_cast<char>(std::stoi(token->substr(3, 2), nullptr, 16)));
       } else {
         bytes += *token;
@@ -148,7 +151,12 @@ class HfTokenizer : public Tokenizer {
     ignore_merges_ = model.value("ignore_merges", false);
     byte_fallback_ = model.value("byte_fallback", false);
     fuse_unk_ = model.value("fuse_unk", false);
-    for (const auto& [token, id] : model.at("vocab").items()) {
+    const auto& vocab = model.at("vocab");
+    // Ids index a table, so they must be non-negative and not absurdly sparse.
+    const int64_t id_limit = std::max<int64_t>(1 << 20, 4 * static_cast<int64_t>(vocab.size()));
+    for (const auto& [token, id] : vocab.items()) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= id_limit)
+        fail(path_, ": vocabulary entry ", quote(token), " has id ", id.dump(), "; expected an integer in [0, ", id_limit, ")");
       int32_t i = id.get<int32_t>();
       vocab_[token] = i;
       if (static_cast<size_t>(i) >= id_to_token_.size()) id_to_token_.resize(static_cast<size_t>(i) + 1);
@@ -286,15 +294,19 @@ class HfTokenizer : public Tokenizer {
       if (v.is_object() && v.contains("content")) return v["content"].get<std::string>();
       fail(config_path, ": ", key, " must be a string or {\"content\": ...}");
     };
-    auto bos = token_name("bos_token"), eos = token_name("eos_token");
-    // The same order torchtitan uses: the standard keys, then added_tokens_decoder, all added as special tokens.
-    for (const char* key : {"bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"})
-      if (auto name = token_name(key)) add_special_token(*name);
-    if (config.contains("added_tokens_decoder"))
-      for (const auto& [id, entry] : config["added_tokens_decoder"].items())
-        if (entry.is_object() && entry.contains("content")) add_special_token(entry["content"].get<std::string>());
-    if (bos) bos_id_ = token_to_id(*bos);
-    if (eos) eos_id_ = token_to_id(*eos);
+    try {
+      auto bos = token_name("bos_token"), eos = token_name("eos_token");
+      // The same order torchtitan uses: the standard keys, then added_tokens_decoder, all added as special tokens.
+      for (const char* key : {"bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"})
+        if (auto name = token_name(key)) add_special_token(*name);
+      if (config.contains("added_tokens_decoder"))
+        for (const auto& [id, entry] : config["added_tokens_decoder"].items())
+          if (entry.is_object() && entry.contains("content")) add_special_token(entry["content"].get<std::string>());
+      if (bos) bos_id_ = token_to_id(*bos);
+      if (eos) eos_id_ = token_to_id(*eos);
+    } catch (const json::exception& e) {
+      fail(config_path, ": unexpected tokenizer_config.json structure: ", e.what());
+    }
   }
 
   void infer_bos_eos_by_name() {

@@ -36,10 +36,29 @@ std::string pcre2_compatible_pattern(const std::string& pattern) {
 struct RegexSplitter::Impl {
   pcre2_code* code = nullptr;
   bool jit = false;
+  pcre2_match_context* context = nullptr;
   ~Impl() {
+    if (context) pcre2_match_context_free(context);
     if (code) pcre2_code_free(code);
   }
 };
+
+namespace {
+
+// Long runs (megabytes of whitespace) need more than PCRE2's default 32 KiB JIT stack. A JIT stack serves one
+// thread at a time, so each thread that encodes gets its own.
+pcre2_jit_stack* thread_jit_stack(void*) {
+  struct Holder {
+    pcre2_jit_stack* stack = pcre2_jit_stack_create(32 * 1024, 64 * 1024 * 1024, nullptr);
+    ~Holder() {
+      if (stack) pcre2_jit_stack_free(stack);
+    }
+  };
+  thread_local Holder holder;
+  return holder.stack;
+}
+
+}  // namespace
 
 RegexSplitter::RegexSplitter(const std::string& pattern, const std::string& origin)
     : impl_(std::make_unique<Impl>()), pattern_(pattern) {
@@ -55,20 +74,30 @@ RegexSplitter::RegexSplitter(const std::string& pattern, const std::string& orig
          reinterpret_cast<const char*>(message));
   }
   impl_->jit = pcre2_jit_compile(impl_->code, PCRE2_JIT_COMPLETE) == 0;
+  impl_->context = pcre2_match_context_create(nullptr);
+  if (impl_->jit) pcre2_jit_stack_assign(impl_->context, &thread_jit_stack, nullptr);
 }
 
 RegexSplitter::~RegexSplitter() = default;
 
 void RegexSplitter::split(std::string_view text,
                           const std::function<void(std::string_view, bool)>& emit) const {
-  pcre2_match_data* match = pcre2_match_data_create_from_pattern(impl_->code, nullptr);
+  std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> match(
+      pcre2_match_data_create_from_pattern(impl_->code, nullptr), &pcre2_match_data_free);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
   size_t pos = 0, gap_start = 0;
   while (pos < text.size()) {
-    int rc = impl_->jit ? pcre2_jit_match(impl_->code, subject, text.size(), pos, 0, match, nullptr)
-                        : pcre2_match(impl_->code, subject, text.size(), pos, 0, match, nullptr);
-    if (rc < 0) break;  // PCRE2_ERROR_NOMATCH: the rest is one gap
-    PCRE2_SIZE* ov = pcre2_get_ovector_pointer(match);
+    int rc = impl_->jit ? pcre2_jit_match(impl_->code, subject, text.size(), pos, 0, match.get(), impl_->context)
+                        : pcre2_match(impl_->code, subject, text.size(), pos, 0, match.get(), impl_->context);
+    if (rc == PCRE2_ERROR_NOMATCH) break;  // the rest is one gap
+    if (rc < 0) {
+      // Anything else (a resource limit) would silently change the pieces; refuse instead.
+      PCRE2_UCHAR message[256];
+      pcre2_get_error_message(rc, message, sizeof message);
+      fail("the pre-tokenizer regex failed at byte ", pos, " of a ", text.size(), "-byte text: ",
+           reinterpret_cast<const char*>(message));
+    }
+    PCRE2_SIZE* ov = pcre2_get_ovector_pointer(match.get());
     size_t begin = ov[0], end = ov[1];
     if (begin > gap_start) emit(text.substr(gap_start, begin - gap_start), false);
     if (end == begin) {
@@ -81,7 +110,6 @@ void RegexSplitter::split(std::string_view text,
     pos = gap_start = end;
   }
   if (gap_start < text.size()) emit(text.substr(gap_start), false);
-  pcre2_match_data_free(match);
 }
 
 }  // namespace titan::tokenizer

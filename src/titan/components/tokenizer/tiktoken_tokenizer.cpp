@@ -1,5 +1,6 @@
 // tiktoken-format BPE (Llama 3's tokenizer.model, cl100k_base.tiktoken): ranks of byte strings, Llama 3 regex.
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -62,8 +63,9 @@ class TiktokenTokenizer : public Tokenizer {
         fail(path, ":", line_no, ": expected \"<base64 token> <rank>\" (tiktoken format), got ", quote(line.substr(0, 60)));
       auto bytes = base64_decode(std::string_view(line).substr(0, space));
       char* end = nullptr;
+      errno = 0;
       long rank = std::strtol(line.c_str() + space + 1, &end, 10);
-      if (!bytes || *end != '\0' || rank < 0)
+      if (!bytes || *end != '\0' || rank < 0 || errno == ERANGE || rank >= (1L << 26))
         fail(path, ":", line_no, ": expected \"<base64 token> <rank>\" (tiktoken format), got ", quote(line.substr(0, 60)));
       if (!ranks_.emplace(*bytes, static_cast<int32_t>(rank)).second)
         fail(path, ":", line_no, ": token listed twice");

@@ -134,10 +134,10 @@ void Transformer::init_weights() {
   tok_embeddings->weight.normal_(0.0, 1.0);
   for (auto& layer : layers) layer->init_weights();
   norm->reset_parameters();
-  if (!args_.tie_word_embeddings) {
-    const double std = 1.0 / std::sqrt(static_cast<double>(args_.dim));
-    nn::trunc_normal_(output->weight(), 0.0, std, -3 * std, 3 * std);
-  }
+  // The output projection's init; with tied embeddings it is the embedding too, which keeps initial logits at
+  // unit scale instead of sqrt(dim).
+  const double std = 1.0 / std::sqrt(static_cast<double>(args_.dim));
+  nn::trunc_normal_(output->weight(), 0.0, std, -3 * std, 3 * std);
 }
 
 void Transformer::to_device(const at::Device& device, std::optional<at::ScalarType> dtype) {
