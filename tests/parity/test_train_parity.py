@@ -50,10 +50,14 @@ def python_loop(out, implementation):
             loss.backward()
             total += loss.item()
         lr = schedule.schedulers[0].get_last_lr()[0]
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True).item()
+        # Clipping by the global L2 norm, computed exactly (float64): PyTorch's clip_grad_norm_ reduces each tensor
+        # in one float32 pass, which for the 2048 x 256 output gradient is about 1e-4 off; titan's is not.
+        exact = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())).item()
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in model.parameters()]))).item()
+        torch._foreach_mul_([p.grad for p in model.parameters()], min(MAX_NORM / (exact + 1e-6), 1.0))
         optimizer.step()
         schedule.step()
-        results.append({"loss": total, "grad_norm": norm, "lr": lr})
+        results.append({"loss": total, "grad_norm": exact, "torch_grad_norm": norm, "lr": lr})
     return meta, results, model
 
 
@@ -67,9 +71,10 @@ def test_ten_steps_match_pytorch(tmp_path, implementation):
         rel = abs(mine["loss"] - ref["loss"]) / abs(ref["loss"])
         worst = max(worst, rel)
         print(f"{implementation} step {mine['step']:2}: loss {mine['loss']:.7f} vs {ref['loss']:.7f} (rel {rel:.1e}), "
-              f"grad_norm {mine['grad_norm']:.6f} vs {ref['grad_norm']:.6f}, lr {mine['lr']:.3e}")
+              f"grad_norm {mine['grad_norm']:.7f} vs exact {ref['grad_norm']:.7f} (torch float32 "
+              f"{ref['torch_grad_norm']:.7f}), lr {mine['lr']:.3e}")
         assert rel <= 1e-5
-        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-4 * ref["grad_norm"]
+        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 2e-6 * ref["grad_norm"]
         assert mine["lr"] == pytest.approx(ref["lr"], rel=1e-12)
     # Clipping was active (norms above max_norm) and the loss went down.
     assert any(s["grad_norm"] > MAX_NORM for s in meta["steps"])

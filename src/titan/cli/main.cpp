@@ -6,6 +6,7 @@
 
 #include "titan/cli/commands.h"
 #include "titan/common/error.h"
+#include "titan/distributed/mpi_runtime.h"
 
 namespace {
 
@@ -34,7 +35,13 @@ int main(int argc, char** argv) {
   const std::string command = args[0];
   std::vector<std::string> rest(args.begin() + 1, args.end());
   try {
-    if (command == "train") return titan::cli::run_train(rest);
+    if (command == "train") {
+      int code = titan::cli::run_train(rest);
+      // Leave MPI cleanly after a normal end; after an error the process just exits (non-zero), which makes
+      // mpirun stop the other ranks instead of waiting for them in MPI_Finalize.
+      titan::distributed::shutdown();
+      return code;
+    }
     if (command == "tokenizer") return titan::cli::run_tokenizer(rest);
     if (command == "estimate") return titan::cli::run_estimate(rest);
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), kUsage);

@@ -6,24 +6,19 @@
 
 namespace titan::config {
 
-SupportReport check_supported(const LoadedConfig& loaded, int64_t world_size) {
+SupportReport check_supported(const LoadedConfig& loaded) {
   const JobConfig& c = loaded.config;
   SupportReport r;
   auto not_yet = [&](const std::string& key, const std::string& value, const std::string& what) {
     r.errors.push_back(cat(key, " = ", value, " ", loaded.where(key), ": ", what, " is not supported yet"));
   };
   const auto& p = c.parallelism;
-  if (world_size > 1)
-    r.errors.push_back(cat("this job runs ", world_size, " processes: multi-process training (Communicator, DDP, FSDP) is not "
-                           "supported yet; run a single process"));
-  for (auto [key, value, what] : {std::tuple{"parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, "DDP/HSDP"},
-                                  std::tuple{"parallelism.tensor_parallel_degree", p.tensor_parallel_degree, "tensor parallelism"},
+  for (auto [key, value, what] : {std::tuple{"parallelism.tensor_parallel_degree", p.tensor_parallel_degree, "tensor parallelism"},
                                   std::tuple{"parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, "pipeline parallelism"},
                                   std::tuple{"parallelism.context_parallel_degree", p.context_parallel_degree, "context parallelism"},
                                   std::tuple{"parallelism.expert_parallel_degree", p.expert_parallel_degree, "expert parallelism"},
                                   std::tuple{"parallelism.expert_tensor_parallel_degree", p.expert_tensor_parallel_degree, "expert tensor parallelism"}})
     if (value > 1) not_yet(key, std::to_string(value), what);
-  if (p.data_parallel_shard_degree > 1) not_yet("parallelism.data_parallel_shard_degree", std::to_string(p.data_parallel_shard_degree), "FSDP");
   if (c.checkpoint.enable) not_yet("checkpoint.enable", "true", "checkpointing");
   if (c.checkpoint.create_seed_checkpoint) not_yet("checkpoint.create_seed_checkpoint", "true", "checkpointing");
   if (c.checkpoint.initial_load_path) not_yet("checkpoint.initial_load_path", quote(*c.checkpoint.initial_load_path), "loading checkpoints");
@@ -51,8 +46,8 @@ SupportReport check_supported(const LoadedConfig& loaded, int64_t world_size) {
   return r;
 }
 
-void require_supported(const LoadedConfig& loaded, int64_t world_size) {
-  auto report = check_supported(loaded, world_size);
+void require_supported(const LoadedConfig& loaded) {
+  auto report = check_supported(loaded);
   for (const auto& w : report.warnings) log::warn(w);
   if (report.errors.empty()) return;
   std::string message = "this configuration asks for features titan.cpp cannot run yet:";

@@ -13,9 +13,9 @@ struct SupportReport {
   std::vector<std::string> warnings;  // accepted with a difference worth knowing
 };
 
-SupportReport check_supported(const LoadedConfig& loaded, int64_t world_size);
+SupportReport check_supported(const LoadedConfig& loaded);
 
 // Throws UserError listing every unsupported setting; logs the warnings.
-void require_supported(const LoadedConfig& loaded, int64_t world_size);
+void require_supported(const LoadedConfig& loaded);
 
 }  // namespace titan::config

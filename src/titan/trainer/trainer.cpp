@@ -35,10 +35,14 @@ double now_seconds() {
 
 at::ScalarType dtype_from_name(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
 
-int64_t world_size_from_environment() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", "WORLD_SIZE"})
-    if (const char* v = std::getenv(var)) return std::max<int64_t>(1, std::atoll(v));
-  return 1;
+// Ranks that print: LOG_RANK (comma-separated ranks, or "all"), rank 0 by default, as torchtitan's launcher.
+bool rank_logs(int rank) {
+  const char* env = std::getenv("LOG_RANK");
+  if (!env || !*env) return rank == 0;
+  if (std::string(env) == "all") return true;
+  for (const auto& part : split(env, ','))
+    if (trim(part) == std::to_string(rank)) return true;
+  return false;
 }
 
 // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
@@ -66,19 +70,34 @@ class AutocastScope {
 
 Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   const config::JobConfig& c = loaded_.config;
-  config::require_supported(loaded_, world_size_from_environment());
+  config::require_supported(loaded_);
+  launch_ = distributed::detect_launch();
+  log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
+  auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
 
   log::info("Starting job: ", c.job.description);
   if (c.job.print_config) log::info("Running with configs: ", config::to_json(c));
   std::filesystem::create_directories(c.job.dump_folder);
-  if (c.job.save_config_file) {
+  if (c.job.save_config_file && launch_.rank == 0) {
     auto path = std::filesystem::path(c.job.dump_folder) / *c.job.save_config_file;
     std::ofstream(path) << config::to_json(c) << "\n";
     log::info("Saved job configs to ", path.string());
   }
 
-  if (at::hasCUDA()) device_ = at::Device(at::kCUDA, 0);
+  std::shared_ptr<distributed::Communicator> comm;
+  if (at::hasCUDA()) {
+    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(launch_.local_rank));
+    std::shared_ptr<distributed::Communicator> bootstrap;
+    if (launch_.world_size > 1 && launch_.launcher != "torchrun") bootstrap = distributed::world(launch_);
+    comm = launch_.world_size > 1 ? distributed::make_nccl_world(launch_, bootstrap, launch_.local_rank)
+                                  : distributed::make_local_communicator();
+  } else {
+    comm = distributed::world(launch_);
+  }
+  mesh_ = std::make_unique<distributed::DeviceMesh>(dims, comm);
+  mesh_->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));
+  log::info("Parallelism: ", dims.describe(), " launched by ", launch_.launcher, "; ", comm->backend(), " communication");
 
   // Determinism and seeding.
   if (c.debug.deterministic) {
@@ -90,6 +109,12 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     log::info("Deterministic algorithms enabled (", c.debug.deterministic_warn_only ? "warn only" : "errors on non-deterministic ops", ")");
   }
   uint64_t seed = c.debug.seed ? static_cast<uint64_t>(*c.debug.seed) : std::random_device{}();
+  {
+    // Every rank initialises the same model: rank 0's seed wins.
+    at::Tensor shared = at::full({1}, static_cast<int64_t>(seed & 0x7fffffffffffffffULL), at::kLong).to(device_);
+    mesh_->world()->broadcast(shared, 0);
+    seed = static_cast<uint64_t>(shared.cpu().item<int64_t>());
+  }
   at::manual_seed(seed);
   log::info("Seed ", seed, c.debug.seed ? " (debug.seed)" : " (random; set --debug.seed to reproduce)");
 
@@ -99,8 +124,12 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 
   // Tokenizer.
   std::string tokenizer_path = c.model.hf_assets_path;
-  if (tokenizer_path == data::kBuiltinTokenizer)
+  if (tokenizer_path == data::kBuiltinTokenizer) {
+    // Rank 0 learns it; the others reuse its file, or learn the same one where the dump folder is not shared.
+    if (launch_.rank == 0) data::ensure_builtin_tokenizer(c.job.dump_folder, args.vocab_size);
+    mesh_->world()->barrier();
     tokenizer_path = data::ensure_builtin_tokenizer(c.job.dump_folder, args.vocab_size);
+  }
   tokenizer_ = tokenizer::load(tokenizer_path);
   log::info("Tokenizer: ", tokenizer_->description(), "; BOS ", tokenizer_->bos_id() ? std::to_string(*tokenizer_->bos_id()) : "none",
             ", EOS ", tokenizer_->eos_id() ? std::to_string(*tokenizer_->eos_id()) : "none");
@@ -122,16 +151,30 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   auto ac = distributed::apply_activation_checkpointing(*model_, c.activation_checkpoint);
   log::info("Activation checkpointing: ", ac.description);
 
-  if (param_dtype == at::kFloat && c.training.mixed_precision_param == "bfloat16") autocast_dtype_ = at::kBFloat16;
-  log::info(autocast_dtype_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters)"
-                            : cat("Training in ", c.training.dtype, " without autocast"));
+  // Mixed precision as torchtitan: FSDP gathers parameters in mixed_precision_param and reduces gradients in
+  // mixed_precision_reduce; single-device and DDP runs compute under autocast instead.
+  const at::ScalarType mp_param = dtype_from_name(c.training.mixed_precision_param);
+  distributed::FsdpOptions fsdp;
+  fsdp.param_dtype = param_dtype == at::kFloat ? mp_param : param_dtype;
+  fsdp.reduce_dtype = dtype_from_name(c.training.mixed_precision_reduce);
+  fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
+  data_parallel_ = distributed::apply_data_parallel(*model_, *mesh_, fsdp);
+  log::info("Data parallelism: ", data_parallel_->describe());
+  if (dims.fsdp_enabled()) {
+    log::info("Mixed precision training is handled by FSDP (", c.training.mixed_precision_param, " compute, ",
+              c.training.mixed_precision_reduce, " gradient reduction)");
+  } else {
+    if (param_dtype == at::kFloat && mp_param == at::kBFloat16) autocast_dtype_ = at::kBFloat16;
+    log::info(autocast_dtype_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters)"
+                              : cat("Training in ", c.training.dtype, " without autocast"));
+  }
 
-  optimizer_ = std::make_unique<AdamW>(model_->parameters(), c.optimizer);
+  optimizer_ = std::make_unique<AdamW>(data_parallel_->optimizer_parameters(), c.optimizer);
   lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);
   optimizer_->set_lr(lr_scheduler_->current_lr());
 
   // Batch sizes: global = local x data-parallel degree unless set; the rest is gradient accumulation.
-  const int64_t dp_degree = 1;
+  const int64_t dp_degree = dims.dp_degree();
   const int64_t per_step = c.training.local_batch_size * dp_degree;
   const int64_t global = c.training.global_batch_size < 0 ? per_step : c.training.global_batch_size;
   if (global % per_step != 0)
@@ -142,7 +185,8 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 
   auto spec = data::resolve_dataset(c.training.dataset, c.training.dataset_path);
   log::info("Dataset ", spec.name, ": ", spec.files.size(), " file(s)");
-  dataloader_ = std::make_unique<data::TextDataLoader>(spec, *tokenizer_, c.training.seq_len, c.training.local_batch_size);
+  dataloader_ = std::make_unique<data::TextDataLoader>(spec, *tokenizer_, c.training.seq_len, c.training.local_batch_size,
+                                                       mesh_->dp_rank(), dp_degree);
 
   memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
   const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
@@ -162,13 +206,19 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
   StepResult result;
   result.lr = optimizer_->lr();
   optimizer_->zero_grad();
+  // The loss is divided by the number of valid tokens in the whole global batch (all micro-batches, all ranks),
+  // so every token weighs the same however the batch is split.
   int64_t valid = 0;
   for (const auto& mb : microbatches) valid += count_valid_tokens(mb.labels);
-  if (valid == 0) fail("a training step has no valid label tokens");
-  const double global_valid = static_cast<double>(valid);
+  at::Tensor valid_tensor = at::full({1}, valid, at::kLong).to(device_);
+  mesh_->get("dp")->all_reduce(valid_tensor, distributed::ReduceOp::Sum);
+  const int64_t global_valid_count = valid_tensor.cpu().item<int64_t>();
+  if (global_valid_count == 0) fail("a training step has no valid label tokens");
+  const double global_valid = static_cast<double>(global_valid_count);
 
-  at::Tensor loss_total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device_));
-  for (const auto& mb : microbatches) {
+  at::Tensor loss_total = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  for (size_t m = 0; m < microbatches.size(); ++m) {
+    const auto& mb = microbatches[m];
     at::Tensor inputs = mb.inputs.to(device_), labels = mb.labels.to(device_);
     at::Tensor loss;
     {
@@ -176,14 +226,18 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
       at::Tensor logits = model_->forward(inputs);
       loss = cross_entropy_sum(logits, labels) / global_valid;
     }
+    data_parallel_->before_backward(m + 1 == microbatches.size());
     loss.backward();
+    data_parallel_->after_backward();
     loss_total += loss.detach();
     result.tokens += labels.numel();
   }
-  at::Tensor norm = clip_grad_norm_(optimizer_->parameters(), loaded_.config.training.max_norm);
+  data_parallel_->finish_gradients();
+  at::Tensor norm = data_parallel_->clip_grad_norm(loaded_.config.training.max_norm);
   optimizer_->step();
   lr_scheduler_->step();
   optimizer_->set_lr(lr_scheduler_->current_lr());
+  mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);
   result.loss = loss_total.item<double>();
   result.grad_norm = norm.item<double>();
   return result;
@@ -231,6 +285,8 @@ int Trainer::train() {
     tokens_seen_ += r.tokens;
     tokens_since_log_ += r.tokens;
     if (!std::isfinite(r.loss)) log::warn("step ", step_, ": loss is ", r.loss);
+    // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
+    if (step_ == 1) mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
     if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
     if (int sig = g_stop_signal.load()) {
       log::warn("received ", sig == SIGINT ? "SIGINT" : "SIGTERM", ": stopped cleanly after step ", step_, " of ", c.training.steps);

@@ -11,6 +11,8 @@
 #include "titan/components/optimizer.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/config/loader.h"
+#include "titan/distributed/data_parallel.h"
+#include "titan/distributed/parallel_dims.h"
 #include "titan/models/llama3/model.h"
 
 namespace titan {
@@ -43,12 +45,17 @@ class Trainer {
   int64_t gradient_accumulation_steps() const { return grad_accum_steps_; }
   int64_t step() const { return step_; }
   const at::Device& device() const { return device_; }
+  const distributed::DeviceMesh& mesh() const { return *mesh_; }
+  distributed::DataParallel& data_parallel() { return *data_parallel_; }
 
  private:
   void log_step(const StepResult& result, double data_seconds);
 
   config::LoadedConfig loaded_;
   at::Device device_{at::kCPU};
+  distributed::LaunchInfo launch_;
+  std::unique_ptr<distributed::DeviceMesh> mesh_;
+  std::unique_ptr<distributed::DataParallel> data_parallel_;
   std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   std::shared_ptr<llama3::Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;

@@ -1,5 +1,7 @@
 #include "titan/components/checkpoint/safetensors.h"
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -104,7 +106,7 @@ void save(const std::string& path, const std::vector<std::pair<std::string, at::
   }
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text.push_back(' ');  // align the data section
-  const std::string tmp = path + ".tmp";
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) fail("cannot write ", quote(tmp));

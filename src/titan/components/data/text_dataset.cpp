@@ -154,17 +154,14 @@ std::vector<int32_t> TextDataLoader::next_window() {
   std::string document;
   while (buffer_.size() < window) {
     if (!reader_.next(document)) {
-      if (tokens_this_epoch_ == 0)
-        fail("dataset ", reader_.spec().name, " yields no tokens for data-parallel rank ", dp_rank_, " of ", dp_degree_);
+      if (tokens_this_epoch_ == 0) fail("dataset ", reader_.spec().name, " yields no tokens");
       ++epoch_;
       log::info("dataset ", reader_.spec().name, " exhausted after ", with_thousands(documents_this_epoch_),
                 " documents; starting epoch ", epoch_ + 1);
       reader_.rewind();
       documents_this_epoch_ = tokens_this_epoch_ = 0;
-      document_index_ = 0;
       continue;
     }
-    if (document_index_++ % dp_degree_ != dp_rank_) continue;
     auto ids = tokenizer_.encode_document(document);
     ++documents_this_epoch_;
     tokens_this_epoch_ += static_cast<int64_t>(ids.size());
@@ -178,9 +175,10 @@ std::vector<int32_t> TextDataLoader::next_window() {
 Batch TextDataLoader::next() {
   at::Tensor windows = at::empty({batch_size_, seq_len_ + 1}, at::kLong);
   auto* data = windows.data_ptr<int64_t>();
-  for (int64_t b = 0; b < batch_size_; ++b) {
+  for (int64_t i = 0; i < dp_degree_ * batch_size_; ++i) {
     auto w = next_window();
-    std::copy(w.begin(), w.end(), data + b * (seq_len_ + 1));
+    const int64_t b = i - dp_rank_ * batch_size_;
+    if (b >= 0 && b < batch_size_) std::copy(w.begin(), w.end(), data + b * (seq_len_ + 1));
   }
   return Batch{windows.narrow(1, 0, seq_len_).contiguous(), windows.narrow(1, 1, seq_len_).contiguous()};
 }

@@ -55,7 +55,9 @@ struct Batch {
 
 class TextDataLoader {
  public:
-  // dp_rank / dp_degree: this rank reads every dp_degree-th document (a disjoint share).
+  // dp_rank / dp_degree: all ranks pack the same global stream of windows; of each group of dp_degree x batch_size
+  // consecutive windows, rank r takes windows [r x batch_size, (r + 1) x batch_size). The union over ranks is the
+  // single-process stream, whatever the number of ranks.
   TextDataLoader(DatasetSpec spec, const tokenizer::Tokenizer& tokenizer, int64_t seq_len, int64_t batch_size,
                  int64_t dp_rank = 0, int64_t dp_degree = 1);
   Batch next();
@@ -66,7 +68,7 @@ class TextDataLoader {
   DocumentReader reader_;
   const tokenizer::Tokenizer& tokenizer_;
   int64_t seq_len_, batch_size_, dp_rank_, dp_degree_;
-  int64_t document_index_ = 0, epoch_ = 0;
+  int64_t epoch_ = 0;
   int64_t documents_this_epoch_ = 0, tokens_this_epoch_ = 0;
   std::deque<int32_t> buffer_;
 };

@@ -1,6 +1,8 @@
 #include "titan/components/tokenizer/bpe_trainer.h"
 
 #include <algorithm>
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -155,7 +157,7 @@ BpeTrainerStats train_bpe(const std::function<void(const std::function<void(std:
     }
   }
 
-  std::string tmp = output_path + ".tmp";
+  std::string tmp = output_path + ".tmp." + std::to_string(::getpid());
   {
     auto parent = std::filesystem::path(output_path).parent_path();
     if (!parent.empty()) std::filesystem::create_directories(parent);

@@ -1,0 +1,131 @@
+#include "titan/distributed/communicator.h"
+
+#include <cstdlib>
+#include <mutex>
+
+#include "titan/common/error.h"
+#include "titan/distributed/mpi_runtime.h"
+
+namespace titan::distributed {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+
+namespace {
+
+class DoneWork final : public Work {
+ public:
+  void wait() override {}
+  bool completed() override { return true; }
+};
+
+// One rank: collectives are identities (avg of one value is the value).
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator() { name_ = "world"; }
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "local"; }
+  void set_timeout(std::chrono::seconds) override {}
+  int64_t bytes_communicated() const override { return 0; }
+  std::shared_ptr<Work> all_reduce(at::Tensor&, ReduceOp, bool) override { return completed_work(); }
+  std::shared_ptr<Work> all_gather_into(at::Tensor& output, const at::Tensor& input, bool) override {
+    if (output.numel() != input.numel()) fail("all_gather_into: output must hold input.numel() elements on one rank");
+    output.view(-1).copy_(input.reshape(-1));
+    return completed_work();
+  }
+  std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input, ReduceOp, bool) override {
+    if (output.numel() != input.numel()) fail("reduce_scatter: input must hold output.numel() elements on one rank");
+    output.view(-1).copy_(input.reshape(-1));
+    return completed_work();
+  }
+  std::shared_ptr<Work> broadcast(at::Tensor&, int, bool) override { return completed_work(); }
+  std::shared_ptr<Work> send(const at::Tensor&, int destination, int, bool) override {
+    fail("send to rank ", destination, " in a single-process job");
+  }
+  std::shared_ptr<Work> recv(at::Tensor&, int source, int, bool) override { fail("recv from rank ", source, " in a single-process job"); }
+  void barrier() override {}
+  std::shared_ptr<Communicator> split(int, int, const std::string& name) override {
+    auto c = std::make_shared<LocalCommunicator>();
+    c->name_ = name;
+    return c;
+  }
+};
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < 0) fail("environment variable ", name, "=", v, " is not a non-negative integer");
+  return static_cast<int>(x);
+}
+
+std::mutex g_world_mutex;
+std::shared_ptr<Communicator> g_world;
+
+}  // namespace
+
+std::shared_ptr<Work> completed_work() { return std::make_shared<DoneWork>(); }
+
+std::shared_ptr<Communicator> make_local_communicator() { return std::make_shared<LocalCommunicator>(); }
+
+LaunchInfo detect_launch() {
+  LaunchInfo info;
+  if (std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    info.launcher = "mpirun";
+    info.rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+    info.world_size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+    info.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    info.local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+  } else if (std::getenv("SLURM_PROCID") && std::getenv("SLURM_NTASKS")) {
+    info.launcher = "srun";
+    info.rank = env_int("SLURM_PROCID", 0);
+    info.world_size = env_int("SLURM_NTASKS", 1);
+    info.local_rank = env_int("SLURM_LOCALID", 0);
+    info.local_world_size = env_int("SLURM_NTASKS_PER_NODE", 1);
+  } else if (std::getenv("WORLD_SIZE")) {
+    info.launcher = "torchrun";
+    info.rank = env_int("RANK", 0);
+    info.world_size = env_int("WORLD_SIZE", 1);
+    info.local_rank = env_int("LOCAL_RANK", 0);
+    info.local_world_size = env_int("LOCAL_WORLD_SIZE", 1);
+  }
+  if (info.world_size < 1 || info.rank >= info.world_size)
+    fail("launcher ", info.launcher, " reports rank ", info.rank, " of world size ", info.world_size);
+  return info;
+}
+
+std::shared_ptr<Communicator> world(const LaunchInfo& launch) {
+  std::lock_guard<std::mutex> lock(g_world_mutex);
+  if (g_world) return g_world;
+  if (launch.world_size == 1) {
+    g_world = make_local_communicator();
+  } else if (launch.launcher == "mpirun" || launch.launcher == "srun") {
+    g_world = make_mpi_world();
+    if (g_world->size() != launch.world_size || g_world->rank() != launch.rank)
+      fail("MPI reports rank ", g_world->rank(), " of ", g_world->size(), " but the ", launch.launcher, " environment says ",
+           launch.rank, " of ", launch.world_size, "; with srun use --mpi=pmix so that MPI sees the job");
+  } else {
+    fail("a ", launch.world_size, "-process job launched by ", launch.launcher,
+         " needs MPI for CPU communication: start it with mpirun or srun (--mpi=pmix)");
+  }
+  return g_world;
+}
+
+void shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(g_world_mutex);
+    g_world.reset();
+  }
+  mpi_finalize();
+}
+
+}  // namespace titan::distributed

@@ -1,0 +1,87 @@
+// Communicator: titan's small collective-communication interface over real engines (OpenMPI for CPU tensors,
+// NCCL for CUDA tensors, a trivial one for a single process). Every operation can run asynchronously and returns a
+// Work handle; operations on one communicator complete in the order they were issued on every rank.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace titan::distributed {
+
+enum class ReduceOp { Sum, Avg, Max, Min };
+const char* reduce_op_name(ReduceOp op);
+
+// A pending operation. wait() blocks until it is done (and, for GPU backends, orders the current stream after it)
+// and rethrows its error, if any.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual void wait() = 0;
+  virtual bool completed() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend() const = 0;
+  const std::string& name() const { return name_; }
+
+  // In place on `tensor` (contiguous).
+  virtual std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op, bool async = false) = 0;
+  // `output` holds size() * input.numel() elements: rank i's input lands at [i * n, (i + 1) * n).
+  virtual std::shared_ptr<Work> all_gather_into(at::Tensor& output, const at::Tensor& input, bool async = false) = 0;
+  // `input` holds size() * output.numel() elements; rank i receives the reduction of block i.
+  virtual std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                               bool async = false) = 0;
+  virtual std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async = false) = 0;
+  virtual std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag = 0, bool async = false) = 0;
+  virtual std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag = 0, bool async = false) = 0;
+  virtual void barrier() = 0;
+
+  // Collective over this communicator: ranks with the same color form a new communicator, ordered by key.
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+
+  // Operations not done within this many seconds abort the job with an error naming the operation (a peer died
+  // or hangs). torchtitan's comm.init_timeout_seconds until the first step ends, comm.train_timeout_seconds after.
+  virtual void set_timeout(std::chrono::seconds timeout) = 0;
+
+  // Bytes this rank has sent into collectives since construction (for benchmarks).
+  virtual int64_t bytes_communicated() const = 0;
+
+ protected:
+  std::string name_ = "world";
+};
+
+// The process's place in the job, from the launcher's environment: mpirun (OMPI_COMM_WORLD_*), srun (SLURM_*),
+// or torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+struct LaunchInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string launcher = "single process";  // "mpirun", "srun", "torchrun", "single process"
+};
+LaunchInfo detect_launch();
+
+// The world communicator for this process: MPI when launched by mpirun/srun with more than one rank, a
+// single-process communicator otherwise. Created once; later calls return the same object.
+std::shared_ptr<Communicator> world(const LaunchInfo& launch);
+
+// Local and multi-process implementations, exposed for tests and backends.
+std::shared_ptr<Communicator> make_local_communicator();
+std::shared_ptr<Communicator> make_mpi_world();
+// NCCL over CUDA tensors, bootstrapped through `bootstrap` (any communicator spanning the same ranks) or, when
+// null, through a TCP store at MASTER_ADDR:MASTER_PORT. Throws UserError when titan was built without CUDA.
+std::shared_ptr<Communicator> make_nccl_world(const LaunchInfo& launch, const std::shared_ptr<Communicator>& bootstrap,
+                                              int device_index);
+
+// Convenience: a completed Work.
+std::shared_ptr<Work> completed_work();
+
+}  // namespace titan::distributed

@@ -1,0 +1,50 @@
+// DDP: replicated parameters with bucketed, backward-overlapped gradient all-reduce (see ddp.cpp).
+#pragma once
+#include <torch/csrc/autograd/function.h>
+
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/data_parallel.h"
+
+namespace titan::distributed {
+
+class Ddp final : public DataParallel {
+ public:
+  // Bucket sizes as PyTorch's DDP: a small first bucket so communication starts early, then 25 MiB.
+  Ddp(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group, int64_t first_bucket_bytes = 1 << 20,
+      int64_t bucket_bytes = 25 << 20);
+
+  void before_backward(bool last_microbatch) override;
+  void finish_gradients() override;
+  std::vector<at::Tensor> optimizer_parameters() override;
+  at::Tensor clip_grad_norm(double max_norm) override;
+  std::string describe() const override;
+  int64_t bytes_communicated() const override;
+  double wait_seconds() const override { return wait_seconds_; }
+  size_t bucket_count() const { return buckets_.size(); }
+
+ private:
+  struct Bucket {
+    std::vector<int64_t> params;   // indices into params_
+    std::vector<int64_t> offsets;  // element offsets in the flat buffer
+    int64_t numel = 0;
+    at::ScalarType dtype = at::kFloat;
+    int64_t ready = 0;
+    bool launched = false;
+    at::Tensor buffer;
+    std::shared_ptr<Work> work;
+  };
+  void on_gradient_ready(int64_t index);
+  void launch_ready();
+  void launch(Bucket& bucket);
+
+  std::vector<at::Tensor> params_;
+  std::shared_ptr<Communicator> group_;
+  std::vector<Bucket> buckets_;
+  std::vector<int64_t> bucket_of_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooked accumulators alive
+  size_t next_bucket_ = 0;
+  bool sync_ = false;
+  double wait_seconds_ = 0;
+};
+
+}  // namespace titan::distributed

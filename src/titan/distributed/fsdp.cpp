@@ -1,0 +1,278 @@
+// FSDP (ZeRO-3): every parameter is sharded on dim 0 (rows padded to a multiple of the group size) and the
+// optimizer updates only this rank's rows. Units (embedding, each block, norm + output) gather their parameters in
+// the compute dtype just before their forward, with the next unit's all-gather prefetched, and free them after
+// forward (reshard_after_forward); backward gathers them again (prefetching the previous unit), and once a
+// unit's gradients are complete they are reduce-scattered in the reduce dtype, summed into the shards' gradients,
+// and the full parameters freed. HSDP adds an all-reduce of the reduced shards across replica groups.
+//
+// The model's parameter tensors keep their full shape throughout; only their storage is released and
+// re-allocated, so views that autograd saved in forward (such as a transposed weight) see the re-gathered data in
+// backward.
+#include "titan/distributed/fsdp.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <chrono>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/optimizer.h"
+
+namespace titan::distributed {
+namespace {
+
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  if (s->nbytes() == 0) return;
+  s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == nbytes) return;
+  c10::Allocator* allocator = s->allocator() ? s->allocator() : c10::GetAllocator(s->device_type());
+  s->set_data_ptr_noswap(allocator->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+std::string dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "float32"; }
+
+}  // namespace
+
+Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::shared_ptr<Communicator> shard_group,
+           std::shared_ptr<Communicator> replicate_group, const FsdpOptions& options)
+    : shard_group_(std::move(shard_group)), replicate_group_(std::move(replicate_group)), options_(options) {
+  const int64_t n = shard_group_->size(), rank = shard_group_->rank();
+  at::NoGradGuard no_grad;
+  for (size_t u = 0; u < specs.size(); ++u) {
+    Unit unit;
+    unit.name = specs[u].name;
+    unit.reshard_after_forward = specs[u].reshard_after_forward;
+    for (nn::Unit* module : specs[u].modules) {
+      for (at::Tensor p : module->parameters()) {
+        Param param;
+        param.full_shape = p.sizes().vec();
+        param.rows = p.dim() == 0 ? 1 : p.size(0);
+        param.row_numel = param.rows == 0 ? 0 : p.numel() / param.rows;
+        param.shard_rows = (param.rows + n - 1) / n;
+        param.offset = unit.local_numel;
+        unit.local_numel += param.shard_numel();
+        // This rank's rows, zero-padded, in the training dtype: the tensor the optimizer owns.
+        std::vector<int64_t> shard_shape = param.full_shape;
+        if (shard_shape.empty()) shard_shape = {1};
+        shard_shape[0] = param.shard_rows;
+        param.shard = at::zeros(shard_shape, p.options().requires_grad(false));
+        const int64_t begin = std::min(rank * param.shard_rows, param.rows);
+        const int64_t count = std::min(param.shard_rows, param.rows - begin);
+        if (count > 0) param.shard.narrow(0, 0, count).copy_(p.reshape({param.rows, param.row_numel}).narrow(0, begin, count).view(
+                                                                  param.shard.narrow(0, 0, count).sizes()));
+        param.shard.requires_grad_(true);
+        // The model's parameter becomes a full-shape tensor in the compute dtype whose storage comes and goes.
+        p.set_data(at::empty(param.full_shape, p.options().dtype(options_.param_dtype).requires_grad(false)));
+        param.module_param = p;
+        auto accumulator = torch::autograd::impl::grad_accumulator(p);
+        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, u](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+              on_gradient(u);
+              return outputs;
+            }));
+        accumulators_.push_back(accumulator);
+        free_storage(p);
+        unit.params.push_back(std::move(param));
+      }
+    }
+    units_.push_back(std::move(unit));
+  }
+  for (size_t u = 0; u < specs.size(); ++u) {
+    if (units_[u].params.empty()) continue;
+    specs[u].modules.front()->add_wrapper(
+        "fsdp_unshard", [this, u](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
+          unshard(u);
+          for (size_t v = u + 1; v < units_.size(); ++v)
+            if (!units_[v].params.empty()) {
+              start_gather(v);  // prefetch the next unit's parameters while this one computes
+              break;
+            }
+          return next(inputs, context);
+        });
+    specs[u].modules.back()->add_wrapper(
+        "fsdp_reshard", [this, u](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
+          at::Tensor out = next(inputs, context);
+          if (units_[u].reshard_after_forward) reshard(u);
+          if (at::GradMode::is_enabled() && out.requires_grad())
+            out.register_hook([this, u](const at::Tensor& grad) {
+              pre_backward(u);
+              return grad;
+            });
+          return out;
+        });
+  }
+}
+
+Fsdp::~Fsdp() = default;
+
+void Fsdp::start_gather(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.state != Unit::State::Sharded) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> pieces;
+  for (auto& p : unit.params) pieces.push_back(p.shard.detach().reshape(-1));
+  at::Tensor local = at::cat(pieces).to(options_.param_dtype);
+  unit.gathered = at::empty({local.numel() * shard_group_->size()}, local.options());
+  unit.gather_work = shard_group_->all_gather_into(unit.gathered, local, /*async=*/true);
+  unit.state = Unit::State::Gathering;
+}
+
+void Fsdp::unshard(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.state == Unit::State::Unsharded) return;
+  start_gather(u);
+  unit.gather_work->wait();
+  at::NoGradGuard no_grad;
+  const int64_t n = shard_group_->size();
+  at::Tensor all = unit.gathered.view({n, unit.local_numel});
+  for (auto& p : unit.params) {
+    allocate_storage(p.module_param);
+    // variable_data(): write the values without bumping the parameter's version (autograd saved it in forward).
+    at::Tensor target = p.module_param.variable_data().view({p.rows, p.row_numel});
+    at::Tensor source = all.narrow(1, p.offset, p.shard_numel()).view({n, p.shard_rows, p.row_numel});
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t begin = i * p.shard_rows, count = std::min(p.shard_rows, p.rows - begin);
+      if (count <= 0) break;
+      target.narrow(0, begin, count).copy_(source[i].narrow(0, 0, count));
+    }
+  }
+  unit.gathered = at::Tensor();
+  unit.gather_work.reset();
+  unit.state = Unit::State::Unsharded;
+}
+
+void Fsdp::reshard(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.state == Unit::State::Gathering) unit.gather_work->wait();
+  for (auto& p : unit.params) free_storage(p.module_param);
+  unit.gathered = at::Tensor();
+  unit.gather_work.reset();
+  unit.state = Unit::State::Sharded;
+}
+
+void Fsdp::pre_backward(size_t u) {
+  unshard(u);
+  for (size_t v = u; v-- > 0;)
+    if (!units_[v].params.empty()) {
+      start_gather(v);  // prefetch the unit backward reaches next
+      break;
+    }
+}
+
+void Fsdp::on_gradient(size_t u) {
+  Unit& unit = units_[u];
+  if (++unit.grads_ready == static_cast<int64_t>(unit.params.size())) reduce(u);
+}
+
+void Fsdp::reduce(size_t u) {
+  Unit& unit = units_[u];
+  at::NoGradGuard no_grad;
+  const int64_t n = shard_group_->size();
+  auto options = unit.params.front().shard.options().dtype(options_.reduce_dtype).requires_grad(false);
+  at::Tensor input = at::zeros({n, unit.local_numel}, options);
+  for (auto& p : unit.params) {
+    at::Tensor grad = p.module_param.grad();
+    if (grad.defined()) {
+      at::Tensor g = grad.to(options_.reduce_dtype).reshape({p.rows, p.row_numel});
+      at::Tensor blocks = input.narrow(1, p.offset, p.shard_numel()).view({n, p.shard_rows, p.row_numel});
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t begin = i * p.shard_rows, count = std::min(p.shard_rows, p.rows - begin);
+        if (count <= 0) break;
+        blocks[i].narrow(0, 0, count).copy_(g.narrow(0, begin, count));
+      }
+    }
+    p.module_param.mutable_grad() = at::Tensor();
+  }
+  reshard(u);
+  at::Tensor reduced = at::empty({unit.local_numel}, options);
+  auto work = shard_group_->reduce_scatter(reduced, input.view(-1), ReduceOp::Sum, /*async=*/true);
+  if (replicate_group_->size() > 1) {
+    work->wait();
+    work = replicate_group_->all_reduce(reduced, ReduceOp::Sum, /*async=*/true);
+  }
+  pending_.push_back(Pending{u, reduced, work});
+  unit.grads_ready = 0;
+  unit.reduced_this_backward = true;
+}
+
+void Fsdp::after_backward() {
+  // Units some of whose parameters received no gradient (unused in this pass) are reduced now, in reverse unit
+  // order on every rank, with zeros for the missing gradients.
+  for (size_t u = units_.size(); u-- > 0;) {
+    Unit& unit = units_[u];
+    if (!unit.params.empty() && !unit.reduced_this_backward) reduce(u);
+    unit.reduced_this_backward = false;
+  }
+}
+
+void Fsdp::finish_gradients() {
+  at::NoGradGuard no_grad;
+  for (auto& pending : pending_) {
+    auto start = std::chrono::steady_clock::now();
+    pending.work->wait();
+    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (auto& p : units_[pending.unit].params) {
+      at::Tensor slice = pending.reduced.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes()).to(p.shard.scalar_type());
+      if (p.shard.grad().defined()) p.shard.mutable_grad().add_(slice);
+      else p.shard.mutable_grad() = slice.clone();
+    }
+  }
+  pending_.clear();
+}
+
+std::vector<at::Tensor> Fsdp::optimizer_parameters() {
+  std::vector<at::Tensor> out;
+  for (auto& unit : units_)
+    for (auto& p : unit.params) out.push_back(p.shard);
+  return out;
+}
+
+at::Tensor Fsdp::clip_grad_norm(double max_norm) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (auto& unit : units_)
+    for (auto& p : unit.params)
+      if (p.shard.grad().defined()) grads.push_back(p.shard.grad());
+  // Shards hold disjoint rows (padding rows are zero), so the local sums of squares add up to the global one, and
+  // each row's contribution is computed exactly as in one process.
+  at::Tensor squares = grad_squares(grads).reshape({1}).contiguous();
+  shard_group_->all_reduce(squares, ReduceOp::Sum);
+  at::Tensor total = squares.sqrt().reshape({});
+  scale_gradients_(grads, total, max_norm);
+  return total;
+}
+
+std::string Fsdp::describe() const {
+  int64_t local = 0;
+  for (const auto& unit : units_) local += unit.local_numel;
+  std::string mode = replicate_group_->size() > 1 ? cat("HSDP: ", replicate_group_->size(), " replica groups x ",
+                                                        shard_group_->size(), " shards")
+                                                  : cat("FSDP over ", shard_group_->size(), " ranks");
+  return cat(mode, "; ", units_.size(), " units, ", with_thousands(local), " parameter elements on this rank; gather in ",
+             dtype_name(options_.param_dtype), ", reduce in ", dtype_name(options_.reduce_dtype),
+             ", reshard_after_forward ", options_.reshard_after_forward);
+}
+
+int64_t Fsdp::bytes_communicated() const {
+  return shard_group_->bytes_communicated() + (replicate_group_->size() > 1 ? replicate_group_->bytes_communicated() : 0);
+}
+
+void Fsdp::unshard_all() {
+  for (size_t u = 0; u < units_.size(); ++u) unshard(u);
+}
+
+void Fsdp::reshard_all() {
+  for (size_t u = 0; u < units_.size(); ++u) reshard(u);
+}
+
+}  // namespace titan::distributed

@@ -1,0 +1,82 @@
+// FSDP (ZeRO-3) in the spirit of PyTorch's FSDP2, and HSDP on top of it (see fsdp.cpp).
+#pragma once
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/data_parallel.h"
+#include "titan/nn/unit.h"
+
+namespace titan::distributed {
+
+// A group of modules whose parameters are gathered and resharded together (embedding, a block, norm + output).
+struct FsdpUnitSpec {
+  std::string name;
+  std::vector<nn::Unit*> modules;  // in forward order
+  bool reshard_after_forward = true;
+};
+
+class Fsdp final : public DataParallel {
+ public:
+  // `shard_group` shards parameters (dp_shard); `replicate_group` (dp_replicate, HSDP) all-reduces the reduced
+  // shards; pass a single-rank communicator for plain FSDP.
+  Fsdp(const std::vector<FsdpUnitSpec>& units, std::shared_ptr<Communicator> shard_group,
+       std::shared_ptr<Communicator> replicate_group, const FsdpOptions& options);
+  ~Fsdp() override;
+
+  void before_backward(bool last_microbatch) override {}
+  void after_backward() override;
+  void finish_gradients() override;
+  std::vector<at::Tensor> optimizer_parameters() override;
+  at::Tensor clip_grad_norm(double max_norm) override;
+  std::string describe() const override;
+  int64_t bytes_communicated() const override;
+  double wait_seconds() const override { return wait_seconds_; }
+
+  void unshard_all() override;
+  void reshard_all() override;
+
+ private:
+  struct Param {
+    at::Tensor module_param;  // the model's parameter: full shape, param dtype, storage freed while sharded
+    at::Tensor shard;         // this rank's rows, training dtype, padded: what the optimizer updates
+    std::vector<int64_t> full_shape;
+    int64_t rows = 0, shard_rows = 0, row_numel = 1, offset = 0;
+    int64_t shard_numel() const { return shard_rows * row_numel; }
+  };
+  struct Pending {
+    size_t unit;
+    at::Tensor reduced;  // local flat gradient shard (reduce dtype)
+    std::shared_ptr<Work> work;
+  };
+  struct Unit {
+    std::string name;
+    std::vector<Param> params;
+    int64_t local_numel = 0;
+    bool reshard_after_forward = true;
+    enum class State { Sharded, Gathering, Unsharded } state = State::Sharded;
+    at::Tensor gathered;
+    std::shared_ptr<Work> gather_work;
+    int64_t grads_ready = 0;
+    bool reduced_this_backward = false;
+  };
+
+  void start_gather(size_t u);
+  void unshard(size_t u);
+  void reshard(size_t u);
+  void pre_backward(size_t u);
+  void on_gradient(size_t u);
+  void reduce(size_t u);
+
+  std::vector<Unit> units_;
+  std::shared_ptr<Communicator> shard_group_, replicate_group_;
+  FsdpOptions options_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<Pending> pending_;
+  double wait_seconds_ = 0;
+};
+
+}  // namespace titan::distributed

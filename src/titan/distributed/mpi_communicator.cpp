@@ -1,0 +1,391 @@
+// The OpenMPI backend for CPU tensors. One worker thread issues every MPI call in submission order (so async
+// operations overlap with computation and keep a global order), and a watchdog aborts the job when an operation
+// outlives its timeout, which is how a dead or hung peer shows up.
+// The C API only: skip the (removed from the standard) C++ bindings.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/mpi_runtime.h"
+
+namespace titan::distributed {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// 16-bit floats: MPI has no bfloat16/float16, so they travel as 2-byte opaque elements reduced by our own ops.
+
+template <typename Half, ReduceOp Op>
+void reduce_halves(void* in, void* inout, int* len, MPI_Datatype*) {
+  auto* a = static_cast<Half*>(in);
+  auto* b = static_cast<Half*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = static_cast<float>(a[i]), y = static_cast<float>(b[i]);
+    float r = Op == ReduceOp::Max ? std::max(x, y) : Op == ReduceOp::Min ? std::min(x, y) : x + y;
+    b[i] = static_cast<Half>(r);
+  }
+}
+
+struct MpiTypes {
+  MPI_Datatype half_type = MPI_DATATYPE_NULL;
+  MPI_Op bf16_sum, bf16_max, bf16_min, f16_sum, f16_max, f16_min;
+  void create() {
+    MPI_Type_contiguous(2, MPI_BYTE, &half_type);
+    MPI_Type_commit(&half_type);
+    MPI_Op_create(&reduce_halves<c10::BFloat16, ReduceOp::Sum>, 1, &bf16_sum);
+    MPI_Op_create(&reduce_halves<c10::BFloat16, ReduceOp::Max>, 1, &bf16_max);
+    MPI_Op_create(&reduce_halves<c10::BFloat16, ReduceOp::Min>, 1, &bf16_min);
+    MPI_Op_create(&reduce_halves<c10::Half, ReduceOp::Sum>, 1, &f16_sum);
+    MPI_Op_create(&reduce_halves<c10::Half, ReduceOp::Max>, 1, &f16_max);
+    MPI_Op_create(&reduce_halves<c10::Half, ReduceOp::Min>, 1, &f16_min);
+  }
+};
+MpiTypes& types() {
+  static MpiTypes t;
+  return t;
+}
+
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kLong: return MPI_INT64_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kShort: return MPI_INT16_T;
+    case at::kChar: return MPI_INT8_T;
+    case at::kByte:
+    case at::kBool: return MPI_UINT8_T;
+    case at::kBFloat16:
+    case at::kHalf: return types().half_type;
+    default: fail("the MPI backend cannot communicate tensors of dtype ", c10::toString(t));
+  }
+}
+
+MPI_Op mpi_op(ReduceOp op, at::ScalarType t) {
+  if (t == at::kBFloat16)
+    return op == ReduceOp::Max ? types().bf16_max : op == ReduceOp::Min ? types().bf16_min : types().bf16_sum;
+  if (t == at::kHalf) return op == ReduceOp::Max ? types().f16_max : op == ReduceOp::Min ? types().f16_min : types().f16_sum;
+  return op == ReduceOp::Max ? MPI_MAX : op == ReduceOp::Min ? MPI_MIN : MPI_SUM;
+}
+
+void check(int code, const std::string& what) {
+  if (code == MPI_SUCCESS) return;
+  char message[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, message, &length);
+  throw std::runtime_error(cat(what, " failed: ", std::string(message, static_cast<size_t>(length))));
+}
+
+void require_cpu_contiguous(const at::Tensor& t, const char* what) {
+  if (!t.device().is_cpu()) fail("the MPI backend communicates CPU tensors; ", what, " got a tensor on ", t.device().str());
+  if (!t.is_contiguous()) fail("the MPI backend needs contiguous tensors (", what, ")");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+class MpiWork final : public Work {
+ public:
+  explicit MpiWork(std::string what) : what_(std::move(what)) {}
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+    if (error_) std::rethrow_exception(error_);
+  }
+  bool completed() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return done_;
+  }
+  void finish(std::exception_ptr error) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+      error_ = error;
+    }
+    cv_.notify_all();
+  }
+  const std::string& what() const { return what_; }
+
+ private:
+  std::string what_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// Runs MPI calls on one thread, in order; watches the one in progress.
+class MpiEngine {
+ public:
+  static MpiEngine& instance() {
+    static MpiEngine* engine = new MpiEngine();  // lives until exit; shutdown() stops its threads
+    return *engine;
+  }
+
+  std::shared_ptr<MpiWork> submit(std::string what, std::chrono::seconds timeout, std::function<void()> fn) {
+    auto work = std::make_shared<MpiWork>(std::move(what));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) fail("communication was used after shutdown");
+      queue_.push_back(Item{work, std::move(fn), timeout});
+    }
+    cv_.notify_one();
+    return work;
+  }
+
+  void start() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (worker_.joinable()) return;
+    worker_ = std::thread([this] { worker_loop(); });
+    watchdog_ = std::thread([this] { watchdog_loop(); });
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+    watchdog_stop_ = true;
+    if (watchdog_.joinable()) watchdog_.join();
+  }
+
+ private:
+  struct Item {
+    std::shared_ptr<MpiWork> work;
+    std::function<void()> fn;
+    std::chrono::seconds timeout;
+  };
+
+  void worker_loop() {
+    while (true) {
+      Item item;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        item = std::move(queue_.front());
+        queue_.pop_front();
+        current_what_ = item.work->what();
+        current_deadline_ = std::chrono::steady_clock::now() + item.timeout;
+        current_timeout_ = item.timeout;
+        busy_ = true;
+      }
+      std::exception_ptr error;
+      try {
+        item.fn();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        busy_ = false;
+      }
+      item.work->finish(error);
+    }
+  }
+
+  void watchdog_loop() {
+    while (!watchdog_stop_) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      std::string what;
+      std::chrono::seconds timeout{0};
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!busy_ || std::chrono::steady_clock::now() < current_deadline_) continue;
+        what = current_what_;
+        timeout = current_timeout_;
+      }
+      int rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      std::fprintf(stderr,
+                   "error: [rank %d] %s did not complete within %lld s (comm.init_timeout_seconds / "
+                   "comm.train_timeout_seconds): another rank has died or hangs. Aborting the job.\n",
+                   rank, what.c_str(), static_cast<long long>(timeout.count()));
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 3);
+      std::_Exit(3);
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool stopping_ = false;
+  std::atomic<bool> watchdog_stop_{false};
+  bool busy_ = false;
+  std::string current_what_;
+  std::chrono::steady_clock::time_point current_deadline_;
+  std::chrono::seconds current_timeout_{0};
+  std::thread worker_, watchdog_;
+};
+
+class MpiCommunicator final : public Communicator, public std::enable_shared_from_this<MpiCommunicator> {
+ public:
+  MpiCommunicator(MPI_Comm comm, std::string name) : comm_(comm) {
+    name_ = std::move(name);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "mpi"; }
+  void set_timeout(std::chrono::seconds timeout) override { timeout_ = timeout; }
+  int64_t bytes_communicated() const override { return bytes_; }
+
+  std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op, bool async) override {
+    require_cpu_contiguous(tensor, "all_reduce");
+    if (op == ReduceOp::Avg && !at::isFloatingType(tensor.scalar_type())) fail("all_reduce(avg) needs a floating-point tensor");
+    at::Tensor t = tensor;
+    const int n = count(t);
+    bytes_ += static_cast<int64_t>(t.nbytes());
+    return run(cat("all_reduce(", reduce_op_name(op), ", ", n, " x ", c10::toString(t.scalar_type()), ")"),
+               [t, op, n, comm = comm_, size = size_]() mutable {
+                 check(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), n, mpi_type(t.scalar_type()), mpi_op(op, t.scalar_type()), comm),
+                       "MPI_Allreduce");
+                 if (op == ReduceOp::Avg) t.div_(size);
+               },
+               async);
+  }
+
+  std::shared_ptr<Work> all_gather_into(at::Tensor& output, const at::Tensor& input, bool async) override {
+    require_cpu_contiguous(output, "all_gather_into output");
+    require_cpu_contiguous(input, "all_gather_into input");
+    if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type())
+      fail("all_gather_into: output must hold ", size_, " x ", input.numel(), " elements of the input's dtype");
+    at::Tensor out = output, in = input;
+    bytes_ += static_cast<int64_t>(in.nbytes()) * (size_ - 1);
+    return run(cat("all_gather(", in.numel(), " x ", c10::toString(in.scalar_type()), ")"),
+               [out, in, comm = comm_]() mutable {
+                 MPI_Datatype type = mpi_type(in.scalar_type());
+                 check(MPI_Allgather(in.data_ptr(), count(in), type, out.data_ptr(), count(in), type, comm), "MPI_Allgather");
+               },
+               async);
+  }
+
+  std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input, ReduceOp op, bool async) override {
+    require_cpu_contiguous(output, "reduce_scatter output");
+    require_cpu_contiguous(input, "reduce_scatter input");
+    if (input.numel() != output.numel() * size_ || output.scalar_type() != input.scalar_type())
+      fail("reduce_scatter: input must hold ", size_, " x ", output.numel(), " elements of the output's dtype");
+    at::Tensor out = output, in = input;
+    bytes_ += static_cast<int64_t>(out.nbytes()) * (size_ - 1);
+    return run(cat("reduce_scatter(", reduce_op_name(op), ", ", in.numel(), " x ", c10::toString(in.scalar_type()), ")"),
+               [out, in, op, comm = comm_, size = size_]() mutable {
+                 MPI_Datatype type = mpi_type(in.scalar_type());
+                 check(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count(out), type, mpi_op(op, in.scalar_type()), comm),
+                       "MPI_Reduce_scatter_block");
+                 if (op == ReduceOp::Avg) out.div_(size);
+               },
+               async);
+  }
+
+  std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async) override {
+    require_cpu_contiguous(tensor, "broadcast");
+    at::Tensor t = tensor;
+    if (rank_ == root) bytes_ += static_cast<int64_t>(t.nbytes());
+    return run(cat("broadcast(root ", root, ", ", t.numel(), " x ", c10::toString(t.scalar_type()), ")"),
+               [t, root, comm = comm_]() mutable {
+                 check(MPI_Bcast(t.data_ptr(), count(t), mpi_type(t.scalar_type()), root, comm), "MPI_Bcast");
+               },
+               async);
+  }
+
+  std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag, bool async) override {
+    require_cpu_contiguous(tensor, "send");
+    at::Tensor t = tensor;
+    bytes_ += static_cast<int64_t>(t.nbytes());
+    return run(cat("send(to ", destination, ", tag ", tag, ")"),
+               [t, destination, tag, comm = comm_]() {
+                 check(MPI_Send(t.data_ptr(), count(t), mpi_type(t.scalar_type()), destination, tag, comm), "MPI_Send");
+               },
+               async);
+  }
+
+  std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag, bool async) override {
+    require_cpu_contiguous(tensor, "recv");
+    at::Tensor t = tensor;
+    return run(cat("recv(from ", source, ", tag ", tag, ")"),
+               [t, source, tag, comm = comm_]() mutable {
+                 check(MPI_Recv(t.data_ptr(), count(t), mpi_type(t.scalar_type()), source, tag, comm, MPI_STATUS_IGNORE),
+                       "MPI_Recv");
+               },
+               async);
+  }
+
+  void barrier() override {
+    run("barrier", [comm = comm_] { check(MPI_Barrier(comm), "MPI_Barrier"); }, false);
+  }
+
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+    MPI_Comm out = MPI_COMM_NULL;
+    run(cat("split(", name, ")"), [&] { check(MPI_Comm_split(comm_, color, key, &out), "MPI_Comm_split"); }, false);
+    auto child = std::make_shared<MpiCommunicator>(out, name);
+    child->set_timeout(timeout_);
+    return child;
+  }
+
+ private:
+  static int count(const at::Tensor& t) {
+    if (t.numel() > std::numeric_limits<int>::max()) fail("tensor too large for one MPI call (", t.numel(), " elements)");
+    return static_cast<int>(t.numel());
+  }
+
+  std::shared_ptr<Work> run(const std::string& what, std::function<void()> fn, bool async) {
+    auto work = MpiEngine::instance().submit(cat(what, " on ", name_, " (", size_, " ranks)"), timeout_, std::move(fn));
+    if (!async) work->wait();
+    return work;
+  }
+
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+  std::chrono::seconds timeout_{300};
+  std::atomic<int64_t> bytes_{0};
+};
+
+bool g_initialized_here = false;
+
+}  // namespace
+
+void mpi_initialize() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (provided < MPI_THREAD_SERIALIZED)
+      fail("the MPI library provides thread level ", provided, "; titan needs at least MPI_THREAD_SERIALIZED");
+    g_initialized_here = true;
+  }
+  types().create();
+  MpiEngine::instance().start();
+}
+
+void mpi_finalize() {
+  if (!g_initialized_here) return;
+  MpiEngine::instance().stop();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+  g_initialized_here = false;
+}
+
+std::shared_ptr<Communicator> make_mpi_world() {
+  mpi_initialize();
+  MPI_Comm dup;
+  MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+  return std::make_shared<MpiCommunicator>(dup, "world");
+}
+
+}  // namespace titan::distributed

@@ -1,0 +1,12 @@
+// Starting and stopping the MPI runtime and titan's communication threads (called by world() and shutdown()).
+#pragma once
+
+namespace titan::distributed {
+
+void mpi_initialize();
+void mpi_finalize();
+
+// Stops communication threads and finalizes MPI if titan started it; call before the process exits normally.
+void shutdown();
+
+}  // namespace titan::distributed

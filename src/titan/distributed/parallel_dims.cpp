@@ -1,0 +1,93 @@
+#include "titan/distributed/parallel_dims.h"
+
+#include <vector>
+
+#include "titan/common/error.h"
+
+namespace titan::distributed {
+
+ParallelDims ParallelDims::from_config(const config::Parallelism& p, int64_t world_size) {
+  ParallelDims d;
+  d.world_size = world_size;
+  d.pp = p.pipeline_parallel_degree;
+  d.dp_replicate = p.data_parallel_replicate_degree;
+  d.cp = p.context_parallel_degree;
+  d.tp = p.tensor_parallel_degree;
+  d.ep = p.expert_parallel_degree;
+  d.etp = p.expert_tensor_parallel_degree;
+  const int64_t others = d.dp_replicate * d.cp * d.tp * d.pp;
+  if (p.data_parallel_shard_degree == -1) {
+    if (world_size % others != 0)
+      fail("parallelism: the world size ", world_size, " is not divisible by data_parallel_replicate_degree x "
+           "context_parallel_degree x tensor_parallel_degree x pipeline_parallel_degree = ", others,
+           ", so data_parallel_shard_degree = -1 cannot take the rest");
+    d.dp_shard = world_size / others;
+  } else {
+    d.dp_shard = p.data_parallel_shard_degree;
+  }
+  if (d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp != world_size)
+    fail("parallelism: data_parallel_replicate_degree (", d.dp_replicate, ") x data_parallel_shard_degree (", d.dp_shard,
+         ") x context_parallel_degree (", d.cp, ") x tensor_parallel_degree (", d.tp, ") x pipeline_parallel_degree (",
+         d.pp, ") = ", d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp, " must equal the number of processes (",
+         world_size, ")");
+  if (d.ep > 1 && d.etp != d.tp && d.etp != 1)
+    fail("parallelism: expert_tensor_parallel_degree must be 1 or equal to tensor_parallel_degree");
+  return d;
+}
+
+std::string ParallelDims::describe() const {
+  std::string mode = hsdp_enabled() ? "HSDP" : fsdp_enabled() ? "FSDP" : ddp_enabled() ? "DDP" : "no data parallelism";
+  return cat(world_size, " rank(s): pp ", pp, " x dp_replicate ", dp_replicate, " x dp_shard ", dp_shard, " x cp ", cp,
+             " x tp ", tp, " (", mode, ")");
+}
+
+DeviceMesh::DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> world) : dims_(dims), world_(std::move(world)) {
+  const std::vector<std::pair<std::string, int64_t>> shape = {
+      {"pp", dims.pp}, {"dp_replicate", dims.dp_replicate}, {"dp_shard", dims.dp_shard}, {"cp", dims.cp}, {"tp", dims.tp}};
+  int64_t rest = world_->rank();
+  for (auto it = shape.rbegin(); it != shape.rend(); ++it) {
+    coords_[it->first] = rest % it->second;
+    rest /= it->second;
+  }
+  // A group varies some dimensions and fixes the others: its color encodes the fixed coordinates.
+  auto make_group = [&](const std::string& name, const std::vector<std::string>& varying) {
+    int64_t color = 0, key = 0, size = 1;
+    for (const auto& [dim, degree] : shape) {
+      bool varies = std::find(varying.begin(), varying.end(), dim) != varying.end();
+      if (varies) {
+        key = key * degree + coords_[dim];
+        size *= degree;
+      } else {
+        color = color * degree + coords_[dim];
+      }
+    }
+    groups_[name] = size == 1 ? make_local_communicator() : world_->split(static_cast<int>(color), static_cast<int>(key), name);
+  };
+  // Every rank creates the same groups in the same order (splits are collective over the world).
+  make_group("pp", {"pp"});
+  make_group("dp_replicate", {"dp_replicate"});
+  make_group("dp_shard", {"dp_shard"});
+  make_group("cp", {"cp"});
+  make_group("tp", {"tp"});
+  make_group("dp", {"dp_replicate", "dp_shard"});
+  make_group("loss", {"dp_replicate", "dp_shard", "cp"});
+}
+
+std::shared_ptr<Communicator> DeviceMesh::get(const std::string& name) const {
+  auto it = groups_.find(name);
+  if (it == groups_.end()) fail("no mesh dimension named ", name);
+  return it->second;
+}
+
+void DeviceMesh::set_timeout(std::chrono::seconds timeout) {
+  world_->set_timeout(timeout);
+  for (auto& [name, group] : groups_) group->set_timeout(timeout);
+}
+
+int64_t DeviceMesh::coordinate(const std::string& dim) const {
+  auto it = coords_.find(dim);
+  if (it == coords_.end()) fail("no mesh dimension named ", dim);
+  return it->second;
+}
+
+}  // namespace titan::distributed

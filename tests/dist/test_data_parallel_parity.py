@@ -1,0 +1,72 @@
+"""DDP, FSDP and HSDP on real MPI ranks against one process with the same global batch: 10 steps in float32
+give the same losses (within 1e-5 relative), the same gradient norms and the same final weights, while FSDP keeps
+about 1/N of the parameters and optimizer state per rank."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from titan_testing import binary, run
+
+STEPS = 10
+COMMON = ["--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.steps", str(STEPS),
+          "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
+          "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "3",
+          "--training.max_norm", "0.5", "--debug.seed", "0", "--metrics.log_freq", "100", "--metrics.disable_color_printing"]
+
+
+def mpirun(np):
+    return [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(np)]
+
+
+def probe(tmp_path, name, np, extra):
+    out = tmp_path / name
+    cmd = ([] if np == 1 else mpirun(np)) + [binary("titan_train_probe"), "--probe.out", str(out),
+                                             "--job.dump_folder", str(tmp_path / "dump"), *COMMON, *extra]
+    run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    return json.loads((out / "metrics.json").read_text()), load_file(str(out / "final.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return probe(tmp_path_factory.mktemp("single"), "single", 1, [])
+
+
+CASES = {
+    "ddp2": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+    "fsdp2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "fsdp4": (4, ["--parallelism.data_parallel_shard_degree", "4"]),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    "fsdp2_reshard_never_ac_full": (2, ["--parallelism.data_parallel_shard_degree", "2",
+                                        "--parallelism.fsdp_reshard_after_forward", "never",
+                                        "--activation_checkpoint.mode", "full"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_single_process(tmp_path, single, case):
+    np, extra = CASES[case]
+    ref_meta, ref_weights = single
+    meta, weights = probe(tmp_path, case, np, extra)
+    assert meta["world_size"] == np
+    worst = 0.0
+    bitwise = True
+    for mine, ref in zip(meta["steps"], ref_meta["steps"]):
+        rel = abs(mine["loss"] - ref["loss"]) / ref["loss"]
+        worst = max(worst, rel)
+        bitwise = bitwise and mine["loss"] == ref["loss"]
+        assert rel <= 1e-5, (case, mine, ref)
+        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (case, mine, ref)
+        assert mine["lr"] == ref["lr"]
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(weights[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
+    # Sharding keeps about 1/N of the parameters and of the optimizer state on each rank (rows padded up).
+    shards = np if "fsdp" in case else (2 if "hsdp" in case else 1)
+    share = meta["local_parameter_elements"] / ref_meta["local_parameter_elements"]
+    assert share == pytest.approx(1 / shards, rel=0.01)
+    assert meta["optimizer_state_elements"] / ref_meta["optimizer_state_elements"] == pytest.approx(1 / shards, rel=0.01)
+    print(f"{case}: worst relative loss difference {worst:.2e} over {STEPS} steps "
+          f"({'bitwise equal' if bitwise else 'not bitwise'}); parameters + optimizer state per rank "
+          f"{share:.3f} of one process")
