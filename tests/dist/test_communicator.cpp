@@ -118,7 +118,10 @@ int main(int argc, char** argv) {
   auto launch = detect_launch();
   g_world = world(launch);
   g_world->set_timeout(std::chrono::seconds(120));
-  if (g_world->rank() != 0) ::testing::GTEST_FLAG(output) = "";
+  if (g_world->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());  // rank 0 prints for everyone
+  }
   int result = RUN_ALL_TESTS();
   // Every rank must agree: a failure on any rank fails the job.
   at::Tensor failed = at::full({1}, result != 0 ? 1 : 0, at::kInt);

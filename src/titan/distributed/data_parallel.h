@@ -34,7 +34,8 @@ class DataParallel {
   virtual std::string describe() const = 0;
   // Bytes sent into collectives by this rank so far, summed over the groups data parallelism uses.
   virtual int64_t bytes_communicated() const = 0;
-  // Seconds this rank spent waiting for gradient communication in finish_gradients() (benchmarks).
+  // Seconds the training thread spent blocked on data-parallel communication (parameter gathers, gradient
+  // reductions), for the step-time breakdown.
   virtual double wait_seconds() const = 0;
   // Collective: make the model's parameters hold their full values (FSDP gathers them), and release them again.
   virtual void unshard_all() {}

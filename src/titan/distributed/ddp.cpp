@@ -24,6 +24,7 @@ Ddp::Ddp(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group
       group_->broadcast(data, 0);  // start from rank 0's weights
     }
   }
+  bytes_at_start_ = group_->bytes_communicated();
   // Buckets in reverse registration order: the order in which backward produces gradients.
   int64_t cap = first_bucket_bytes, bytes = 0;
   bucket_of_.assign(params_.size(), 0);
@@ -118,6 +119,6 @@ std::string Ddp::describe() const {
              with_thousands(first), " elements), all-reduce overlapped with backward");
 }
 
-int64_t Ddp::bytes_communicated() const { return group_->bytes_communicated(); }
+int64_t Ddp::bytes_communicated() const { return group_->bytes_communicated() - bytes_at_start_; }
 
 }  // namespace titan::distributed

@@ -45,6 +45,7 @@ class Ddp final : public DataParallel {
   size_t next_bucket_ = 0;
   bool sync_ = false;
   double wait_seconds_ = 0;
+  int64_t bytes_at_start_ = 0;  // the initial parameter broadcast is not gradient traffic
 };
 
 }  // namespace titan::distributed

@@ -131,7 +131,9 @@ void Fsdp::unshard(size_t u) {
   Unit& unit = units_[u];
   if (unit.state == Unit::State::Unsharded) return;
   start_gather(u);
+  auto start = std::chrono::steady_clock::now();
   unit.gather_work->wait();
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   at::NoGradGuard no_grad;
   const int64_t n = shard_group_->size();
   at::Tensor all = unit.gathered.view({n, unit.local_numel});

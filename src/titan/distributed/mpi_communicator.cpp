@@ -148,6 +148,8 @@ class MpiEngine {
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
 
+  double busy_seconds() const { return busy_seconds_.load(); }
+
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -181,11 +183,13 @@ class MpiEngine {
         busy_ = true;
       }
       std::exception_ptr error;
+      auto started = std::chrono::steady_clock::now();
       try {
         item.fn();
       } catch (...) {
         error = std::current_exception();
       }
+      busy_seconds_ = busy_seconds_.load() + std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       {
         std::lock_guard<std::mutex> lock(mutex_);
         busy_ = false;
@@ -226,6 +230,7 @@ class MpiEngine {
   std::string current_what_;
   std::chrono::steady_clock::time_point current_deadline_;
   std::chrono::seconds current_timeout_{0};
+  std::atomic<double> busy_seconds_{0};
   std::thread worker_, watchdog_;
 };
 
@@ -249,7 +254,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
     if (op == ReduceOp::Avg && !at::isFloatingType(tensor.scalar_type())) fail("all_reduce(avg) needs a floating-point tensor");
     at::Tensor t = tensor;
     const int n = count(t);
-    bytes_ += static_cast<int64_t>(t.nbytes());
+    bytes_ += static_cast<int64_t>(2 * (size_ - 1) * static_cast<int64_t>(t.nbytes()) / std::max(size_, 1));  // ring volume
     return run(cat("all_reduce(", reduce_op_name(op), ", ", n, " x ", c10::toString(t.scalar_type()), ")"),
                [t, op, n, comm = comm_, size = size_]() mutable {
                  check(MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), n, mpi_type(t.scalar_type()), mpi_op(op, t.scalar_type()), comm),
@@ -371,6 +376,8 @@ void mpi_initialize() {
   types().create();
   MpiEngine::instance().start();
 }
+
+double mpi_busy_seconds() { return MpiEngine::instance().busy_seconds(); }
 
 void mpi_finalize() {
   if (!g_initialized_here) return;

@@ -91,7 +91,7 @@ class NcclCommunicator final : public Communicator {
   int64_t bytes_communicated() const override { return bytes_; }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& t, ReduceOp op, bool async) override {
-    bytes_ += static_cast<int64_t>(t.nbytes());
+    bytes_ += 2 * (size_ - 1) * static_cast<int64_t>(t.nbytes()) / std::max(size_, 1);  // ring volume
     return launch({t}, "all_reduce", async, [&](cudaStream_t s) {
       check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t.scalar_type()), nccl_op(op), comm_, s), "ncclAllReduce");
     });

@@ -17,6 +17,7 @@
 #include "titan/components/loss.h"
 #include "titan/config/support.h"
 #include "titan/distributed/activation_checkpoint.h"
+#include "titan/distributed/mpi_runtime.h"
 
 namespace titan {
 namespace {
@@ -273,6 +274,7 @@ int Trainer::train() {
             " x seq_len ", c.training.seq_len, ", ", grad_accum_steps_, " micro-batch(es) per step, lr warm-up ",
             lr_scheduler_->warmup_steps(), " steps)");
   time_last_log_ = now_seconds();
+  const double train_start = time_last_log_;
   memory_->reset_peak();
   int exit_code = 0;
   while (step_ < c.training.steps) {
@@ -297,6 +299,13 @@ int Trainer::train() {
   std::signal(SIGINT, previous_int);
   std::signal(SIGTERM, previous_term);
   if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
+  if (mesh_->dims().dp_enabled() && step_ > 0) {
+    const double steps = static_cast<double>(step_);
+    log::info(strprintf("Data-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting, "
+                        "%.3f s inside MPI calls (overlapped or not); %.3f s per step in all",
+                        data_parallel_->bytes_communicated() / steps / 1e6, data_parallel_->wait_seconds() / steps,
+                        distributed::mpi_busy_seconds() / steps, (now_seconds() - train_start) / steps));
+  }
   return exit_code;
 }
 

@@ -1,0 +1,79 @@
+"""A rank that dies (SIGKILL) or hangs (SIGSTOP) mid-training ends the whole job, non-zero, in bounded time,
+with a message saying what happened - never a silent hang."""
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from titan_testing import SOURCE_DIR, binary
+from test_data_parallel_parity import mpirun
+
+
+def rank_pids(launcher_pid):
+    """The titan processes mpirun started, by rank (read from their environment)."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            status = (proc / "status").read_text()
+        except OSError:
+            continue
+        ppid = next((int(l.split()[1]) for l in status.splitlines() if l.startswith("PPid:")), None)
+        rank = next((int(e.split(b"=")[1]) for e in env if e.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if rank is not None and ppid == launcher_pid:
+            ranks[rank] = int(proc.name)
+    return ranks
+
+
+def start_job(tmp_path, timeout_s):
+    cmd = mpirun(2) + [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+                       "--job.dump_folder", str(tmp_path), "--training.steps", "100000", "--training.seq_len", "64",
+                       "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+                       "--parallelism.data_parallel_shard_degree", "2", "--comm.train_timeout_seconds", str(timeout_s)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        if "step:  3" in line:
+            break
+        assert time.time() < deadline, "".join(lines)
+    return proc, lines
+
+
+def finish(proc, lines, limit):
+    start = time.time()
+    out, _ = proc.communicate(timeout=limit)
+    return "".join(lines) + out, time.time() - start
+
+
+def test_killed_rank_ends_the_job(tmp_path):
+    proc, lines = start_job(tmp_path, timeout_s=20)
+    pids = rank_pids(proc.pid)
+    assert set(pids) == {0, 1}, pids
+    os.kill(pids[1], signal.SIGKILL)
+    text, seconds = finish(proc, lines, limit=120)
+    assert proc.returncode != 0
+    assert "signal 9" in text or "did not complete" in text, text[-3000:]
+    print(f"job ended {seconds:.1f} s after rank 1 was killed (exit {proc.returncode})")
+
+
+def test_hung_rank_ends_the_job_after_the_timeout(tmp_path):
+    proc, lines = start_job(tmp_path, timeout_s=8)
+    pids = rank_pids(proc.pid)
+    os.kill(pids[1], signal.SIGSTOP)  # alive but never answering
+    try:
+        text, seconds = finish(proc, lines, limit=180)
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    assert "[rank 0]" in text and "did not complete within 8 s" in text and "another rank has died or hangs" in text, text[-3000:]
+    assert seconds < 8 + 60
+    print(f"job ended {seconds:.1f} s after rank 1 stopped (timeout 8 s, exit {proc.returncode})")
