@@ -77,3 +77,14 @@ def test_hung_rank_ends_the_job_after_the_timeout(tmp_path):
     assert "[rank 0]" in text and "did not complete within 8 s" in text and "another rank has died or hangs" in text, text[-3000:]
     assert seconds < 8 + 60
     print(f"job ended {seconds:.1f} s after rank 1 stopped (timeout 8 s, exit {proc.returncode})")
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    proc, lines = start_job(tmp_path, timeout_s=60)
+    pids = rank_pids(proc.pid)
+    os.kill(pids[1], signal.SIGINT)  # only rank 1 receives it
+    text, seconds = finish(proc, lines, limit=120)
+    assert "stopped cleanly after step" in text, text[-3000:]
+    assert "did not complete" not in text  # no rank was left waiting for the other
+    assert proc.returncode == 130, text[-3000:]
+    print(f"both ranks stopped {seconds:.1f} s after rank 1 got SIGINT")

@@ -121,6 +121,9 @@ at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& 
 }
 
 void checkpoint_unit(nn::Unit& unit) {
+  // Recomputation must run inside FSDP's gather/reshard wrappers, never around them.
+  if (unit.has_wrapper("fsdp_unshard") || unit.has_wrapper("fsdp_reshard"))
+    fail("activation checkpointing must be applied before FSDP (torchtitan's order: TP, CP, AC, FSDP)");
   nn::Unit* self = &unit;
   unit.add_wrapper("activation_checkpoint", [self](const nn::Unit::Inputs& inputs, const nn::Context& context,
                                                    const nn::Unit::Next& next) {

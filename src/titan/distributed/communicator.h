@@ -51,6 +51,10 @@ class Communicator {
   // or hangs). torchtitan's comm.init_timeout_seconds until the first step ends, comm.train_timeout_seconds after.
   virtual void set_timeout(std::chrono::seconds timeout) = 0;
 
+  // True when operations on all communicators of this backend execute in one global issue order (the MPI
+  // backend's single worker thread), so a later operation may read what an earlier one writes without waiting.
+  virtual bool globally_ordered() const { return false; }
+
   // Bytes this rank sends in collectives since construction, counted as ring algorithms move them: all-gather and
   // reduce-scatter (n - 1) x shard, all-reduce 2 (n - 1) / n x tensor, broadcast and send the tensor.
   virtual int64_t bytes_communicated() const = 0;

@@ -49,7 +49,8 @@ struct FsdpOptions {
 };
 
 // The right wrapper for `dims`: FSDP/HSDP when dp_shard > 1, DDP when only dp_replicate > 1, a pass-through
-// otherwise. Parameters are made identical on all ranks (rank 0's values) before training starts.
+// otherwise. DDP broadcasts rank 0's parameters; FSDP relies on every rank initialising the same model (the trainer
+// broadcasts the seed) and shards it. Apply activation checkpointing first: its wrappers must sit inside FSDP's.
 std::unique_ptr<DataParallel> apply_data_parallel(llama3::Transformer& model, const DeviceMesh& mesh,
                                                   const FsdpOptions& fsdp_options);
 

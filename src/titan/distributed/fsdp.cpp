@@ -199,7 +199,9 @@ void Fsdp::reduce(size_t u) {
   at::Tensor reduced = at::empty({unit.local_numel}, options);
   auto work = shard_group_->reduce_scatter(reduced, input.view(-1), ReduceOp::Sum, /*async=*/true);
   if (replicate_group_->size() > 1) {
-    work->wait();
+    // The all-reduce reads what the reduce-scatter writes. With MPI both run in issue order on one thread; with NCCL
+    // wait() orders the streams without blocking the host.
+    if (!(shard_group_->globally_ordered() && replicate_group_->globally_ordered())) work->wait();
     work = replicate_group_->all_reduce(reduced, ReduceOp::Sum, /*async=*/true);
   }
   pending_.push_back(Pending{u, reduced, work});
@@ -215,11 +217,21 @@ void Fsdp::after_backward() {
     if (!unit.params.empty() && !unit.reduced_this_backward) reduce(u);
     unit.reduced_this_backward = false;
   }
+  // Earlier micro-batches' reductions are long done: fold them into the shard gradients so that at most two
+  // micro-batches' reduced gradients are held at once; this one's overlaps the next forward.
+  accumulate(earlier_pending_);
+  earlier_pending_ = pending_.size();
 }
 
 void Fsdp::finish_gradients() {
+  accumulate(pending_.size());
+  earlier_pending_ = 0;
+}
+
+void Fsdp::accumulate(size_t count) {
   at::NoGradGuard no_grad;
-  for (auto& pending : pending_) {
+  for (size_t k = 0; k < count; ++k) {
+    auto& pending = pending_[k];
     auto start = std::chrono::steady_clock::now();
     pending.work->wait();
     wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -229,7 +241,7 @@ void Fsdp::finish_gradients() {
       else p.shard.mutable_grad() = slice.clone();
     }
   }
-  pending_.clear();
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(count));
 }
 
 std::vector<at::Tensor> Fsdp::optimizer_parameters() {

@@ -70,12 +70,14 @@ class Fsdp final : public DataParallel {
   void pre_backward(size_t u);
   void on_gradient(size_t u);
   void reduce(size_t u);
+  void accumulate(size_t count);  // waits for the first `count` pending reductions and adds them to shard gradients
 
   std::vector<Unit> units_;
   std::shared_ptr<Communicator> shard_group_, replicate_group_;
   FsdpOptions options_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
   std::vector<Pending> pending_;
+  size_t earlier_pending_ = 0;  // pending_ entries from micro-batches before the current one
   double wait_seconds_ = 0;
 };
 

@@ -189,7 +189,7 @@ class MpiEngine {
       } catch (...) {
         error = std::current_exception();
       }
-      busy_seconds_ = busy_seconds_.load() + std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      busy_seconds_.fetch_add(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
       {
         std::lock_guard<std::mutex> lock(mutex_);
         busy_ = false;
@@ -210,7 +210,7 @@ class MpiEngine {
         timeout = current_timeout_;
       }
       int rank = 0;
-      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);  // thread-safe under MPI_THREAD_MULTIPLE
       std::fprintf(stderr,
                    "error: [rank %d] %s did not complete within %lld s (comm.init_timeout_seconds / "
                    "comm.train_timeout_seconds): another rank has died or hangs. Aborting the job.\n",
@@ -246,6 +246,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string backend() const override { return "mpi"; }
+  bool globally_ordered() const override { return true; }
   void set_timeout(std::chrono::seconds timeout) override { timeout_ = timeout; }
   int64_t bytes_communicated() const override { return bytes_; }
 
@@ -369,8 +370,11 @@ void mpi_initialize() {
   if (!initialized) {
     int provided = 0;
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-    if (provided < MPI_THREAD_SERIALIZED)
-      fail("the MPI library provides thread level ", provided, "; titan needs at least MPI_THREAD_SERIALIZED");
+    // The watchdog may abort while the worker is inside a collective, and communicators are created on the
+    // training thread: several threads call MPI.
+    if (provided < MPI_THREAD_MULTIPLE)
+      fail("the MPI library provides thread level ", provided, "; titan needs MPI_THREAD_MULTIPLE (OpenMPI built with "
+           "thread support, as Debian's is)");
     g_initialized_here = true;
   }
   types().create();

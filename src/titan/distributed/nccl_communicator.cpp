@@ -57,15 +57,15 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// Holds only an event: the tensors' memory is protected by recordStream on the communication stream, so buffers
+// are freed (for reuse after the operation) as soon as the caller drops them.
 class NcclWork final : public Work {
  public:
-  NcclWork(std::vector<at::Tensor> keep, std::string what)
-      : keep_(std::move(keep)), what_(std::move(what)), started_(std::chrono::steady_clock::now()) {}
+  explicit NcclWork(std::string what) : what_(std::move(what)), started_(std::chrono::steady_clock::now()) {}
   void wait() override { done_.block(at::cuda::getCurrentCUDAStream(device_)); }
   bool completed() override { return done_.query(); }
   at::cuda::CUDAEvent done_;
   c10::DeviceIndex device_ = 0;
-  std::vector<at::Tensor> keep_;  // inputs/outputs stay alive until the operation ends
   std::string what_;
   std::chrono::steady_clock::time_point started_;
 };
@@ -87,7 +87,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
-  void set_timeout(std::chrono::seconds t) override { timeout_ = t; }
+  void set_timeout(std::chrono::seconds t) override { timeout_seconds_ = t.count(); }
   int64_t bytes_communicated() const override { return bytes_; }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& t, ReduceOp op, bool async) override {
@@ -135,13 +135,14 @@ class NcclCommunicator final : public Communicator {
     at::cuda::getCurrentCUDAStream(device_).synchronize();
   }
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+    c10::cuda::CUDAGuard guard(device_);
     ncclComm_t child = nullptr;
     check(ncclCommSplit(comm_, color, key, &child, nullptr), "ncclCommSplit");
     int r = 0, n = 1;
     ncclCommUserRank(child, &r);
     ncclCommCount(child, &n);
     auto c = std::make_shared<NcclCommunicator>(child, r, n, device_, name);
-    c->set_timeout(timeout_);
+    c->set_timeout(std::chrono::seconds(timeout_seconds_.load()));
     return c;
   }
 
@@ -157,7 +158,7 @@ class NcclCommunicator final : public Communicator {
     ready.block(stream_);
     for (const auto& t : tensors) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
     issue(stream_.stream());
-    auto work = std::make_shared<NcclWork>(std::move(tensors), cat(op, " on ", name_, " (", size_, " ranks)"));
+    auto work = std::make_shared<NcclWork>(cat(op, " on ", name_, " (", size_, " ranks)"));
     work->device_ = device_;
     work->done_.record(stream_);
     {
@@ -180,7 +181,7 @@ class NcclCommunicator final : public Communicator {
           if ((*it)->completed()) {
             it = pending_.erase(it);
           } else {
-            if (std::chrono::steady_clock::now() - (*it)->started_ > timeout_) stuck = (*it)->what_;
+            if (std::chrono::steady_clock::now() - (*it)->started_ > std::chrono::seconds(timeout_seconds_.load())) stuck = (*it)->what_;
             ++it;
           }
         }
@@ -188,7 +189,7 @@ class NcclCommunicator final : public Communicator {
       if (async_error != ncclSuccess || !stuck.empty()) {
         std::fprintf(stderr, "error: [rank %d] %s; aborting the job.\n", rank_,
                      async_error != ncclSuccess ? cat("NCCL reported ", ncclGetErrorString(async_error)).c_str()
-                                                : cat(stuck, " did not complete within ", timeout_.count(),
+                                                : cat(stuck, " did not complete within ", timeout_seconds_.load(),
                                                       " s: another rank has died or hangs")
                                                       .c_str());
         std::fflush(stderr);
@@ -202,7 +203,7 @@ class NcclCommunicator final : public Communicator {
   int rank_, size_;
   c10::DeviceIndex device_;
   at::cuda::CUDAStream stream_;
-  std::chrono::seconds timeout_{300};
+  std::atomic<int64_t> timeout_seconds_{300};
   std::atomic<int64_t> bytes_{0};
   std::mutex mutex_;
   std::list<std::shared_ptr<NcclWork>> pending_;
@@ -227,17 +228,25 @@ std::shared_ptr<Communicator> make_nccl_world(const LaunchInfo& launch, const st
     if (!host || !port) fail("NCCL bootstrap without MPI needs MASTER_ADDR and MASTER_PORT (torchrun-style launch)");
     c10d::TCPStoreOptions options;
     options.port = static_cast<uint16_t>(std::atoi(port));
-    options.isServer = launch.rank == 0;
+    // torchrun's agent already serves a store on MASTER_PORT; otherwise rank 0 hosts one.
+    const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    options.isServer = launch.rank == 0 && !(agent_store && std::string(agent_store) == "True");
     options.numWorkers = launch.world_size;
     c10d::TCPStore store(host, options);
+    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    const std::string key = cat("titan_nccl_unique_id/", restart ? restart : "0");
     if (launch.rank == 0) {
       std::vector<uint8_t> v(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id));
-      store.set("titan_nccl_unique_id", v);
+      store.set(key, v);
     } else {
-      auto v = store.get("titan_nccl_unique_id");
+      auto v = store.get(key);
       if (v.size() != sizeof(id)) fail("NCCL bootstrap: unexpected unique id size ", v.size());
       std::memcpy(&id, v.data(), sizeof(id));
     }
+    // The store (possibly served by rank 0) must outlive every rank's read.
+    store.add(key + "/read", 1);
+    if (options.isServer)
+      while (store.add(key + "/read", 0) < launch.world_size) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   ncclComm_t comm = nullptr;

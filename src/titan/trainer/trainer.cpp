@@ -96,6 +96,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   } else {
     comm = distributed::world(launch_);
   }
+  comm->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));  // groups created from it inherit it
   mesh_ = std::make_unique<distributed::DeviceMesh>(dims, comm);
   mesh_->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));
   log::info("Parallelism: ", dims.describe(), " launched by ", launch_.launcher, "; ", comm->backend(), " communication");
@@ -290,7 +291,14 @@ int Trainer::train() {
     // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
     if (step_ == 1) mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
     if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
-    if (int sig = g_stop_signal.load()) {
+    int sig = g_stop_signal.load();
+    if (mesh_->world()->size() > 1) {
+      // Every rank stops after the same step, whichever rank the signal reached.
+      at::Tensor flag = at::full({1}, static_cast<int64_t>(sig), at::kLong).to(device_);
+      mesh_->world()->all_reduce(flag, distributed::ReduceOp::Max);
+      sig = static_cast<int>(flag.cpu().item<int64_t>());
+    }
+    if (sig) {
       log::warn("received ", sig == SIGINT ? "SIGINT" : "SIGTERM", ": stopped cleanly after step ", step_, " of ", c.training.steps);
       exit_code = 128 + sig;
       break;
