@@ -1,64 +1,20 @@
 #include "titan/distributed/activation_checkpoint.h"
 
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "titan/common/error.h"
 #include "titan/models/llama3/model.h"
+#include "titan/nn/autocast.h"
 
 namespace titan::distributed {
 namespace {
-
-// Autocast is thread-local and usually off by the time backward runs, so the recomputation must re-enter the
-// state the forward ran under, or it would compute in a different precision.
-struct AutocastState {
-  bool cpu_enabled = false, cuda_enabled = false;
-  at::ScalarType cpu_dtype = at::kBFloat16, cuda_dtype = at::kHalf;
-
-  static AutocastState current() {
-    AutocastState s;
-    s.cpu_enabled = at::autocast::is_autocast_enabled(at::kCPU);
-    s.cuda_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
-    s.cpu_dtype = at::autocast::get_autocast_dtype(at::kCPU);
-    s.cuda_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
-    return s;
-  }
-  void apply() const {
-    at::autocast::set_autocast_enabled(at::kCPU, cpu_enabled);
-    at::autocast::set_autocast_enabled(at::kCUDA, cuda_enabled);
-    at::autocast::set_autocast_dtype(at::kCPU, cpu_dtype);
-    at::autocast::set_autocast_dtype(at::kCUDA, cuda_dtype);
-  }
-};
-
-// Re-enters a recorded autocast state for a recomputation and restores the outer state afterwards. Autocast keeps
-// a cache of low-precision weight copies that only nesting bookkeeping clears; without it, copies made here would
-// outlive the optimizer step and the next forward would read stale weights.
-class AutocastRegion {
- public:
-  explicit AutocastRegion(const AutocastState& inner) : outer_(AutocastState::current()) {
-    inner.apply();
-    active_ = inner.cpu_enabled || inner.cuda_enabled;
-    if (active_) at::autocast::increment_nesting();
-  }
-  ~AutocastRegion() {
-    if (active_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    outer_.apply();
-  }
-  AutocastRegion(const AutocastRegion&) = delete;
-  AutocastRegion& operator=(const AutocastRegion&) = delete;
-
- private:
-  AutocastState outer_;
-  bool active_ = false;
-};
 
 struct Closure : torch::CustomClassHolder {
   nn::Unit::Next next;
   nn::Context context;
   std::vector<at::Tensor> parameters;
-  AutocastState autocast;
+  nn::AutocastState autocast;
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -85,7 +41,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor output;
     {
       at::AutoGradMode grad_mode(true);
-      AutocastRegion region(closure->autocast);
+      nn::AutocastRegion region(closure->autocast);
       output = closure->next(inputs, closure->context);
     }
 
@@ -116,7 +72,7 @@ at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& 
   closure->next = next;
   closure->context = context;
   closure->parameters = parameters;
-  closure->autocast = AutocastState::current();
+  closure->autocast = nn::AutocastState::current();
   return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(parameters), closure);
 }
 

@@ -1,6 +1,5 @@
 #include "titan/trainer/trainer.h"
 
-#include <ATen/autocast_mode.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -18,6 +17,7 @@
 #include "titan/config/support.h"
 #include "titan/distributed/activation_checkpoint.h"
 #include "titan/distributed/mpi_runtime.h"
+#include "titan/nn/autocast.h"
 
 namespace titan {
 namespace {
@@ -45,27 +45,6 @@ bool rank_logs(int rank) {
     if (trim(part) == std::to_string(rank)) return true;
   return false;
 }
-
-// Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
-// training.mixed_precision_param through autocast).
-class AutocastScope {
- public:
-  AutocastScope(const at::Device& device, std::optional<at::ScalarType> dtype) : device_(device.type()), active_(dtype.has_value()) {
-    if (!active_) return;
-    at::autocast::set_autocast_dtype(device_, *dtype);
-    at::autocast::set_autocast_enabled(device_, true);
-    at::autocast::increment_nesting();
-  }
-  ~AutocastScope() {
-    if (!active_) return;
-    at::autocast::set_autocast_enabled(device_, false);
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  }
-
- private:
-  at::DeviceType device_;
-  bool active_;
-};
 
 }  // namespace
 
@@ -224,7 +203,9 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
     at::Tensor inputs = mb.inputs.to(device_), labels = mb.labels.to(device_);
     at::Tensor loss;
     {
-      AutocastScope autocast(device_, autocast_dtype_);
+      // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
+      // training.mixed_precision_param through autocast).
+      nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
       at::Tensor logits = model_->forward(inputs);
       loss = cross_entropy_sum(logits, labels) / global_valid;
     }
