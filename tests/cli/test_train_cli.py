@@ -10,7 +10,7 @@ from titan_testing import SOURCE_DIR, binary, run, shared
 
 STEP_LINE = re.compile(
     r"step: +(\d+)  loss: +([\d.]+)  grad_norm: +([\d.]+)  memory: +([\d.]+)GiB\(([\d.]+)%\)  "
-    r"tps: ([\d,]+)  tflops: ([\d,]+\.\d\d)  mfu: ([\d.]+)%$")
+    r"tps: ([\d,]+)  tflops: ([\d,]+\.\d\d)  mfu: ([\d.]+)%  data: ([\d.]+)s\(([\d.]+)%\)$")
 
 
 def step_lines(stdout):

@@ -14,7 +14,9 @@ STEPS = 10
 COMMON = ["--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.steps", str(STEPS),
           "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
           "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "3",
-          "--training.max_norm", "0.5", "--debug.seed", "0", "--metrics.log_freq", "100", "--metrics.disable_color_printing"]
+          "--training.max_norm", "0.5", "--debug.seed", "0", "--metrics.log_freq", "100", "--metrics.disable_color_printing",
+          # Four data lanes: every rank count here (1, 2, 4) then reads the same global stream of windows.
+          "--training.data_lanes", "4"]
 
 
 def mpirun(np):
@@ -61,7 +63,8 @@ def test_matches_single_process(tmp_path, single, case):
         assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (case, mine, ref)
         assert mine["lr"] == ref["lr"]
     for name, ref in ref_weights.items():
-        torch.testing.assert_close(weights[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
+        # Adam turns tiny gradient differences on near-zero entries into differences of ~1e-3 of one step (lr 3e-3).
+        torch.testing.assert_close(weights[name], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")
     # Sharding keeps about 1/N of the parameters and of the optimizer state on each rank (rows padded up).
     shards = np if "fsdp" in case else (2 if "hsdp" in case else 1)
     share = meta["local_parameter_elements"] / ref_meta["local_parameter_elements"]

@@ -44,6 +44,7 @@ struct Model {
   std::optional<std::string> tokenizer_path;
   StringList converters;
   bool print_after_conversion = false;
+  std::string attn_mask_type = "causal";  // causal | block_causal (documents in a window do not attend to each other)
 };
 
 struct Optimizer {
@@ -64,6 +65,18 @@ struct LRScheduler {
   std::string decay_type = "linear";
   double min_lr_factor = 0.0;
 };
+
+// One source of a dataset mixture ([[training.datasets]] tables; a titan.cpp extension).
+struct DatasetSource {
+  std::string name;                 // for logs and state; default: the path
+  std::string path;                 // file, directory or glob; "" with name "fortunes" = built-in corpus
+  std::string format = "auto";      // auto | text | jsonl | fortune | tokens | parquet
+  double weight = 1.0;              // share of documents (rows) drawn from this source
+  std::string text_field = "text";  // JSONL / Parquet column holding the text
+  bool loop = true;                 // start a new epoch when exhausted; false: drop out of the mixture
+  bool operator==(const DatasetSource&) const = default;
+};
+using DatasetSources = std::vector<DatasetSource>;
 
 struct DataLoader {
   int64_t num_workers = 0;
@@ -87,6 +100,16 @@ struct Training {
   int64_t gc_freq = 50;
   bool gc_debug = false;
   DataLoader dataloader;
+  // titan.cpp data pipeline extensions (see docs/data.md).
+  DatasetSources datasets;            // a mixture; when set, dataset / dataset_path are not used
+  std::string dataset_format = "auto";
+  std::string text_field = "text";
+  int64_t data_seed = 0;
+  int64_t shuffle_buffer = 0;         // rows per shuffled block; 0 or 1 = file order
+  bool shuffle_shards = false;
+  int64_t data_lanes = -1;            // independent packing streams; -1 = data-parallel degree
+  bool skip_malformed_rows = false;
+  int64_t prefetch_batches = 4;
 };
 
 struct Parallelism {

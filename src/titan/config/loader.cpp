@@ -4,6 +4,7 @@
 #include <toml++/toml.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -74,6 +75,54 @@ StringList toml_string_list(const toml::node& node, const std::string& where, co
   return out;
 }
 
+DatasetSources toml_dataset_sources(const toml::node& node, const std::string& file_where, const std::string& key) {
+  const auto* array = node.as_array();
+  if (!array) fail(file_where, ": ", key, " expects an array of tables ([[", key, "]] or [{path = ...}, ...]), got ", describe_toml(node));
+  DatasetSources out;
+  for (size_t i = 0; i < array->size(); ++i) {
+    const auto* table = (*array)[i].as_table();
+    const std::string item = cat(key, "[", i, "]");
+    if (!table) fail(file_where, ": ", item, " must be a table with keys name, path, format, weight, text_field, loop");
+    DatasetSource source;
+    bool has_path = false;
+    for (auto&& [k, v] : *table) {
+      const std::string name(k.str());
+      auto want_string = [&](std::string& target) {
+        auto s = v.value_exact<std::string>();
+        if (!s) fail(file_where, ": ", item, ".", name, " expects a string, got ", describe_toml(v));
+        target = *s;
+      };
+      if (name == "name") want_string(source.name);
+      else if (name == "path") want_string(source.path), has_path = true;
+      else if (name == "format") want_string(source.format);
+      else if (name == "text_field") want_string(source.text_field);
+      else if (name == "weight") {
+        auto w = v.is_number() ? v.value<double>() : std::nullopt;
+        if (!w) fail(file_where, ": ", item, ".weight expects a number, got ", describe_toml(v));
+        source.weight = *w;
+      } else if (name == "loop") {
+        auto b = v.value_exact<bool>();
+        if (!b) fail(file_where, ": ", item, ".loop expects true or false, got ", describe_toml(v));
+        source.loop = *b;
+      } else {
+        std::string hint = closest_match(name, {"name", "path", "format", "weight", "text_field", "loop"});
+        fail(file_where, ": unknown key ", quote(name), " in ", item, hint.empty() ? "" : cat("; did you mean '", hint, "'?"),
+             " Keys: name, path, format, weight, text_field, loop");
+      }
+    }
+    if (!has_path && source.name != "fortunes")
+      fail(file_where, ": ", item, " needs a path (a file, directory or glob), or name = \"fortunes\" for the built-in corpus");
+    if (!(source.weight > 0) || !std::isfinite(source.weight))
+      fail(file_where, ": ", item, ".weight must be a positive number, got ", source.weight);
+    static const std::vector<std::string> formats = {"auto", "text", "jsonl", "fortune", "tokens", "parquet"};
+    if (std::find(formats.begin(), formats.end(), source.format) == formats.end())
+      fail(file_where, ": ", item, ".format must be one of {", join(formats, ", "), "}, got ", quote(source.format));
+    if (source.name.empty()) source.name = source.path;
+    out.push_back(source);
+  }
+  return out;
+}
+
 void set_from_toml(KeySpec& spec, const toml::node& node, const std::string& where) {
   const std::string key = spec.full_name();
   auto wrong = [&](const char* expected) {
@@ -100,6 +149,8 @@ void set_from_toml(KeySpec& spec, const toml::node& node, const std::string& whe
           *target = *v;
         } else if constexpr (std::is_same_v<T, StringList>) {
           *target = toml_string_list(node, where, key);
+        } else if constexpr (std::is_same_v<T, DatasetSources>) {
+          *target = toml_dataset_sources(node, where, key);
         } else {
           const auto* outer = node.as_array();
           if (!outer) wrong("a list of lists of strings");
@@ -178,6 +229,14 @@ void set_from_string(KeySpec& spec, const std::string& text, const std::string& 
             auto t = trim(part);
             if (!t.empty()) target->push_back(t);
           }
+        } else if constexpr (std::is_same_v<T, DatasetSources>) {
+          toml::table parsed;
+          try {
+            parsed = toml::parse("value = " + text);
+          } catch (const toml::parse_error&) {
+            wrong("a TOML array of tables, e.g. '[{path=\"a.jsonl\", weight=0.7}, {path=\"b.txt\", weight=0.3}]'");
+          }
+          *target = toml_dataset_sources(*parsed.get("value"), where, key);
         } else {
           if (is_none(text)) {
             target->reset();
@@ -447,6 +506,11 @@ std::string to_json(const JobConfig& config) {
                         std::is_same_v<T, std::optional<double>> ||
                         std::is_same_v<T, std::optional<std::vector<StringList>>>) {
             value = *target ? nlohmann::ordered_json(**target) : nlohmann::ordered_json(nullptr);
+          } else if constexpr (std::is_same_v<T, DatasetSources>) {
+            value = nlohmann::ordered_json::array();
+            for (const auto& d : *target)
+              value.push_back({{"name", d.name}, {"path", d.path}, {"format", d.format}, {"weight", d.weight},
+                               {"text_field", d.text_field}, {"loop", d.loop}});
           } else {
             value = *target;
           }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "titan/common/error.h"
 #include "titan/common/strings.h"
 
 namespace titan::config {
@@ -66,6 +67,7 @@ std::string KeySpec::type_name() const {
     std::string operator()(std::optional<double>*) const { return "float | None"; }
     std::string operator()(StringList*) const { return "list[str]"; }
     std::string operator()(std::optional<std::vector<StringList>>*) const { return "list[list[str]] | None"; }
+    std::string operator()(DatasetSources*) const { return "list[table]"; }
   };
   return std::visit(Visitor{}, value);
 }
@@ -85,6 +87,14 @@ std::string KeySpec::value_string() const {
       std::vector<std::string> inner;
       for (const auto& l : **v) inner.push_back(list_string(l));
       return "[" + join(inner, ", ") + "]";
+    }
+    std::string operator()(DatasetSources* v) const {
+      std::vector<std::string> tables;
+      for (const auto& d : *v)
+        tables.push_back(cat("{name = ", quote(d.name), ", path = ", quote(d.path), ", format = ", quote(d.format),
+                             ", weight = ", number_string(d.weight), ", text_field = ", quote(d.text_field),
+                             ", loop = ", d.loop ? "true" : "false", "}"));
+      return "[" + join(tables, ", ") + "]";
     }
   };
   return std::visit(Visitor{}, value);
@@ -132,6 +142,9 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("hf_assets_path", &c.model.hf_assets_path,
         "directory with tokenizer.json or tokenizer.model (or a tokenizer file); \"builtin\" trains a small BPE on the built-in corpus");
   b.add("tokenizer_path", &c.model.tokenizer_path, "deprecated alias of hf_assets_path");
+  choices(b.add("attn_mask_type", &c.model.attn_mask_type,
+                "causal, or block_causal: tokens attend only within their own document (torchtitan model arg)"),
+          {"causal", "block_causal"});
   b.add("converters", &c.model.converters, "model converters to apply, comma-separated (e.g. float8)");
   b.add("print_after_conversion", &c.model.print_after_conversion, "print the model structure after converters ran");
 
@@ -173,6 +186,21 @@ std::vector<KeySpec> describe(JobConfig& c) {
   at_least(b.add("gc_freq", &c.training.gc_freq, "Python GC interval in torchtitan (accepted, no effect here)"), 1);
   b.add("gc_debug", &c.training.gc_debug, "Python GC debugging in torchtitan (accepted, no effect here)");
   add_dataloader("training.dataloader", &c.training.dataloader);
+  b.in("training");
+  b.add("datasets", &c.training.datasets,
+        "a mixture: [[training.datasets]] tables {name, path, format, weight, text_field, loop}; on the command line "
+        "a TOML array, e.g. '[{path=\"a.jsonl.zst\", weight=0.7}, {path=\"b/\", weight=0.3}]' (titan.cpp)");
+  choices(b.add("dataset_format", &c.training.dataset_format, "format of training.dataset_path files (titan.cpp)"),
+          {"auto", "text", "jsonl", "fortune", "tokens", "parquet"});
+  b.add("text_field", &c.training.text_field, "JSONL/Parquet field holding the text for training.dataset_path (titan.cpp)");
+  at_least(b.add("data_seed", &c.training.data_seed, "seed of shard order, row shuffle and mixture draws; may change at a restart (titan.cpp)"), 0);
+  at_least(b.add("shuffle_buffer", &c.training.shuffle_buffer, "rows per shuffled block; memory holds one block per source (titan.cpp)"), 0);
+  b.add("shuffle_shards", &c.training.shuffle_shards, "visit each source's files in a seeded random order every epoch (titan.cpp)");
+  at_least(b.add("data_lanes", &c.training.data_lanes,
+                 "packing streams; batches are identical for any data-parallel degree dividing it (-1 = that degree) (titan.cpp)"), 1)
+      .also_allowed = {-1};
+  b.add("skip_malformed_rows", &c.training.skip_malformed_rows, "skip bad JSON lines/rows with a counted warning instead of failing (titan.cpp)");
+  at_least(b.add("prefetch_batches", &c.training.prefetch_batches, "batches prepared ahead by the background data thread; 0 = none (titan.cpp)"), 0);
 
   b.in("parallelism");
   at_least(b.add("data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree,

@@ -11,7 +11,7 @@ namespace titan::config {
 
 using ValuePtr = std::variant<bool*, int64_t*, double*, std::string*, std::optional<std::string>*,
                               std::optional<int64_t>*, std::optional<double>*, StringList*,
-                              std::optional<std::vector<StringList>>*>;
+                              std::optional<std::vector<StringList>>*, DatasetSources*>;
 
 struct KeySpec {
   std::string section;  // dotted section path, e.g. "quantize.linear.float8"

@@ -14,6 +14,7 @@ namespace titan::nn {
 struct Context {
   at::Tensor rope;       // complex64 (seq_len, head_dim / 2)
   at::Tensor positions;  // undefined, or int64 (batch or 1, seq_len) indices into the RoPE table
+  at::Tensor attn_mask;  // undefined (causal), or bool (batch, 1, seq_len, seq_len): true where attention is allowed
 };
 
 class Unit : public torch::nn::Module {

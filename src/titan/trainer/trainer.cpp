@@ -164,10 +164,13 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   grad_accum_steps_ = global / per_step;
   if (grad_accum_steps_ > 1) log::info("Gradient accumulation over ", grad_accum_steps_, " micro-batches per step");
 
-  auto spec = data::resolve_dataset(c.training.dataset, c.training.dataset_path);
-  log::info("Dataset ", spec.name, ": ", spec.files.size(), " file(s)");
-  dataloader_ = std::make_unique<data::TextDataLoader>(spec, *tokenizer_, c.training.seq_len, c.training.local_batch_size,
-                                                       mesh_->dp_rank(), dp_degree);
+  auto sources = data::resolve_sources(c.training);
+  for (const auto& source : sources)
+    log::info("Dataset ", quote(source.name), ": ", source.shards.size(), " file(s), ", data::format_name(source.shards.front().format),
+              sources.size() > 1 ? cat(", weight ", source.weight) : std::string());
+  block_causal_ = c.model.attn_mask_type == "block_causal";
+  data::LoaderOptions data_options = data::training_loader_options(c, mesh_->dp_rank(), dp_degree);
+  dataloader_ = std::make_unique<data::DataLoader>(std::move(sources), tokenizer_.get(), data_options);
 
   memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
   const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
@@ -206,7 +209,7 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
       // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
       // training.mixed_precision_param through autocast).
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-      at::Tensor logits = model_->forward(inputs);
+      at::Tensor logits = block_causal_ ? model_->forward(inputs, {}, mb.positions.to(device_)) : model_->forward(inputs);
       loss = cross_entropy_sum(logits, labels) / global_valid;
     }
     data_parallel_->before_backward(m + 1 == microbatches.size());
@@ -234,13 +237,15 @@ void Trainer::log_step(const StepResult& r, double data_seconds) {
   const double mfu = peak_.flops > 0 ? 100.0 * flops_per_token_ * tps / peak_.flops : 0.0;
   auto mem = memory_->peak();
   const auto& k = log::colors();
-  log::info(strprintf("%sstep: %2lld  %sloss: %8.5f  %sgrad_norm: %7.4f  %smemory: %5.2fGiB(%.2f%%)  %stps: %s  %stflops: %s  %smfu: %.2f%%%s",
+  // data: time blocked waiting for batches, per step over the logging interval, and its share of the time
+  // (torchtitan's time_metrics/data_loading(s) and data_loading(%)).
+  const double data_per_step = data_seconds / static_cast<double>(std::max<int64_t>(1, steps_since_log_));
+  log::info(strprintf("%sstep: %2lld  %sloss: %8.5f  %sgrad_norm: %7.4f  %smemory: %5.2fGiB(%.2f%%)  %stps: %s  %stflops: %s  %smfu: %.2f%%  %sdata: %.3fs(%.1f%%)%s",
                       k.red, static_cast<long long>(step_), k.green, r.loss, k.orange, r.grad_norm, k.turquoise, mem.peak_gib,
                       mem.peak_pct, k.blue, with_thousands(static_cast<long long>(std::nearbyint(tps))).c_str(), k.cyan,
                       with_thousands(tflops, 2).c_str(),
-                      k.magenta, mfu, k.reset));
-  if (step_ > 1 && data_seconds > 0.05 * elapsed)
-    log::info(strprintf("data loading took %.1f%% of the last %.2f s", 100.0 * data_seconds / elapsed, elapsed));
+                      k.magenta, mfu, k.yellow, data_per_step, 100.0 * data_seconds / elapsed, k.reset));
+  steps_since_log_ = 0;
   tokens_since_log_ = 0;
   data_seconds_since_log_ = 0;
   time_last_log_ = now_seconds();
@@ -261,9 +266,27 @@ int Trainer::train() {
   int exit_code = 0;
   while (step_ < c.training.steps) {
     const double data_start = now_seconds();
-    auto microbatches = next_microbatches();
+    std::vector<data::Batch> microbatches;
+    bool exhausted = false;
+    try {
+      microbatches = next_microbatches();
+    } catch (const data::DataExhausted& e) {
+      log::warn("data: ", e.what());
+      exhausted = true;
+    }
+    if (mesh_->world()->size() > 1) {
+      // Lanes run out at different steps; every rank stops when any rank has no more data.
+      at::Tensor flag = at::full({1}, static_cast<int64_t>(exhausted), at::kLong).to(device_);
+      mesh_->world()->all_reduce(flag, distributed::ReduceOp::Max);
+      exhausted = flag.cpu().item<int64_t>() != 0;
+    }
+    if (exhausted) {
+      log::warn("stopping after step ", step_, " of ", c.training.steps, ": the data ran out");
+      break;
+    }
     const double data_seconds = now_seconds() - data_start;
     data_seconds_since_log_ += data_seconds;
+    ++steps_since_log_;
     ++step_;
     StepResult r = train_step(microbatches);
     tokens_seen_ += r.tokens;

@@ -4,7 +4,7 @@
 #include <memory>
 #include <vector>
 
-#include "titan/components/data/text_dataset.h"
+#include "titan/components/data/dataloader.h"
 #include "titan/components/lr_scheduler.h"
 #include "titan/components/metrics/memory.h"
 #include "titan/components/metrics/peak_flops.h"
@@ -60,7 +60,9 @@ class Trainer {
   std::shared_ptr<llama3::Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LRScheduler> lr_scheduler_;
-  std::unique_ptr<data::TextDataLoader> dataloader_;
+  std::unique_ptr<data::DataLoader> dataloader_;
+  bool block_causal_ = false;
+  int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;
   metrics::PeakFlops peak_;
   std::optional<at::ScalarType> autocast_dtype_;

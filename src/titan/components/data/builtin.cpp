@@ -4,7 +4,7 @@
 
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
-#include "titan/components/data/text_dataset.h"
+#include "titan/components/data/source.h"
 #include "titan/components/tokenizer/bpe_trainer.h"
 
 namespace titan::data {
@@ -16,13 +16,18 @@ std::string ensure_builtin_tokenizer(const std::string& dump_folder, int64_t voc
   fs::path path = fs::path(dump_folder) / "builtin_tokenizer" / ("fortunes_bpe_" + std::to_string(vocab_size) + ".tiktoken");
   if (fs::exists(path)) return path.string();
   log::info("training the built-in tokenizer (byte-level BPE, ", vocab_size, " ids) on the built-in corpus ", kBuiltinCorpusDir);
-  DocumentReader reader(resolve_dataset("fortunes", std::nullopt));
+  config::DatasetSource builtin;
+  builtin.name = "fortunes";
+  const SourceSpec corpus = resolve_source(builtin, "the built-in corpus");
   tokenizer::BpeTrainerOptions options;
   options.vocab_size = vocab_size;
   auto stats = tokenizer::train_bpe(
       [&](const std::function<void(std::string_view)>& emit) {
-        std::string doc;
-        while (reader.next(doc)) emit(doc);
+        RawRow row;
+        for (uint32_t i = 0; i < corpus.shards.size(); ++i) {
+          ShardRowReader reader(corpus.shards[i], i);
+          while (reader.next(row)) emit(row.bytes);
+        }
       },
       options, path.string());
   log::info("built-in tokenizer: ", stats.merges, " merges from ", with_thousands(stats.bytes), " bytes in ",

@@ -60,7 +60,9 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
   q = apply_rope(q, context.rope, context.positions).transpose(1, 2);
   k = apply_rope(k, context.rope, context.positions).transpose(1, 2);
   v = v.transpose(1, 2);
-  at::Tensor out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+  const bool masked = context.attn_mask.defined();
+  at::Tensor out = at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
+                                                    /*dropout_p=*/0.0, /*is_causal=*/!masked,
                                                     /*scale=*/std::nullopt, /*enable_gqa=*/n_heads_ != n_kv_heads_);
   out = out.transpose(1, 2).contiguous().view({bs, seqlen, -1});
   return (*wo)(out, context);
@@ -146,9 +148,19 @@ void Transformer::to_device(const at::Device& device, std::optional<at::ScalarTy
   rope_ = rope_.to(device);
 }
 
-at::Tensor Transformer::forward(const at::Tensor& tokens, const at::Tensor& positions) {
+at::Tensor block_causal_mask(const at::Tensor& document_positions) {
+  // A document starts where its position is 0; tokens see earlier tokens of their own document only.
+  at::Tensor doc = at::cumsum(document_positions.eq(0).to(at::kInt), 1);
+  const int64_t s = document_positions.size(1);
+  at::Tensor same = doc.unsqueeze(2).eq(doc.unsqueeze(1));
+  at::Tensor causal = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(doc.device())).tril();
+  return same.logical_and(causal).unsqueeze(1);
+}
+
+at::Tensor Transformer::forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& document_positions) {
   nn::Context context;
   context.positions = positions;
+  if (document_positions.defined()) context.attn_mask = block_causal_mask(document_positions);
   const int64_t seqlen = tokens.size(1);
   TORCH_CHECK(seqlen <= rope_.size(0), "sequence length ", seqlen, " exceeds the model's max_seq_len ", rope_.size(0));
   context.rope = rope_;

@@ -41,6 +41,9 @@ class FeedForward : public nn::Unit {
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
 };
 
+// The block-causal mask for document positions (batch, seq_len): bool (batch, 1, seq_len, seq_len).
+at::Tensor block_causal_mask(const at::Tensor& document_positions);
+
 class TransformerBlock : public nn::Unit {
  public:
   TransformerBlock(int64_t layer_id, const ModelArgs& args);
@@ -75,7 +78,9 @@ class Transformer : public torch::nn::Module {
   explicit Transformer(const ModelArgs& args);
 
   // tokens: int64 (batch, seq) -> logits (batch, seq, vocab). positions: optional int64 (batch or 1, seq).
-  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {});
+  // document_positions (batch, seq_len): each token's index in its document; when given, attention is
+  // block-causal (model.attn_mask_type = "block_causal").
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {}, const at::Tensor& document_positions = {});
   // torchtitan's initialisation; draws from the default generator (seed it for reproducibility).
   void init_weights();
 

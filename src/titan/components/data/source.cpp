@@ -1,0 +1,267 @@
+#include "titan/components/data/source.h"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/data/file_reader.h"
+#include "titan/components/data/token_shard.h"
+
+namespace titan::data {
+
+namespace fs = std::filesystem;
+
+const char* const kBuiltinCorpusDir = "/usr/share/games/fortunes";
+
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::Text: return "text";
+    case Format::Jsonl: return "jsonl";
+    case Format::Fortune: return "fortune";
+    case Format::Tokens: return "tokens";
+    case Format::Parquet: return "parquet";
+  }
+  return "?";
+}
+
+namespace {
+
+// The format a file name implies, or nullopt for files a directory scan skips.
+std::optional<Format> format_from_name(const std::string& path) {
+  std::string base = to_lower(strip_compression_extension(path));
+  auto ends = [&](const char* ext) { return base.size() >= std::strlen(ext) && base.ends_with(ext); };
+  if (ends(".jsonl") || ends(".ndjson") || ends(".json")) return Format::Jsonl;
+  if (ends(".txt") || ends(".text") || ends(".md")) return Format::Text;
+  if (ends(".tokens")) return Format::Tokens;
+  if (ends(".parquet")) return Format::Parquet;
+  return std::nullopt;
+}
+
+Format parse_format(const std::string& name) {
+  if (name == "text") return Format::Text;
+  if (name == "jsonl") return Format::Jsonl;
+  if (name == "fortune") return Format::Fortune;
+  if (name == "tokens") return Format::Tokens;
+  return Format::Parquet;
+}
+
+bool is_glob(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+SourceSpec builtin_fortunes() {
+  SourceSpec spec;
+  spec.name = "fortunes";
+  if (!fs::is_directory(kBuiltinCorpusDir))
+    fail("the built-in dataset \"fortunes\" reads ", kBuiltinCorpusDir, ", which is missing; install it with "
+         "`apt-get install fortunes` (scripts/setup.sh does) or set training.dataset_path");
+  // Each fortune file has a binary index "<name>.dat" beside it; the text files are the ones with an index.
+  for (const auto& e : fs::directory_iterator(kBuiltinCorpusDir)) {
+    const fs::path& p = e.path();
+    if (!e.is_regular_file() || p.extension() == ".dat" || p.extension() == ".u8") continue;
+    if (fs::exists(p.string() + ".dat")) spec.shards.push_back({p.string(), Format::Fortune});
+  }
+  std::sort(spec.shards.begin(), spec.shards.end(), [](const Shard& a, const Shard& b) { return a.path < b.path; });
+  if (spec.shards.empty()) fail("no fortune files found in ", kBuiltinCorpusDir);
+  return spec;
+}
+
+}  // namespace
+
+SourceSpec resolve_source(const config::DatasetSource& source, const std::string& where) {
+  if (source.path.empty()) {
+    if (source.name == "fortunes") {
+      SourceSpec spec = builtin_fortunes();
+      spec.weight = source.weight;
+      spec.loop = source.loop;
+      return spec;
+    }
+    fail(where, ": no path; a source is a file, a directory or a glob (built-in: name = \"fortunes\")");
+  }
+  SourceSpec spec;
+  spec.name = source.name.empty() ? source.path : source.name;
+  spec.weight = source.weight;
+  spec.text_field = source.text_field;
+  spec.loop = source.loop;
+  const bool forced = source.format != "auto";
+  auto add_file = [&](const std::string& file, bool from_scan) {
+    if (forced) {
+      spec.shards.push_back({file, parse_format(source.format)});
+      return;
+    }
+    auto f = format_from_name(file);
+    if (f) spec.shards.push_back({file, *f});
+    else if (!from_scan)
+      fail(where, ": cannot tell the format of ", quote(file), " from its name; expected .txt, .jsonl, .json, "
+           ".tokens or .parquet (optionally .gz/.zst), or set format = \"text\" | \"jsonl\" | \"fortune\" | \"tokens\"");
+  };
+  std::vector<std::string> candidates;
+  if (is_glob(source.path)) {
+    glob_t g{};
+    int rc = glob(source.path.c_str(), 0, nullptr, &g);
+    for (size_t i = 0; rc == 0 && i < g.gl_pathc; ++i) candidates.emplace_back(g.gl_pathv[i]);
+    globfree(&g);
+    if (candidates.empty()) fail(where, ": the glob ", quote(source.path), " matches no files");
+    for (const auto& c : candidates)
+      if (fs::is_regular_file(c)) add_file(c, true);
+  } else if (!fs::exists(source.path)) {
+    fail(where, ": path ", quote(source.path), " does not exist");
+  } else if (fs::is_regular_file(source.path)) {
+    add_file(source.path, false);
+  } else {
+    for (const auto& e : fs::recursive_directory_iterator(source.path))
+      if (e.is_regular_file() && !e.path().string().ends_with(".partial")) add_file(e.path().string(), true);
+  }
+  std::sort(spec.shards.begin(), spec.shards.end(), [](const Shard& a, const Shard& b) { return a.path < b.path; });
+  if (spec.shards.empty())
+    fail(where, ": ", quote(source.path), " holds no data files (.txt, .jsonl, .json, .tokens, .parquet, "
+         "optionally compressed .gz/.zst)");
+  for (const auto& s : spec.shards)
+    if (s.format == Format::Parquet)
+      fail(where, ": ", quote(s.path), " is Parquet, which this build cannot read yet; convert it to JSONL "
+           "(for example with pyarrow) or to token shards");
+  return spec;
+}
+
+std::vector<SourceSpec> resolve_sources(const std::string& dataset, const std::optional<std::string>& dataset_path,
+                                        const std::string& format, const std::string& text_field,
+                                        const std::string& where) {
+  if (!dataset_path) {
+    if (dataset == "fortunes") return {builtin_fortunes()};
+    if (dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation")
+      fail(where, ".dataset = ", quote(dataset), " is a Hugging Face dataset that titan.cpp does not download; set --",
+           where, ".dataset_path to a file or directory (.txt/.jsonl/.tokens, optionally .gz/.zst), use "
+           "[[training.datasets]] tables, or the built-in dataset \"fortunes\"");
+    fail(where, ".dataset = ", quote(dataset), " is not built in and there is no --", where,
+         ".dataset_path; datasets are files (built-in: fortunes)");
+  }
+  config::DatasetSource source;
+  source.name = dataset;
+  source.path = *dataset_path;
+  source.format = format;
+  source.text_field = text_field;
+  return {resolve_source(source, where + ".dataset_path")};
+}
+
+std::vector<SourceSpec> resolve_sources(const config::Training& training) {
+  if (training.datasets.empty())
+    return resolve_sources(training.dataset, training.dataset_path, training.dataset_format, training.text_field,
+                           "training");
+  std::vector<SourceSpec> out;
+  for (size_t i = 0; i < training.datasets.size(); ++i)
+    out.push_back(resolve_source(training.datasets[i], cat("training.datasets[", i, "] (", training.datasets[i].name, ")")));
+  return out;
+}
+
+struct ShardRowReader::Impl {
+  std::unique_ptr<FileReader> file;
+  std::unique_ptr<TokenShardReader> tokens;
+  bool text_done = false;
+};
+
+ShardRowReader::ShardRowReader(const Shard& shard, uint32_t shard_index)
+    : impl_(std::make_unique<Impl>()), shard_(shard), shard_index_(shard_index) {
+  if (shard.format == Format::Tokens) impl_->tokens = std::make_unique<TokenShardReader>(shard.path);
+  else impl_->file = std::make_unique<FileReader>(shard.path);
+}
+
+ShardRowReader::~ShardRowReader() = default;
+
+void ShardRowReader::seek(const ShardPosition& position) {
+  position_ = position;
+  if (impl_->file) {
+    impl_->file->seek(position.offset, position.line);
+    impl_->text_done = shard_.format == Format::Text && position.row > 0;
+  }
+}
+
+bool ShardRowReader::next(RawRow& row) {
+  row.tokens.clear();
+  row.bytes.clear();
+  row.shard = shard_index_;
+  row.row = position_.row;
+  switch (shard_.format) {
+    case Format::Tokens: {
+      if (position_.row >= impl_->tokens->num_docs()) return false;
+      row.tokens = impl_->tokens->document(position_.row);
+      row.offset = position_.row;
+      break;
+    }
+    case Format::Text: {
+      // A text file is one document; an empty one has no rows.
+      if (impl_->text_done) return false;
+      impl_->text_done = true;
+      row.line = 1;
+      row.offset = 0;
+      row.bytes = impl_->file->read_rest();
+      if (trim(row.bytes).empty()) return false;
+      break;
+    }
+    case Format::Jsonl: {
+      std::string line;
+      do {
+        if (!impl_->file->next_line(line)) return false;
+      } while (trim(line).empty());
+      row.line = impl_->file->line_number();
+      row.offset = impl_->file->line_offset();
+      row.bytes = std::move(line);
+      break;
+    }
+    case Format::Fortune: {
+      std::string line;
+      bool started = false;
+      while (true) {
+        if (!impl_->file->next_line(line)) {
+          if (!started || trim(row.bytes).empty()) return false;
+          break;
+        }
+        if (line == "%") {
+          if (started && !trim(row.bytes).empty()) break;
+          row.bytes.clear();
+          started = false;
+          continue;
+        }
+        if (!started) {
+          started = true;
+          row.line = impl_->file->line_number();
+          row.offset = impl_->file->line_offset();
+        }
+        row.bytes += line;
+        row.bytes.push_back('\n');
+      }
+      break;
+    }
+    case Format::Parquet: fail(quote(shard_.path), ": Parquet is not readable in this build");
+  }
+  ++position_.row;
+  if (impl_->file) {
+    position_.offset = impl_->file->offset();
+    position_.line = impl_->file->line_number();
+  }
+  return true;
+}
+
+std::string row_text(const RawRow& row, const SourceSpec& source) {
+  const Shard& shard = source.shards.at(row.shard);
+  if (shard.format != Format::Jsonl) return row.bytes;
+  nlohmann::json value;
+  try {
+    value = nlohmann::json::parse(row.bytes);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(shard.path, ":", row.line, ": malformed JSON line (byte offset ", row.offset, "): ", e.what());
+  }
+  if (!value.is_object())
+    fail(shard.path, ":", row.line, ": expected a JSON object per line (byte offset ", row.offset, ")");
+  auto it = value.find(source.text_field);
+  if (it == value.end())
+    fail(shard.path, ":", row.line, ": no field ", quote(source.text_field), " (byte offset ", row.offset,
+         "); set text_field in the dataset's table to the field holding the text");
+  if (!it->is_string())
+    fail(shard.path, ":", row.line, ": field ", quote(source.text_field), " is not a string (byte offset ",
+         row.offset, ")");
+  return it->get<std::string>();
+}
+
+}  // namespace titan::data
