@@ -107,3 +107,52 @@ def test_ctrl_c_stops_cleanly_after_the_current_step(tmp_path):
     assert proc.returncode == 130, text + err
     assert re.search(r"received SIGINT: stopped cleanly after step \d+ of 1000", text), text
     assert "Training completed" not in text
+
+
+def test_mixture_from_toml_tables_with_block_causal_attention_trains(tmp_path):
+    # [[training.datasets]] tables (a titan.cpp extension) load from TOML; non-looping small sources run out and
+    # the run stops cleanly at the step where the data ends.
+    plays = shared("text", "tinyshakespeare.txt").read_text()
+    prose = tmp_path / "prose"
+    prose.mkdir()
+    for i in range(5):
+        (prose / f"scene{i}.txt").write_text(plays[i * 2000:(i + 1) * 2000])
+    (tmp_path / "notes").mkdir()
+    for i in range(3):
+        (tmp_path / "notes" / f"n{i}.jsonl").write_text(
+            "".join(json.dumps({"body": f"note {i}.{k}: " + "word " * (k % 17)}) + "\n" for k in range(40)))
+    toml = tmp_path / "mix.toml"
+    toml.write_text(f"""
+[model]
+hf_assets_path = "builtin"
+attn_mask_type = "block_causal"
+
+[training]
+seq_len = 64
+local_batch_size = 2
+steps = 400
+shuffle_buffer = 16
+shuffle_shards = true
+
+[[training.datasets]]
+name = "prose"
+path = "{prose}"
+weight = 0.2
+loop = false
+
+[[training.datasets]]
+name = "notes"
+path = "{tmp_path / 'notes'}"
+text_field = "body"
+weight = 0.8
+loop = false
+
+[metrics]
+log_freq = 1
+""")
+    result = run([binary("titan"), "train", "--job.config_file", str(toml), "--job.dump_folder", str(tmp_path)])
+    lines = step_lines(result.stdout)
+    assert 3 < len(lines) < 400, result.stdout
+    assert 'Dataset "notes": 3 file(s), jsonl, weight 0.8' in result.stdout
+    assert 'Dataset "prose": 5 file(s), text, weight 0.2' in result.stdout
+    assert "the data ran out" in result.stdout + result.stderr

@@ -174,3 +174,27 @@ TEST(StateDictAdapter, RopePermutationRoundTrips) {
   EXPECT_TRUE(at::equal(hf[1], wq[2]));
   EXPECT_TRUE(at::equal(hf[8], wq[1]));  // head_dim 16: the second half starts at row 8
 }
+
+TEST(Model, BlockCausalAttentionMakesPackedDocumentsIndependent) {
+  // Two documents packed in one window with block-causal attention give each document's logits as if it were
+  // alone (RoPE depends on relative positions only); plain causal attention lets the second see the first.
+  at::manual_seed(3);
+  auto args = flavor("debugmodel_gqa");
+  args.vocab_size = 300;
+  Transformer model(args);
+  model.init_weights();
+  at::Tensor a = at::randint(0, 300, {1, 5}, at::kLong), b = at::randint(0, 300, {1, 7}, at::kLong);
+  at::Tensor packed = at::cat({a, b}, 1);
+  at::Tensor positions = at::cat({at::arange(5, at::kLong), at::arange(7, at::kLong)}).unsqueeze(0);
+  at::NoGradGuard no_grad;
+  at::Tensor blocked = model.forward(packed, {}, positions), causal = model.forward(packed);
+  at::Tensor alone_a = model.forward(a), alone_b = model.forward(b);
+  EXPECT_TRUE(at::allclose(blocked.narrow(1, 0, 5), alone_a, 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(blocked.narrow(1, 5, 7), alone_b, 1e-4, 1e-5))
+      << (blocked.narrow(1, 5, 7) - alone_b).abs().max().item<double>();
+  EXPECT_FALSE(at::allclose(causal.narrow(1, 5, 7), alone_b, 1e-3, 1e-3));
+  // A window that starts inside a document (its first position is not 0) is one document until the next 0.
+  at::Tensor mask = block_causal_mask(at::tensor({3, 4, 0, 1}, at::kLong).unsqueeze(0));
+  at::Tensor expected = at::tensor({1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1}, at::kLong).to(at::kBool).view({1, 1, 4, 4});
+  EXPECT_TRUE(at::equal(mask, expected));
+}

@@ -1,0 +1,113 @@
+"""`titan data tokenize` and `titan data inspect`: the shards hold exactly what Python tiktoken encodes, training
+from the shards serves the same windows as tokenizing on the fly, and bad input is a clear error."""
+import json
+import subprocess
+
+import numpy as np
+import pytest
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+from titan_testing import binary, run, shared
+
+
+def cl100k():
+    path = shared("tokenizers", "cl100k_base.tiktoken")
+    meta = json.loads(path.with_suffix(".meta.json").read_text())
+    ranks = load_tiktoken_bpe(str(path))
+    return path, tiktoken.Encoding("cl100k_test", pat_str=meta["pat_str"], mergeable_ranks=ranks,
+                                   special_tokens=meta["special_tokens"])
+
+
+def read_shard(path):
+    raw = path.read_bytes()
+    assert raw[:8] == b"TITANTOK"
+    version, width = np.frombuffer(raw[8:16], dtype="<u4")
+    vocab, docs, tokens, bos, eos = np.frombuffer(raw[16:56], dtype="<i8")
+    assert version == 1
+    dtype = "<u2" if width == 2 else "<u4"
+    ids = np.frombuffer(raw[64:64 + tokens * width], dtype=dtype)
+    offsets = np.frombuffer(raw[64 + tokens * width:], dtype="<u8")
+    assert len(offsets) == docs + 1
+    return [ids[offsets[i]:offsets[i + 1]].tolist() for i in range(docs)], dict(vocab=vocab, bos=bos, eos=eos)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    plays = shared("text", "tinyshakespeare.txt").read_text()
+    paragraphs = [p + "\n" for p in plays.split("\n\n") if p.strip()]
+    (root / "plays.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paragraphs))
+    subprocess.run(["zstd", "-q", "--rm", str(root / "plays.jsonl")], check=True)
+    return root, paragraphs
+
+
+def test_tokenize_writes_the_tokens_tiktoken_gives(corpus, tmp_path):
+    root, paragraphs = corpus
+    path, reference = cl100k()
+    out = tmp_path / "shards"
+    result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(root / "plays.jsonl.zst"),
+                  "--output", str(out), "--shard-tokens", "100000", "--threads", "2"])
+    summary = json.loads(result.stdout)
+    assert summary["documents"] == len(paragraphs)
+    assert "tokens/s" in result.stderr and "documents into" in result.stderr
+    documents = []
+    for shard in sorted(out.glob("*.tokens")):
+        docs, header = read_shard(shard)
+        assert header["vocab"] == 100277 and header["eos"] == 100257 and header["bos"] == -1
+        documents += docs
+    assert len(summary["shards"]) == len(list(out.glob("*.tokens"))) > 1
+    expected = [reference.encode_ordinary(p) + [100257] for p in paragraphs]  # cl100k has EOS, no BOS
+    assert documents == expected
+    assert summary["tokens"] == sum(map(len, expected))
+    inspect = json.loads(run([binary("titan"), "data", "inspect", *summary["shards"]]).stdout)
+    assert sum(s["documents"] for s in inspect) == len(paragraphs)
+    print(f"tokenized {summary['documents']} documents, {summary['tokens']} tokens at "
+          f"{summary['tokens_per_second']:,.0f} tokens/s with {summary['threads']} threads")
+
+
+def test_training_from_shards_serves_the_same_windows_as_from_text(corpus, tmp_path):
+    root, _ = corpus
+    path, _ = cl100k()
+    shards = tmp_path / "shards"
+    run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(root / "plays.jsonl.zst"),
+         "--output", str(shards), "--shard-tokens", "30000"])
+    common = ["--probe.batches", "20", "--model.hf_assets_path", str(path), "--training.seq_len", "128",
+              "--training.local_batch_size", "3"]
+    run([binary("titan_data_probe"), "--probe.out", str(tmp_path / "text"), "--training.dataset_path",
+         str(root / "plays.jsonl.zst"), *common])
+    run([binary("titan_data_probe"), "--probe.out", str(tmp_path / "tokens"), "--training.dataset_path", str(shards),
+         *common])
+    text = json.loads((tmp_path / "text" / "rank0.json").read_text())["batches"]
+    tokens = json.loads((tmp_path / "tokens" / "rank0.json").read_text())["batches"]
+    assert text == tokens
+
+
+def test_bad_input_is_reported_with_file_and_line(corpus, tmp_path):
+    path, _ = cl100k()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken\n{"text": "also fine"}\n')
+    result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(bad), "--output",
+                  str(tmp_path / "o1")], check=False)
+    assert result.returncode == 2 and "bad.jsonl:2" in result.stderr, result.stderr
+    assert not list((tmp_path / "o1").glob("*.tokens"))  # nothing that looks complete was left behind
+    result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(bad), "--output",
+                  str(tmp_path / "o2"), "--skip-malformed-rows"])
+    summary = json.loads(result.stdout)
+    assert summary["documents"] == 2 and summary["skipped_rows"] == 1
+    # A second run into the same folder would overwrite shards: refused.
+    again = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(bad), "--output",
+                 str(tmp_path / "o2"), "--skip-malformed-rows"], check=False)
+    assert again.returncode == 2 and "already holds token shards" in again.stderr
+    # A truncated shard is refused by the training loader, naming the file.
+    shard = tmp_path / "o2" / "part-00000.tokens"
+    data = shard.read_bytes()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "part-00000.tokens").write_bytes(data[:-5])
+    result = run([binary("titan_data_probe"), "--probe.out", str(tmp_path / "p"), "--probe.batches", "1",
+                  "--model.hf_assets_path", str(path), "--training.dataset_path", str(cut)], check=False)
+    assert result.returncode == 2 and "part-00000.tokens" in result.stderr and "truncated" in result.stderr, result.stderr
+    # Non-positive mixture weights are rejected when the config is read.
+    result = run([binary("titan"), "train", "--training.datasets", '[{path="%s", weight=0}]' % bad], check=False)
+    assert result.returncode == 2 and "weight must be a positive number" in result.stderr, result.stderr
