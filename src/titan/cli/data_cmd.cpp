@@ -205,7 +205,9 @@ int tokenize(const Options& o) {
         if (data::compression_of(source.shards[i].path) != data::Compression::None && !last) done = read_offset;
         chunk_bytes.push_back(done - read_offset);
         read_offset = done;
-        pending.push_back(std::async(std::launch::async, encode_chunk, std::move(chunk)));
+        // One thread: encode here. More: that many chunks encode at once while this thread reads ahead.
+        pending.push_back(std::async(threads == 1 ? std::launch::deferred : std::launch::async, encode_chunk,
+                                     std::move(chunk)));
         chunk = Chunk{};
         chunk.source = &source;
         while (static_cast<int64_t>(pending.size()) >= 2 * threads) drain_one();

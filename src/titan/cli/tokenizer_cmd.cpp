@@ -1,5 +1,7 @@
 // `titan tokenizer encode|decode|info|train`: tokenizers from the command line, reading stdin.
 #include <algorithm>
+#include <chrono>
+#include <fstream>
 #include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -20,6 +22,8 @@ const char* kTokenizerUsage =
     "                        JSON string (or an object with a \"text\" field) and every output line an array\n"
     "  titan tokenizer decode --tokenizer PATH [--skip-special] JSON array of ids on stdin -> text on stdout\n"
     "  titan tokenizer info --tokenizer PATH                    vocabulary size and special tokens\n"
+    "  titan tokenizer speed --tokenizer PATH --input FILE [--repeat N]\n"
+    "                        encoding speed on one thread: JSON with tokens, bytes, seconds, tokens_per_second\n"
     "  titan tokenizer train --input PATH [--input PATH ...] --vocab-size N --output FILE\n"
     "                        learn a byte-level BPE (Llama 3 pre-tokenizer, tiktoken format, Llama 3 special tokens)\n"
     "\n"
@@ -31,6 +35,7 @@ struct Options {
   std::vector<std::string> inputs;
   std::string output;
   int64_t vocab_size = 0;
+  int64_t repeat = 3;
   bool document = false, skip_special = false, jsonl = false;
 };
 
@@ -45,7 +50,12 @@ Options parse(const std::vector<std::string>& args, size_t first) {
     if (a == "--tokenizer") o.tokenizer = value();
     else if (a == "--input") o.inputs.push_back(value());
     else if (a == "--output") o.output = value();
-    else if (a == "--vocab-size") {
+    else if (a == "--repeat") {
+      std::string v = value();
+      char* end = nullptr;
+      o.repeat = std::strtoll(v.c_str(), &end, 10);
+      if (v.empty() || *end || o.repeat < 1) fail("--repeat expects a positive integer, got ", quote(v));
+    } else if (a == "--vocab-size") {
       std::string v = value();
       char* end = nullptr;
       o.vocab_size = std::strtoll(v.c_str(), &end, 10);
@@ -81,6 +91,27 @@ int run_tokenizer(const std::vector<std::string>& args) {
     std::cerr << "trained " << stats.merges << " merges on " << with_thousands(stats.bytes) << " bytes ("
               << with_thousands(stats.unique_words) << " distinct pieces) in " << strprintf("%.2f", stats.seconds)
               << " s -> " << o.output << "\n";
+    return 0;
+  }
+  if (verb == "speed") {
+    if (o.tokenizer.empty() || o.inputs.size() != 1) fail("`titan tokenizer speed` needs --tokenizer and one --input\n", kTokenizerUsage);
+    auto tok = tokenizer::load(o.tokenizer);
+    std::ifstream in(o.inputs[0], std::ios::binary);
+    if (!in) fail("cannot read ", quote(o.inputs[0]));
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    size_t tokens = tok->encode(text).size();  // warm-up (JIT, caches)
+    double best = 1e30;
+    for (int64_t r = 0; r < o.repeat; ++r) {
+      auto start = std::chrono::steady_clock::now();
+      tokens = tok->encode(text).size();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    nlohmann::ordered_json j;
+    j["tokens"] = tokens;
+    j["bytes"] = text.size();
+    j["seconds"] = best;
+    j["tokens_per_second"] = static_cast<double>(tokens) / best;
+    std::cout << j.dump() << "\n";
     return 0;
   }
   if (verb != "encode" && verb != "decode" && verb != "info") fail("unknown tokenizer command ", quote(verb), "\n", kTokenizerUsage);
