@@ -25,8 +25,11 @@ def mpirun(np):
 
 def probe(tmp_path, name, np, extra):
     out = tmp_path / name
+    # Validation after the last step over the same 16 windows on every layout (8 per step across the ranks).
+    validation = ["--probe.validate", "--validation.enable", "--validation.dataset", "fortunes", "--validation.seq_len", "64",
+                  "--validation.local_batch_size", str(8 // np), "--validation.steps", "2"]
     cmd = ([] if np == 1 else mpirun(np)) + [binary("titan_train_probe"), "--probe.out", str(out),
-                                             "--job.dump_folder", str(tmp_path / "dump"), *COMMON, *extra]
+                                             "--job.dump_folder", str(tmp_path / "dump"), *COMMON, *validation, *extra]
     run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
     return json.loads((out / "metrics.json").read_text()), load_file(str(out / "final.safetensors"))
 
@@ -62,6 +65,7 @@ def test_matches_single_process(tmp_path, single, case):
         assert rel <= 1e-5, (case, mine, ref)
         assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (case, mine, ref)
         assert mine["lr"] == ref["lr"]
+    assert meta["validation_loss"] == pytest.approx(ref_meta["validation_loss"], rel=1e-5)
     for name, ref in ref_weights.items():
         # Adam turns tiny gradient differences on near-zero entries into differences of ~1e-3 of one step (lr 3e-3).
         torch.testing.assert_close(weights[name], ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")

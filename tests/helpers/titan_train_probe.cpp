@@ -1,7 +1,8 @@
 // Test helper: builds titan's real Trainer from `titan train` arguments and runs its steps, recording what a
 // reference implementation needs to replay them: initial weights (HF layout), every micro-batch, and per-step
 // loss, grad norm and learning rate.
-// usage: titan_train_probe --probe.out DIR [titan train options...]
+// usage: titan_train_probe --probe.out DIR [--probe.validate] [titan train options...]
+// --probe.validate runs the trainer's validation after the last step and records its loss.
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -32,9 +33,11 @@ std::vector<std::pair<std::string, at::Tensor>> hf_weights(titan::Trainer& train
 int main(int argc, char** argv) {
   std::vector<std::string> args;
   std::string out_dir;
+  bool validate = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--probe.out" && i + 1 < argc) out_dir = argv[++i];
+    else if (a == "--probe.validate") validate = true;
     else args.push_back(a);
   }
   try {
@@ -70,6 +73,7 @@ int main(int argc, char** argv) {
                            {"microbatches", trainer.gradient_accumulation_steps()},
                            {"bos_id", trainer.tokenizer().bos_id().value_or(-1)},
                            {"eos_id", trainer.tokenizer().eos_id().value_or(-1)}};
+    if (validate) meta["validation_loss"] = trainer.validate();
     if (writer) std::ofstream(out_dir + "/metrics.json") << meta.dump(2) << "\n";
   } catch (const std::exception& e) {
     std::cerr << "titan_train_probe: " << e.what() << "\n";

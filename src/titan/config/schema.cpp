@@ -335,7 +335,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   at_least(b.add("local_batch_size", &c.validation.local_batch_size, "validation sequences per device"), 1);
   at_least(b.add("seq_len", &c.validation.seq_len, "validation sequence length"), 1);
   at_least(b.add("freq", &c.validation.freq, "steps between validations"), 1);
-  b.add("steps", &c.validation.steps, "validation batches per run; -1 consumes the whole set").also_allowed = {-1};
+  at_least(b.add("steps", &c.validation.steps, "validation batches per run; -1 consumes the whole set"), 1).also_allowed = {-1};
   b.keys.back().min = 1;
   add_dataloader("validation.dataloader", &c.validation.dataloader);
 

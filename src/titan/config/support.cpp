@@ -29,7 +29,6 @@ SupportReport check_supported(const LoadedConfig& loaded) {
   if (c.profiling.enable_memory_snapshot) not_yet("profiling.enable_memory_snapshot", "true", "memory snapshots");
   if (c.metrics.enable_tensorboard) not_yet("metrics.enable_tensorboard", "true", "TensorBoard logging");
   if (c.metrics.enable_wandb) not_yet("metrics.enable_wandb", "true", "Weights & Biases logging");
-  if (c.validation.enable) not_yet("validation.enable", "true", "validation");
   if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
   if (c.memory_estimation.enable) not_yet("memory_estimation.enable", "true", "memory estimation");
   if (c.training.enable_cpu_offload) not_yet("training.enable_cpu_offload", "true", "CPU offload");

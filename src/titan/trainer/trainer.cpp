@@ -171,6 +171,13 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   block_causal_ = c.model.attn_mask_type == "block_causal";
   data::LoaderOptions data_options = data::training_loader_options(c, mesh_->dp_rank(), dp_degree);
   dataloader_ = std::make_unique<data::DataLoader>(std::move(sources), tokenizer_.get(), data_options);
+  if (c.validation.enable) {
+    // Resolved now so that a bad validation path fails before training starts.
+    validation_sources_ = data::resolve_sources(c.validation.dataset, c.validation.dataset_path, "auto", "text", "validation");
+    for (const auto& source : validation_sources_)
+      log::info("Validation dataset ", quote(source.name), ": ", source.shards.size(), " file(s), every ",
+                c.validation.freq, " steps, ", c.validation.steps < 0 ? std::string("one full pass") : cat(c.validation.steps, " batches"));
+  }
 
   memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
   const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
@@ -227,6 +234,70 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
   result.loss = loss_total.item<double>();
   result.grad_norm = norm.item<double>();
   return result;
+}
+
+double Trainer::validate() {
+  const auto& c = loaded_.config;
+  const auto& v = c.validation;
+  const double start = now_seconds();
+  // A fresh loader every time: the same batches each validation, in file order, without shuffling.
+  data::LoaderOptions o;
+  o.seq_len = v.seq_len;
+  o.batch_size = v.local_batch_size;
+  o.dp_rank = mesh_->dp_rank();
+  o.dp_degree = mesh_->dims().dp_degree();
+  o.lanes = c.training.data_lanes;  // a fixed lane count gives the same validation set on any number of ranks
+  o.positions = block_causal_;
+  o.name = "validation";
+  auto sources = validation_sources_;
+  for (auto& s : sources) s.loop = v.steps >= 0;  // steps = -1: one pass over the data
+  data::DataLoader loader(std::move(sources), tokenizer_.get(), o);
+  auto dp = mesh_->get("dp");
+  at::NoGradGuard no_grad;
+  double loss_sum = 0;
+  int64_t batches = 0, tokens = 0;
+  while (v.steps < 0 || batches < v.steps) {
+    data::Batch batch;
+    bool have = true;
+    try {
+      batch = loader.next();
+    } catch (const data::DataExhausted&) {
+      have = false;
+    }
+    if (dp->size() > 1) {
+      // Lanes end at different batches: every rank stops when one has nothing left.
+      at::Tensor flag = at::full({1}, static_cast<int64_t>(have), at::kLong).to(device_);
+      dp->all_reduce(flag, distributed::ReduceOp::Min);
+      have = flag.cpu().item<int64_t>() != 0;
+    }
+    if (!have) break;
+    at::Tensor inputs = batch.inputs.to(device_), labels = batch.labels.to(device_);
+    at::Tensor valid = at::full({1}, count_valid_tokens(batch.labels), at::kLong).to(device_);
+    dp->all_reduce(valid, distributed::ReduceOp::Sum);
+    at::Tensor sum;
+    {
+      nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
+      at::Tensor logits = block_causal_ ? model_->forward(inputs, {}, batch.positions.to(device_)) : model_->forward(inputs);
+      sum = cross_entropy_sum(logits, labels);
+    }
+    // torchtitan's formula: the mean over batches of (this batch's loss sum / its global valid tokens).
+    loss_sum += sum.to(at::kDouble).item<double>() / static_cast<double>(std::max<int64_t>(1, valid.cpu().item<int64_t>()));
+    tokens += batch.labels.numel();
+    ++batches;
+  }
+  data_parallel_->reshard_all();  // units FSDP keeps gathered after forward wait for a backward that never comes
+  if (batches == 0) fail("validation: the validation data has no complete batch of ", v.local_batch_size, " x ", v.seq_len, " tokens");
+  at::Tensor total = at::full({1}, loss_sum / static_cast<double>(batches), at::TensorOptions().dtype(at::kDouble)).to(device_);
+  dp->all_reduce(total, distributed::ReduceOp::Sum);
+  const double loss = total.cpu().item<double>();
+  const double elapsed = std::max(1e-9, now_seconds() - start);
+  auto mem = memory_->peak();
+  const auto& k = log::colors();
+  log::info(strprintf("%svalidate step: %2lld  %sloss: %7.4f  %smemory: %5.2fGiB(%.2f%%)  %stps: %s  (%lld batches)%s", k.yellow,
+                      static_cast<long long>(step_), k.green, loss, k.turquoise, mem.peak_gib, mem.peak_pct, k.blue,
+                      with_thousands(static_cast<long long>(std::nearbyint(static_cast<double>(tokens) / elapsed))).c_str(),
+                      static_cast<long long>(batches), k.reset));
+  return loss;
 }
 
 void Trainer::log_step(const StepResult& r, double data_seconds) {
@@ -295,6 +366,10 @@ int Trainer::train() {
     // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
     if (step_ == 1) mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
     if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
+    if (c.validation.enable && (step_ == 1 || step_ % c.validation.freq == 0)) {
+      validate();
+      time_last_log_ = now_seconds();  // validation time does not count against training throughput
+    }
     int sig = g_stop_signal.load();
     if (mesh_->world()->size() > 1) {
       // Every rank stops after the same step, whichever rank the signal reached.

@@ -36,6 +36,9 @@ class Trainer {
   // One optimizer step over the given micro-batches (exposed for tests and tools).
   StepResult train_step(const std::vector<data::Batch>& microbatches);
   std::vector<data::Batch> next_microbatches();
+  // Runs validation now (validation.steps batches, or one pass when -1) and logs it; returns the global mean
+  // loss. Collective over the data-parallel ranks.
+  double validate();
 
   llama3::Transformer& model() { return *model_; }
   AdamW& optimizer() { return *optimizer_; }
@@ -61,6 +64,7 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LRScheduler> lr_scheduler_;
   std::unique_ptr<data::DataLoader> dataloader_;
+  std::vector<data::SourceSpec> validation_sources_;
   bool block_causal_ = false;
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;
