@@ -29,11 +29,32 @@ struct AddedToken {
 };
 
 struct PreStep {
-  enum class Kind { ByteLevel, Split } kind = Kind::Split;
+  enum class Kind { ByteLevel, Split, Metaspace } kind = Kind::Split;
   bool add_prefix_space = false;
   std::unique_ptr<RegexSplitter> regex;  // null: no splitting
   bool remove_matches = false;           // Split behavior "Removed"
+  std::string replacement;               // Metaspace: the character spaces become (U+2581)
+  std::string prepend_scheme = "always"; // Metaspace: always | first | never
+  bool split = true;                     // Metaspace: split before each replacement character
 };
+
+// Normalizers and decoders of SentencePiece-style tokenizer.json files (Llama 2, Mistral, ...).
+struct NormStep {
+  enum class Kind { Prepend, Replace } kind;
+  std::string a, b;  // Prepend: a; Replace: a -> b
+};
+struct DecodeStep {
+  enum class Kind { ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace } kind;
+  std::string a, b;
+  int64_t start = 0, stop = 0;
+  bool strip_first = true;  // Metaspace: drop the space the prepend scheme added
+};
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  if (from.empty()) return s;
+  for (size_t pos = s.find(from); pos != std::string::npos; pos = s.find(from, pos + to.size())) s.replace(pos, from.size(), to);
+  return s;
+}
 
 bool is_space_char(std::string_view s, size_t pos, size_t& len) {
   unsigned char c = static_cast<unsigned char>(s[pos]);
@@ -56,9 +77,7 @@ class HfTokenizer : public Tokenizer {
     }
     try {
       load_model(root.at("model"));
-      if (!root.value("normalizer", json()).is_null())
-        fail(path, ": normalizer ", quote(root["normalizer"].value("type", "?")),
-             " is not supported yet (Llama 3 tokenizers have none)");
+      load_normalizer(root.value("normalizer", json()));
       load_pre_tokenizer(root.value("pre_tokenizer", json()));
       load_decoder(root.value("decoder", json()));
       for (const auto& t : root.value("added_tokens", json::array())) {
@@ -91,17 +110,17 @@ class HfTokenizer : public Tokenizer {
         ++pos;
         continue;
       }
-      encode_plain(text.substr(plain_start, match_begin - plain_start), ids);
+      encode_plain(text.substr(plain_start, match_begin - plain_start), plain_start == 0, ids);
       ids.push_back(added->id);
       pos = plain_start = match_end;
     }
-    encode_plain(text.substr(plain_start), ids);
+    encode_plain(text.substr(plain_start), plain_start == 0, ids);
     ids.insert(ids.end(), suffix_.begin(), suffix_.end());
     return ids;
   }
 
   std::string decode(std::span<const int32_t> ids, bool skip_special) const override {
-    std::string bytes;
+    std::vector<std::string> tokens;
     for (int32_t id : ids) {
       auto added = added_by_id_.find(id);
       if (added != added_by_id_.end() && added->second.special && skip_special) continue;
@@ -109,17 +128,18 @@ class HfTokenizer : public Tokenizer {
       if (added != added_by_id_.end()) token = &added->second.content;
       else if (id >= 0 && static_cast<size_t>(id) < id_to_token_.size() && !id_to_token_[id].empty()) token = &id_to_token_[id];
       if (!token) fail("token id ", id, " is outside the vocabulary of ", path_, " (", vocab_size(), " ids)");
-      if (decoder_byte_level_) {
-        auto raw = chars_to_bytes(*token);
-        bytes += raw ? *raw : *token;
-      } else if (byte_fallback_ && token->size() == 6 && starts_with(*token, "<0x") && (*token)[5] == '>' &&
-                 std::isxdigit(static_cast<unsigned char>((*token)[3])) && std::isxdigit(static_cast<unsigned char>((*token)[4]))) {
-        bytes.push_back(static_cast<char>(std::stoi(token->substr(3, 2), nullptr, 16)));
-      } else {
-        bytes += *token;
-      }
+      tokens.push_back(*token);
     }
-    return utf8_lossy(bytes);
+    if (decoders_.empty()) {
+      // No decoder: tokens are joined as they are, byte-fallback tokens becoming their byte.
+      std::string bytes;
+      for (const auto& t : tokens) bytes += byte_fallback_ && fallback_byte(t) ? std::string(1, static_cast<char>(*fallback_byte(t))) : t;
+      return utf8_lossy(bytes);
+    }
+    for (const auto& step : decoders_) tokens = apply_decoder(step, std::move(tokens));
+    std::string out;
+    for (const auto& t : tokens) out += t;
+    return utf8_lossy(out);
   }
 
   int64_t vocab_size() const override {
@@ -141,6 +161,94 @@ class HfTokenizer : public Tokenizer {
   }
 
  private:
+  static std::optional<unsigned char> fallback_byte(const std::string& t) {
+    if (t.size() == 6 && starts_with(t, "<0x") && t[5] == '>' && std::isxdigit(static_cast<unsigned char>(t[3])) &&
+        std::isxdigit(static_cast<unsigned char>(t[4])))
+      return static_cast<unsigned char>(std::stoi(t.substr(3, 2), nullptr, 16));
+    return std::nullopt;
+  }
+
+  static std::vector<std::string> apply_decoder(const DecodeStep& step, std::vector<std::string> tokens) {
+    std::vector<std::string> out;
+    switch (step.kind) {
+      case DecodeStep::Kind::ByteLevel:
+        for (auto& t : tokens) {
+          auto raw = chars_to_bytes(t);
+          out.push_back(raw ? *raw : t);
+        }
+        return out;
+      case DecodeStep::Kind::Replace:
+        for (auto& t : tokens) out.push_back(replace_all(t, step.a, step.b));
+        return out;
+      case DecodeStep::Kind::ByteFallback: {
+        // Runs of <0xXX> tokens become their bytes when those are valid UTF-8, else one U+FFFD per byte.
+        std::string run;
+        size_t run_tokens = 0;
+        auto flush = [&] {
+          if (!run_tokens) return;
+          if (utf8_lossy(run) == run) out.push_back(run);
+          else
+            for (size_t i = 0; i < run_tokens; ++i) out.push_back("\xEF\xBF\xBD");
+          run.clear();
+          run_tokens = 0;
+        };
+        for (auto& t : tokens) {
+          if (auto b = fallback_byte(t)) {
+            run.push_back(static_cast<char>(*b));
+            ++run_tokens;
+          } else {
+            flush();
+            out.push_back(std::move(t));
+          }
+        }
+        flush();
+        return out;
+      }
+      case DecodeStep::Kind::Fuse: {
+        std::string all;
+        for (auto& t : tokens) all += t;
+        return {all};
+      }
+      case DecodeStep::Kind::Strip:
+        for (auto& t : tokens) {
+          size_t begin = 0, end = t.size();
+          for (int64_t i = 0; i < step.start && begin < end && t.compare(begin, step.a.size(), step.a) == 0; ++i) begin += step.a.size();
+          for (int64_t i = 0; i < step.stop && end >= begin + step.a.size() && t.compare(end - step.a.size(), step.a.size(), step.a) == 0; ++i)
+            end -= step.a.size();
+          out.push_back(t.substr(begin, end - begin));
+        }
+        return out;
+      case DecodeStep::Kind::Metaspace:
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          std::string t = replace_all(tokens[i], step.a, " ");
+          if (i == 0 && step.strip_first && starts_with(t, " ")) t.erase(0, 1);
+          out.push_back(std::move(t));
+        }
+        return out;
+    }
+    return tokens;
+  }
+
+  std::string pattern_string(const json& pattern, const char* what) const {
+    if (pattern.contains("String")) return pattern["String"].get<std::string>();
+    fail(path_, ": ", what, " with a regex pattern is not supported yet (string patterns are)");
+  }
+
+  void load_normalizer(const json& norm) {
+    if (norm.is_null()) return;
+    std::string type = norm.at("type").get<std::string>();
+    if (type == "Sequence") {
+      for (const auto& n : norm.at("normalizers")) load_normalizer(n);
+    } else if (type == "Prepend") {
+      normalizers_.push_back({NormStep::Kind::Prepend, norm.at("prepend").get<std::string>(), ""});
+    } else if (type == "Replace") {
+      normalizers_.push_back({NormStep::Kind::Replace, pattern_string(norm.at("pattern"), "Replace normalizer"),
+                              norm.at("content").get<std::string>()});
+    } else {
+      fail(path_, ": normalizer ", quote(type), " is not supported yet (Prepend, Replace, Sequence)");
+    }
+  }
+
   void load_model(const json& model) {
     std::string type = model.value("type", "BPE");
     if (type != "BPE") fail(path_, ": model type ", quote(type), " is not supported yet (only BPE)");
@@ -218,8 +326,18 @@ class HfTokenizer : public Tokenizer {
       step.remove_matches = behavior == "Removed";
       step.regex = std::make_unique<RegexSplitter>(regex, path_);
       pre_.push_back(std::move(step));
+    } else if (type == "Metaspace") {
+      PreStep step;
+      step.kind = PreStep::Kind::Metaspace;
+      step.replacement = pre.value("replacement", std::string("\xE2\x96\x81"));
+      if (pre.contains("prepend_scheme")) step.prepend_scheme = pre["prepend_scheme"].get<std::string>();
+      else if (pre.contains("add_prefix_space")) step.prepend_scheme = pre["add_prefix_space"].get<bool>() ? "always" : "never";
+      if (step.prepend_scheme != "always" && step.prepend_scheme != "first" && step.prepend_scheme != "never")
+        fail(path_, ": Metaspace prepend_scheme ", quote(step.prepend_scheme), " is not one of always, first, never");
+      step.split = pre.value("split", true);
+      pre_.push_back(std::move(step));
     } else {
-      fail(path_, ": pre_tokenizer ", quote(type), " is not supported yet (ByteLevel, Split, Sequence)");
+      fail(path_, ": pre_tokenizer ", quote(type), " is not supported yet (ByteLevel, Split, Metaspace, Sequence)");
     }
   }
 
@@ -229,9 +347,28 @@ class HfTokenizer : public Tokenizer {
     if (type == "Sequence") {
       for (const auto& d : dec.at("decoders")) load_decoder(d);
     } else if (type == "ByteLevel") {
-      decoder_byte_level_ = true;
-    } else if (type != "ByteFallback") {
-      fail(path_, ": decoder ", quote(type), " is not supported yet (ByteLevel)");
+      decoders_.push_back({DecodeStep::Kind::ByteLevel, "", ""});
+    } else if (type == "ByteFallback") {
+      decoders_.push_back({DecodeStep::Kind::ByteFallback, "", ""});
+    } else if (type == "Fuse") {
+      decoders_.push_back({DecodeStep::Kind::Fuse, "", ""});
+    } else if (type == "Replace") {
+      decoders_.push_back({DecodeStep::Kind::Replace, pattern_string(dec.at("pattern"), "Replace decoder"),
+                           dec.at("content").get<std::string>()});
+    } else if (type == "Strip") {
+      DecodeStep step{DecodeStep::Kind::Strip, dec.at("content").get<std::string>(), ""};
+      step.start = dec.value("start", 0);
+      step.stop = dec.value("stop", 0);
+      decoders_.push_back(step);
+    } else if (type == "Metaspace") {
+      DecodeStep step{DecodeStep::Kind::Metaspace, dec.value("replacement", std::string("\xE2\x96\x81")), ""};
+      std::string scheme = dec.contains("prepend_scheme") ? dec["prepend_scheme"].get<std::string>()
+                                                          : (dec.value("add_prefix_space", true) ? "always" : "never");
+      step.strip_first = scheme != "never";
+      decoders_.push_back(step);
+    } else {
+      fail(path_, ": decoder ", quote(type), " is not supported yet (ByteLevel, ByteFallback, Fuse, Replace, Strip, "
+           "Metaspace, Sequence)");
     }
   }
 
@@ -336,13 +473,33 @@ class HfTokenizer : public Tokenizer {
     return nullptr;
   }
 
-  void encode_plain(std::string_view text, std::vector<int32_t>& ids) const {
+  void encode_plain(std::string_view text, bool first_segment, std::vector<int32_t>& ids) const {
     if (text.empty()) return;
-    std::vector<std::string> pieces{std::string(text)};
+    std::string normalized(text);
+    for (const auto& n : normalizers_)
+      normalized = n.kind == NormStep::Kind::Prepend ? n.a + normalized : replace_all(std::move(normalized), n.a, n.b);
+    std::vector<std::string> pieces{std::move(normalized)};
     for (const auto& step : pre_) {
       std::vector<std::string> next;
       for (auto& piece : pieces) {
         std::string source = piece;
+        if (step.kind == PreStep::Kind::Metaspace) {
+          // Spaces become the replacement character, which then starts each piece (SentencePiece's layout).
+          source = replace_all(std::move(source), " ", step.replacement);
+          const bool prepend = step.prepend_scheme == "always" || (step.prepend_scheme == "first" && first_segment);
+          if (prepend && !starts_with(source, step.replacement)) source = step.replacement + source;
+          if (!step.split) {
+            next.push_back(std::move(source));
+            continue;
+          }
+          size_t start = 0;
+          for (size_t pos = source.find(step.replacement, 1); pos != std::string::npos; pos = source.find(step.replacement, pos + 1)) {
+            next.push_back(source.substr(start, pos - start));
+            start = pos;
+          }
+          next.push_back(source.substr(start));
+          continue;
+        }
         if (step.kind == PreStep::Kind::ByteLevel && step.add_prefix_space && !starts_with(source, " ")) source = " " + source;
         if (!step.regex) {
           next.push_back(source);
@@ -401,7 +558,9 @@ class HfTokenizer : public Tokenizer {
   bool ignore_merges_ = false, byte_fallback_ = false, fuse_unk_ = false;
   std::optional<int32_t> unk_id_;
   std::vector<PreStep> pre_;
-  bool byte_level_ = false, decoder_byte_level_ = false;
+  std::vector<NormStep> normalizers_;
+  std::vector<DecodeStep> decoders_;
+  bool byte_level_ = false;
   std::vector<AddedToken> added_;  // longest content first
   std::array<std::vector<const AddedToken*>, 256> added_by_first_byte_;
   std::map<int32_t, AddedToken> added_by_id_;

@@ -38,8 +38,8 @@ std::unique_ptr<Tokenizer> load_file(const fs::path& file) {
   const std::string name = file.filename().string();
   if (ends_with(name, ".json")) return load_hf_json(file.string());
   if (looks_like_tiktoken(file)) return load_tiktoken(file.string());
-  fail(file.string(), ": not a tiktoken-format BPE file (\"<base64> <rank>\" lines) nor a tokenizer.json; "
-                      "SentencePiece .model files are not supported yet");
+  // Llama 2's tokenizer.model is a SentencePiece protobuf; Llama 3's is tiktoken text (handled above).
+  return load_sentencepiece(file.string());
 }
 
 }  // namespace

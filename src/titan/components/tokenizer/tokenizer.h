@@ -1,5 +1,6 @@
 // Tokenizer: the interface the data pipeline and CLI use, and load() that opens HF tokenizer.json or
-// tiktoken-format (Llama 3 tokenizer.model) files from a path or an HF assets directory.
+// tiktoken-format (Llama 3 tokenizer.model) or SentencePiece (Llama 2 tokenizer.model) files from a path or an HF
+// assets directory.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -44,6 +45,9 @@ std::unique_ptr<Tokenizer> load_hf_json(const std::string& json_path);
 // A tiktoken ranks file ("<base64> <rank>" lines). Special tokens and the pattern come from a sibling
 // "<stem>.meta.json" when present, else Llama 3's pattern and its 256 special tokens after the base vocabulary.
 std::unique_ptr<Tokenizer> load_tiktoken(const std::string& path);
+
+// A SentencePiece model file (Llama 2's tokenizer.model).
+std::unique_ptr<Tokenizer> load_sentencepiece(const std::string& path);
 
 // Llama 3.1's special-token names, in id order after the base vocabulary (256 in all).
 std::vector<std::string> llama3_special_tokens();
