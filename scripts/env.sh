@@ -6,6 +6,7 @@ TITAN_CACHE="${TITAN_CACHE:-$HOME/.cache/titan}"
 TITAN_VENV="$TITAN_CACHE/venv"
 TITAN_PYTHON="$TITAN_VENV/bin/python"
 TITAN_TORCH_VERSION="${TITAN_TORCH_VERSION:-2.15.0}"
+TITAN_PYARROW_VERSION="${TITAN_PYARROW_VERSION:-26.0.1}"
 TITAN_BUILD="${TITAN_BUILD:-$TITAN_ROOT/build}"
 export CCACHE_DIR="${CCACHE_DIR:-$TITAN_CACHE/ccache}"
 # Paths under the repository are hashed relative to it, so separate clones share cache entries.

@@ -33,6 +33,11 @@ if [[ "$have_torch" != "$TITAN_TORCH_VERSION" ]]; then
   echo "[setup] installing PyPI torch==$TITAN_TORCH_VERSION (LibTorch for the build; several GB, once)"
   "$TITAN_PYTHON" -m pip install -q "torch==$TITAN_TORCH_VERSION"
 fi
+have_pyarrow=$("$TITAN_PYTHON" -c "import importlib.metadata as m; print(m.version('pyarrow'))" 2>/dev/null || true)
+if [[ "$have_pyarrow" != "$TITAN_PYARROW_VERSION" ]]; then
+  echo "[setup] installing PyPI pyarrow==$TITAN_PYARROW_VERSION (Arrow C++ for reading Parquet)"
+  "$TITAN_PYTHON" -m pip install -q "pyarrow==$TITAN_PYARROW_VERSION"
+fi
 if ((want_test_deps)); then
   req="$TITAN_ROOT/scripts/requirements-test.txt"
   stamp="$TITAN_CACHE/.test-deps-$(sha1sum "$req" | cut -c1-12)"

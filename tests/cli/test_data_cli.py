@@ -111,3 +111,47 @@ def test_bad_input_is_reported_with_file_and_line(corpus, tmp_path):
     # Non-positive mixture weights are rejected when the config is read.
     result = run([binary("titan"), "train", "--training.datasets", '[{path="%s", weight=0}]' % bad], check=False)
     assert result.returncode == 2 and "weight must be a positive number" in result.stderr, result.stderr
+
+
+def test_parquet_sources_serve_the_same_windows_as_jsonl_and_resume(corpus, tmp_path):
+    """Parquet (Hugging Face datasets' format) through Arrow C++: the same rows as JSONL give the same windows,
+    also shuffled and across a resume that lands inside a row group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, paragraphs = corpus
+    path, reference = cl100k()
+    pq_dir, jl_dir = tmp_path / "pq", tmp_path / "jl"
+    pq_dir.mkdir(), jl_dir.mkdir()
+    halves = [paragraphs[:3000], paragraphs[3000:6000]]
+    for i, rows in enumerate(halves):
+        pq.write_table(pa.table({"id": list(range(len(rows))), "content": rows}), pq_dir / f"part-{i}.parquet",
+                       row_group_size=128)
+        (jl_dir / f"part-{i}.jsonl").write_text("".join(json.dumps({"content": r}) + "\n" for r in rows))
+
+    def probe(source, out, batches, resume=None):
+        cmd = [binary("titan_data_probe"), "--probe.out", str(out), "--probe.batches", str(batches),
+               "--model.hf_assets_path", str(path), "--training.dataset_path", str(source), "--training.text_field",
+               "content", "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.shuffle_buffer",
+               "50", "--training.shuffle_shards", "--training.data_seed", "9"]
+        run(cmd + (["--probe.resume", str(resume)] if resume else []))
+        return json.loads((out / "rank0.json").read_text())["batches"]
+
+    from_jsonl = probe(jl_dir, tmp_path / "j", 30)
+    assert probe(pq_dir, tmp_path / "p", 30) == from_jsonl
+    first = probe(pq_dir, tmp_path / "a", 13)
+    assert first + probe(pq_dir, tmp_path / "b", 17, resume=tmp_path / "a") == from_jsonl
+
+    # titan data tokenize reads Parquet too; a null text is an error naming the file and row, or skipped.
+    pq.write_table(pa.table({"content": ["first row", None, "third row"]}), tmp_path / "nulls.parquet")
+    result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(tmp_path / "nulls.parquet"),
+                  "--text-field", "content", "--output", str(tmp_path / "t1")], check=False)
+    assert result.returncode == 2 and "nulls.parquet: row 1" in result.stderr, result.stderr
+    result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(tmp_path / "nulls.parquet"),
+                  "--text-field", "content", "--output", str(tmp_path / "t2"), "--skip-malformed-rows"])
+    docs, _ = read_shard(tmp_path / "t2" / "part-00000.tokens")
+    assert docs == [reference.encode_ordinary(t) + [100257] for t in ["first row", "third row"]]
+    # A missing column lists the ones there are.
+    result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(tmp_path / "nulls.parquet"),
+                  "--output", str(tmp_path / "t3")], check=False)
+    assert result.returncode == 2 and 'no column "text"' in result.stderr and "[content]" in result.stderr, result.stderr

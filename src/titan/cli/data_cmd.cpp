@@ -192,7 +192,7 @@ int tokenize(const Options& o) {
   };
   for (const auto& source : sources) {
     for (uint32_t i = 0; i < source.shards.size(); ++i) {
-      data::ShardRowReader reader(source.shards[i], i);
+      data::ShardRowReader reader(source.shards[i], i, source.text_field);
       const uint64_t file_bytes = fs::file_size(source.shards[i].path);
       uint64_t read_offset = 0;
       Chunk chunk;

@@ -188,7 +188,7 @@ bool DocumentStream::load_block(uint32_t s, bool fresh) {
     }
     const uint32_t shard = st.order.front();
     if (r.shard != shard) {
-      r.reader = std::make_unique<ShardRowReader>(spec.shards[shard], shard);
+      r.reader = std::make_unique<ShardRowReader>(spec.shards[shard], shard, spec.text_field);
       r.shard = shard;
       if (st.block_start.row > 0) r.reader->seek(st.block_start);
     } else if (r.reader->position().row != st.block_start.row) {

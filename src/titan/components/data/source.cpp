@@ -9,6 +9,7 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/data/file_reader.h"
+#include "titan/components/data/parquet_reader.h"
 #include "titan/components/data/token_shard.h"
 
 namespace titan::data {
@@ -119,9 +120,9 @@ SourceSpec resolve_source(const config::DatasetSource& source, const std::string
     fail(where, ": ", quote(source.path), " holds no data files (.txt, .jsonl, .json, .tokens, .parquet, "
          "optionally compressed .gz/.zst)");
   for (const auto& s : spec.shards)
-    if (s.format == Format::Parquet)
-      fail(where, ": ", quote(s.path), " is Parquet, which this build cannot read yet; convert it to JSONL "
-           "(for example with pyarrow) or to token shards");
+    if (s.format == Format::Parquet && !parquet_supported())
+      fail(where, ": ", quote(s.path), " is Parquet, but this build has no Parquet support (pyarrow's Arrow C++ was "
+           "not found when it was configured; scripts/setup.sh installs it); convert it to JSONL or token shards");
   return spec;
 }
 
@@ -158,12 +159,14 @@ std::vector<SourceSpec> resolve_sources(const config::Training& training) {
 struct ShardRowReader::Impl {
   std::unique_ptr<FileReader> file;
   std::unique_ptr<TokenShardReader> tokens;
+  std::unique_ptr<ParquetTextReader> parquet;
   bool text_done = false;
 };
 
-ShardRowReader::ShardRowReader(const Shard& shard, uint32_t shard_index)
+ShardRowReader::ShardRowReader(const Shard& shard, uint32_t shard_index, const std::string& text_field)
     : impl_(std::make_unique<Impl>()), shard_(shard), shard_index_(shard_index) {
   if (shard.format == Format::Tokens) impl_->tokens = std::make_unique<TokenShardReader>(shard.path);
+  else if (shard.format == Format::Parquet) impl_->parquet = std::make_unique<ParquetTextReader>(shard.path, text_field);
   else impl_->file = std::make_unique<FileReader>(shard.path);
 }
 
@@ -233,7 +236,11 @@ bool ShardRowReader::next(RawRow& row) {
       }
       break;
     }
-    case Format::Parquet: fail(quote(shard_.path), ": Parquet is not readable in this build");
+    case Format::Parquet: {
+      if (!impl_->parquet->read(position_.row, row.bytes, row.null_text)) return false;
+      row.offset = position_.row;
+      break;
+    }
   }
   ++position_.row;
   if (impl_->file) {
@@ -245,6 +252,7 @@ bool ShardRowReader::next(RawRow& row) {
 
 std::string row_text(const RawRow& row, const SourceSpec& source) {
   const Shard& shard = source.shards.at(row.shard);
+  if (row.null_text) fail(shard.path, ": row ", row.row, ": column ", quote(source.text_field), " is null");
   if (shard.format != Format::Jsonl) return row.bytes;
   nlohmann::json value;
   try {

@@ -47,6 +47,7 @@ struct RawRow {
   uint64_t row = 0;        // row index within the shard
   uint64_t line = 0;       // 1-based line of the row's start (text formats)
   uint64_t offset = 0;     // uncompressed byte offset of the row's start
+  bool null_text = false;  // Parquet: the text column is null in this row
 };
 
 // Where the next row of a shard starts; recorded in dataloader state so resuming needs no re-scan of plain files.
@@ -56,7 +57,8 @@ struct ShardPosition {
 
 class ShardRowReader {
  public:
-  ShardRowReader(const Shard& shard, uint32_t shard_index);
+  // text_field: the column read from Parquet files.
+  ShardRowReader(const Shard& shard, uint32_t shard_index, const std::string& text_field = "text");
   ~ShardRowReader();
   bool next(RawRow& row);
   ShardPosition position() const { return position_; }
