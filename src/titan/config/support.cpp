@@ -34,7 +34,8 @@ SupportReport check_supported(const LoadedConfig& loaded) {
   if (c.training.enable_cpu_offload) not_yet("training.enable_cpu_offload", "true", "CPU offload");
   if (c.optimizer.early_step_in_backward) not_yet("optimizer.early_step_in_backward", "true", "optimizer steps in backward");
   if (c.training.dataloader.num_workers > 0)
-    not_yet("training.dataloader.num_workers", std::to_string(c.training.dataloader.num_workers), "background data workers");
+    not_yet("training.dataloader.num_workers", std::to_string(c.training.dataloader.num_workers),
+            "extra data worker threads (batches are prepared on one background thread; see training.prefetch_batches)");
   if (c.comm.mode != "default") not_yet("comm.mode", quote(c.comm.mode), "a simulated communication mode");
   if (c.activation_checkpoint.mode == "memory_budget")
     r.errors.push_back(cat("activation_checkpoint.mode = \"memory_budget\" ", loaded.where("activation_checkpoint.mode"),
