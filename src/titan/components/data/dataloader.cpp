@@ -201,7 +201,7 @@ DataLoader::~DataLoader() { stop_worker(); }
 
 void DataLoader::build_lanes(int64_t lane_count) {
   if (lane_count % options_.dp_degree != 0)
-    fail(options_.name, ".data_lanes = ", lane_count, " must be a multiple of the data-parallel degree ",
+    fail(options_.name, " data: training.data_lanes = ", lane_count, " must be a multiple of the data-parallel degree ",
          options_.dp_degree);
   lane_count_ = lane_count;
   lanes_.clear();
