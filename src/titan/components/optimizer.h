@@ -28,9 +28,10 @@ class AdamW {
   };
   const std::vector<State>& state() const { return state_; }
   std::vector<State>& mutable_state() { return state_; }
+  // Creates the zero state of parameters that have none yet (step() does it lazily; loading a checkpoint first).
+  void init_state();
 
  private:
-  void init_state();
   std::vector<at::Tensor> params_;
   std::vector<State> state_;
   double lr_, beta1_, beta2_, eps_, weight_decay_;

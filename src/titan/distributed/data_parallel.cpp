@@ -18,6 +18,7 @@ class NoDataParallel final : public DataParallel {
   std::vector<at::Tensor> optimizer_parameters() override { return params_; }
   at::Tensor clip_grad_norm(double max_norm) override { return clip_grad_norm_(params_, max_norm); }
   std::string describe() const override { return "no data parallelism (one rank)"; }
+  std::vector<LocalShard> local_shards() override { return full_shards(params_, true); }
   int64_t bytes_communicated() const override { return 0; }
   double wait_seconds() const override { return 0; }
 
@@ -26,6 +27,13 @@ class NoDataParallel final : public DataParallel {
 };
 
 }  // namespace
+
+std::vector<LocalShard> full_shards(const std::vector<at::Tensor>& params, bool writer) {
+  std::vector<LocalShard> out;
+  for (const auto& p : params)
+    out.push_back({p, p, p.sizes().vec(), 0, p.dim() == 0 ? 1 : p.size(0), writer});
+  return out;
+}
 
 std::unique_ptr<DataParallel> apply_data_parallel(llama3::Transformer& model, const DeviceMesh& mesh,
                                                   const FsdpOptions& options) {

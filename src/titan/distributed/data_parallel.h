@@ -17,6 +17,16 @@ class Transformer;
 
 namespace titan::distributed {
 
+// A rank's part of one parameter, for checkpoints: rows [row_begin, row_begin + rows) of the global tensor sit in
+// the first `rows` rows of `tensor` (FSDP pads the rest).
+struct LocalShard {
+  at::Tensor tensor;         // the tensor the optimizer updates (same order as optimizer_parameters())
+  at::Tensor module_param;   // the model's parameter it belongs to (names come from the model)
+  std::vector<int64_t> global_shape;
+  int64_t row_begin = 0, rows = 0;
+  bool writer = true;        // this rank holds the copy of these rows that a checkpoint writes
+};
+
 class DataParallel {
  public:
   virtual ~DataParallel() = default;
@@ -40,7 +50,12 @@ class DataParallel {
   // Collective: make the model's parameters hold their full values (FSDP gathers them), and release them again.
   virtual void unshard_all() {}
   virtual void reshard_all() {}
+  // This rank's parameter pieces, in optimizer_parameters() order.
+  virtual std::vector<LocalShard> local_shards() = 0;
 };
+
+// Whole parameters as LocalShards (single process, DDP replicas).
+std::vector<LocalShard> full_shards(const std::vector<at::Tensor>& params, bool writer);
 
 struct FsdpOptions {
   at::ScalarType param_dtype = at::kFloat;   // all-gather and compute dtype (training.mixed_precision_param)

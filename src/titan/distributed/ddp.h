@@ -18,6 +18,7 @@ class Ddp final : public DataParallel {
   std::vector<at::Tensor> optimizer_parameters() override;
   at::Tensor clip_grad_norm(double max_norm) override;
   std::string describe() const override;
+  std::vector<LocalShard> local_shards() override { return full_shards(params_, group_->rank() == 0); }
   int64_t bytes_communicated() const override;
   double wait_seconds() const override { return wait_seconds_; }
   size_t bucket_count() const { return buckets_.size(); }

@@ -251,6 +251,18 @@ std::vector<at::Tensor> Fsdp::optimizer_parameters() {
   return out;
 }
 
+std::vector<LocalShard> Fsdp::local_shards() {
+  std::vector<LocalShard> out;
+  const int64_t rank = shard_group_->rank();
+  for (auto& unit : units_)
+    for (auto& p : unit.params) {
+      const int64_t begin = std::min(rank * p.shard_rows, p.rows);
+      out.push_back({p.shard, p.module_param, p.full_shape, begin, std::min(p.shard_rows, p.rows - begin),
+                     replicate_group_->rank() == 0});
+    }
+  return out;
+}
+
 at::Tensor Fsdp::clip_grad_norm(double max_norm) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;

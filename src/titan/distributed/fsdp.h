@@ -38,6 +38,7 @@ class Fsdp final : public DataParallel {
 
   void unshard_all() override;
   void reshard_all() override;
+  std::vector<LocalShard> local_shards() override;
 
  private:
   struct Param {

@@ -179,6 +179,15 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
                 c.validation.freq, " steps, ", c.validation.steps < 0 ? std::string("one full pass") : cat(c.validation.steps, " batches"));
   }
 
+  if (c.checkpoint.enable) {
+    checkpointer_ = std::make_unique<checkpoint::Checkpointer>(loaded_, *mesh_);
+    auto view = checkpoint_view();
+    if (checkpointer_->load(view)) {
+      step_ = train_state_.step;
+      tokens_seen_ = train_state_.tokens_seen;
+      optimizer_->set_lr(lr_scheduler_->current_lr());
+    }
+  }
   memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
   const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
   peak_ = metrics::peak_flops(device_, compute_dtype);
@@ -234,6 +243,12 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
   result.loss = loss_total.item<double>();
   result.grad_norm = norm.item<double>();
   return result;
+}
+
+checkpoint::TrainerState Trainer::checkpoint_view() {
+  train_state_.step = step_;
+  train_state_.tokens_seen = tokens_seen_;
+  return checkpoint::TrainerState{*model_, *data_parallel_, *optimizer_, *lr_scheduler_, *dataloader_, train_state_};
 }
 
 double Trainer::validate() {
@@ -360,12 +375,17 @@ int Trainer::train() {
     ++steps_since_log_;
     ++step_;
     StepResult r = train_step(microbatches);
-    tokens_seen_ += r.tokens;
+    tokens_seen_ += r.tokens * mesh_->dims().dp_degree();  // all ranks: the same after a change of layout
     tokens_since_log_ += r.tokens;
     if (!std::isfinite(r.loss)) log::warn("step ", step_, ": loss is ", r.loss);
     // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
     if (step_ == 1) mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
     if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
+    if (checkpointer_ && checkpointer_->should_save(step_, step_ == c.training.steps)) {
+      auto view = checkpoint_view();
+      checkpointer_->save(view, step_ == c.training.steps);
+      time_last_log_ = now_seconds();  // saving time does not count against training throughput
+    }
     if (c.validation.enable && (step_ == 1 || step_ % c.validation.freq == 0)) {
       validate();
       time_last_log_ = now_seconds();  // validation time does not count against training throughput
@@ -385,6 +405,7 @@ int Trainer::train() {
   }
   std::signal(SIGINT, previous_int);
   std::signal(SIGTERM, previous_term);
+  if (checkpointer_) checkpointer_->wait();
   if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
   if (mesh_->dims().dp_enabled() && step_ > 0) {
     const double steps = static_cast<double>(step_);

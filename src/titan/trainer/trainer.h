@@ -4,6 +4,7 @@
 #include <memory>
 #include <vector>
 
+#include "titan/components/checkpoint/checkpointer.h"
 #include "titan/components/data/dataloader.h"
 #include "titan/components/lr_scheduler.h"
 #include "titan/components/metrics/memory.h"
@@ -65,6 +66,9 @@ class Trainer {
   std::unique_ptr<LRScheduler> lr_scheduler_;
   std::unique_ptr<data::DataLoader> dataloader_;
   std::vector<data::SourceSpec> validation_sources_;
+  std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
+  checkpoint::TrainState train_state_;
+  checkpoint::TrainerState checkpoint_view();
   bool block_causal_ = false;
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;

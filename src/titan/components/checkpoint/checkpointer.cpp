@@ -1,0 +1,298 @@
+#include "titan/components/checkpoint/checkpointer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+
+#include "titan/common/error.h"
+#include "titan/common/logging.h"
+#include "titan/common/strings.h"
+#include "titan/components/checkpoint/dcp.h"
+
+namespace titan::checkpoint {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::optional<int64_t> step_of(const fs::path& p) {
+  static const std::regex pattern(R"(step-(\d+))");
+  std::smatch m;
+  const std::string name = p.filename().string();
+  if (!std::regex_match(name, m, pattern)) return std::nullopt;
+  return std::stoll(m[1]);
+}
+
+// Every rank's string, on every rank (lengths first, then the padded bytes).
+std::vector<std::string> all_gather_strings(distributed::Communicator& comm, const std::string& mine) {
+  const int n = comm.size();
+  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor lengths = at::empty({n}, at::kLong);
+  comm.all_gather_into(lengths, length);
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({longest * n}, at::kByte);
+  comm.all_gather_into(all, bytes);
+  std::vector<std::string> out;
+  const auto* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < n; ++r) out.emplace_back(base + r * longest, static_cast<size_t>(lengths[r].item<int64_t>()));
+  return out;
+}
+
+std::map<const c10::TensorImpl*, std::string> parameter_names(llama3::Transformer& model) {
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : model.named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
+  return names;
+}
+
+std::string join_ints(const std::vector<int64_t>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out;
+}
+
+at::ScalarType export_dtype(const std::string& name) {
+  return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
+}
+
+json rng_state() {
+  at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
+  const auto* p = state.data_ptr<uint8_t>();
+  return std::vector<uint8_t>(p, p + state.numel());
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(const config::LoadedConfig& loaded, const distributed::DeviceMesh& mesh)
+    : loaded_(loaded), config_(loaded.config.checkpoint), mesh_(mesh),
+      root_((fs::path(loaded.config.job.dump_folder) / config_.folder).string()) {
+  if (config_.interval < 1) fail("checkpoint.interval must be at least 1, got ", config_.interval);
+}
+
+Checkpointer::~Checkpointer() { wait(); }
+
+void Checkpointer::wait() {
+  if (purge_thread_.joinable()) purge_thread_.join();
+}
+
+std::optional<int64_t> Checkpointer::latest_complete_step(const std::string& root) {
+  std::optional<int64_t> best;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return best;
+  for (const auto& e : fs::directory_iterator(root)) {
+    auto step = step_of(e.path());
+    if (step && fs::exists(e.path() / "metadata.json") && (!best || *step > *best)) best = step;
+  }
+  return best;
+}
+
+bool Checkpointer::should_save(int64_t step, bool last) const {
+  return last || step % config_.interval == 0 || (step == 1 && config_.enable_first_step_checkpoint);
+}
+
+void Checkpointer::purge(int64_t newest_step) {
+  if (config_.keep_latest_k <= 0) return;
+  std::vector<std::pair<int64_t, fs::path>> complete;
+  for (const auto& e : fs::directory_iterator(root_)) {
+    auto step = step_of(e.path());
+    if (step && *step <= newest_step && fs::exists(e.path() / "metadata.json")) complete.emplace_back(*step, e.path());
+  }
+  std::sort(complete.rbegin(), complete.rend());
+  for (size_t i = static_cast<size_t>(config_.keep_latest_k); i < complete.size(); ++i) {
+    // The commit marker goes first, so a purge interrupted half-way leaves an incomplete, ignored directory.
+    std::error_code ec;
+    fs::remove(complete[i].second / "metadata.json", ec);
+    fs::remove_all(complete[i].second, ec);
+  }
+}
+
+void Checkpointer::save(TrainerState& state, bool last) {
+  const double start = now_seconds();
+  auto world = mesh_.world();
+  const int rank = world->rank();
+  const int64_t step = state.train.step;
+  const bool model_only = last && config_.last_save_model_only;
+  const fs::path final_dir = fs::path(root_) / ("step-" + std::to_string(step));
+  const fs::path partial_dir = fs::path(root_) / ("step-" + std::to_string(step) + ".partial");
+  wait();  // a purge still running must not race with this save
+  if (fs::exists(final_dir / "metadata.json")) {
+    log::warn("checkpoint ", final_dir.string(), " already exists; it is kept, not overwritten");
+    return;
+  }
+  if (rank == 0) {
+    std::error_code ec;
+    fs::remove_all(partial_dir, ec);
+    fs::create_directories(partial_dir, ec);
+    if (ec) fail("cannot create checkpoint folder ", quote(partial_dir.string()), ": ", ec.message(),
+                 " (checkpoint.folder = ", quote(config_.folder), " under job.dump_folder)");
+  }
+  world->barrier();
+
+  RankWriter writer(partial_dir.string(), rank);
+  auto names = parameter_names(state.model);
+  auto shards = state.data_parallel.local_shards();
+  const auto& opt_state = state.optimizer.state();
+  json optimizer_steps = json::object();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const auto& s = shards[i];
+    const std::string fqn = names.at(s.module_param.unsafeGetTensorImpl());
+    if (!s.writer) continue;
+    at::Tensor rows = s.tensor.detach().narrow(0, 0, s.rows);
+    writer.add("model." + fqn, model_only ? rows.to(export_dtype(config_.export_dtype)) : rows, s.row_begin, s.global_shape);
+    if (model_only || i >= opt_state.size() || !opt_state[i].exp_avg.defined()) continue;
+    writer.add("optimizer.exp_avg." + fqn, opt_state[i].exp_avg.narrow(0, 0, s.rows), s.row_begin, s.global_shape);
+    writer.add("optimizer.exp_avg_sq." + fqn, opt_state[i].exp_avg_sq.narrow(0, 0, s.rows), s.row_begin, s.global_shape);
+    optimizer_steps[fqn] = opt_state[i].step.item<double>();
+  }
+  json part = writer.finish();
+  part["rank_state"] = {{"rank", rank}, {"optimizer_steps", optimizer_steps}};
+  if (!model_only) {
+    part["rank_state"]["dataloader"] = state.dataloader.state_dict();
+    part["rank_state"]["rng"] = rng_state();
+  }
+  auto parts_text = all_gather_strings(*world, part.dump());
+  if (rank == 0) {
+    std::vector<json> parts;
+    json ranks = json::array(), steps = json::object();
+    for (const auto& t : parts_text) {
+      parts.push_back(json::parse(t));
+      ranks.push_back(parts.back()["rank_state"]);
+      for (const auto& [k, v] : parts.back()["rank_state"]["optimizer_steps"].items()) steps[k] = v;
+    }
+    json metadata = merge_rank_parts(parts);
+    metadata["format"] = "titan-dcp";
+    metadata["version"] = 1;
+    metadata["step"] = step;
+    metadata["model_only"] = model_only;
+    metadata["world_size"] = world->size();
+    metadata["flavor"] = loaded_.config.model.flavor;
+    if (!model_only) {
+      metadata["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
+      metadata["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};
+      metadata["optimizer"] = {{"steps", steps}};
+      metadata["ranks"] = ranks;
+    }
+    commit(partial_dir.string(), final_dir.string(), metadata);
+  }
+  world->barrier();
+  uint64_t bytes = 0;
+  if (rank == 0) {
+    for (const auto& e : fs::directory_iterator(final_dir)) bytes += fs::file_size(e.path());
+    purge_thread_ = std::thread([this, step] { purge(step); });
+  }
+  const double seconds = now_seconds() - start;
+  log::info("Saved checkpoint ", final_dir.string(), model_only ? cat(" (model only, ", config_.export_dtype, ")") : std::string(),
+            rank == 0 ? strprintf(": %.1f MB in %.2f s (%.0f MB/s)", bytes / 1e6, seconds, bytes / 1e6 / std::max(seconds, 1e-9))
+                      : std::string());
+}
+
+bool Checkpointer::load(TrainerState& state) {
+  auto world = mesh_.world();
+  if (world->rank() == 0 && fs::is_directory(root_)) {
+    for (const auto& e : fs::directory_iterator(root_)) {
+      const std::string name = e.path().filename().string();
+      if (ends_with(name, ".partial") || (step_of(e.path()) && !fs::exists(e.path() / "metadata.json"))) {
+        log::warn("removing incomplete checkpoint ", e.path().string(), " (a save that did not finish)");
+        std::error_code ec;
+        fs::remove_all(e.path(), ec);
+      }
+    }
+  }
+  world->barrier();
+  std::optional<int64_t> step;
+  if (config_.load_step >= 0) {
+    step = config_.load_step;
+    if (!fs::exists(fs::path(root_) / ("step-" + std::to_string(*step)) / "metadata.json"))
+      fail("checkpoint.load_step = ", *step, ": no complete checkpoint ", (fs::path(root_) / ("step-" + std::to_string(*step))).string());
+  } else {
+    step = latest_complete_step(root_);
+  }
+  if (!step) {
+    log::info("No checkpoint in ", root_, "; training starts from scratch");
+    return false;
+  }
+  const double start = now_seconds();
+  Reader reader((fs::path(root_) / ("step-" + std::to_string(*step))).string());
+  const json& meta = reader.metadata();
+  const bool model_only = meta.value("model_only", false);
+  auto excluded = [&](const std::string& part) {
+    return std::find(config_.exclude_from_loading.begin(), config_.exclude_from_loading.end(), part) !=
+           config_.exclude_from_loading.end();
+  };
+
+  // The model: every parameter must be there with its shape; nothing else may be.
+  auto names = parameter_names(state.model);
+  std::set<std::string> expected;
+  for (const auto& [impl, fqn] : names) expected.insert("model." + fqn);
+  for (const auto& [key, entry] : reader.tensors())
+    if (starts_with(key, "model.") && !expected.count(key))
+      fail("checkpoint ", reader.directory(), " has tensor ", quote(key), ", which model flavor ",
+           quote(loaded_.config.model.flavor), " does not have; it was saved from flavor ", quote(meta.value("flavor", "?")));
+  auto shards = state.data_parallel.local_shards();
+  at::NoGradGuard no_grad;
+  for (const auto& s : shards) {
+    const std::string key = "model." + names.at(s.module_param.unsafeGetTensorImpl());
+    if (!reader.contains(key))
+      fail("checkpoint ", reader.directory(), " has no tensor ", quote(key), "; it was saved from flavor ",
+           quote(meta.value("flavor", "?")), ", this run uses ", quote(loaded_.config.model.flavor));
+    const auto& entry = reader.tensors().at(key);
+    if (entry.shape != s.global_shape)
+      fail("checkpoint tensor ", quote(key), " has shape [", join_ints(entry.shape), "], the model expects [",
+           join_ints(s.global_shape), "]");
+    if (entry.dtype != s.tensor.scalar_type() && !model_only)
+      fail("checkpoint tensor ", quote(key), " is ", dtype_string(entry.dtype), ", the model trains in ",
+           dtype_string(s.tensor.scalar_type()), "; a resumable checkpoint must match training.dtype");
+    reader.read_rows(key, s.row_begin, s.tensor.detach().narrow(0, 0, s.rows));
+  }
+  if (model_only) {
+    log::info("Loaded model weights from ", reader.directory(), " (a model-only checkpoint: training starts at step 1)");
+    return true;
+  }
+  if (!excluded("optimizer")) {
+    state.optimizer.init_state();
+    auto& opt = state.optimizer.mutable_state();
+    const json& steps = meta.at("optimizer").at("steps");
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const auto& s = shards[i];
+      const std::string fqn = names.at(s.module_param.unsafeGetTensorImpl());
+      if (!steps.contains(fqn)) continue;  // saved before the first optimizer step
+      reader.read_rows("optimizer.exp_avg." + fqn, s.row_begin, opt[i].exp_avg.narrow(0, 0, s.rows));
+      reader.read_rows("optimizer.exp_avg_sq." + fqn, s.row_begin, opt[i].exp_avg_sq.narrow(0, 0, s.rows));
+      opt[i].step.fill_(steps[fqn].get<double>());
+    }
+  }
+  if (!excluded("lr_scheduler")) state.lr_scheduler.set_completed(meta.at("lr_scheduler").at("completed").get<int64_t>());
+  if (!excluded("train_state")) {
+    state.train.step = meta.at("train_state").at("step").get<int64_t>();
+    state.train.tokens_seen = meta.at("train_state").at("tokens_seen").get<int64_t>();
+  }
+  const json& ranks = meta.at("ranks");
+  if (!excluded("dataloader")) {
+    std::vector<std::string> states;
+    for (const auto& r : ranks) states.push_back(r.at("dataloader").get<std::string>());
+    state.dataloader.load_state_dict(states);
+  }
+  if (static_cast<int>(ranks.size()) == world->size() && ranks[world->rank()].contains("rng")) {
+    auto bytes = ranks[world->rank()]["rng"].get<std::vector<uint8_t>>();
+    at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(t);
+  }
+  log::info(strprintf("Loaded checkpoint %s (step %lld, saved by %d rank(s)) in %.2f s", reader.directory().c_str(),
+                      static_cast<long long>(*step), meta.value("world_size", 0), now_seconds() - start));
+  return true;
+}
+
+}  // namespace titan::checkpoint

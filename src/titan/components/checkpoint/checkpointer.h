@@ -1,0 +1,63 @@
+// Checkpointer: torchtitan's [checkpoint] behaviour over the titan-dcp format (dcp.h). It walks the trainer's
+// state -- model and optimizer shards as the data-parallel wrapper holds them, the LR schedule, every rank's
+// dataloader state, the step and token count, RNG state -- and saves or loads it, resharding rows on load so a
+// checkpoint saved under one layout loads under any other.
+#pragma once
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "titan/components/data/dataloader.h"
+#include "titan/components/lr_scheduler.h"
+#include "titan/components/optimizer.h"
+#include "titan/config/loader.h"
+#include "titan/distributed/data_parallel.h"
+#include "titan/distributed/parallel_dims.h"
+#include "titan/models/llama3/model.h"
+
+namespace titan::checkpoint {
+
+struct TrainState {
+  int64_t step = 0;
+  int64_t tokens_seen = 0;
+};
+
+// References to what a checkpoint holds.
+struct TrainerState {
+  llama3::Transformer& model;
+  distributed::DataParallel& data_parallel;
+  AdamW& optimizer;
+  LRScheduler& lr_scheduler;
+  data::DataLoader& dataloader;
+  TrainState& train;
+};
+
+class Checkpointer {
+ public:
+  Checkpointer(const config::LoadedConfig& loaded, const distributed::DeviceMesh& mesh);
+  ~Checkpointer();
+
+  // Removes incomplete saves and loads checkpoint.load_step (-1: the newest complete one), if any. Returns whether
+  // a checkpoint was loaded. Collective.
+  bool load(TrainerState& state);
+  // torchtitan's rule: every `interval` steps, the first step when enable_first_step_checkpoint, and the last.
+  bool should_save(int64_t step, bool last) const;
+  // Collective. The last save is model-only in export_dtype when last_save_model_only.
+  void save(TrainerState& state, bool last);
+  // Waits for the background purge of old checkpoints.
+  void wait();
+
+  std::string folder() const { return root_; }
+  static std::optional<int64_t> latest_complete_step(const std::string& root);
+
+ private:
+  void purge(int64_t newest_step);
+  const config::LoadedConfig& loaded_;
+  const config::Checkpoint& config_;
+  const distributed::DeviceMesh& mesh_;
+  std::string root_;
+  std::thread purge_thread_;
+};
+
+}  // namespace titan::checkpoint

@@ -1,0 +1,254 @@
+#include "titan/components/checkpoint/dcp.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan::checkpoint {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Fault injection for crash tests: TITAN_CHECKPOINT_CRASH = "bytes:K" kills the process (SIGKILL, as kill -9)
+// once this rank has written K bytes of its data file; "before_metadata" / "before_rename" kill rank 0 at those
+// points of the commit. TITAN_CHECKPOINT_CRASH_RANK restricts it to one rank.
+struct CrashPlan {
+  int64_t after_bytes = -1;
+  std::string at;
+  int rank = -1;
+};
+
+CrashPlan crash_plan() {
+  CrashPlan plan;
+  if (const char* v = std::getenv("TITAN_CHECKPOINT_CRASH")) {
+    std::string s = v;
+    if (starts_with(s, "bytes:")) plan.after_bytes = std::stoll(s.substr(6));
+    else plan.at = s;
+  }
+  if (const char* r = std::getenv("TITAN_CHECKPOINT_CRASH_RANK")) plan.rank = std::atoi(r);
+  return plan;
+}
+
+bool crash_applies(int rank) {
+  static const CrashPlan plan = crash_plan();
+  return plan.rank < 0 || plan.rank == rank;
+}
+
+void crash_now() {
+  std::fflush(nullptr);
+  std::raise(SIGKILL);
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+const std::map<std::string, at::ScalarType>& dtype_names() {
+  static const std::map<std::string, at::ScalarType> names = {
+      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16}, {"float16", at::kHalf}, {"float64", at::kDouble},
+      {"int64", at::kLong},    {"int32", at::kInt},         {"uint8", at::kByte}};
+  return names;
+}
+
+}  // namespace
+
+std::string dtype_string(at::ScalarType dtype) {
+  for (const auto& [name, t] : dtype_names())
+    if (t == dtype) return name;
+  fail("checkpoint: unsupported dtype ", c10::toString(dtype));
+}
+
+at::ScalarType parse_dtype(const std::string& name, const std::string& where) {
+  auto it = dtype_names().find(name);
+  if (it == dtype_names().end()) fail(where, ": unknown dtype ", quote(name));
+  return it->second;
+}
+
+RankWriter::RankWriter(const std::string& directory, int rank)
+    : directory_(directory), name_(strprintf("rank-%05d.bin", rank)), path_(directory + "/" + name_) {
+  file_ = std::fopen(path_.c_str(), "wb");
+  if (!file_) fail("cannot create checkpoint file ", quote(path_), ": ", std::strerror(errno));
+  crc_ = static_cast<uint32_t>(crc32(0L, Z_NULL, 0));
+  rank_ = rank;
+}
+
+RankWriter::~RankWriter() {
+  if (file_) std::fclose(file_);
+}
+
+void RankWriter::write(const void* data, size_t n) {
+  static const CrashPlan plan = crash_plan();
+  if (plan.after_bytes >= 0 && crash_applies(rank_) && written_ + n > static_cast<uint64_t>(plan.after_bytes)) {
+    const size_t part = static_cast<size_t>(static_cast<uint64_t>(plan.after_bytes) - written_);
+    std::fwrite(data, 1, part, file_);
+    crash_now();
+  }
+  if (n && std::fwrite(data, 1, n, file_) != n)
+    fail("cannot write checkpoint file ", quote(path_), ": ", std::strerror(errno),
+         errno == ENOSPC ? " (the disk is full; the previous checkpoint is untouched)" : "");
+  crc_ = static_cast<uint32_t>(crc32(crc_, static_cast<const Bytef*>(data), static_cast<uInt>(n)));
+  written_ += n;
+}
+
+void RankWriter::add(const std::string& key, const at::Tensor& local, int64_t row_begin,
+                     const std::vector<int64_t>& global_shape) {
+  at::Tensor cpu = local.detach().to(at::kCPU).contiguous();
+  const int64_t rows = cpu.dim() == 0 ? 1 : cpu.size(0);
+  Piece piece{name_, written_, static_cast<uint64_t>(cpu.nbytes()), row_begin, row_begin + rows};
+  // Large tensors are written in slices so a crash test can stop inside one.
+  const auto* bytes = static_cast<const char*>(cpu.data_ptr());
+  for (uint64_t done = 0; done < piece.bytes;) {
+    const uint64_t n = std::min<uint64_t>(piece.bytes - done, 1 << 20);
+    write(bytes + done, n);
+    done += n;
+  }
+  auto& entry = tensors_[key];
+  entry["dtype"] = dtype_string(cpu.scalar_type());
+  entry["shape"] = global_shape;
+  entry["pieces"].push_back({{"file", piece.file}, {"offset", piece.offset}, {"bytes", piece.bytes},
+                             {"rows", {piece.row_begin, piece.row_end}}});
+}
+
+nlohmann::json RankWriter::finish() {
+  if (std::fflush(file_) != 0 || ::fsync(fileno(file_)) != 0)
+    fail("cannot write checkpoint file ", quote(path_), ": ", std::strerror(errno),
+         errno == ENOSPC ? " (the disk is full; the previous checkpoint is untouched)" : "");
+  std::fclose(file_);
+  file_ = nullptr;
+  nlohmann::json out;
+  out["files"][name_] = {{"bytes", written_}, {"crc32", crc_}};
+  out["tensors"] = tensors_;
+  return out;
+}
+
+nlohmann::json merge_rank_parts(const std::vector<nlohmann::json>& parts) {
+  nlohmann::json merged;
+  merged["files"] = nlohmann::json::object();
+  merged["tensors"] = nlohmann::json::object();
+  for (const auto& part : parts) {
+    for (const auto& [name, info] : part.at("files").items()) merged["files"][name] = info;
+    for (const auto& [key, entry] : part.at("tensors").items()) {
+      auto& m = merged["tensors"][key];
+      if (m.is_null()) {
+        m = entry;
+      } else {
+        for (const auto& piece : entry.at("pieces")) m["pieces"].push_back(piece);
+      }
+    }
+  }
+  return merged;
+}
+
+void commit(const std::string& partial_directory, const std::string& final_directory, const nlohmann::json& metadata) {
+  if (crash_plan().at == "before_metadata" && crash_applies(0)) crash_now();
+  const std::string tmp = partial_directory + "/metadata.json.tmp", path = partial_directory + "/metadata.json";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    out << metadata.dump(1) << "\n";
+    out.flush();
+    if (!out) fail("cannot write ", quote(tmp), errno == ENOSPC ? ": the disk is full" : "");
+  }
+  fsync_path(tmp, false);
+  fs::rename(tmp, path);
+  fsync_path(partial_directory, true);
+  if (crash_plan().at == "before_rename" && crash_applies(0)) crash_now();
+  std::error_code ec;
+  fs::rename(partial_directory, final_directory, ec);
+  if (ec) fail("cannot rename ", quote(partial_directory), " to ", quote(final_directory), ": ", ec.message());
+  fsync_path(fs::path(final_directory).parent_path().string(), true);
+}
+
+Reader::Reader(std::string directory) : directory_(std::move(directory)) {
+  const std::string path = directory_ + "/metadata.json";
+  std::ifstream in(path);
+  if (!in) fail("checkpoint ", quote(directory_), " is incomplete: it has no metadata.json (a save that did not finish)");
+  try {
+    metadata_ = nlohmann::json::parse(in);
+    if (metadata_.at("format").get<std::string>() != "titan-dcp" || metadata_.at("version").get<int>() != 1)
+      fail(path, ": not a titan.cpp checkpoint of version 1");
+    for (const auto& [key, entry] : metadata_.at("tensors").items()) {
+      TensorEntry t;
+      t.dtype = parse_dtype(entry.at("dtype").get<std::string>(), path + " (" + key + ")");
+      t.shape = entry.at("shape").get<std::vector<int64_t>>();
+      for (const auto& p : entry.at("pieces")) {
+        auto rows = p.at("rows").get<std::vector<int64_t>>();
+        t.pieces.push_back({p.at("file").get<std::string>(), p.at("offset").get<uint64_t>(), p.at("bytes").get<uint64_t>(),
+                            rows.at(0), rows.at(1)});
+      }
+      tensors_[key] = std::move(t);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail(path, ": malformed checkpoint metadata: ", e.what());
+  }
+}
+
+void Reader::verify(const std::string& file) {
+  if (verified_.count(file)) return;
+  const std::string path = directory_ + "/" + file;
+  const auto& info = metadata_.at("files").contains(file) ? metadata_["files"][file] : nlohmann::json();
+  if (info.is_null()) fail("checkpoint ", quote(directory_), ": metadata names no file ", quote(file));
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec) fail("checkpoint file ", quote(path), " is missing");
+  if (size != info.at("bytes").get<uint64_t>())
+    fail("checkpoint file ", quote(path), " has ", size, " bytes, but the metadata says ", info["bytes"].get<uint64_t>(),
+         " (truncated or changed)");
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) fail("cannot open checkpoint file ", quote(path));
+  std::vector<char> buffer(1 << 22);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), f)) > 0) crc = crc32(crc, reinterpret_cast<Bytef*>(buffer.data()), static_cast<uInt>(n));
+  std::fclose(f);
+  if (static_cast<uint32_t>(crc) != info.at("crc32").get<uint32_t>())
+    fail("checkpoint file ", quote(path), " fails its CRC-32 check (corrupt); the checkpoint cannot be loaded");
+  verified_.insert(file);
+}
+
+void Reader::read_rows(const std::string& key, int64_t row_begin, at::Tensor out) {
+  auto it = tensors_.find(key);
+  if (it == tensors_.end()) fail("checkpoint ", quote(directory_), " has no tensor ", quote(key));
+  const TensorEntry& t = it->second;
+  const int64_t rows = out.dim() == 0 ? 1 : out.size(0);
+  if (rows == 0) return;
+  const int64_t global_rows = t.shape.empty() ? 1 : t.shape[0];
+  if (row_begin < 0 || row_begin + rows > global_rows) fail("checkpoint tensor ", quote(key), ": rows out of range");
+  at::Tensor staging = at::empty(out.sizes(), out.options().device(at::kCPU).dtype(t.dtype));
+  const int64_t row_bytes = rows ? static_cast<int64_t>(staging.nbytes()) / rows : 0;
+  auto* dst = static_cast<char*>(staging.data_ptr());
+  int64_t covered = 0;
+  for (const Piece& p : t.pieces) {
+    const int64_t a = std::max(p.row_begin, row_begin), b = std::min(p.row_end, row_begin + rows);
+    if (a >= b) continue;
+    verify(p.file);
+    const std::string path = directory_ + "/" + p.file;
+    FILE* f = std::fopen(path.c_str(), "rb");
+    if (!f) fail("cannot open checkpoint file ", quote(path));
+    const uint64_t offset = p.offset + static_cast<uint64_t>((a - p.row_begin) * row_bytes);
+    const size_t n = static_cast<size_t>((b - a) * row_bytes);
+    if (fseeko(f, static_cast<off_t>(offset), SEEK_SET) != 0 || std::fread(dst + (a - row_begin) * row_bytes, 1, n, f) != n) {
+      std::fclose(f);
+      fail("cannot read ", n, " bytes at ", offset, " of checkpoint file ", quote(path));
+    }
+    std::fclose(f);
+    covered += b - a;
+  }
+  if (covered != rows)
+    fail("checkpoint tensor ", quote(key), ": rows ", row_begin, "..", row_begin + rows, " are not all in the checkpoint");
+  out.copy_(staging.to(out.dtype()));
+}
+
+}  // namespace titan::checkpoint
