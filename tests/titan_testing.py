@@ -38,3 +38,35 @@ def run(args, input_text=None, check=True, env=None, timeout=600):
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, args))} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
+
+
+def read_checkpoint(directory):
+    """Full tensors of a titan checkpoint step directory, assembled from the row pieces its metadata.json lists
+    (an independent reader of the format described in docs/checkpoint.md)."""
+    import json
+
+    import numpy as np
+
+    dtypes = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "bfloat16": None}
+    directory = Path(directory)
+    meta = json.loads((directory / "metadata.json").read_text())
+    out = {}
+    for key, entry in meta["tensors"].items():
+        shape = entry["shape"]
+        if entry["dtype"] == "bfloat16":  # numpy has no bfloat16: widen to float32 through the upper 16 bits
+            full = np.zeros(shape, dtype=np.float32)
+        else:
+            full = np.zeros(shape, dtype=dtypes[entry["dtype"]])
+        covered = 0
+        for piece in entry["pieces"]:
+            raw = (directory / piece["file"]).read_bytes()[piece["offset"]:piece["offset"] + piece["bytes"]]
+            a, b = piece["rows"]
+            if entry["dtype"] == "bfloat16":
+                values = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+            else:
+                values = np.frombuffer(raw, dtype=full.dtype)
+            full[a:b] = values.reshape([b - a] + shape[1:])
+            covered += b - a
+        assert covered == shape[0], key
+        out[key] = full
+    return meta, out

@@ -13,9 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from titan_testing import SOURCE_DIR, binary, run
+from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
 
-DTYPES = {"float32": np.float32, "float64": np.float64, "int64": np.int64}
 COMMON = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--training.seq_len", "64",
           "--training.local_batch_size", "1", "--metrics.log_freq", "1", "--checkpoint.enable",
           "--checkpoint.interval", "10", "--checkpoint.no_last_save_model_only", "--debug.seed", "0",
@@ -42,25 +41,6 @@ def train(dump, layout, steps, env=None, check=True, extra=()):
 
 def losses(stdout):
     return [(int(m.group(1)), m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)]
-
-
-def read_checkpoint(directory):
-    """Full tensors of a checkpoint directory, assembled from the row pieces its metadata lists."""
-    meta = json.loads((directory / "metadata.json").read_text())
-    out = {}
-    for key, entry in meta["tensors"].items():
-        dtype = DTYPES[entry["dtype"]]
-        shape = entry["shape"]
-        full = np.zeros(shape, dtype=dtype)
-        covered = 0
-        for piece in entry["pieces"]:
-            raw = (directory / piece["file"]).read_bytes()[piece["offset"]:piece["offset"] + piece["bytes"]]
-            a, b = piece["rows"]
-            full[a:b] = np.frombuffer(raw, dtype=dtype).reshape([b - a] + shape[1:])
-            covered += b - a
-        assert covered == shape[0], key
-        out[key] = full
-    return meta, out
 
 
 @pytest.mark.parametrize("layout", [1, 2, 4])

@@ -19,6 +19,7 @@ const char* kUsage =
     "  train       train a model (torchtitan-compatible TOML and --section.key options; `titan train --help`)\n"
     "  tokenizer   encode, decode or train tokenizers (`titan tokenizer --help`)\n"
     "  data        pre-tokenize datasets into token shards, inspect shards (`titan data --help`)\n"
+    "  convert     titan checkpoints to and from Hugging Face safetensors (`titan convert --help`)\n"
     "  estimate    parameters, FLOPs per token and training-state memory of a job's model\n";
 
 }  // namespace
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
     if (command == "tokenizer") return titan::cli::run_tokenizer(rest);
     if (command == "estimate") return titan::cli::run_estimate(rest);
     if (command == "data") return titan::cli::run_data(rest);
+    if (command == "convert") return titan::cli::run_convert(rest);
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), kUsage);
     return 2;
   } catch (const titan::UserError& e) {

@@ -23,7 +23,6 @@ SupportReport check_supported(const LoadedConfig& loaded) {
     not_yet("checkpoint.async_mode", quote(c.checkpoint.async_mode), "asynchronous checkpointing");
   if (c.checkpoint.enable && c.checkpoint.last_save_in_hf) not_yet("checkpoint.last_save_in_hf", "true", "saving in Hugging Face format");
   if (c.checkpoint.create_seed_checkpoint) not_yet("checkpoint.create_seed_checkpoint", "true", "checkpointing");
-  if (c.checkpoint.initial_load_path) not_yet("checkpoint.initial_load_path", quote(*c.checkpoint.initial_load_path), "loading checkpoints");
   if (!c.model.converters.empty()) not_yet("model.converters", join(c.model.converters, ","), "model conversion (float8/MX)");
   if (c.model.name != "llama3")
     r.errors.push_back(cat("model.name = ", quote(c.model.name), " ", loaded.where("model.name"), ": only \"llama3\" is available"));

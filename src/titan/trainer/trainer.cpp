@@ -179,7 +179,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
                 c.validation.freq, " steps, ", c.validation.steps < 0 ? std::string("one full pass") : cat(c.validation.steps, " batches"));
   }
 
-  if (c.checkpoint.enable) {
+  if (c.checkpoint.enable || c.checkpoint.initial_load_path) {
     checkpointer_ = std::make_unique<checkpoint::Checkpointer>(loaded_, *mesh_);
     auto view = checkpoint_view();
     if (checkpointer_->load(view)) {
@@ -381,7 +381,7 @@ int Trainer::train() {
     // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
     if (step_ == 1) mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
     if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
-    if (checkpointer_ && checkpointer_->should_save(step_, step_ == c.training.steps)) {
+    if (checkpointer_ && c.checkpoint.enable && checkpointer_->should_save(step_, step_ == c.training.steps)) {
       auto view = checkpoint_view();
       checkpointer_->save(view, step_ == c.training.steps);
       time_last_log_ = now_seconds();  // saving time does not count against training throughput

@@ -13,6 +13,7 @@
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
+#include "titan/components/checkpoint/hf.h"
 
 namespace titan::checkpoint {
 
@@ -219,13 +220,39 @@ bool Checkpointer::load(TrainerState& state) {
     step = latest_complete_step(root_);
   }
   if (!step) {
+    if (config_.initial_load_path) {
+      const std::string& path = *config_.initial_load_path;
+      if (config_.initial_load_in_hf) {
+        load_hf_weights(state, path);
+        return true;
+      }
+      return load_directory(state, path, config_.initial_load_model_only);
+    }
     log::info("No checkpoint in ", root_, "; training starts from scratch");
     return false;
   }
+  return load_directory(state, (fs::path(root_) / ("step-" + std::to_string(*step))).string(), false);
+}
+
+void Checkpointer::load_hf_weights(TrainerState& state, const std::string& directory) {
   const double start = now_seconds();
-  Reader reader((fs::path(root_) / ("step-" + std::to_string(*step))).string());
+  auto weights = load_hf(directory, state.model.args());
+  auto names = parameter_names(state.model);
+  at::NoGradGuard no_grad;
+  for (const auto& s : state.data_parallel.local_shards()) {
+    const at::Tensor& full = weights.at(names.at(s.module_param.unsafeGetTensorImpl()));
+    s.tensor.detach().narrow(0, 0, s.rows).copy_(full.narrow(0, s.row_begin, s.rows));
+  }
+  log::info(strprintf("Loaded Hugging Face weights from %s in %.2f s (checkpoint.initial_load_in_hf); training starts at step 1",
+                      directory.c_str(), now_seconds() - start));
+}
+
+bool Checkpointer::load_directory(TrainerState& state, const std::string& directory, bool weights_only) {
+  const double start = now_seconds();
+  Reader reader(directory);
   const json& meta = reader.metadata();
-  const bool model_only = meta.value("model_only", false);
+  const bool model_only = weights_only || meta.value("model_only", false);
+  const int64_t saved_step = meta.value("step", 0);
   auto excluded = [&](const std::string& part) {
     return std::find(config_.exclude_from_loading.begin(), config_.exclude_from_loading.end(), part) !=
            config_.exclude_from_loading.end();
@@ -256,7 +283,7 @@ bool Checkpointer::load(TrainerState& state) {
     reader.read_rows(key, s.row_begin, s.tensor.detach().narrow(0, 0, s.rows));
   }
   if (model_only) {
-    log::info("Loaded model weights from ", reader.directory(), " (a model-only checkpoint: training starts at step 1)");
+    log::info("Loaded model weights from ", reader.directory(), " (model only: training starts at step 1)");
     return true;
   }
   if (!excluded("optimizer")) {
@@ -278,6 +305,7 @@ bool Checkpointer::load(TrainerState& state) {
     state.train.tokens_seen = meta.at("train_state").at("tokens_seen").get<int64_t>();
   }
   const json& ranks = meta.at("ranks");
+  auto world = mesh_.world();
   if (!excluded("dataloader")) {
     std::vector<std::string> states;
     for (const auto& r : ranks) states.push_back(r.at("dataloader").get<std::string>());
@@ -291,7 +319,7 @@ bool Checkpointer::load(TrainerState& state) {
     generator.set_state(t);
   }
   log::info(strprintf("Loaded checkpoint %s (step %lld, saved by %d rank(s)) in %.2f s", reader.directory().c_str(),
-                      static_cast<long long>(*step), meta.value("world_size", 0), now_seconds() - start));
+                      static_cast<long long>(saved_step), meta.value("world_size", 0), now_seconds() - start));
   return true;
 }
 

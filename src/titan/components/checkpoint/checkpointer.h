@@ -38,8 +38,9 @@ class Checkpointer {
   Checkpointer(const config::LoadedConfig& loaded, const distributed::DeviceMesh& mesh);
   ~Checkpointer();
 
-  // Removes incomplete saves and loads checkpoint.load_step (-1: the newest complete one), if any. Returns whether
-  // a checkpoint was loaded. Collective.
+  // Removes incomplete saves and loads checkpoint.load_step (-1: the newest complete one); when the folder has none,
+  // checkpoint.initial_load_path (a titan checkpoint directory, or with initial_load_in_hf a Hugging Face one).
+  // Returns whether anything was loaded. Collective.
   bool load(TrainerState& state);
   // torchtitan's rule: every `interval` steps, the first step when enable_first_step_checkpoint, and the last.
   bool should_save(int64_t step, bool last) const;
@@ -53,6 +54,8 @@ class Checkpointer {
 
  private:
   void purge(int64_t newest_step);
+  bool load_directory(TrainerState& state, const std::string& directory, bool weights_only);
+  void load_hf_weights(TrainerState& state, const std::string& directory);
   const config::LoadedConfig& loaded_;
   const config::Checkpoint& config_;
   const distributed::DeviceMesh& mesh_;

@@ -1,0 +1,98 @@
+// `titan convert`: titan checkpoints (titan-dcp) to Hugging Face safetensors directories and back.
+#include <filesystem>
+#include <iostream>
+
+#include "titan/cli/commands.h"
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/checkpoint/dcp.h"
+#include "titan/components/checkpoint/hf.h"
+#include "titan/models/llama3/args.h"
+
+namespace titan::cli {
+namespace {
+
+const char* kConvertUsage =
+    "usage: titan convert --from PATH --to DIR [--flavor F] [--dtype float32|bfloat16|float16] [--max-shard-mb N]\n"
+    "  PATH a titan checkpoint step directory (metadata.json): writes a Hugging Face directory (config.json,\n"
+    "       model.safetensors or shards + model.safetensors.index.json), q/k rows permuted to HF's RoPE layout;\n"
+    "       dtype defaults to the checkpoint's, the flavor to the one it was saved from.\n"
+    "  PATH a Hugging Face directory (config.json + safetensors): writes a model-only titan checkpoint directory\n"
+    "       DIR for checkpoint.initial_load_path (or place it as {folder}/step-0); --flavor is required and must\n"
+    "       match config.json.\n";
+
+}  // namespace
+
+int run_convert(const std::vector<std::string>& args) {
+  std::string from, to, flavor_name, dtype_name;
+  int64_t max_shard_mb = 5000;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--help" || a == "-h") {
+      std::cout << kConvertUsage;
+      return 0;
+    }
+    if (i + 1 >= args.size()) fail(a, " expects a value\n", kConvertUsage);
+    const std::string v = args[++i];
+    if (a == "--from") from = v;
+    else if (a == "--to") to = v;
+    else if (a == "--flavor") flavor_name = v;
+    else if (a == "--dtype") dtype_name = v;
+    else if (a == "--max-shard-mb") max_shard_mb = std::stoll(v);
+    else fail("unknown option ", quote(a), " for `titan convert`\n", kConvertUsage);
+  }
+  if (from.empty() || to.empty()) fail("`titan convert` needs --from and --to\n", kConvertUsage);
+  namespace fs = std::filesystem;
+  if (fs::exists(fs::path(from) / "metadata.json")) {
+    checkpoint::Reader reader(from);
+    const auto& meta = reader.metadata();
+    if (flavor_name.empty()) flavor_name = meta.value("flavor", "");
+    if (flavor_name.empty()) fail(from, ": the checkpoint does not name its flavor; pass --flavor");
+    auto model_args = llama3::flavor(flavor_name);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    at::ScalarType stored = at::kFloat;
+    for (const auto& p : llama3::parameter_shapes(model_args)) {
+      const std::string key = "model." + p.name;
+      if (!reader.contains(key)) fail(from, ": no tensor ", quote(key), " (is it a ", flavor_name, " checkpoint?)");
+      const auto& entry = reader.tensors().at(key);
+      if (entry.shape != p.shape) fail(from, ": ", key, " has another shape than flavor ", flavor_name, " expects");
+      at::Tensor full = at::empty(p.shape, at::TensorOptions().dtype(entry.dtype));
+      reader.read_rows(key, 0, full);
+      stored = entry.dtype;
+      tensors.emplace_back(p.name, full);
+    }
+    const at::ScalarType dtype = dtype_name.empty() ? stored : checkpoint::parse_dtype(dtype_name, "--dtype");
+    checkpoint::save_hf(to, model_args, tensors, dtype, max_shard_mb * 1000 * 1000);
+    std::cerr << "wrote Hugging Face model " << to << " (" << flavor_name << ", " << checkpoint::dtype_string(dtype)
+              << ") from " << from << "\n";
+    return 0;
+  }
+  if (fs::exists(fs::path(from) / "config.json")) {
+    if (flavor_name.empty()) fail("converting a Hugging Face directory needs --flavor (the titan model it holds)");
+    auto model_args = llama3::flavor(flavor_name);
+    auto weights = checkpoint::load_hf(from, model_args);
+    if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new directory so nothing is overwritten");
+    const std::string partial = to + ".partial";
+    fs::remove_all(partial);
+    fs::create_directories(partial);
+    checkpoint::RankWriter writer(partial, 0);
+    for (const auto& p : llama3::parameter_shapes(model_args)) {
+      at::Tensor t = weights.at(p.name);
+      if (!dtype_name.empty()) t = t.to(checkpoint::parse_dtype(dtype_name, "--dtype"));
+      writer.add("model." + p.name, t, 0, p.shape);
+    }
+    nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
+    metadata["format"] = "titan-dcp";
+    metadata["version"] = 1;
+    metadata["step"] = 0;
+    metadata["model_only"] = true;
+    metadata["world_size"] = 1;
+    metadata["flavor"] = flavor_name;
+    checkpoint::commit(partial, to, metadata);
+    std::cerr << "wrote titan checkpoint " << to << " (" << flavor_name << ", model only) from " << from << "\n";
+    return 0;
+  }
+  fail(quote(from), " is neither a titan checkpoint directory (metadata.json) nor a Hugging Face one (config.json)");
+}
+
+}  // namespace titan::cli

@@ -1,0 +1,149 @@
+#include "titan/components/checkpoint/hf.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/checkpoint/safetensors.h"
+#include "titan/models/llama3/state_dict_adapter.h"
+
+namespace titan::checkpoint {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+json hf_config(const llama3::ModelArgs& args, at::ScalarType dtype) {
+  json c;
+  c["architectures"] = {"LlamaForCausalLM"};
+  c["model_type"] = "llama";
+  c["hidden_size"] = args.dim;
+  c["intermediate_size"] = args.ffn_hidden_dim();
+  c["num_hidden_layers"] = args.n_layers;
+  c["num_attention_heads"] = args.n_heads;
+  c["num_key_value_heads"] = args.kv_heads();
+  c["head_dim"] = args.head_dim();
+  c["vocab_size"] = args.vocab_size;
+  c["rms_norm_eps"] = args.norm_eps;
+  c["rope_theta"] = args.rope_theta;
+  c["max_position_embeddings"] = args.max_seq_len;
+  c["tie_word_embeddings"] = args.tie_word_embeddings;
+  c["hidden_act"] = "silu";
+  c["attention_bias"] = false;
+  c["mlp_bias"] = false;
+  c["torch_dtype"] = dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32";
+  if (args.rope_scaling.enabled)
+    c["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", args.rope_scaling.factor},
+                         {"low_freq_factor", args.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", args.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", args.rope_scaling.original_max_position_embeddings}};
+  return c;
+}
+
+void check_hf_config(const std::string& directory, const llama3::ModelArgs& args) {
+  const std::string path = directory + "/config.json";
+  std::ifstream in(path);
+  if (!in) fail("no config.json in ", quote(directory), "; expected a Hugging Face model directory");
+  json c;
+  try {
+    c = json::parse(in);
+  } catch (const json::exception& e) {
+    fail(path, ": not valid JSON: ", e.what());
+  }
+  const json want = hf_config(args, at::kFloat);
+  for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "vocab_size"}) {
+    if (!c.contains(key)) {
+      if (std::string(key) == "num_key_value_heads" && c.value("num_attention_heads", 0) == args.kv_heads()) continue;
+      fail(path, ": no ", key);
+    }
+    if (c[key] != want[key])
+      fail(path, ": ", key, " = ", c[key].dump(), ", but the model flavor has ", want[key].dump(),
+           "; choose the matching --model.flavor");
+  }
+  if (c.value("tie_word_embeddings", false) != args.tie_word_embeddings)
+    fail(path, ": tie_word_embeddings = ", c.value("tie_word_embeddings", false) ? "true" : "false",
+         " does not match the model flavor");
+}
+
+void save_hf(const std::string& directory, const llama3::ModelArgs& args,
+             const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
+             int64_t max_shard_bytes) {
+  fs::create_directories(directory);
+  for (const auto& e : fs::directory_iterator(directory))
+    if (e.path().extension() == ".safetensors")
+      fail(quote(directory), " already holds weights (", e.path().filename().string(), "); choose an empty folder");
+  std::vector<std::pair<std::string, at::Tensor>> hf;
+  for (const auto& [name, t] : titan_tensors) {
+    auto hf_name = llama3::to_hf_name(name);
+    if (!hf_name) continue;
+    hf.emplace_back(*hf_name, llama3::to_hf_tensor(name, t.detach().to(at::kCPU).to(dtype), args).contiguous());
+  }
+  // Shards in parameter order, each up to max_shard_bytes.
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
+  int64_t size = 0, total = 0;
+  for (auto& item : hf) {
+    const int64_t bytes = static_cast<int64_t>(item.second.nbytes());
+    if (!shards.back().empty() && size + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      size = 0;
+    }
+    shards.back().push_back(item);
+    size += bytes;
+    total += bytes;
+  }
+  json weight_map = json::object();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string file = shards.size() == 1 ? "model.safetensors"
+                                                : strprintf("model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+    safetensors::save(directory + "/" + file, shards[i], {{"format", "pt"}});
+    for (const auto& [name, t] : shards[i]) weight_map[name] = file;
+  }
+  if (shards.size() > 1) {
+    json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream(directory + "/model.safetensors.index.json") << index.dump(2) << "\n";
+  }
+  std::ofstream(directory + "/config.json") << hf_config(args, dtype).dump(2) << "\n";
+}
+
+std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args) {
+  check_hf_config(directory, args);
+  std::vector<std::string> files;
+  const std::string index_path = directory + "/model.safetensors.index.json";
+  if (fs::exists(index_path)) {
+    json index;
+    try {
+      std::ifstream in(index_path);
+      index = json::parse(in);
+    } catch (const json::exception& e) {
+      fail(index_path, ": not valid JSON: ", e.what());
+    }
+    std::set<std::string> unique;
+    for (const auto& [name, file] : index.at("weight_map").items()) unique.insert(file.get<std::string>());
+    files.assign(unique.begin(), unique.end());
+  } else if (fs::exists(directory + "/model.safetensors")) {
+    files = {"model.safetensors"};
+  } else {
+    fail("no model.safetensors or model.safetensors.index.json in ", quote(directory));
+  }
+  std::map<std::string, at::Tensor> out;
+  for (const auto& file : files) {
+    safetensors::File f(directory + "/" + file);
+    for (const auto& [hf_name, info] : f.tensors()) {
+      auto name = llama3::from_hf_name(hf_name);
+      if (!name) fail(directory, "/", file, ": unexpected tensor ", quote(hf_name), " for a Llama model");
+      out[*name] = llama3::from_hf_tensor(*name, f.load(hf_name), args);
+    }
+  }
+  for (const auto& p : llama3::parameter_shapes(args)) {
+    auto it = out.find(p.name);
+    if (it == out.end()) fail(quote(directory), ": no weight for ", quote(*llama3::to_hf_name(p.name)));
+    if (it->second.sizes().vec() != p.shape)
+      fail(quote(directory), ": ", quote(*llama3::to_hf_name(p.name)), " has shape ", it->second.sizes(),
+           ", expected ", at::IntArrayRef(p.shape));
+  }
+  return out;
+}
+
+}  // namespace titan::checkpoint

@@ -1,0 +1,33 @@
+// Hugging Face checkpoints: a directory with config.json (LlamaConfig) and model.safetensors, or shards listed in
+// model.safetensors.index.json. Tensors are exchanged in titan's names and layout; the q/k RoPE permutation and
+// the renaming happen here.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "titan/models/llama3/args.h"
+
+namespace titan::checkpoint {
+
+// LlamaConfig fields for `args`.
+nlohmann::json hf_config(const llama3::ModelArgs& args, at::ScalarType dtype);
+
+// Checks that `directory`'s config.json describes `args` (sizes, heads, vocabulary, RoPE); throws UserError naming
+// the first field that differs.
+void check_hf_config(const std::string& directory, const llama3::ModelArgs& args);
+
+// Writes config.json and the weights (titan names -> HF names and layout) in `dtype`, in shards of at most
+// `max_shard_bytes` (one model.safetensors when everything fits), into `directory` (created; existing weight files
+// there are refused).
+void save_hf(const std::string& directory, const llama3::ModelArgs& args,
+             const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
+             int64_t max_shard_bytes);
+
+// Reads every weight of an HF directory, returned under titan names in titan's layout (CPU tensors, stored dtype).
+std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args);
+
+}  // namespace titan::checkpoint

@@ -1,0 +1,111 @@
+"""`titan convert` and Hugging Face interop: a trained titan checkpoint exported to an HF directory loads in
+transformers' LlamaForCausalLM and gives titan's logits; HF -> titan -> HF and titan -> HF -> titan round trips
+are bitwise; sharded exports carry an index; checkpoint.initial_load_in_hf starts training from HF weights,
+also under FSDP."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
+
+
+
+def titan_train(dump, steps, extra=(), np_=1):
+    mpi = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
+           "-np", str(np_)] if np_ > 1 else []
+    return run(mpi + [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+                      "--job.dump_folder", str(dump), "--training.seq_len", "64", "--training.local_batch_size", "2",
+                      "--training.steps", str(steps), "--checkpoint.enable", "--checkpoint.interval", str(steps),
+                      "--debug.seed", "0", *extra], env={"OMP_NUM_THREADS": "1" if np_ > 1 else "2"})
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("trained")
+    titan_train(dump, 5)  # the last save is model-only float32 (torchtitan's default)
+    step = dump / "checkpoint" / "step-5"
+    meta = json.loads((step / "metadata.json").read_text())
+    assert meta["model_only"] and all(t["dtype"] == "float32" for t in meta["tensors"].values())
+    return step
+
+
+def test_exported_model_gives_titans_logits_in_transformers(trained, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    hf = tmp_path / "hf"
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)])
+    model = LlamaForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 2048, (2, 48))
+    labels = torch.roll(tokens, -1, 1)
+    save_file({"inputs": tokens, "labels": labels}, str(tmp_path / "batch.safetensors"))
+    run([binary("titan_model_probe"), "--flavor", "debugmodel", "--weights", str(hf / "model.safetensors"),
+         "--batch", str(tmp_path / "batch.safetensors"), "--out", str(tmp_path / "out.safetensors")])
+    titan_logits = load_file(str(tmp_path / "out.safetensors"))["logits"]
+    with torch.no_grad():
+        hf_logits = model(input_ids=tokens).logits
+    assert (titan_logits - hf_logits).abs().max().item() < 2e-5
+    # The weights are the trained ones, not an initialisation: they differ from a fresh model's.
+    _, saved = read_checkpoint(trained)
+    assert not np.allclose(saved["model.norm.weight"], 1.0)
+
+
+def test_round_trips_are_bitwise_and_shards_are_indexed(trained, tmp_path):
+    _, original = read_checkpoint(trained)
+    hf = tmp_path / "hf"
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf), "--max-shard-mb", "5"])
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    back = tmp_path / "back"
+    run([binary("titan"), "convert", "--from", str(hf), "--to", str(back), "--flavor", "debugmodel"])
+    _, restored = read_checkpoint(back)
+    assert sorted(restored) == sorted(original)
+    for key in original:
+        assert np.array_equal(original[key], restored[key]), key
+    hf2 = tmp_path / "hf2"
+    run([binary("titan"), "convert", "--from", str(back), "--to", str(hf2)])
+    merged = {}
+    for f in files:
+        merged.update(load_file(str(hf / f)))
+    again = load_file(str(hf2 / "model.safetensors"))
+    assert sorted(merged) == sorted(again)
+    for name in merged:
+        assert torch.equal(merged[name], again[name]), name
+    # bfloat16 export
+    hf_bf16 = tmp_path / "hf_bf16"
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf_bf16), "--dtype", "bfloat16"])
+    assert json.loads((hf_bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(hf_bf16 / "model.safetensors")).values())
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_training_starts_from_hugging_face_weights(trained, tmp_path, ranks):
+    hf = tmp_path / "hf"
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)])
+    dump = tmp_path / "run"
+    extra = ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "--optimizer.lr", "1e-30"]
+    if ranks > 1:
+        extra += ["--parallelism.data_parallel_shard_degree", str(ranks)]
+    result = titan_train(dump, 1, extra, np_=ranks)
+    assert "Loaded Hugging Face weights" in result.stdout
+    _, original = read_checkpoint(trained)
+    _, after = read_checkpoint(dump / "checkpoint" / "step-1")  # lr 1e-30: updates vanish in float32, the weights stay the loaded ones
+    for key in original:
+        assert np.array_equal(original[key], after[key]), key
+
+
+def test_convert_errors_name_the_problem(trained, tmp_path):
+    result = run([binary("titan"), "convert", "--from", str(trained), "--to", str(tmp_path / "x"), "--flavor",
+                  "debugmodel_gqa"], check=False)
+    assert result.returncode == 2 and "model.layers.0.attention.wk.weight" in result.stderr, result.stderr
+    hf = tmp_path / "hf"
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)])
+    result = run([binary("titan"), "convert", "--from", str(hf), "--to", str(tmp_path / "y"), "--flavor", "8B"], check=False)
+    assert result.returncode == 2 and "hidden_size = 256" in result.stderr, result.stderr
+    again = run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)], check=False)
+    assert again.returncode == 2 and "already holds weights" in again.stderr
