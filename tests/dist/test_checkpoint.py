@@ -43,11 +43,14 @@ def losses(stdout):
     return [(int(m.group(1)), m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)]
 
 
-@pytest.mark.parametrize("layout", [1, 2, 4])
-def test_resume_is_bitwise_identical(tmp_path, layout):
-    straight = train(tmp_path / "straight", layout, 20)
-    train(tmp_path / "resumed", layout, 10)
-    resumed = train(tmp_path / "resumed", layout, 20)
+@pytest.mark.parametrize("layout,mode", [(1, "disabled"), (2, "disabled"), (4, "disabled"), (1, "async"), (2, "async")])
+def test_resume_is_bitwise_identical(tmp_path, layout, mode):
+    extra = ["--checkpoint.async_mode", mode]
+    straight = train(tmp_path / "straight", layout, 20, extra=extra)
+    train(tmp_path / "resumed", layout, 10, extra=extra)
+    resumed = train(tmp_path / "resumed", layout, 20, extra=extra)
+    if mode == "async":
+        assert "training blocked" in resumed.stdout and "in the background" in resumed.stdout
     assert f"Loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / 'step-10'}" in resumed.stdout
     assert losses(resumed.stdout) == losses(straight.stdout)[10:]
     meta_a, a = read_checkpoint(tmp_path / "straight" / "checkpoint" / "step-20")
@@ -77,11 +80,14 @@ def test_checkpoint_loads_under_other_layouts(tmp_path):
             np.testing.assert_allclose(got[key], ref, rtol=1e-3, atol=2e-5, err_msg=f"{layout} {key}")
 
 
-@pytest.mark.parametrize("crash", ["bytes:0", "bytes:1000", "bytes:20000000", "before_metadata", "before_rename"])
-def test_a_save_killed_anywhere_leaves_the_previous_checkpoint(tmp_path, crash):
+@pytest.mark.parametrize("crash,mode", [("bytes:0", "disabled"), ("bytes:1000", "disabled"), ("bytes:20000000", "disabled"),
+                                        ("before_metadata", "disabled"), ("before_rename", "disabled"),
+                                        ("bytes:20000000", "async"), ("before_rename", "async")])
+def test_a_save_killed_anywhere_leaves_the_previous_checkpoint(tmp_path, crash, mode):
     dump = tmp_path / "run"
     train(dump, 2, 10)
-    killed = train(dump, 2, 20, env={"TITAN_CHECKPOINT_CRASH": crash, "TITAN_CHECKPOINT_CRASH_RANK": "0"}, check=False)
+    killed = train(dump, 2, 20, env={"TITAN_CHECKPOINT_CRASH": crash, "TITAN_CHECKPOINT_CRASH_RANK": "0"}, check=False,
+                   extra=["--checkpoint.async_mode", mode])
     assert killed.returncode != 0
     folder = dump / "checkpoint"
     assert (folder / "step-10" / "metadata.json").exists()

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <mutex>
 #include <regex>
 #include <set>
 
@@ -85,6 +87,13 @@ Checkpointer::~Checkpointer() { wait(); }
 
 void Checkpointer::wait() {
   if (purge_thread_.joinable()) purge_thread_.join();
+  if (background_.joinable()) background_.join();
+  std::lock_guard<std::mutex> lock(error_mutex_);
+  if (!background_error_.empty()) {
+    std::string message = background_error_;
+    background_error_.clear();
+    log::error("asynchronous checkpoint failed: ", message, " (the previous complete checkpoint is untouched)");
+  }
 }
 
 std::optional<int64_t> Checkpointer::latest_complete_step(const std::string& root) {
@@ -118,84 +127,165 @@ void Checkpointer::purge(int64_t newest_step) {
   }
 }
 
+namespace {
+
+struct SnapshotItem {
+  std::string key;
+  at::Tensor tensor;  // rows to write
+  int64_t row_begin;
+  std::vector<int64_t> shape;
+};
+
+json metadata_for(std::vector<json> parts, const json& global) {
+  json ranks = json::array(), steps = json::object();
+  for (auto& part : parts) {
+    ranks.push_back(part["rank_state"]);
+    for (const auto& [k, v] : part["rank_state"]["optimizer_steps"].items()) steps[k] = v;
+  }
+  json metadata = merge_rank_parts(parts);
+  for (const auto& [k, v] : global.items()) metadata[k] = v;
+  if (!global.value("model_only", false)) {
+    metadata["optimizer"] = {{"steps", steps}};
+    metadata["ranks"] = ranks;
+  }
+  return metadata;
+}
+
+uint64_t directory_bytes(const fs::path& dir) {
+  uint64_t bytes = 0;
+  for (const auto& e : fs::directory_iterator(dir)) bytes += fs::file_size(e.path());
+  return bytes;
+}
+
+}  // namespace
+
 void Checkpointer::save(TrainerState& state, bool last) {
   const double start = now_seconds();
   auto world = mesh_.world();
-  const int rank = world->rank();
+  const int rank = world->rank(), world_size = world->size();
   const int64_t step = state.train.step;
   const bool model_only = last && config_.last_save_model_only;
+  const bool async = config_.async_mode != "disabled";
   const fs::path final_dir = fs::path(root_) / ("step-" + std::to_string(step));
   const fs::path partial_dir = fs::path(root_) / ("step-" + std::to_string(step) + ".partial");
-  wait();  // a purge still running must not race with this save
+  wait();  // the previous background write (and purge) must finish before a new save starts
   if (fs::exists(final_dir / "metadata.json")) {
     log::warn("checkpoint ", final_dir.string(), " already exists; it is kept, not overwritten");
     return;
   }
-  if (rank == 0) {
+  {
     std::error_code ec;
-    fs::remove_all(partial_dir, ec);
+    if (!async) {
+      if (rank == 0) fs::remove_all(partial_dir, ec);
+      world->barrier();  // nobody creates the folder before rank 0 cleared a stale one
+    }
     fs::create_directories(partial_dir, ec);
     if (ec) fail("cannot create checkpoint folder ", quote(partial_dir.string()), ": ", ec.message(),
                  " (checkpoint.folder = ", quote(config_.folder), " under job.dump_folder)");
   }
-  world->barrier();
 
-  RankWriter writer(partial_dir.string(), rank);
+  // What this rank writes: its rows of every parameter (and optimizer state), copied to host memory in async mode
+  // so training can change the originals while the copy is written.
+  std::vector<SnapshotItem> items;
   auto names = parameter_names(state.model);
   auto shards = state.data_parallel.local_shards();
   const auto& opt_state = state.optimizer.state();
   json optimizer_steps = json::object();
+  auto take = [&](const at::Tensor& t) { return async ? t.detach().to(at::kCPU).clone() : t.detach(); };
   for (size_t i = 0; i < shards.size(); ++i) {
     const auto& s = shards[i];
     const std::string fqn = names.at(s.module_param.unsafeGetTensorImpl());
     if (!s.writer) continue;
     at::Tensor rows = s.tensor.detach().narrow(0, 0, s.rows);
-    writer.add("model." + fqn, model_only ? rows.to(export_dtype(config_.export_dtype)) : rows, s.row_begin, s.global_shape);
+    items.push_back({"model." + fqn, take(model_only ? rows.to(export_dtype(config_.export_dtype)) : rows), s.row_begin, s.global_shape});
     if (model_only || i >= opt_state.size() || !opt_state[i].exp_avg.defined()) continue;
-    writer.add("optimizer.exp_avg." + fqn, opt_state[i].exp_avg.narrow(0, 0, s.rows), s.row_begin, s.global_shape);
-    writer.add("optimizer.exp_avg_sq." + fqn, opt_state[i].exp_avg_sq.narrow(0, 0, s.rows), s.row_begin, s.global_shape);
+    items.push_back({"optimizer.exp_avg." + fqn, take(opt_state[i].exp_avg.narrow(0, 0, s.rows)), s.row_begin, s.global_shape});
+    items.push_back({"optimizer.exp_avg_sq." + fqn, take(opt_state[i].exp_avg_sq.narrow(0, 0, s.rows)), s.row_begin, s.global_shape});
     optimizer_steps[fqn] = opt_state[i].step.item<double>();
   }
-  json part = writer.finish();
-  part["rank_state"] = {{"rank", rank}, {"optimizer_steps", optimizer_steps}};
+  json rank_state = {{"rank", rank}, {"optimizer_steps", optimizer_steps}};
   if (!model_only) {
-    part["rank_state"]["dataloader"] = state.dataloader.state_dict();
-    part["rank_state"]["rng"] = rng_state();
+    rank_state["dataloader"] = state.dataloader.state_dict();
+    rank_state["rng"] = rng_state();
   }
-  auto parts_text = all_gather_strings(*world, part.dump());
-  if (rank == 0) {
-    std::vector<json> parts;
-    json ranks = json::array(), steps = json::object();
-    for (const auto& t : parts_text) {
-      parts.push_back(json::parse(t));
-      ranks.push_back(parts.back()["rank_state"]);
-      for (const auto& [k, v] : parts.back()["rank_state"]["optimizer_steps"].items()) steps[k] = v;
+  json global = {{"format", "titan-dcp"}, {"version", 1}, {"step", step}, {"model_only", model_only},
+                 {"world_size", world_size}, {"flavor", loaded_.config.model.flavor}};
+  if (!model_only) {
+    global["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
+    global["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};
+  }
+  const std::string what = cat(final_dir.string(), model_only ? cat(" (model only, ", config_.export_dtype, ")") : std::string());
+
+  if (!async) {
+    RankWriter writer(partial_dir.string(), rank);
+    for (const auto& item : items) writer.add(item.key, item.tensor, item.row_begin, item.shape);
+    json part = writer.finish();
+    part["rank_state"] = rank_state;
+    auto parts_text = all_gather_strings(*world, part.dump());
+    if (rank == 0) {
+      std::vector<json> parts;
+      for (const auto& t : parts_text) parts.push_back(json::parse(t));
+      commit(partial_dir.string(), final_dir.string(), metadata_for(std::move(parts), global));
     }
-    json metadata = merge_rank_parts(parts);
-    metadata["format"] = "titan-dcp";
-    metadata["version"] = 1;
-    metadata["step"] = step;
-    metadata["model_only"] = model_only;
-    metadata["world_size"] = world->size();
-    metadata["flavor"] = loaded_.config.model.flavor;
-    if (!model_only) {
-      metadata["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
-      metadata["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};
-      metadata["optimizer"] = {{"steps", steps}};
-      metadata["ranks"] = ranks;
+    world->barrier();
+    const double seconds = now_seconds() - start;
+    if (rank == 0) {
+      const uint64_t bytes = directory_bytes(final_dir);
+      purge_thread_ = std::thread([this, step] { purge(step); });
+      log::info("Saved checkpoint ", what, strprintf(": %.1f MB in %.2f s (%.0f MB/s)", bytes / 1e6, seconds,
+                                                     bytes / 1e6 / std::max(seconds, 1e-9)));
+    } else {
+      log::info("Saved checkpoint ", what);
     }
-    commit(partial_dir.string(), final_dir.string(), metadata);
+    return;
   }
-  world->barrier();
-  uint64_t bytes = 0;
-  if (rank == 0) {
-    for (const auto& e : fs::directory_iterator(final_dir)) bytes += fs::file_size(e.path());
-    purge_thread_ = std::thread([this, step] { purge(step); });
-  }
-  const double seconds = now_seconds() - start;
-  log::info("Saved checkpoint ", final_dir.string(), model_only ? cat(" (model only, ", config_.export_dtype, ")") : std::string(),
-            rank == 0 ? strprintf(": %.1f MB in %.2f s (%.0f MB/s)", bytes / 1e6, seconds, bytes / 1e6 / std::max(seconds, 1e-9))
-                      : std::string());
+
+  // Async: every rank writes its file and then its part of the metadata as rank-R.json (the rank's commit); rank 0
+  // waits for all parts, commits and purges. No collective runs in the background, so training's collectives
+  // cannot interleave with the checkpoint's.
+  const double blocked = now_seconds() - start;
+  log::info(strprintf("Checkpoint step %lld: state copied to host memory, training blocked %.3f s; writing in the background",
+                      static_cast<long long>(step), blocked));
+  const double timeout = static_cast<double>(loaded_.config.comm.train_timeout_seconds) + 600.0;
+  background_ = std::thread([this, items = std::move(items), rank_state, global, partial_dir, final_dir, rank, world_size,
+                             step, what, start, timeout]() mutable {
+    try {
+      RankWriter writer(partial_dir.string(), rank);
+      for (const auto& item : items) writer.add(item.key, item.tensor, item.row_begin, item.shape);
+      items.clear();
+      json part = writer.finish();
+      part["rank_state"] = rank_state;
+      const fs::path part_path = partial_dir / strprintf("rank-%05d.json", rank);
+      {
+        std::ofstream out(part_path.string() + ".tmp");
+        out << part.dump();
+        if (!out) fail("cannot write ", part_path.string());
+      }
+      fs::rename(part_path.string() + ".tmp", part_path);
+      if (rank != 0) return;
+      std::vector<json> parts(static_cast<size_t>(world_size));
+      for (int r = 0; r < world_size; ++r) {
+        const fs::path p = partial_dir / strprintf("rank-%05d.json", r);
+        while (!fs::exists(p)) {
+          if (now_seconds() - start > timeout)
+            fail("rank ", r, " did not finish writing checkpoint ", final_dir.string(), "; it stays incomplete");
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        }
+        std::ifstream in(p);
+        parts[r] = json::parse(in);
+      }
+      for (int r = 0; r < world_size; ++r) fs::remove(partial_dir / strprintf("rank-%05d.json", r));
+      commit(partial_dir.string(), final_dir.string(), metadata_for(std::move(parts), global));
+      const double seconds = now_seconds() - start;
+      const uint64_t bytes = directory_bytes(final_dir);
+      log::info("Saved checkpoint ", what, strprintf(": %.1f MB in %.2f s (%.0f MB/s) in the background", bytes / 1e6,
+                                                     seconds, bytes / 1e6 / std::max(seconds, 1e-9)));
+      purge(step);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(error_mutex_);
+      background_error_ = e.what();
+    }
+  });
 }
 
 bool Checkpointer::load(TrainerState& state) {

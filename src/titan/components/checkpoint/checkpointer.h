@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <mutex>
 #include <thread>
 
 #include "titan/components/data/dataloader.h"
@@ -46,7 +47,7 @@ class Checkpointer {
   bool should_save(int64_t step, bool last) const;
   // Collective. The last save is model-only in export_dtype when last_save_model_only.
   void save(TrainerState& state, bool last);
-  // Waits for the background purge of old checkpoints.
+  // Waits for the background write (async_mode) and purge of old checkpoints; a failed background write is logged.
   void wait();
 
   std::string folder() const { return root_; }
@@ -61,6 +62,9 @@ class Checkpointer {
   const distributed::DeviceMesh& mesh_;
   std::string root_;
   std::thread purge_thread_;
+  std::thread background_;  // async_mode: the write of the last save
+  std::mutex error_mutex_;
+  std::string background_error_;
 };
 
 }  // namespace titan::checkpoint

@@ -28,6 +28,8 @@ const std::map<std::string, ModelArgs>& flavors() {
     t["debugmodel"] = make(256, 6, 16, std::nullopt, 2048, std::nullopt, 256, 500000);
     // Same shape with grouped-query attention (4 query heads per key/value head), for tests and small runs.
     t["debugmodel_gqa"] = make(256, 6, 16, 4, 2048, std::nullopt, 256, 500000);
+    // About 100M parameters with the debug vocabulary: for benchmarks (checkpoint speed) and mid-size CPU runs.
+    t["100M"] = make(768, 16, 12, 4, 2048, std::nullopt, 256, 500000);
     t["8B"] = make(4096, 32, 32, 8, 128256, 1.3, 1024, 500000);
     t["70B"] = make(8192, 80, 64, 8, 128256, 1.3, 4096, 500000);
     t["405B"] = make(16384, 126, 128, 8, 128256, 1.2, 4096, 500000);
