@@ -109,3 +109,22 @@ def test_convert_errors_name_the_problem(trained, tmp_path):
     assert result.returncode == 2 and "hidden_size = 256" in result.stderr, result.stderr
     again = run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)], check=False)
     assert again.returncode == 2 and "already holds weights" in again.stderr
+
+
+@pytest.mark.parametrize("dtype,zip64", [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_torch_save_export_loads_in_python(trained, tmp_path, dtype, zip64):
+    """The seed's dcp_to_llama use case: a .pt of the weights that Python's torch.load (weights_only) reads."""
+    out = tmp_path / "consolidated.pt"
+    env = {"TITAN_TORCH_SAVE_FORCE_ZIP64": "1"} if zip64 else None
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(out), "--dtype", dtype], env=env)
+    state = torch.load(str(out), weights_only=True)
+    mmapped = torch.load(str(out), weights_only=True, mmap=True)  # storages are 64-byte aligned, as torch writes them
+    _, original = read_checkpoint(trained)
+    assert sorted("model." + k for k in state) == sorted(original)
+    for name, tensor in state.items():
+        assert tensor.dtype == getattr(torch, dtype)
+        expected = torch.from_numpy(original["model." + name]).to(getattr(torch, dtype))
+        assert torch.equal(tensor, expected), name
+        assert torch.equal(mmapped[name], tensor), name
+    again = run([binary("titan"), "convert", "--from", str(trained), "--to", str(out)], check=False)
+    assert again.returncode == 2 and "exists" in again.stderr

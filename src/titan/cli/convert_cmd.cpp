@@ -7,6 +7,7 @@
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/hf.h"
+#include "titan/components/checkpoint/torch_save.h"
 #include "titan/models/llama3/args.h"
 
 namespace titan::cli {
@@ -14,6 +15,8 @@ namespace {
 
 const char* kConvertUsage =
     "usage: titan convert --from PATH --to DIR [--flavor F] [--dtype float32|bfloat16|float16] [--max-shard-mb N]\n"
+    "  PATH a titan checkpoint step directory and --to FILE.pt (or .pth): a torch.save file of the model's weights\n"
+    "       under titan's (torchtitan's) parameter names, which Python's torch.load reads.\n"
     "  PATH a titan checkpoint step directory (metadata.json): writes a Hugging Face directory (config.json,\n"
     "       model.safetensors or shards + model.safetensors.index.json), q/k rows permuted to HF's RoPE layout;\n"
     "       dtype defaults to the checkpoint's, the flavor to the one it was saved from.\n"
@@ -62,6 +65,14 @@ int run_convert(const std::vector<std::string>& args) {
       tensors.emplace_back(p.name, full);
     }
     const at::ScalarType dtype = dtype_name.empty() ? stored : checkpoint::parse_dtype(dtype_name, "--dtype");
+    if (ends_with(to, ".pt") || ends_with(to, ".pth")) {
+      if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new file name so nothing is overwritten");
+      for (auto& [name, t] : tensors) t = t.to(dtype);
+      checkpoint::save_torch(to, tensors);
+      std::cerr << "wrote torch.save file " << to << " (" << tensors.size() << " tensors, "
+                << checkpoint::dtype_string(dtype) << ") from " << from << "\n";
+      return 0;
+    }
     checkpoint::save_hf(to, model_args, tensors, dtype, max_shard_mb * 1000 * 1000);
     std::cerr << "wrote Hugging Face model " << to << " (" << flavor_name << ", " << checkpoint::dtype_string(dtype)
               << ") from " << from << "\n";
