@@ -153,3 +153,17 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
     blocker.write_text("not a folder")
     result = train(tmp_path / "other", 1, 10, check=False, extra=["--checkpoint.folder", str(blocker / "x")])
     assert result.returncode == 2 and "cannot create checkpoint folder" in result.stderr, result.stderr
+
+
+def test_seed_checkpoint_starts_every_layout_from_the_same_weights(tmp_path):
+    seeded = tmp_path / "seeded"
+    created = train(seeded, 1, 2, extra=["--checkpoint.create_seed_checkpoint", "--checkpoint.last_save_model_only"])
+    assert "Created seed checkpoint at step 0" in created.stdout and losses(created.stdout) == []
+    assert json.loads((seeded / "checkpoint" / "step-0" / "metadata.json").read_text())["model_only"]
+    # FSDP 2 from the seed checkpoint, with another init seed, trains exactly like FSDP 2 initialised with seed 0.
+    from_seed = train(seeded, 2, 3, extra=["--debug.seed", "5"])
+    assert "Loaded model weights from" in from_seed.stdout
+    plain = train(tmp_path / "plain", 2, 3, extra=["--checkpoint.no_enable"])
+    assert losses(from_seed.stdout) == losses(plain.stdout)
+    refused = train(tmp_path / "multi", 2, 2, check=False, extra=["--checkpoint.create_seed_checkpoint"])
+    assert refused.returncode != 0 and "runs on a single process" in refused.stderr + refused.stdout

@@ -346,6 +346,21 @@ int Trainer::train() {
   log::info("Training starts at step ", step_ + 1, " of ", c.training.steps, " (local batch ", c.training.local_batch_size,
             " x seq_len ", c.training.seq_len, ", ", grad_accum_steps_, " micro-batch(es) per step, lr warm-up ",
             lr_scheduler_->warmup_steps(), " steps)");
+  if (c.checkpoint.create_seed_checkpoint) {
+    // torchtitan's seed checkpoint: the initialised model, saved once as step 0 from a single process, so that later
+    // runs on any layout start from the same weights.
+    if (mesh_->world()->size() != 1)
+      fail("checkpoint.create_seed_checkpoint runs on a single process (it saves the unsharded initial model); got ",
+           mesh_->world()->size(), " ranks");
+    if (!checkpointer_ || !c.checkpoint.enable) fail("checkpoint.create_seed_checkpoint needs checkpoint.enable = true");
+    auto view = checkpoint_view();
+    checkpointer_->save(view, /*last=*/true);
+    checkpointer_->wait();
+    log::info("Created seed checkpoint at step 0 in ", checkpointer_->folder());
+    std::signal(SIGINT, previous_int);
+    std::signal(SIGTERM, previous_term);
+    return 0;
+  }
   time_last_log_ = now_seconds();
   const double train_start = time_last_log_;
   memory_->reset_peak();
