@@ -128,3 +128,35 @@ def test_torch_save_export_loads_in_python(trained, tmp_path, dtype, zip64):
         assert torch.equal(mmapped[name], tensor), name
     again = run([binary("titan"), "convert", "--from", str(trained), "--to", str(out)], check=False)
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def test_meta_consolidated_pth_imports_bitwise(trained, tmp_path):
+    """Meta's original layout: a torch.save'd dict (bfloat16, torchtitan's names, plus Llama 2's rope.freqs), here
+    written by Python's torch.save, including a tensor that is a view into a larger storage."""
+    from collections import OrderedDict
+
+    _, original = read_checkpoint(trained)
+    state = OrderedDict()
+    for key, value in original.items():
+        state[key[len("model."):]] = torch.from_numpy(value).to(torch.bfloat16)
+    shared_storage = torch.randn(5, 256).to(torch.bfloat16)
+    shared_storage[2] = state["norm.weight"]
+    state["norm.weight"] = shared_storage[2]  # storage offset 512, a view
+    state["rope.freqs"] = torch.ones(8)
+    folder = tmp_path / "Meta-Llama-debug"
+    folder.mkdir()
+    torch.save(state, folder / "consolidated.00.pth")
+    (folder / "params.json").write_text("{}")
+    out = tmp_path / "imported"
+    run([binary("titan"), "convert", "--from", str(folder), "--to", str(out), "--flavor", "debugmodel"])
+    _, imported = read_checkpoint(out)
+    assert sorted(imported) == sorted(original)
+    for key in original:
+        expected = torch.from_numpy(original[key]).to(torch.bfloat16).float().numpy()
+        assert np.array_equal(imported[key], expected), key
+    # Not a torch.save archive: a clear error.
+    bogus = tmp_path / "bogus.pth"
+    bogus.write_bytes(b"\x80\x02not a zip")
+    result = run([binary("titan"), "convert", "--from", str(bogus), "--to", str(tmp_path / "z"), "--flavor", "debugmodel"],
+                 check=False)
+    assert result.returncode == 2 and "not a torch.save ZIP archive" in result.stderr, result.stderr

@@ -1,5 +1,6 @@
 // `titan convert`: titan checkpoints (titan-dcp) to Hugging Face safetensors directories and back.
 #include <filesystem>
+#include <map>
 #include <iostream>
 
 #include "titan/cli/commands.h"
@@ -7,6 +8,7 @@
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/hf.h"
+#include "titan/components/checkpoint/torch_load.h"
 #include "titan/components/checkpoint/torch_save.h"
 #include "titan/models/llama3/args.h"
 
@@ -22,7 +24,42 @@ const char* kConvertUsage =
     "       dtype defaults to the checkpoint's, the flavor to the one it was saved from.\n"
     "  PATH a Hugging Face directory (config.json + safetensors): writes a model-only titan checkpoint directory\n"
     "       DIR for checkpoint.initial_load_path (or place it as {folder}/step-0); --flavor is required and must\n"
-    "       match config.json.\n";
+    "       match config.json.\n"
+    "  PATH Meta's consolidated.00.pth (or its folder), or any torch.save state dict with titan's names: a\n"
+    "       model-only titan checkpoint directory DIR (--flavor required).\n";
+
+// A model-only titan checkpoint directory at `to` from full tensors under titan names.
+void write_model_only(const std::string& to, const std::string& flavor_name, const llama3::ModelArgs& model_args,
+                      const std::map<std::string, at::Tensor>& weights, const std::string& dtype_name,
+                      const std::string& from) {
+  namespace fs = std::filesystem;
+  for (const auto& p : llama3::parameter_shapes(model_args)) {
+    auto it = weights.find(p.name);
+    if (it == weights.end()) fail(quote(from), ": no tensor ", quote(p.name), " (is it a ", flavor_name, " model?)");
+    if (it->second.sizes().vec() != p.shape)
+      fail(quote(from), ": ", quote(p.name), " has shape ", it->second.sizes(), ", flavor ", flavor_name, " expects ",
+           at::IntArrayRef(p.shape));
+  }
+  if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new directory so nothing is overwritten");
+  const std::string partial = to + ".partial";
+  fs::remove_all(partial);
+  fs::create_directories(partial);
+  checkpoint::RankWriter writer(partial, 0);
+  for (const auto& p : llama3::parameter_shapes(model_args)) {
+    at::Tensor t = weights.at(p.name);
+    if (!dtype_name.empty()) t = t.to(checkpoint::parse_dtype(dtype_name, "--dtype"));
+    writer.add("model." + p.name, t, 0, p.shape);
+  }
+  nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
+  metadata["format"] = "titan-dcp";
+  metadata["version"] = 1;
+  metadata["step"] = 0;
+  metadata["model_only"] = true;
+  metadata["world_size"] = 1;
+  metadata["flavor"] = flavor_name;
+  checkpoint::commit(partial, to, metadata);
+  std::cerr << "wrote titan checkpoint " << to << " (" << flavor_name << ", model only) from " << from << "\n";
+}
 
 }  // namespace
 
@@ -81,26 +118,26 @@ int run_convert(const std::vector<std::string>& args) {
   if (fs::exists(fs::path(from) / "config.json")) {
     if (flavor_name.empty()) fail("converting a Hugging Face directory needs --flavor (the titan model it holds)");
     auto model_args = llama3::flavor(flavor_name);
-    auto weights = checkpoint::load_hf(from, model_args);
-    if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new directory so nothing is overwritten");
-    const std::string partial = to + ".partial";
-    fs::remove_all(partial);
-    fs::create_directories(partial);
-    checkpoint::RankWriter writer(partial, 0);
-    for (const auto& p : llama3::parameter_shapes(model_args)) {
-      at::Tensor t = weights.at(p.name);
-      if (!dtype_name.empty()) t = t.to(checkpoint::parse_dtype(dtype_name, "--dtype"));
-      writer.add("model." + p.name, t, 0, p.shape);
-    }
-    nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
-    metadata["format"] = "titan-dcp";
-    metadata["version"] = 1;
-    metadata["step"] = 0;
-    metadata["model_only"] = true;
-    metadata["world_size"] = 1;
-    metadata["flavor"] = flavor_name;
-    checkpoint::commit(partial, to, metadata);
-    std::cerr << "wrote titan checkpoint " << to << " (" << flavor_name << ", model only) from " << from << "\n";
+    write_model_only(to, flavor_name, model_args, checkpoint::load_hf(from, model_args), dtype_name, from);
+    return 0;
+  }
+  // Meta's original checkpoints: consolidated.00.pth (a torch.save state dict with torchtitan's names).
+  std::string pth = from;
+  if (fs::is_directory(from)) {
+    std::vector<std::string> parts;
+    for (const auto& e : fs::directory_iterator(from))
+      if (e.path().filename().string().starts_with("consolidated.") && e.path().extension() == ".pth") parts.push_back(e.path().string());
+    if (parts.size() > 1)
+      fail(quote(from), " holds ", parts.size(), " consolidated.*.pth files (model-parallel shards); merging them is "
+           "not supported yet: convert a single-file checkpoint (8B) or the Hugging Face release");
+    if (parts.size() == 1) pth = parts[0];
+  }
+  if (fs::is_regular_file(pth) && (ends_with(pth, ".pth") || ends_with(pth, ".pt"))) {
+    if (flavor_name.empty()) fail("converting a .pth file needs --flavor (the titan model it holds)");
+    auto model_args = llama3::flavor(flavor_name);
+    auto weights = checkpoint::load_torch(pth);
+    weights.erase("rope.freqs");  // Llama 2's precomputed RoPE table: not a parameter
+    write_model_only(to, flavor_name, model_args, weights, dtype_name, pth);
     return 0;
   }
   fail(quote(from), " is neither a titan checkpoint directory (metadata.json) nor a Hugging Face one (config.json)");
