@@ -167,3 +167,48 @@ def test_seed_checkpoint_starts_every_layout_from_the_same_weights(tmp_path):
     assert losses(from_seed.stdout) == losses(plain.stdout)
     refused = train(tmp_path / "multi", 2, 2, check=False, extra=["--checkpoint.create_seed_checkpoint"])
     assert refused.returncode != 0 and "runs on a single process" in refused.stderr + refused.stdout
+
+
+def test_a_full_disk_fails_the_save_by_name_and_keeps_the_previous_checkpoint(tmp_path):
+    """A 110 MB tmpfs holds one 74 MB training state but not two: the second save fails with ENOSPC, naming the
+    file; the first stays loadable, and a smaller (model-only bfloat16) final save then fits."""
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"skipped: cannot mount a small tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        extra = ["--checkpoint.folder", str(disk / "ckpt"), "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
+        full = train(tmp_path / "run", 1, 10, check=False, extra=extra)
+        assert full.returncode == 2, full.stdout[-2000:] + full.stderr
+        assert "rank-00000.bin" in full.stderr and "disk is full" in full.stderr, full.stderr
+        assert (disk / "ckpt" / "step-5" / "metadata.json").exists()
+        resumed = train(tmp_path / "run", 1, 7, extra=extra + ["--checkpoint.last_save_model_only",
+                                                                 "--checkpoint.export_dtype", "bfloat16"])
+        assert f"Loaded checkpoint {disk / 'ckpt' / 'step-5'}" in resumed.stdout
+        assert "removing incomplete checkpoint" in resumed.stdout
+        meta = json.loads((disk / "ckpt" / "step-7" / "metadata.json").read_text())
+        assert meta["model_only"] and {t["dtype"] for t in meta["tensors"].values()} == {"bfloat16"}
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_checkpoint_keys_behave_as_torchtitans(tmp_path):
+    dump = tmp_path / "keys"
+    keys = ["--checkpoint.enable_first_step_checkpoint", "--checkpoint.keep_latest_k", "2", "--checkpoint.interval", "2"]
+    saved = train(dump, 1, 3, extra=keys)
+    folder = dump / "checkpoint"
+    # Steps 1 (enable_first_step_checkpoint), 2 (interval) and 3 (the last) were saved; keep_latest_k = 2 purged 1.
+    assert saved.stdout.count("Saved checkpoint") == 3
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-3"]
+    # exclude_from_loading = train_state: the weights load, the step count does not.
+    again = train(dump, 1, 2, extra=["--checkpoint.exclude_from_loading", "train_state,dataloader", "--checkpoint.interval", "100"])
+    assert "Loaded checkpoint" in again.stdout and losses(again.stdout)[0][0] == 1
+    # initial_load_path with a titan checkpoint directory: weights only, training starts at step 1.
+    fresh = train(tmp_path / "fresh", 1, 2, extra=["--checkpoint.initial_load_path", str(folder / "step-3")])
+    assert "Loaded model weights from" in fresh.stdout and losses(fresh.stdout)[0][0] == 1
+    # A training state saved in bfloat16 parameters does not resume a float32 run.
+    bf16 = tmp_path / "bf16"
+    train(bf16, 1, 1, extra=["--training.dtype", "bfloat16"])
+    refused = train(bf16, 1, 2, check=False)
+    assert refused.returncode == 2 and "is bfloat16, the model trains in float32" in refused.stderr, refused.stderr
