@@ -43,7 +43,8 @@ def losses(stdout):
     return [(int(m.group(1)), m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)]
 
 
-@pytest.mark.parametrize("layout,mode", [(1, "disabled"), (2, "disabled"), (4, "disabled"), (1, "async"), (2, "async")])
+@pytest.mark.parametrize("layout,mode", [(1, "disabled"), (2, "disabled"), (4, "disabled"), (1, "async"), (2, "async"),
+                                         (4, "async")])
 def test_resume_is_bitwise_identical(tmp_path, layout, mode):
     extra = ["--checkpoint.async_mode", mode]
     straight = train(tmp_path / "straight", layout, 20, extra=extra)

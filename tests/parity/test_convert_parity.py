@@ -154,6 +154,24 @@ def test_meta_consolidated_pth_imports_bitwise(trained, tmp_path):
     for key in original:
         expected = torch.from_numpy(original[key]).to(torch.bfloat16).float().numpy()
         assert np.array_equal(imported[key], expected), key
+    # Model-parallel shards as Meta's 70B release has them (here 2): column-parallel weights split along dim 0,
+    # row-parallel ones and the embedding along dim 1, norms replicated; titan merges them back.
+    sharded = tmp_path / "Meta-Llama-mp2"
+    sharded.mkdir()
+    for rank in range(2):
+        part = OrderedDict()
+        for name, tensor in state.items():
+            if tensor.dim() == 1:
+                part[name] = tensor.clone()
+            else:
+                dim = 1 if name == "tok_embeddings.weight" or name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else 0
+                part[name] = tensor.chunk(2, dim=dim)[rank].clone()
+        torch.save(part, sharded / f"consolidated.{rank:02d}.pth")
+    merged_out = tmp_path / "merged"
+    run([binary("titan"), "convert", "--from", str(sharded), "--to", str(merged_out), "--flavor", "debugmodel"])
+    _, merged = read_checkpoint(merged_out)
+    for key in original:
+        assert np.array_equal(merged[key], imported[key]), key
     # Not a torch.save archive: a clear error.
     bogus = tmp_path / "bogus.pth"
     bogus.write_bytes(b"\x80\x02not a zip")

@@ -1,4 +1,5 @@
 // `titan convert`: titan checkpoints (titan-dcp) to Hugging Face safetensors directories and back.
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <iostream>
@@ -25,8 +26,8 @@ const char* kConvertUsage =
     "  PATH a Hugging Face directory (config.json + safetensors): writes a model-only titan checkpoint directory\n"
     "       DIR for checkpoint.initial_load_path (or place it as {folder}/step-0); --flavor is required and must\n"
     "       match config.json.\n"
-    "  PATH Meta's consolidated.00.pth (or its folder), or any torch.save state dict with titan's names: a\n"
-    "       model-only titan checkpoint directory DIR (--flavor required).\n";
+    "  PATH Meta's consolidated.00.pth, a folder of consolidated.NN.pth model-parallel shards (merged), or any\n"
+    "       torch.save state dict with titan's names: a model-only titan checkpoint directory DIR (--flavor required).\n";
 
 // A model-only titan checkpoint directory at `to` from full tensors under titan names.
 void write_model_only(const std::string& to, const std::string& flavor_name, const llama3::ModelArgs& model_args,
@@ -121,23 +122,46 @@ int run_convert(const std::vector<std::string>& args) {
     write_model_only(to, flavor_name, model_args, checkpoint::load_hf(from, model_args), dtype_name, from);
     return 0;
   }
-  // Meta's original checkpoints: consolidated.00.pth (a torch.save state dict with torchtitan's names).
-  std::string pth = from;
+  // Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8).
+  std::vector<std::string> parts;
   if (fs::is_directory(from)) {
-    std::vector<std::string> parts;
     for (const auto& e : fs::directory_iterator(from))
       if (e.path().filename().string().starts_with("consolidated.") && e.path().extension() == ".pth") parts.push_back(e.path().string());
-    if (parts.size() > 1)
-      fail(quote(from), " holds ", parts.size(), " consolidated.*.pth files (model-parallel shards); merging them is "
-           "not supported yet: convert a single-file checkpoint (8B) or the Hugging Face release");
-    if (parts.size() == 1) pth = parts[0];
+    std::sort(parts.begin(), parts.end());
+  } else if (fs::is_regular_file(from) && (ends_with(from, ".pth") || ends_with(from, ".pt"))) {
+    parts = {from};
   }
-  if (fs::is_regular_file(pth) && (ends_with(pth, ".pth") || ends_with(pth, ".pt"))) {
-    if (flavor_name.empty()) fail("converting a .pth file needs --flavor (the titan model it holds)");
+  if (!parts.empty()) {
+    if (flavor_name.empty()) fail("converting .pth files needs --flavor (the titan model they hold)");
     auto model_args = llama3::flavor(flavor_name);
-    auto weights = checkpoint::load_torch(pth);
-    weights.erase("rope.freqs");  // Llama 2's precomputed RoPE table: not a parameter
-    write_model_only(to, flavor_name, model_args, weights, dtype_name, pth);
+    std::vector<std::map<std::string, at::Tensor>> shards;
+    for (const auto& part : parts) {
+      shards.push_back(checkpoint::load_torch(part));
+      shards.back().erase("rope.freqs");  // Llama 2's precomputed RoPE table: not a parameter
+    }
+    std::map<std::string, at::Tensor> weights;
+    if (shards.size() == 1) {
+      weights = std::move(shards[0]);
+    } else {
+      // Meta's model parallelism: the embedding and the row-parallel projections (wo, w2) are split along dim 1,
+      // the column-parallel ones (wq, wk, wv, w1, w3, output) along dim 0; norms are replicated.
+      for (const auto& [name, first] : shards[0]) {
+        std::vector<at::Tensor> pieces;
+        for (size_t i = 0; i < shards.size(); ++i) {
+          auto it = shards[i].find(name);
+          if (it == shards[i].end()) fail(quote(parts[i]), ": no tensor ", quote(name), " (shards of different models?)");
+          pieces.push_back(it->second);
+        }
+        if (first.dim() == 1) {
+          weights[name] = first;
+        } else {
+          const bool dim1 = name == "tok_embeddings.weight" || ends_with(name, ".attention.wo.weight") ||
+                            ends_with(name, ".feed_forward.w2.weight");
+          weights[name] = at::cat(pieces, dim1 ? 1 : 0);
+        }
+      }
+    }
+    write_model_only(to, flavor_name, model_args, weights, dtype_name, parts.size() == 1 ? parts[0] : from);
     return 0;
   }
   fail(quote(from), " is neither a titan checkpoint directory (metadata.json) nor a Hugging Face one (config.json)");
