@@ -19,7 +19,7 @@ const char* kUsage =
     "  train       train a model (torchtitan-compatible TOML and --section.key options; `titan train --help`)\n"
     "  tokenizer   encode, decode or train tokenizers (`titan tokenizer --help`)\n"
     "  data        pre-tokenize datasets into token shards, inspect shards (`titan data --help`)\n"
-    "  convert     titan checkpoints to and from Hugging Face safetensors (`titan convert --help`)\n"
+    "  convert     checkpoints between titan, Hugging Face safetensors, torch.save .pt and Meta .pth (`titan convert --help`)\n"
     "  estimate    parameters, FLOPs per token and training-state memory of a job's model\n";
 
 }  // namespace
