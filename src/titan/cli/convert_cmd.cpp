@@ -52,12 +52,7 @@ void write_model_only(const std::string& to, const std::string& flavor_name, con
     writer.add("model." + p.name, t, 0, p.shape);
   }
   nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
-  metadata["format"] = "titan-dcp";
-  metadata["version"] = 1;
-  metadata["step"] = 0;
-  metadata["model_only"] = true;
-  metadata["world_size"] = 1;
-  metadata["flavor"] = flavor_name;
+  metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, flavor_name));
   checkpoint::commit(partial, to, metadata);
   std::cerr << "wrote titan checkpoint " << to << " (" << flavor_name << ", model only) from " << from << "\n";
 }

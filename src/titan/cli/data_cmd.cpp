@@ -2,7 +2,6 @@
 // token shards.
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
@@ -12,6 +11,7 @@
 #include <thread>
 
 #include "titan/cli/commands.h"
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/data/file_reader.h"
@@ -71,10 +71,6 @@ Options parse(const std::vector<std::string>& args) {
   if (std::find(formats.begin(), formats.end(), o.format) == formats.end())
     fail("--format must be one of {auto, text, jsonl, fortune}, got ", quote(o.format));
   return o;
-}
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 struct Chunk {

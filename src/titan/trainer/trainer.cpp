@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
@@ -28,10 +29,6 @@ void on_stop_signal(int signal) {
   g_stop_signal = signal;
   // A second signal gets the default behaviour (terminate at once).
   std::signal(signal, SIG_DFL);
-}
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 at::ScalarType dtype_from_name(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
@@ -225,7 +222,7 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
       // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
       // training.mixed_precision_param through autocast).
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-      at::Tensor logits = block_causal_ ? model_->forward(inputs, {}, mb.positions.to(device_)) : model_->forward(inputs);
+      at::Tensor logits = forward(inputs, mb);
       loss = cross_entropy_sum(logits, labels) / global_valid;
     }
     data_parallel_->before_backward(m + 1 == microbatches.size());
@@ -243,6 +240,11 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
   result.loss = loss_total.item<double>();
   result.grad_norm = norm.item<double>();
   return result;
+}
+
+at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) {
+  // Block-causal attention takes each token's position in its document from the loader.
+  return block_causal_ ? model_->forward(inputs, {}, batch.positions.to(device_)) : model_->forward(inputs);
 }
 
 checkpoint::TrainerState Trainer::checkpoint_view() {
@@ -292,7 +294,7 @@ double Trainer::validate() {
     at::Tensor sum;
     {
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-      at::Tensor logits = block_causal_ ? model_->forward(inputs, {}, batch.positions.to(device_)) : model_->forward(inputs);
+      at::Tensor logits = forward(inputs, batch);
       sum = cross_entropy_sum(logits, labels);
     }
     // torchtitan's formula: the mean over batches of (this batch's loss sum / its global valid tokens).

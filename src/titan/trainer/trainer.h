@@ -54,6 +54,7 @@ class Trainer {
 
  private:
   void log_step(const StepResult& result, double data_seconds);
+  at::Tensor forward(const at::Tensor& inputs, const data::Batch& batch);  // logits, device inputs
 
   config::LoadedConfig loaded_;
   at::Device device_{at::kCPU};

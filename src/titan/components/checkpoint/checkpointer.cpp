@@ -11,6 +11,7 @@
 #include <regex>
 #include <set>
 
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
@@ -23,10 +24,6 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 std::optional<int64_t> step_of(const fs::path& p) {
   static const std::regex pattern(R"(step-(\d+))");
@@ -208,8 +205,7 @@ void Checkpointer::save(TrainerState& state, bool last) {
     rank_state["dataloader"] = state.dataloader.state_dict();
     rank_state["rng"] = rng_state();
   }
-  json global = {{"format", "titan-dcp"}, {"version", 1}, {"step", step}, {"model_only", model_only},
-                 {"world_size", world_size}, {"flavor", loaded_.config.model.flavor}};
+  json global = metadata_header(step, model_only, world_size, loaded_.config.model.flavor);
   if (!model_only) {
     global["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
     global["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};

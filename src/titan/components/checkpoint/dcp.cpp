@@ -19,6 +19,9 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr const char* kFormat = "titan-dcp";
+constexpr int kVersion = 1;
+
 // Fault injection for crash tests: TITAN_CHECKPOINT_CRASH = "bytes:K" kills the process (SIGKILL, as kill -9)
 // once this rank has written K bytes of its data file; "before_metadata" / "before_rename" kill rank 0 at those
 // points of the commit. TITAN_CHECKPOINT_CRASH_RANK restricts it to one rank.
@@ -134,6 +137,11 @@ nlohmann::json RankWriter::finish() {
   return out;
 }
 
+nlohmann::json metadata_header(int64_t step, bool model_only, int world_size, const std::string& flavor) {
+  return {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"model_only", model_only},
+          {"world_size", world_size}, {"flavor", flavor}};
+}
+
 nlohmann::json merge_rank_parts(const std::vector<nlohmann::json>& parts) {
   nlohmann::json merged;
   merged["files"] = nlohmann::json::object();
@@ -177,8 +185,8 @@ Reader::Reader(std::string directory) : directory_(std::move(directory)) {
   if (!in) fail("checkpoint ", quote(directory_), " is incomplete: it has no metadata.json (a save that did not finish)");
   try {
     metadata_ = nlohmann::json::parse(in);
-    if (metadata_.at("format").get<std::string>() != "titan-dcp" || metadata_.at("version").get<int>() != 1)
-      fail(path, ": not a titan.cpp checkpoint of version 1");
+    if (metadata_.at("format").get<std::string>() != kFormat || metadata_.at("version").get<int>() != kVersion)
+      fail(path, ": not a titan.cpp checkpoint of version ", kVersion);
     for (const auto& [key, entry] : metadata_.at("tensors").items()) {
       TensorEntry t;
       t.dtype = parse_dtype(entry.at("dtype").get<std::string>(), path + " (" + key + ")");

@@ -50,6 +50,9 @@ class RankWriter {
   nlohmann::json tensors_ = nlohmann::json::object();
 };
 
+// The fields every checkpoint's metadata starts with (format name and version, step, layout, flavor).
+nlohmann::json metadata_header(int64_t step, bool model_only, int world_size, const std::string& flavor);
+
 // Merges ranks' parts into the metadata document (tensors' pieces concatenated, files listed).
 nlohmann::json merge_rank_parts(const std::vector<nlohmann::json>& parts);
 

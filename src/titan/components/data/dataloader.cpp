@@ -1,8 +1,8 @@
 #include "titan/components/data/dataloader.h"
 
-#include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
@@ -11,10 +11,6 @@
 namespace titan::data {
 
 namespace {
-
-double now_seconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 nlohmann::json layer_json(const Layer& l) {
   return {{"lanes", l.lanes}, {"cursor", l.cursor}, {"offset", l.offset}, {"end", l.end}};
