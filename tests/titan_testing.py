@@ -41,8 +41,9 @@ def run(args, input_text=None, check=True, env=None, timeout=600):
 
 
 def read_checkpoint(directory):
-    """Full tensors of a titan checkpoint step directory, assembled from the row pieces its metadata.json lists
-    (an independent reader of the format described in docs/checkpoint.md)."""
+    """Full tensors of a titan checkpoint step directory, assembled from the pieces its metadata.json lists: boxes
+    (version 2) or dim-0 row ranges (version 1). An independent reader of the format in docs/checkpoint.md; it
+    checks that the pieces cover every element exactly once."""
     import json
 
     import numpy as np
@@ -50,6 +51,7 @@ def read_checkpoint(directory):
     dtypes = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "bfloat16": None}
     directory = Path(directory)
     meta = json.loads((directory / "metadata.json").read_text())
+    assert meta["format"] == "titan-dcp" and meta["version"] in (1, 2), meta.get("version")
     out = {}
     for key, entry in meta["tensors"].items():
         shape = entry["shape"]
@@ -57,16 +59,21 @@ def read_checkpoint(directory):
             full = np.zeros(shape, dtype=np.float32)
         else:
             full = np.zeros(shape, dtype=dtypes[entry["dtype"]])
-        covered = 0
+        count = np.zeros(shape, dtype=np.int64)
         for piece in entry["pieces"]:
             raw = (directory / piece["file"]).read_bytes()[piece["offset"]:piece["offset"] + piece["bytes"]]
-            a, b = piece["rows"]
+            if "box" in piece:
+                offsets, lengths = piece["box"]["offsets"], piece["box"]["lengths"]
+            else:
+                a, b = piece["rows"]
+                offsets, lengths = [a] + [0] * (len(shape) - 1), [b - a] + shape[1:]
             if entry["dtype"] == "bfloat16":
                 values = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
             else:
                 values = np.frombuffer(raw, dtype=full.dtype)
-            full[a:b] = values.reshape([b - a] + shape[1:])
-            covered += b - a
-        assert covered == shape[0], key
+            where = tuple(slice(o, o + l) for o, l in zip(offsets, lengths))
+            full[where] = values.reshape(lengths)
+            count[where] += 1
+        assert (count == 1).all(), f"{key}: pieces do not cover every element exactly once"
         out[key] = full
     return meta, out

@@ -9,7 +9,7 @@
 #include "titan/components/checkpoint/safetensors.h"
 #include "titan/components/loss.h"
 #include "titan/config/job_config.h"
-#include "titan/distributed/activation_checkpoint.h"
+#include "titan/models/llama3/parallelize.h"
 #include "titan/models/llama3/model.h"
 #include "titan/models/llama3/state_dict_adapter.h"
 
@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     titan::config::ActivationCheckpoint ac;
     ac.mode = opt["--ac-mode"];
     ac.selective_ac_option = opt["--ac-option"];
-    titan::distributed::apply_activation_checkpointing(*model, ac);
+    titan::llama3::apply_activation_checkpointing(*model, ac);
 
     at::Tensor logits, loss;
     if (autocast) {

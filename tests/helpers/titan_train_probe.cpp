@@ -1,8 +1,11 @@
 // Test helper: builds titan's real Trainer from `titan train` arguments and runs its steps, recording what a
 // reference implementation needs to replay them: initial weights (HF layout), every micro-batch, and per-step
 // loss, grad norm and learning rate.
-// usage: titan_train_probe --probe.out DIR [--probe.validate] [titan train options...]
+// usage: titan_train_probe --probe.out DIR [--probe.validate] [--probe.loaded_state] [titan train options...]
 // --probe.validate runs the trainer's validation after the last step and records its loss.
+// --probe.loaded_state writes loaded_state.safetensors: the full weights and AdamW moments right after start-up
+// (a checkpoint load), under the checkpoint's keys, gathered from whatever layout this run uses.
+// Steps continue from a loaded checkpoint's step.
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -17,14 +20,11 @@
 
 namespace {
 
-// Full weights in HF layout (collective under FSDP: every rank must call it).
+// Full weights in HF layout (collective: every rank must call it).
 std::vector<std::pair<std::string, at::Tensor>> hf_weights(titan::Trainer& trainer) {
-  trainer.data_parallel().unshard_all();
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto& item : trainer.model().named_parameters())
-    out.emplace_back(*titan::llama3::to_hf_name(item.key()),
-                     titan::llama3::to_hf_tensor(item.key(), item.value().detach().to(at::kFloat).clone(), trainer.model().args()));
-  trainer.data_parallel().reshard_all();
+  for (auto& [name, full] : titan::distributed::gather_full(trainer.parameters(), *trainer.mesh().world()))
+    out.emplace_back(*titan::llama3::to_hf_name(name), titan::llama3::to_hf_tensor(name, full.cpu(), trainer.model().args()));
   return out;
 }
 
@@ -33,11 +33,12 @@ std::vector<std::pair<std::string, at::Tensor>> hf_weights(titan::Trainer& train
 int main(int argc, char** argv) {
   std::vector<std::string> args;
   std::string out_dir;
-  bool validate = false;
+  bool validate = false, loaded_state = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--probe.out" && i + 1 < argc) out_dir = argv[++i];
     else if (a == "--probe.validate") validate = true;
+    else if (a == "--probe.loaded_state") loaded_state = true;
     else args.push_back(a);
   }
   try {
@@ -46,11 +47,30 @@ int main(int argc, char** argv) {
     titan::Trainer trainer(titan::config::load_job_config(args));
     const bool writer = trainer.mesh().world()->rank() == 0;
     const bool single = trainer.mesh().world()->size() == 1;
+    if (loaded_state) {
+      // Optimizer moments gathered like the weights: the same placements, the moments as local tensors.
+      std::vector<titan::distributed::ShardedParameter> moments;
+      const auto& state = trainer.optimizer().state();
+      for (size_t i = 0; i < trainer.parameters().size() && i < state.size(); ++i) {
+        auto p = trainer.parameters()[i];
+        if (!state[i].exp_avg.defined()) continue;
+        p.name = "optimizer.exp_avg." + p.name;
+        p.local = state[i].exp_avg;
+        moments.push_back(p);
+        p.name.replace(0, 18, "optimizer.exp_avg_sq.");
+        p.local = state[i].exp_avg_sq;
+        moments.push_back(p);
+      }
+      std::vector<std::pair<std::string, at::Tensor>> out;
+      for (auto& [name, t] : titan::distributed::gather_full(trainer.parameters(), *trainer.mesh().world())) out.emplace_back("model." + name, t);
+      for (auto& item : titan::distributed::gather_full(moments, *trainer.mesh().world())) out.push_back(item);
+      if (writer) titan::safetensors::save(out_dir + "/loaded_state.safetensors", out);
+    }
     auto initial = hf_weights(trainer);
     if (writer) titan::safetensors::save(out_dir + "/initial.safetensors", initial);
     std::vector<std::pair<std::string, at::Tensor>> batches;
     nlohmann::json steps = nlohmann::json::array();
-    for (int64_t step = 1; step <= trainer.config().training.steps; ++step) {
+    for (int64_t step = trainer.step() + 1; step <= trainer.config().training.steps; ++step) {
       auto microbatches = trainer.next_microbatches();
       for (size_t m = 0; m < microbatches.size(); ++m) {
         std::string p = "step" + std::to_string(step) + ".mb" + std::to_string(m) + ".";
@@ -73,6 +93,10 @@ int main(int argc, char** argv) {
                            {"microbatches", trainer.gradient_accumulation_steps()},
                            {"bos_id", trainer.tokenizer().bos_id().value_or(-1)},
                            {"eos_id", trainer.tokenizer().eos_id().value_or(-1)}};
+    nlohmann::json layouts = nlohmann::json::object();
+    for (const auto& p : trainer.parameters())
+      layouts[p.name] = {{"placement", p.layout.str()}, {"box", p.layout.local_box().str()}, {"local_shape", p.local.sizes().vec()}};
+    meta["layouts"] = layouts;  // this rank's (the writer's: rank 0)
     if (validate) meta["validation_loss"] = trainer.validate();
     if (writer) std::ofstream(out_dir + "/metrics.json") << meta.dump(2) << "\n";
   } catch (const std::exception& e) {

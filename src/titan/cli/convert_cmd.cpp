@@ -49,7 +49,7 @@ void write_model_only(const std::string& to, const std::string& flavor_name, con
   for (const auto& p : llama3::parameter_shapes(model_args)) {
     at::Tensor t = weights.at(p.name);
     if (!dtype_name.empty()) t = t.to(checkpoint::parse_dtype(dtype_name, "--dtype"));
-    writer.add("model." + p.name, t, 0, p.shape);
+    writer.add("model." + p.name, t, std::vector<int64_t>(p.shape.size(), 0), p.shape);
   }
   nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
   metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, flavor_name));
@@ -93,7 +93,7 @@ int run_convert(const std::vector<std::string>& args) {
       const auto& entry = reader.tensors().at(key);
       if (entry.shape != p.shape) fail(from, ": ", key, " has another shape than flavor ", flavor_name, " expects");
       at::Tensor full = at::empty(p.shape, at::TensorOptions().dtype(entry.dtype));
-      reader.read_rows(key, 0, full);
+      reader.read_box(key, std::vector<int64_t>(p.shape.size(), 0), full);  // whatever layout saved it
       stored = entry.dtype;
       tensors.emplace_back(p.name, full);
     }

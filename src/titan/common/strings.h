@@ -1,5 +1,6 @@
 // Small string helpers: split/join/trim, edit distance and "did you mean" suggestions, number formatting.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -8,6 +9,8 @@ namespace titan {
 
 std::vector<std::string> split(std::string_view text, char separator);
 std::string join(const std::vector<std::string>& parts, std::string_view separator);
+// {1, 2, 3} -> "1, 2, 3" (shapes and boxes in messages).
+std::string join_ints(const std::vector<int64_t>& values);
 std::string trim(std::string_view text);
 bool starts_with(std::string_view text, std::string_view prefix);
 bool ends_with(std::string_view text, std::string_view suffix);

@@ -4,7 +4,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "titan/common/error.h"
-#include "titan/models/llama3/model.h"
 #include "titan/nn/autocast.h"
 
 namespace titan::distributed {
@@ -85,44 +84,6 @@ void checkpoint_unit(nn::Unit& unit) {
                                                    const nn::Unit::Next& next) {
     return checkpointed_call(inputs, context, next, self->parameters());
   });
-}
-
-ActivationCheckpointSummary apply_activation_checkpointing(llama3::Transformer& model,
-                                                           const config::ActivationCheckpoint& ac) {
-  ActivationCheckpointSummary summary;
-  if (ac.mode == "none") {
-    summary.description = "activation checkpointing off";
-    return summary;
-  }
-  if (ac.mode == "memory_budget")
-    fail("activation_checkpoint.mode = \"memory_budget\" needs a graph compiler (torch.compile), which titan.cpp does not "
-         "have; use \"full\" or \"selective\"");
-  if (ac.mode == "full") {
-    for (auto& block : model.layers) checkpoint_unit(*block), ++summary.wrapped_units;
-    summary.description = cat("full activation checkpointing of all ", summary.wrapped_units, " blocks");
-    return summary;
-  }
-  // selective
-  if (ac.selective_ac_option == "op") {
-    for (auto& block : model.layers) {
-      checkpoint_unit(*block->attention_norm);
-      checkpoint_unit(*block->ffn_norm);
-      checkpoint_unit(*block->feed_forward->gate);
-      summary.wrapped_units += 3;
-    }
-    summary.description = "op-level selective activation checkpointing (RMSNorm and SwiGLU gating recomputed)";
-    return summary;
-  }
-  const int64_t every = std::stoll(ac.selective_ac_option);
-  for (size_t i = 0; i < model.layers.size(); ++i) {
-    if (every == 0 || (static_cast<int64_t>(i) + 1) % every == 0) {
-      checkpoint_unit(*model.layers[i]);
-      ++summary.wrapped_units;
-    }
-  }
-  summary.description = cat("selective activation checkpointing of every ", every == 0 ? 1 : every, "-th block (",
-                            summary.wrapped_units, " of ", model.layers.size(), ")");
-  return summary;
 }
 
 }  // namespace titan::distributed

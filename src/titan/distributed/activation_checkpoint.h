@@ -1,15 +1,11 @@
-// Activation checkpointing applied to a built model from outside, as torchtitan's activation_checkpoint section:
-// full (every block), selective N (every N-th block) and selective "op" (keep matmul and attention outputs,
-// recompute RMSNorm and the SwiGLU gating in backward).
+// Activation checkpointing applied to units from outside: a unit's forward runs without saving activations and
+// is recomputed in backward. Which units a model checkpoints for torchtitan's modes (full, selective N, selective
+// op) is the model's plan (models/llama3/parallelize.h).
 #pragma once
 #include <vector>
 
-#include "titan/config/job_config.h"
+#include <string>
 #include "titan/nn/unit.h"
-
-namespace titan::llama3 {
-class Transformer;
-}
 
 namespace titan::distributed {
 
@@ -25,9 +21,5 @@ struct ActivationCheckpointSummary {
   std::string description;  // for the start-up log
   int64_t wrapped_units = 0;
 };
-
-// Throws UserError for modes that cannot run here (memory_budget needs a graph compiler).
-ActivationCheckpointSummary apply_activation_checkpointing(llama3::Transformer& model,
-                                                           const config::ActivationCheckpoint& ac);
 
 }  // namespace titan::distributed

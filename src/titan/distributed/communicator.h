@@ -39,6 +39,9 @@ class Communicator {
   // `input` holds size() * output.numel() elements; rank i receives the reduction of block i.
   virtual std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input, ReduceOp op,
                                                bool async = false) = 0;
+  // `input` and `output` hold size() equal blocks: block j of the input goes to rank j, block i of the output came
+  // from rank i.
+  virtual std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input, bool async = false) = 0;
   virtual std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async = false) = 0;
   virtual std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag = 0, bool async = false) = 0;
   virtual std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag = 0, bool async = false) = 0;
@@ -56,7 +59,7 @@ class Communicator {
   virtual bool globally_ordered() const { return false; }
 
   // Bytes this rank sends in collectives since construction, counted as ring algorithms move them: all-gather and
-  // reduce-scatter (n - 1) x shard, all-reduce 2 (n - 1) / n x tensor, broadcast and send the tensor.
+  // reduce-scatter (n - 1) x shard, all-reduce 2 (n - 1) / n x tensor, all-to-all (n - 1) / n x tensor, broadcast and send the tensor.
   virtual int64_t bytes_communicated() const = 0;
 
  protected:

@@ -10,21 +10,12 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
-#include "titan/components/optimizer.h"
 
 namespace titan::distributed {
 
 Ddp::Ddp(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group, int64_t first_bucket_bytes,
          int64_t bucket_bytes)
     : params_(std::move(parameters)), group_(std::move(group)) {
-  {
-    at::NoGradGuard no_grad;
-    for (auto& p : params_) {
-      at::Tensor data = p.detach();
-      group_->broadcast(data, 0);  // start from rank 0's weights
-    }
-  }
-  bytes_at_start_ = group_->bytes_communicated();
   // Buckets in reverse registration order: the order in which backward produces gradients.
   int64_t cap = first_bucket_bytes, bytes = 0;
   bucket_of_.assign(params_.size(), 0);
@@ -106,19 +97,12 @@ void Ddp::finish_gradients() {
   sync_ = false;
 }
 
-std::vector<at::Tensor> Ddp::optimizer_parameters() { return params_; }
-
-at::Tensor Ddp::clip_grad_norm(double max_norm) {
-  // Gradients are identical on every replica after the all-reduce: the local norm is the global norm.
-  return clip_grad_norm_(params_, max_norm);
-}
-
 std::string Ddp::describe() const {
   int64_t first = buckets_.empty() ? 0 : buckets_.front().numel;
   return cat("DDP over ", group_->size(), " replicas: ", buckets_.size(), " gradient buckets (first ",
              with_thousands(first), " elements), all-reduce overlapped with backward");
 }
 
-int64_t Ddp::bytes_communicated() const { return group_->bytes_communicated() - bytes_at_start_; }
+int64_t Ddp::bytes_communicated() const { return group_->bytes_communicated(); }
 
 }  // namespace titan::distributed

@@ -9,16 +9,15 @@ namespace titan::distributed {
 
 class Ddp final : public DataParallel {
  public:
-  // Bucket sizes as PyTorch's DDP: a small first bucket so communication starts early, then 25 MiB.
+  // Bucket sizes as PyTorch's DDP: a small first bucket so communication starts early, then 25 MiB. Replicas must
+  // start equal: titan's initialisation is the same on every rank (nn/init.h), as is a loaded checkpoint, so no
+  // parameter broadcast is needed.
   Ddp(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group, int64_t first_bucket_bytes = 1 << 20,
       int64_t bucket_bytes = 25 << 20);
 
   void before_backward(bool last_microbatch) override;
   void finish_gradients() override;
-  std::vector<at::Tensor> optimizer_parameters() override;
-  at::Tensor clip_grad_norm(double max_norm) override;
   std::string describe() const override;
-  std::vector<LocalShard> local_shards() override { return full_shards(params_, group_->rank() == 0); }
   int64_t bytes_communicated() const override;
   double wait_seconds() const override { return wait_seconds_; }
   size_t bucket_count() const { return buckets_.size(); }
@@ -46,7 +45,6 @@ class Ddp final : public DataParallel {
   size_t next_bucket_ = 0;
   bool sync_ = false;
   double wait_seconds_ = 0;
-  int64_t bytes_at_start_ = 0;  // the initial parameter broadcast is not gradient traffic
 };
 
 }  // namespace titan::distributed

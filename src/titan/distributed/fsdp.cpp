@@ -1,5 +1,5 @@
-// FSDP (ZeRO-3): every parameter is sharded on dim 0 (rows padded to a multiple of the group size) and the
-// optimizer updates only this rank's rows. Units (embedding, each block, norm + output) gather their parameters in
+// FSDP (ZeRO-3): every parameter (as tensor parallelism left it) is sharded on dim 0 -- Shard(0) over dp_shard,
+// rows padded to a multiple of the group size, as FSDP2 -- and the optimizer updates only this rank's rows. Units (embedding, each block, norm + output) gather their parameters in
 // the compute dtype just before their forward, with the next unit's all-gather prefetched, and free them after
 // forward (reshard_after_forward); backward gathers them again (prefetching the previous unit), and once a
 // unit's gradients are complete they are reduce-scattered in the reduce dtype, summed into the shards' gradients,
@@ -10,7 +10,6 @@
 // backward.
 #include "titan/distributed/fsdp.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -18,35 +17,20 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
-#include "titan/components/optimizer.h"
+#include "titan/nn/storage.h"
 
 namespace titan::distributed {
 namespace {
-
-void free_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  if (s->nbytes() == 0) return;
-  s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
-  s->set_nbytes(0);
-}
-
-void allocate_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
-  if (s->nbytes() == nbytes) return;
-  c10::Allocator* allocator = s->allocator() ? s->allocator() : c10::GetAllocator(s->device_type());
-  s->set_data_ptr_noswap(allocator->allocate(nbytes));
-  s->set_nbytes(nbytes);
-}
 
 std::string dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "float32"; }
 
 }  // namespace
 
-Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::shared_ptr<Communicator> shard_group,
+Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>& params, std::shared_ptr<Communicator> shard_group,
            std::shared_ptr<Communicator> replicate_group, const FsdpOptions& options)
     : shard_group_(std::move(shard_group)), replicate_group_(std::move(replicate_group)), options_(options) {
   const int64_t n = shard_group_->size(), rank = shard_group_->rank();
+  const int64_t replicas = replicate_group_->size();
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < specs.size(); ++u) {
     Unit unit;
@@ -54,25 +38,33 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::shared_ptr<Communicator>
     unit.reshard_after_forward = specs[u].reshard_after_forward;
     for (nn::Unit* module : specs[u].modules) {
       for (at::Tensor p : module->parameters()) {
+        ShardedParameter* entry = find_parameter(params, p);
+        if (!entry) fail("FSDP unit ", unit.name, " has a parameter that is not among the model's parameters");
+        if (p.dim() == 0) fail("FSDP shards dimension 0; parameter ", entry->name, " is a scalar");
         Param param;
         param.full_shape = p.sizes().vec();
-        param.rows = p.dim() == 0 ? 1 : p.size(0);
+        param.rows = p.size(0);
         param.row_numel = param.rows == 0 ? 0 : p.numel() / param.rows;
         param.shard_rows = (param.rows + n - 1) / n;
         param.offset = unit.local_numel;
         unit.local_numel += param.shard_numel();
         // This rank's rows, zero-padded, in the training dtype: the tensor the optimizer owns.
+        TensorLayout layout = entry->layout.then("dp_shard", n, rank, Placement::shard(0));
+        if (replicas > 1) layout = layout.then("dp_replicate", replicas, replicate_group_->rank(), Placement::replicate());
         std::vector<int64_t> shard_shape = param.full_shape;
-        if (shard_shape.empty()) shard_shape = {1};
         shard_shape[0] = param.shard_rows;
-        param.shard = at::zeros(shard_shape, p.options().requires_grad(false));
-        const int64_t begin = std::min(rank * param.shard_rows, param.rows);
-        const int64_t count = std::min(param.shard_rows, param.rows - begin);
-        if (count > 0) param.shard.narrow(0, 0, count).copy_(p.reshape({param.rows, param.row_numel}).narrow(0, begin, count).view(
-                                                                  param.shard.narrow(0, 0, count).sizes()));
+        if (layout.padded_local_shape() != shard_shape)
+          fail("FSDP: parameter ", entry->name, " placed ", layout.str(), " does not shard into [", join_ints(shard_shape), "]");
+        const auto device_options = at::TensorOptions().device(options_.device).requires_grad(false);
+        param.shard = at::zeros(shard_shape, device_options.dtype(options_.shard_dtype));
+        const Range mine = chunk(param.rows, n, rank);
+        if (mine.length > 0 && nn::has_storage(p))
+          param.shard.narrow(0, 0, mine.length).copy_(p.detach().narrow(0, mine.begin, mine.length));
         param.shard.requires_grad_(true);
+        entry->local = param.shard;
+        entry->layout = layout;
         // The model's parameter becomes a full-shape tensor in the compute dtype whose storage comes and goes.
-        p.set_data(at::empty(param.full_shape, p.options().dtype(options_.param_dtype).requires_grad(false)));
+        p.set_data(nn::without_storage(param.full_shape, device_options.dtype(options_.param_dtype)));
         param.module_param = p;
         auto accumulator = torch::autograd::impl::grad_accumulator(p);
         accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
@@ -81,7 +73,7 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::shared_ptr<Communicator>
               return outputs;
             }));
         accumulators_.push_back(accumulator);
-        free_storage(p);
+        nn::free_storage(p);
         unit.params.push_back(std::move(param));
       }
     }
@@ -138,7 +130,7 @@ void Fsdp::unshard(size_t u) {
   const int64_t n = shard_group_->size();
   at::Tensor all = unit.gathered.view({n, unit.local_numel});
   for (auto& p : unit.params) {
-    allocate_storage(p.module_param);
+    nn::allocate_storage(p.module_param);
     // variable_data(): write the values without bumping the parameter's version (autograd saved it in forward).
     at::Tensor target = p.module_param.variable_data().view({p.rows, p.row_numel});
     at::Tensor source = all.narrow(1, p.offset, p.shard_numel()).view({n, p.shard_rows, p.row_numel});
@@ -156,7 +148,7 @@ void Fsdp::unshard(size_t u) {
 void Fsdp::reshard(size_t u) {
   Unit& unit = units_[u];
   if (unit.state == Unit::State::Gathering) unit.gather_work->wait();
-  for (auto& p : unit.params) free_storage(p.module_param);
+  for (auto& p : unit.params) nn::free_storage(p.module_param);
   unit.gathered = at::Tensor();
   unit.gather_work.reset();
   unit.state = Unit::State::Sharded;
@@ -242,40 +234,6 @@ void Fsdp::accumulate(size_t count) {
     }
   }
   pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(count));
-}
-
-std::vector<at::Tensor> Fsdp::optimizer_parameters() {
-  std::vector<at::Tensor> out;
-  for (auto& unit : units_)
-    for (auto& p : unit.params) out.push_back(p.shard);
-  return out;
-}
-
-std::vector<LocalShard> Fsdp::local_shards() {
-  std::vector<LocalShard> out;
-  const int64_t rank = shard_group_->rank();
-  for (auto& unit : units_)
-    for (auto& p : unit.params) {
-      const int64_t begin = std::min(rank * p.shard_rows, p.rows);
-      out.push_back({p.shard, p.module_param, p.full_shape, begin, std::min(p.shard_rows, p.rows - begin),
-                     replicate_group_->rank() == 0});
-    }
-  return out;
-}
-
-at::Tensor Fsdp::clip_grad_norm(double max_norm) {
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (auto& unit : units_)
-    for (auto& p : unit.params)
-      if (p.shard.grad().defined()) grads.push_back(p.shard.grad());
-  // Shards hold disjoint rows (padding rows are zero), so the local sums of squares add up to the global one, and
-  // each row's contribution is computed exactly as in one process.
-  at::Tensor squares = grad_squares(grads).reshape({1}).contiguous();
-  shard_group_->all_reduce(squares, ReduceOp::Sum);
-  at::Tensor total = squares.sqrt().reshape({});
-  scale_gradients_(grads, total, max_norm);
-  return total;
 }
 
 std::string Fsdp::describe() const {

@@ -8,6 +8,7 @@
 
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/data_parallel.h"
+#include "titan/distributed/sharded_parameter.h"
 #include "titan/nn/unit.h"
 
 namespace titan::distributed {
@@ -22,23 +23,23 @@ struct FsdpUnitSpec {
 class Fsdp final : public DataParallel {
  public:
   // `shard_group` shards parameters (dp_shard); `replicate_group` (dp_replicate, HSDP) all-reduces the reduced
-  // shards; pass a single-rank communicator for plain FSDP.
-  Fsdp(const std::vector<FsdpUnitSpec>& units, std::shared_ptr<Communicator> shard_group,
+  // shards; pass a single-rank communicator for plain FSDP. Each unit parameter's entry in `params` gets its
+  // shard as `local` and Shard(0)@dp_shard (+ Replicate()@dp_replicate) appended to its layout. Parameters may be
+  // on the meta device: shards are allocated on options.device and filled from the parameter only when it has
+  // values.
+  Fsdp(const std::vector<FsdpUnitSpec>& units, std::vector<ShardedParameter>& params, std::shared_ptr<Communicator> shard_group,
        std::shared_ptr<Communicator> replicate_group, const FsdpOptions& options);
   ~Fsdp() override;
 
   void before_backward(bool last_microbatch) override {}
   void after_backward() override;
   void finish_gradients() override;
-  std::vector<at::Tensor> optimizer_parameters() override;
-  at::Tensor clip_grad_norm(double max_norm) override;
   std::string describe() const override;
   int64_t bytes_communicated() const override;
   double wait_seconds() const override { return wait_seconds_; }
 
   void unshard_all() override;
   void reshard_all() override;
-  std::vector<LocalShard> local_shards() override;
 
  private:
   struct Param {

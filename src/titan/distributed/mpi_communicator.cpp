@@ -297,6 +297,22 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
                async);
   }
 
+  std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input, bool async) override {
+    require_cpu_contiguous(output, "all_to_all output");
+    require_cpu_contiguous(input, "all_to_all input");
+    if (output.numel() != input.numel() || input.numel() % size_ != 0 || output.scalar_type() != input.scalar_type())
+      fail("all_to_all: input and output must hold ", size_, " equal blocks of the same dtype");
+    at::Tensor out = output, in = input;
+    bytes_ += static_cast<int64_t>(in.nbytes()) * (size_ - 1) / size_;
+    return run(cat("all_to_all(", in.numel(), " x ", c10::toString(in.scalar_type()), ")"),
+               [out, in, comm = comm_, size = size_]() mutable {
+                 MPI_Datatype type = mpi_type(in.scalar_type());
+                 const int block = count(in) / size;
+                 check(MPI_Alltoall(in.data_ptr(), block, type, out.data_ptr(), block, type, comm), "MPI_Alltoall");
+               },
+               async);
+  }
+
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async) override {
     require_cpu_contiguous(tensor, "broadcast");
     at::Tensor t = tensor;

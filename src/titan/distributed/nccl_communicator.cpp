@@ -111,6 +111,22 @@ class NcclCommunicator final : public Communicator {
             "ncclReduceScatter");
     });
   }
+  std::shared_ptr<Work> all_to_all(at::Tensor& out, const at::Tensor& in, bool async) override {
+    if (out.numel() != in.numel() || in.numel() % size_ != 0) fail("all_to_all: input and output must hold ", size_, " equal blocks");
+    bytes_ += static_cast<int64_t>(in.nbytes()) * (size_ - 1) / size_;
+    return launch({out, in}, "all_to_all", async, [&](cudaStream_t s) {
+      // NCCL has no all-to-all call: one grouped send and receive per peer.
+      const size_t block = static_cast<size_t>(in.numel() / size_);
+      const size_t bytes = block * in.element_size();
+      const auto type = nccl_type(in.scalar_type());
+      check(ncclGroupStart(), "ncclGroupStart");
+      for (int peer = 0; peer < size_; ++peer) {
+        check(ncclSend(static_cast<const char*>(in.data_ptr()) + peer * bytes, block, type, peer, comm_, s), "ncclSend");
+        check(ncclRecv(static_cast<char*>(out.data_ptr()) + peer * bytes, block, type, peer, comm_, s), "ncclRecv");
+      }
+      check(ncclGroupEnd(), "ncclGroupEnd");
+    });
+  }
   std::shared_ptr<Work> broadcast(at::Tensor& t, int root, bool async) override {
     if (rank_ == root) bytes_ += static_cast<int64_t>(t.nbytes());
     return launch({t}, "broadcast", async, [&](cudaStream_t s) {

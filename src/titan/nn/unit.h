@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "titan/nn/storage.h"
+
 namespace titan::nn {
 
 // Per-forward inputs every unit may read: the RoPE table for this sequence length and optional positions.
@@ -40,9 +42,10 @@ class Unit : public torch::nn::Module {
 };
 
 // y = x W^T (no bias, as in Llama).
+// Parameters are created with `options` (device, dtype, and whether they get storage now; see nn/storage.h).
 class Linear : public Unit {
  public:
-  Linear(int64_t in_features, int64_t out_features);
+  Linear(int64_t in_features, int64_t out_features, const ParameterOptions& options = {});
   at::Tensor weight;
 
  protected:
@@ -51,7 +54,7 @@ class Linear : public Unit {
 
 class Embedding : public Unit {
  public:
-  Embedding(int64_t num_embeddings, int64_t dim);
+  Embedding(int64_t num_embeddings, int64_t dim, const ParameterOptions& options = {});
   at::Tensor weight;
 
  protected:
@@ -60,9 +63,8 @@ class Embedding : public Unit {
 
 class RMSNorm : public Unit {
  public:
-  RMSNorm(int64_t dim, double eps);
+  RMSNorm(int64_t dim, double eps, const ParameterOptions& options = {});
   at::Tensor weight;
-  void reset_parameters();
 
  protected:
   at::Tensor forward(const Inputs& inputs, const Context& context) override;
@@ -77,8 +79,5 @@ class SwiGLU : public Unit {
  protected:
   at::Tensor forward(const Inputs& inputs, const Context& context) override;
 };
-
-// Fills `tensor` from N(mean, std^2) truncated to [low, high] (absolute bounds), sampling in float32.
-void trunc_normal_(at::Tensor& tensor, double mean, double std, double low, double high);
 
 }  // namespace titan::nn

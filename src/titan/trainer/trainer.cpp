@@ -16,7 +16,7 @@
 #include "titan/components/data/builtin.h"
 #include "titan/components/loss.h"
 #include "titan/config/support.h"
-#include "titan/distributed/activation_checkpoint.h"
+#include "titan/distributed/grad_norm.h"
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/nn/autocast.h"
 
@@ -52,6 +52,9 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
+  llama3::ModelArgs args = llama3::flavor(c.model.flavor);
+  args.max_seq_len = c.training.seq_len;  // as torchtitan: the training sequence length
+  llama3::check_parallelism(args, dims, c);
 
   log::info("Starting job: ", c.job.description);
   if (c.job.print_config) log::info("Running with configs: ", config::to_json(c));
@@ -96,9 +99,6 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   at::manual_seed(seed);
   log::info("Seed ", seed, c.debug.seed ? " (debug.seed)" : " (random; set --debug.seed to reproduce)");
 
-  // Model arguments: the flavor, with max_seq_len taken from the training sequence length as torchtitan does.
-  llama3::ModelArgs args = llama3::flavor(c.model.flavor);
-  args.max_seq_len = c.training.seq_len;
 
   // Tokenizer.
   std::string tokenizer_path = c.model.hf_assets_path;
@@ -116,28 +116,35 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
          quote(c.model.flavor), " has vocab_size ", args.vocab_size,
          "; pick a tokenizer that fits the flavor (model.hf_assets_path) or a flavor with a larger vocabulary");
 
-  // Model, initialised in float32 on the CPU, then moved to the device and training dtype.
+  // The model is built without storage; the parallelisms shard it, and each rank then allocates and initialises
+  // only its own pieces, with values that depend on the seed alone (nn/init.h), not on the layout.
   const at::ScalarType param_dtype = dtype_from_name(c.training.dtype);
-  model_ = std::make_shared<llama3::Transformer>(args);
-  model_->init_weights();
-  model_->to_device(device_, param_dtype);
+  model_ = std::make_shared<llama3::Transformer>(
+      args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
+  model_->move_buffers(device_);
   const int64_t n_params = llama3::count_parameters(args);
   flops_per_token_ = llama3::flops_per_token(args, c.training.seq_len);
   log::info("Model llama3 ", c.model.flavor, " size: ", with_thousands(n_params), " total parameters; ",
             strprintf("%.2f", flops_per_token_ / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
 
-  auto ac = distributed::apply_activation_checkpointing(*model_, c.activation_checkpoint);
-  log::info("Activation checkpointing: ", ac.description);
-
   // Mixed precision as torchtitan: FSDP gathers parameters in mixed_precision_param and reduces gradients in
-  // mixed_precision_reduce; single-device and DDP runs compute under autocast instead.
+  // mixed_precision_reduce; single-device, TP-only and DDP runs compute under autocast instead.
   const at::ScalarType mp_param = dtype_from_name(c.training.mixed_precision_param);
   distributed::FsdpOptions fsdp;
+  fsdp.device = device_;
+  fsdp.shard_dtype = param_dtype;
   fsdp.param_dtype = param_dtype == at::kFloat ? mp_param : param_dtype;
   fsdp.reduce_dtype = dtype_from_name(c.training.mixed_precision_reduce);
   fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
-  data_parallel_ = distributed::apply_data_parallel(*model_, *mesh_, fsdp);
-  log::info("Data parallelism: ", data_parallel_->describe());
+  parallel_ = llama3::parallelize(*model_, *mesh_, c, fsdp);
+  for (const auto& line : parallel_.description) log::info(line);
+  {
+    auto specs = model_->init_specs();
+    distributed::initialize(parallel_.parameters, std::map<std::string, nn::InitSpec>(specs.begin(), specs.end()), seed);
+    log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s)",
+                        distributed::local_parameter_bytes(parallel_.parameters) / 1e6, static_cast<unsigned long long>(seed),
+                        mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model"));
+  }
   if (dims.fsdp_enabled()) {
     log::info("Mixed precision training is handled by FSDP (", c.training.mixed_precision_param, " compute, ",
               c.training.mixed_precision_reduce, " gradient reduction)");
@@ -147,7 +154,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
                               : cat("Training in ", c.training.dtype, " without autocast"));
   }
 
-  optimizer_ = std::make_unique<AdamW>(data_parallel_->optimizer_parameters(), c.optimizer);
+  optimizer_ = std::make_unique<AdamW>(distributed::local_tensors(parallel_.parameters), c.optimizer);
   lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);
   optimizer_->set_lr(lr_scheduler_->current_lr());
 
@@ -223,16 +230,16 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
       // training.mixed_precision_param through autocast).
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
       at::Tensor logits = forward(inputs, mb);
-      loss = cross_entropy_sum(logits, labels) / global_valid;
+      loss = parallel_.loss(logits, labels) / global_valid;
     }
-    data_parallel_->before_backward(m + 1 == microbatches.size());
+    parallel_.data_parallel->before_backward(m + 1 == microbatches.size());
     loss.backward();
-    data_parallel_->after_backward();
+    parallel_.data_parallel->after_backward();
     loss_total += loss.detach();
     result.tokens += labels.numel();
   }
-  data_parallel_->finish_gradients();
-  at::Tensor norm = data_parallel_->clip_grad_norm(loaded_.config.training.max_norm);
+  parallel_.finish_gradients();
+  at::Tensor norm = distributed::clip_grad_norm(parallel_.parameters, loaded_.config.training.max_norm, *mesh_->world());
   optimizer_->step();
   lr_scheduler_->step();
   optimizer_->set_lr(lr_scheduler_->current_lr());
@@ -247,10 +254,10 @@ at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) 
   return block_causal_ ? model_->forward(inputs, {}, batch.positions.to(device_)) : model_->forward(inputs);
 }
 
-checkpoint::TrainerState Trainer::checkpoint_view() {
+checkpoint::CheckpointedState Trainer::checkpoint_view() {
   train_state_.step = step_;
   train_state_.tokens_seen = tokens_seen_;
-  return checkpoint::TrainerState{*model_, *data_parallel_, *optimizer_, *lr_scheduler_, *dataloader_, train_state_};
+  return checkpoint::CheckpointedState{parallel_.parameters, model_->args(), *optimizer_, *lr_scheduler_, *dataloader_, train_state_};
 }
 
 double Trainer::validate() {
@@ -295,14 +302,14 @@ double Trainer::validate() {
     {
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
       at::Tensor logits = forward(inputs, batch);
-      sum = cross_entropy_sum(logits, labels);
+      sum = parallel_.loss(logits, labels);
     }
     // torchtitan's formula: the mean over batches of (this batch's loss sum / its global valid tokens).
     loss_sum += sum.to(at::kDouble).item<double>() / static_cast<double>(std::max<int64_t>(1, valid.cpu().item<int64_t>()));
     tokens += batch.labels.numel();
     ++batches;
   }
-  data_parallel_->reshard_all();  // units FSDP keeps gathered after forward wait for a backward that never comes
+  parallel_.data_parallel->reshard_all();  // units FSDP keeps gathered after forward wait for a backward that never comes
   if (batches == 0) fail("validation: the validation data has no complete batch of ", v.local_batch_size, " x ", v.seq_len, " tokens");
   at::Tensor total = at::full({1}, loss_sum / static_cast<double>(batches), at::TensorOptions().dtype(at::kDouble)).to(device_);
   dp->all_reduce(total, distributed::ReduceOp::Sum);
@@ -312,7 +319,8 @@ double Trainer::validate() {
   const auto& k = log::colors();
   log::info(strprintf("%svalidate step: %2lld  %sloss: %7.4f  %smemory: %5.2fGiB(%.2f%%)  %stps: %s  (%lld batches)%s", k.yellow,
                       static_cast<long long>(step_), k.green, loss, k.turquoise, mem.peak_gib, mem.peak_pct, k.blue,
-                      with_thousands(static_cast<long long>(std::nearbyint(static_cast<double>(tokens) / elapsed))).c_str(),
+                      with_thousands(static_cast<long long>(std::nearbyint(static_cast<double>(tokens) / elapsed /
+                                                                          static_cast<double>(mesh_->dims().non_data_parallel_size())))).c_str(),
                       static_cast<long long>(batches), k.reset));
   return loss;
 }
@@ -320,7 +328,8 @@ double Trainer::validate() {
 void Trainer::log_step(const StepResult& r, double data_seconds) {
   const double now = now_seconds();
   const double elapsed = std::max(1e-9, now - time_last_log_);
-  const double tps = static_cast<double>(tokens_since_log_) / elapsed;
+  // Per device as torchtitan: the ranks of one TP/CP/PP group share their tokens.
+  const double tps = static_cast<double>(tokens_since_log_) / elapsed / static_cast<double>(mesh_->dims().non_data_parallel_size());
   const double tflops = flops_per_token_ * tps / 1e12;
   const double mfu = peak_.flops > 0 ? 100.0 * flops_per_token_ * tps / peak_.flops : 0.0;
   auto mem = memory_->peak();
@@ -428,7 +437,7 @@ int Trainer::train() {
     const double steps = static_cast<double>(step_);
     log::info(strprintf("Data-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting, "
                         "%.3f s inside MPI calls (overlapped or not); %.3f s per step in all",
-                        data_parallel_->bytes_communicated() / steps / 1e6, data_parallel_->wait_seconds() / steps,
+                        parallel_.data_parallel->bytes_communicated() / steps / 1e6, parallel_.data_parallel->wait_seconds() / steps,
                         distributed::mpi_busy_seconds() / steps, (now_seconds() - train_start) / steps));
   }
   return exit_code;

@@ -15,6 +15,7 @@
 #include "titan/distributed/data_parallel.h"
 #include "titan/distributed/parallel_dims.h"
 #include "titan/models/llama3/model.h"
+#include "titan/models/llama3/parallelize.h"
 
 namespace titan {
 
@@ -50,7 +51,9 @@ class Trainer {
   int64_t step() const { return step_; }
   const at::Device& device() const { return device_; }
   const distributed::DeviceMesh& mesh() const { return *mesh_; }
-  distributed::DataParallel& data_parallel() { return *data_parallel_; }
+  distributed::DataParallel& data_parallel() { return *parallel_.data_parallel; }
+  // Every parameter as this rank holds it (what the optimizer updates and where it lies in the global tensor).
+  const std::vector<distributed::ShardedParameter>& parameters() const { return parallel_.parameters; }
 
  private:
   void log_step(const StepResult& result, double data_seconds);
@@ -60,16 +63,16 @@ class Trainer {
   at::Device device_{at::kCPU};
   distributed::LaunchInfo launch_;
   std::unique_ptr<distributed::DeviceMesh> mesh_;
-  std::unique_ptr<distributed::DataParallel> data_parallel_;
   std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   std::shared_ptr<llama3::Transformer> model_;
+  llama3::ParallelModel parallel_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LRScheduler> lr_scheduler_;
   std::unique_ptr<data::DataLoader> dataloader_;
   std::vector<data::SourceSpec> validation_sources_;
   std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
   checkpoint::TrainState train_state_;
-  checkpoint::TrainerState checkpoint_view();
+  checkpoint::CheckpointedState checkpoint_view();
   bool block_causal_ = false;
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;

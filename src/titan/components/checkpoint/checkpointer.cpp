@@ -50,18 +50,6 @@ std::vector<std::string> all_gather_strings(distributed::Communicator& comm, con
   return out;
 }
 
-std::map<const c10::TensorImpl*, std::string> parameter_names(llama3::Transformer& model) {
-  std::map<const c10::TensorImpl*, std::string> names;
-  for (const auto& item : model.named_parameters()) names[item.value().unsafeGetTensorImpl()] = item.key();
-  return names;
-}
-
-std::string join_ints(const std::vector<int64_t>& v) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
-  return out;
-}
-
 at::ScalarType export_dtype(const std::string& name) {
   return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
 }
@@ -128,9 +116,9 @@ namespace {
 
 struct SnapshotItem {
   std::string key;
-  at::Tensor tensor;  // rows to write
-  int64_t row_begin;
-  std::vector<int64_t> shape;
+  at::Tensor tensor;             // the piece to write
+  std::vector<int64_t> offsets;  // where it starts in the global tensor
+  std::vector<int64_t> shape;    // the global tensor's shape
 };
 
 json metadata_for(std::vector<json> parts, const json& global) {
@@ -156,7 +144,7 @@ uint64_t directory_bytes(const fs::path& dir) {
 
 }  // namespace
 
-void Checkpointer::save(TrainerState& state, bool last) {
+void Checkpointer::save(CheckpointedState& state, bool last) {
   const double start = now_seconds();
   auto world = mesh_.world();
   const int rank = world->rank(), world_size = world->size();
@@ -181,24 +169,24 @@ void Checkpointer::save(TrainerState& state, bool last) {
                  " (checkpoint.folder = ", quote(config_.folder), " under job.dump_folder)");
   }
 
-  // What this rank writes: its rows of every parameter (and optimizer state), copied to host memory in async mode
-  // so training can change the originals while the copy is written.
+  // What this rank writes: the pieces of every parameter (and its optimizer state) it owns -- replicated copies are
+  // written by one rank only -- copied to host memory in async mode so training can change the originals while
+  // the copy is written.
   std::vector<SnapshotItem> items;
-  auto names = parameter_names(state.model);
-  auto shards = state.data_parallel.local_shards();
   const auto& opt_state = state.optimizer.state();
   json optimizer_steps = json::object();
   auto take = [&](const at::Tensor& t) { return async ? t.detach().to(at::kCPU).clone() : t.detach(); };
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const auto& s = shards[i];
-    const std::string fqn = names.at(s.module_param.unsafeGetTensorImpl());
-    if (!s.writer) continue;
-    at::Tensor rows = s.tensor.detach().narrow(0, 0, s.rows);
-    items.push_back({"model." + fqn, take(model_only ? rows.to(export_dtype(config_.export_dtype)) : rows), s.row_begin, s.global_shape});
+  for (size_t i = 0; i < state.parameters.size(); ++i) {
+    const auto& p = state.parameters[i];
+    if (!p.layout.owner()) continue;
+    const auto offsets = p.layout.local_box().offsets;
+    const auto& shape = p.layout.global_shape();
+    at::Tensor piece = p.piece().detach();
+    items.push_back({"model." + p.name, take(model_only ? piece.to(export_dtype(config_.export_dtype)) : piece), offsets, shape});
     if (model_only || i >= opt_state.size() || !opt_state[i].exp_avg.defined()) continue;
-    items.push_back({"optimizer.exp_avg." + fqn, take(opt_state[i].exp_avg.narrow(0, 0, s.rows)), s.row_begin, s.global_shape});
-    items.push_back({"optimizer.exp_avg_sq." + fqn, take(opt_state[i].exp_avg_sq.narrow(0, 0, s.rows)), s.row_begin, s.global_shape});
-    optimizer_steps[fqn] = opt_state[i].step.item<double>();
+    items.push_back({"optimizer.exp_avg." + p.name, take(distributed::unpadded(opt_state[i].exp_avg, p.layout)), offsets, shape});
+    items.push_back({"optimizer.exp_avg_sq." + p.name, take(distributed::unpadded(opt_state[i].exp_avg_sq, p.layout)), offsets, shape});
+    optimizer_steps[p.name] = opt_state[i].step.item<double>();
   }
   json rank_state = {{"rank", rank}, {"optimizer_steps", optimizer_steps}};
   if (!model_only) {
@@ -214,7 +202,7 @@ void Checkpointer::save(TrainerState& state, bool last) {
 
   if (!async) {
     RankWriter writer(partial_dir.string(), rank);
-    for (const auto& item : items) writer.add(item.key, item.tensor, item.row_begin, item.shape);
+    for (const auto& item : items) writer.add(item.key, item.tensor, item.offsets, item.shape);
     json part = writer.finish();
     part["rank_state"] = rank_state;
     auto parts_text = all_gather_strings(*world, part.dump());
@@ -247,7 +235,7 @@ void Checkpointer::save(TrainerState& state, bool last) {
                              step, what, start, timeout]() mutable {
     try {
       RankWriter writer(partial_dir.string(), rank);
-      for (const auto& item : items) writer.add(item.key, item.tensor, item.row_begin, item.shape);
+      for (const auto& item : items) writer.add(item.key, item.tensor, item.offsets, item.shape);
       items.clear();
       json part = writer.finish();
       part["rank_state"] = rank_state;
@@ -284,7 +272,7 @@ void Checkpointer::save(TrainerState& state, bool last) {
   });
 }
 
-bool Checkpointer::load(TrainerState& state) {
+bool Checkpointer::load(CheckpointedState& state) {
   auto world = mesh_.world();
   if (world->rank() == 0 && fs::is_directory(root_)) {
     for (const auto& e : fs::directory_iterator(root_)) {
@@ -320,20 +308,17 @@ bool Checkpointer::load(TrainerState& state) {
   return load_directory(state, (fs::path(root_) / ("step-" + std::to_string(*step))).string(), false);
 }
 
-void Checkpointer::load_hf_weights(TrainerState& state, const std::string& directory) {
+void Checkpointer::load_hf_weights(CheckpointedState& state, const std::string& directory) {
   const double start = now_seconds();
-  auto weights = load_hf(directory, state.model.args());
-  auto names = parameter_names(state.model);
+  HfReader reader(directory, state.model_args);
   at::NoGradGuard no_grad;
-  for (const auto& s : state.data_parallel.local_shards()) {
-    const at::Tensor& full = weights.at(names.at(s.module_param.unsafeGetTensorImpl()));
-    s.tensor.detach().narrow(0, 0, s.rows).copy_(full.narrow(0, s.row_begin, s.rows));
-  }
+  // Each rank reads only the rows its pieces need.
+  for (auto& p : state.parameters) reader.read_box(p.name, p.layout.local_box().offsets, p.piece().detach());
   log::info(strprintf("Loaded Hugging Face weights from %s in %.2f s (checkpoint.initial_load_in_hf); training starts at step 1",
                       directory.c_str(), now_seconds() - start));
 }
 
-bool Checkpointer::load_directory(TrainerState& state, const std::string& directory, bool weights_only) {
+bool Checkpointer::load_directory(CheckpointedState& state, const std::string& directory, bool weights_only) {
   const double start = now_seconds();
   Reader reader(directory);
   const json& meta = reader.metadata();
@@ -345,28 +330,26 @@ bool Checkpointer::load_directory(TrainerState& state, const std::string& direct
   };
 
   // The model: every parameter must be there with its shape; nothing else may be.
-  auto names = parameter_names(state.model);
   std::set<std::string> expected;
-  for (const auto& [impl, fqn] : names) expected.insert("model." + fqn);
+  for (const auto& p : state.parameters) expected.insert("model." + p.name);
   for (const auto& [key, entry] : reader.tensors())
     if (starts_with(key, "model.") && !expected.count(key))
       fail("checkpoint ", reader.directory(), " has tensor ", quote(key), ", which model flavor ",
            quote(loaded_.config.model.flavor), " does not have; it was saved from flavor ", quote(meta.value("flavor", "?")));
-  auto shards = state.data_parallel.local_shards();
   at::NoGradGuard no_grad;
-  for (const auto& s : shards) {
-    const std::string key = "model." + names.at(s.module_param.unsafeGetTensorImpl());
+  for (const auto& p : state.parameters) {
+    const std::string key = "model." + p.name;
     if (!reader.contains(key))
       fail("checkpoint ", reader.directory(), " has no tensor ", quote(key), "; it was saved from flavor ",
            quote(meta.value("flavor", "?")), ", this run uses ", quote(loaded_.config.model.flavor));
     const auto& entry = reader.tensors().at(key);
-    if (entry.shape != s.global_shape)
+    if (entry.shape != p.layout.global_shape())
       fail("checkpoint tensor ", quote(key), " has shape [", join_ints(entry.shape), "], the model expects [",
-           join_ints(s.global_shape), "]");
-    if (entry.dtype != s.tensor.scalar_type() && !model_only)
+           join_ints(p.layout.global_shape()), "]");
+    if (entry.dtype != p.local.scalar_type() && !model_only)
       fail("checkpoint tensor ", quote(key), " is ", dtype_string(entry.dtype), ", the model trains in ",
-           dtype_string(s.tensor.scalar_type()), "; a resumable checkpoint must match training.dtype");
-    reader.read_rows(key, s.row_begin, s.tensor.detach().narrow(0, 0, s.rows));
+           dtype_string(p.local.scalar_type()), "; a resumable checkpoint must match training.dtype");
+    reader.read_box(key, p.layout.local_box().offsets, p.piece().detach());
   }
   if (model_only) {
     log::info("Loaded model weights from ", reader.directory(), " (model only: training starts at step 1)");
@@ -376,13 +359,13 @@ bool Checkpointer::load_directory(TrainerState& state, const std::string& direct
     state.optimizer.init_state();
     auto& opt = state.optimizer.mutable_state();
     const json& steps = meta.at("optimizer").at("steps");
-    for (size_t i = 0; i < shards.size(); ++i) {
-      const auto& s = shards[i];
-      const std::string fqn = names.at(s.module_param.unsafeGetTensorImpl());
-      if (!steps.contains(fqn)) continue;  // saved before the first optimizer step
-      reader.read_rows("optimizer.exp_avg." + fqn, s.row_begin, opt[i].exp_avg.narrow(0, 0, s.rows));
-      reader.read_rows("optimizer.exp_avg_sq." + fqn, s.row_begin, opt[i].exp_avg_sq.narrow(0, 0, s.rows));
-      opt[i].step.fill_(steps[fqn].get<double>());
+    for (size_t i = 0; i < state.parameters.size(); ++i) {
+      const auto& p = state.parameters[i];
+      if (!steps.contains(p.name)) continue;  // saved before the first optimizer step
+      const auto offsets = p.layout.local_box().offsets;
+      reader.read_box("optimizer.exp_avg." + p.name, offsets, distributed::unpadded(opt[i].exp_avg, p.layout));
+      reader.read_box("optimizer.exp_avg_sq." + p.name, offsets, distributed::unpadded(opt[i].exp_avg_sq, p.layout));
+      opt[i].step.fill_(steps[p.name].get<double>());
     }
   }
   if (!excluded("lr_scheduler")) state.lr_scheduler.set_completed(meta.at("lr_scheduler").at("completed").get<int64_t>());

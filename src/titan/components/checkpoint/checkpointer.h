@@ -1,7 +1,7 @@
 // Checkpointer: torchtitan's [checkpoint] behaviour over the titan-dcp format (dcp.h). It walks the trainer's
-// state -- model and optimizer shards as the data-parallel wrapper holds them, the LR schedule, every rank's
-// dataloader state, the step and token count, RNG state -- and saves or loads it, resharding rows on load so a
-// checkpoint saved under one layout loads under any other.
+// state -- every parameter's and its optimizer state's piece as its placement says, the LR schedule, every rank's
+// dataloader state, the step and token count, RNG state -- and saves or loads it; on load each rank reads just
+// the boxes it holds, so a checkpoint saved under one layout loads under any other.
 #pragma once
 #include <memory>
 #include <optional>
@@ -13,9 +13,9 @@
 #include "titan/components/lr_scheduler.h"
 #include "titan/components/optimizer.h"
 #include "titan/config/loader.h"
-#include "titan/distributed/data_parallel.h"
 #include "titan/distributed/parallel_dims.h"
-#include "titan/models/llama3/model.h"
+#include "titan/distributed/sharded_parameter.h"
+#include "titan/models/llama3/args.h"
 
 namespace titan::checkpoint {
 
@@ -24,10 +24,10 @@ struct TrainState {
   int64_t tokens_seen = 0;
 };
 
-// References to what a checkpoint holds.
-struct TrainerState {
-  llama3::Transformer& model;
-  distributed::DataParallel& data_parallel;
+// References to what a checkpoint holds. The optimizer's state i belongs to parameters[i].
+struct CheckpointedState {
+  std::vector<distributed::ShardedParameter>& parameters;
+  const llama3::ModelArgs& model_args;  // for Hugging Face weights (names, q/k permutation, config check)
   AdamW& optimizer;
   LRScheduler& lr_scheduler;
   data::DataLoader& dataloader;
@@ -42,11 +42,11 @@ class Checkpointer {
   // Removes incomplete saves and loads checkpoint.load_step (-1: the newest complete one); when the folder has none,
   // checkpoint.initial_load_path (a titan checkpoint directory, or with initial_load_in_hf a Hugging Face one).
   // Returns whether anything was loaded. Collective.
-  bool load(TrainerState& state);
+  bool load(CheckpointedState& state);
   // torchtitan's rule: every `interval` steps, the first step when enable_first_step_checkpoint, and the last.
   bool should_save(int64_t step, bool last) const;
   // Collective. The last save is model-only in export_dtype when last_save_model_only.
-  void save(TrainerState& state, bool last);
+  void save(CheckpointedState& state, bool last);
   // Waits for the background write (async_mode) and purge of old checkpoints; a failed background write is logged.
   void wait();
 
@@ -55,8 +55,8 @@ class Checkpointer {
 
  private:
   void purge(int64_t newest_step);
-  bool load_directory(TrainerState& state, const std::string& directory, bool weights_only);
-  void load_hf_weights(TrainerState& state, const std::string& directory);
+  bool load_directory(CheckpointedState& state, const std::string& directory, bool weights_only);
+  void load_hf_weights(CheckpointedState& state, const std::string& directory);
   const config::LoadedConfig& loaded_;
   const config::Checkpoint& config_;
   const distributed::DeviceMesh& mesh_;

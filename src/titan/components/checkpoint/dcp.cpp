@@ -20,7 +20,8 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kFormat = "titan-dcp";
-constexpr int kVersion = 1;
+// Version 2: pieces are boxes ({"offsets": [...], "lengths": [...]}); version 1 had dim-0 rows ("rows": [a, b]).
+constexpr int kVersion = 2;
 
 // Fault injection for crash tests: TITAN_CHECKPOINT_CRASH = "bytes:K" kills the process (SIGKILL, as kill -9)
 // once this rank has written K bytes of its data file; "before_metadata" / "before_rename" kill rank 0 at those
@@ -106,11 +107,12 @@ void RankWriter::write(const void* data, size_t n) {
   written_ += n;
 }
 
-void RankWriter::add(const std::string& key, const at::Tensor& local, int64_t row_begin,
+void RankWriter::add(const std::string& key, const at::Tensor& local, const std::vector<int64_t>& offsets,
                      const std::vector<int64_t>& global_shape) {
   at::Tensor cpu = local.detach().to(at::kCPU).contiguous();
-  const int64_t rows = cpu.dim() == 0 ? 1 : cpu.size(0);
-  Piece piece{name_, written_, static_cast<uint64_t>(cpu.nbytes()), row_begin, row_begin + rows};
+  if (cpu.dim() != static_cast<int64_t>(global_shape.size()) || offsets.size() != global_shape.size())
+    fail("checkpoint: piece of ", key, " has ", cpu.dim(), " dimensions, the tensor ", global_shape.size());
+  Piece piece{name_, written_, static_cast<uint64_t>(cpu.nbytes()), distributed::Box{offsets, cpu.sizes().vec()}};
   // Large tensors are written in slices so a crash test can stop inside one.
   const auto* bytes = static_cast<const char*>(cpu.data_ptr());
   for (uint64_t done = 0; done < piece.bytes;) {
@@ -122,7 +124,7 @@ void RankWriter::add(const std::string& key, const at::Tensor& local, int64_t ro
   entry["dtype"] = dtype_string(cpu.scalar_type());
   entry["shape"] = global_shape;
   entry["pieces"].push_back({{"file", piece.file}, {"offset", piece.offset}, {"bytes", piece.bytes},
-                             {"rows", {piece.row_begin, piece.row_end}}});
+                             {"box", {{"offsets", piece.box.offsets}, {"lengths", piece.box.lengths}}}});
 }
 
 nlohmann::json RankWriter::finish() {
@@ -185,16 +187,36 @@ Reader::Reader(std::string directory) : directory_(std::move(directory)) {
   if (!in) fail("checkpoint ", quote(directory_), " is incomplete: it has no metadata.json (a save that did not finish)");
   try {
     metadata_ = nlohmann::json::parse(in);
-    if (metadata_.at("format").get<std::string>() != kFormat || metadata_.at("version").get<int>() != kVersion)
-      fail(path, ": not a titan.cpp checkpoint of version ", kVersion);
+    const int version = metadata_.at("version").get<int>();
+    if (metadata_.at("format").get<std::string>() != kFormat || version < 1 || version > kVersion)
+      fail(path, ": not a titan.cpp checkpoint of version 1 to ", kVersion, " (format ", metadata_.at("format").dump(),
+           ", version ", version, "); a newer titan wrote it, or it is not a titan checkpoint");
     for (const auto& [key, entry] : metadata_.at("tensors").items()) {
       TensorEntry t;
       t.dtype = parse_dtype(entry.at("dtype").get<std::string>(), path + " (" + key + ")");
       t.shape = entry.at("shape").get<std::vector<int64_t>>();
       for (const auto& p : entry.at("pieces")) {
-        auto rows = p.at("rows").get<std::vector<int64_t>>();
-        t.pieces.push_back({p.at("file").get<std::string>(), p.at("offset").get<uint64_t>(), p.at("bytes").get<uint64_t>(),
-                            rows.at(0), rows.at(1)});
+        Piece piece{p.at("file").get<std::string>(), p.at("offset").get<uint64_t>(), p.at("bytes").get<uint64_t>(), {}};
+        if (p.contains("box")) {
+          piece.box.offsets = p["box"].at("offsets").get<std::vector<int64_t>>();
+          piece.box.lengths = p["box"].at("lengths").get<std::vector<int64_t>>();
+        } else {
+          // Version 1: rows [a, b) of dim 0 (a 0-d tensor is one row).
+          auto rows = p.at("rows").get<std::vector<int64_t>>();
+          if (!t.shape.empty()) {
+            piece.box = distributed::Box::whole(t.shape);
+            piece.box.offsets[0] = rows.at(0);
+            piece.box.lengths[0] = rows.at(1) - rows.at(0);
+          }
+        }
+        if (piece.box.offsets.size() != t.shape.size() || piece.box.lengths.size() != t.shape.size())
+          fail(path, ": a piece of ", key, " does not have one offset and length per dimension");
+        for (size_t d = 0; d < t.shape.size(); ++d)
+          if (piece.box.offsets[d] < 0 || piece.box.lengths[d] < 0 || piece.box.offsets[d] + piece.box.lengths[d] > t.shape[d])
+            fail(path, ": a piece of ", key, " lies outside the tensor's shape");
+        const uint64_t expected = static_cast<uint64_t>(piece.box.numel()) * c10::elementSize(t.dtype);
+        if (piece.bytes != expected) fail(path, ": a piece of ", key, " has ", piece.bytes, " bytes, its box needs ", expected);
+        t.pieces.push_back(std::move(piece));
       }
       tensors_[key] = std::move(t);
     }
@@ -226,36 +248,61 @@ void Reader::verify(const std::string& file) {
   verified_.insert(file);
 }
 
-void Reader::read_rows(const std::string& key, int64_t row_begin, at::Tensor out) {
+void Reader::read_box(const std::string& key, const std::vector<int64_t>& offsets, at::Tensor out) {
   auto it = tensors_.find(key);
   if (it == tensors_.end()) fail("checkpoint ", quote(directory_), " has no tensor ", quote(key));
   const TensorEntry& t = it->second;
-  const int64_t rows = out.dim() == 0 ? 1 : out.size(0);
-  if (rows == 0) return;
-  const int64_t global_rows = t.shape.empty() ? 1 : t.shape[0];
-  if (row_begin < 0 || row_begin + rows > global_rows) fail("checkpoint tensor ", quote(key), ": rows out of range");
+  const distributed::Box want{offsets, out.sizes().vec()};
+  if (want.offsets.size() != t.shape.size() || want.lengths.size() != t.shape.size())
+    fail("checkpoint tensor ", quote(key), " has ", t.shape.size(), " dimensions; asked for a box of ", want.lengths.size());
+  for (size_t d = 0; d < t.shape.size(); ++d)
+    if (want.offsets[d] < 0 || want.offsets[d] + want.lengths[d] > t.shape[d])
+      fail("checkpoint tensor ", quote(key), " of shape [", join_ints(t.shape), "]: box ", want.str(), " is out of range");
+  if (want.empty()) return;
   at::Tensor staging = at::empty(out.sizes(), out.options().device(at::kCPU).dtype(t.dtype));
-  const int64_t row_bytes = rows ? static_cast<int64_t>(staging.nbytes()) / rows : 0;
-  auto* dst = static_cast<char*>(staging.data_ptr());
+  const int64_t element = static_cast<int64_t>(c10::elementSize(t.dtype));
   int64_t covered = 0;
   for (const Piece& p : t.pieces) {
-    const int64_t a = std::max(p.row_begin, row_begin), b = std::min(p.row_end, row_begin + rows);
-    if (a >= b) continue;
+    auto common = want.intersect(p.box);
+    if (!common && !t.shape.empty()) continue;
     verify(p.file);
     const std::string path = directory_ + "/" + p.file;
+    // Read the piece's dim-0 rows that hold the overlap (one contiguous byte range), then cut the overlap out.
+    at::Tensor block;
+    uint64_t offset = p.offset, n = p.bytes;
+    std::vector<int64_t> block_shape = p.box.lengths;
+    if (!t.shape.empty()) {
+      const int64_t row_elements = p.box.numel() / std::max<int64_t>(p.box.lengths[0], 1);
+      const int64_t first = common->offsets[0] - p.box.offsets[0];
+      block_shape[0] = common->lengths[0];
+      offset += static_cast<uint64_t>(first * row_elements * element);
+      n = static_cast<uint64_t>(common->lengths[0] * row_elements * element);
+    }
+    block = at::empty(block_shape, at::TensorOptions().dtype(t.dtype));
     FILE* f = std::fopen(path.c_str(), "rb");
     if (!f) fail("cannot open checkpoint file ", quote(path));
-    const uint64_t offset = p.offset + static_cast<uint64_t>((a - p.row_begin) * row_bytes);
-    const size_t n = static_cast<size_t>((b - a) * row_bytes);
-    if (fseeko(f, static_cast<off_t>(offset), SEEK_SET) != 0 || std::fread(dst + (a - row_begin) * row_bytes, 1, n, f) != n) {
+    if (fseeko(f, static_cast<off_t>(offset), SEEK_SET) != 0 || std::fread(block.data_ptr(), 1, n, f) != n) {
       std::fclose(f);
       fail("cannot read ", n, " bytes at ", offset, " of checkpoint file ", quote(path));
     }
     std::fclose(f);
-    covered += b - a;
+    if (t.shape.empty()) {
+      staging.copy_(block);
+      covered = 1;
+      break;
+    }
+    at::Tensor source = block, target = staging;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      const auto dim = static_cast<int64_t>(d);
+      if (d > 0) source = source.narrow(dim, common->offsets[d] - p.box.offsets[d], common->lengths[d]);
+      target = target.narrow(dim, common->offsets[d] - want.offsets[d], common->lengths[d]);
+    }
+    target.copy_(source);
+    covered += common->numel();
   }
-  if (covered != rows)
-    fail("checkpoint tensor ", quote(key), ": rows ", row_begin, "..", row_begin + rows, " are not all in the checkpoint");
+  if (covered != want.numel())
+    fail("checkpoint tensor ", quote(key), ": box ", want.str(), " is not all in the checkpoint (", covered, " of ",
+         want.numel(), " elements found)");
   out.copy_(staging.to(out.dtype()));
 }
 

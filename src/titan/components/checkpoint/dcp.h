@@ -1,7 +1,8 @@
 // The distributed checkpoint format: one directory per step; every rank writes its own data file of raw tensor
-// rows; rank 0 writes metadata.json last (every tensor's dtype and global shape, which byte ranges of which file
-// hold which rows, and a CRC-32 and size per file) and only then renames the directory into place. A directory
-// without metadata.json is incomplete and never loaded. See docs/checkpoint.md.
+// pieces; rank 0 writes metadata.json last (every tensor's dtype and global shape, which byte ranges of which file
+// hold which n-dimensional box of it, and a CRC-32 and size per file) and only then renames the directory into
+// place. A directory without metadata.json is incomplete and never loaded. Version 1 checkpoints (pieces of dim-0
+// rows) still load. See docs/checkpoint.md.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -13,12 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "titan/distributed/placement.h"
+
 namespace titan::checkpoint {
 
 struct Piece {
   std::string file;
   uint64_t offset = 0, bytes = 0;
-  int64_t row_begin = 0, row_end = 0;  // global rows held (dim 0; a 0-d tensor is one row)
+  distributed::Box box;  // the part of the global tensor held, stored contiguously (row-major) at offset
 };
 
 struct TensorEntry {
@@ -35,8 +38,9 @@ class RankWriter {
  public:
   RankWriter(const std::string& directory, int rank);
   ~RankWriter();
-  // `local` holds global rows [row_begin, row_begin + local.size(0)) of a tensor of `global_shape`.
-  void add(const std::string& key, const at::Tensor& local, int64_t row_begin, const std::vector<int64_t>& global_shape);
+  // `local` is the box of a tensor of `global_shape` that starts at `offsets` (its shape gives the lengths).
+  void add(const std::string& key, const at::Tensor& local, const std::vector<int64_t>& offsets,
+           const std::vector<int64_t>& global_shape);
   // Flushes and fsyncs; returns this rank's part of the metadata: {"files": {...}, "tensors": {...}}.
   nlohmann::json finish();
 
@@ -67,9 +71,9 @@ class Reader {
   const nlohmann::json& metadata() const { return metadata_; }
   const std::map<std::string, TensorEntry>& tensors() const { return tensors_; }
   bool contains(const std::string& key) const { return tensors_.count(key) != 0; }
-  // Fills `out` (any device) with global rows [row_begin, row_begin + out.size(0)) of `key`; the dtype and the
-  // trailing shape must match. Throws UserError naming the tensor when rows are missing.
-  void read_rows(const std::string& key, int64_t row_begin, at::Tensor out);
+  // Fills `out` (any device and dtype; shaped like the box) with the box of `key` that starts at `offsets`, reading
+  // only the pieces that overlap it. Throws UserError naming the tensor when part of the box is in no piece.
+  void read_box(const std::string& key, const std::vector<int64_t>& offsets, at::Tensor out);
   const std::string& directory() const { return directory_; }
 
  private:

@@ -107,7 +107,16 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
   std::ofstream(directory + "/config.json") << hf_config(args, dtype).dump(2) << "\n";
 }
 
-std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args) {
+struct HfReader::Impl {
+  std::string directory;
+  llama3::ModelArgs args;
+  std::vector<std::unique_ptr<safetensors::File>> files;
+  std::map<std::string, std::pair<const safetensors::File*, std::string>> where;  // titan name -> (file, HF name)
+};
+
+HfReader::HfReader(const std::string& directory, const llama3::ModelArgs& args) : impl_(std::make_unique<Impl>()) {
+  impl_->directory = directory;
+  impl_->args = args;
   check_hf_config(directory, args);
   std::vector<std::string> files;
   const std::string index_path = directory + "/model.safetensors.index.json";
@@ -127,21 +136,58 @@ std::map<std::string, at::Tensor> load_hf(const std::string& directory, const ll
   } else {
     fail("no model.safetensors or model.safetensors.index.json in ", quote(directory));
   }
-  std::map<std::string, at::Tensor> out;
   for (const auto& file : files) {
-    safetensors::File f(directory + "/" + file);
+    impl_->files.push_back(std::make_unique<safetensors::File>(directory + "/" + file));
+    const safetensors::File& f = *impl_->files.back();
     for (const auto& [hf_name, info] : f.tensors()) {
       auto name = llama3::from_hf_name(hf_name);
       if (!name) fail(directory, "/", file, ": unexpected tensor ", quote(hf_name), " for a Llama model");
-      out[*name] = llama3::from_hf_tensor(*name, f.load(hf_name), args);
+      impl_->where[*name] = {&f, hf_name};
     }
   }
   for (const auto& p : llama3::parameter_shapes(args)) {
-    auto it = out.find(p.name);
-    if (it == out.end()) fail(quote(directory), ": no weight for ", quote(*llama3::to_hf_name(p.name)));
-    if (it->second.sizes().vec() != p.shape)
-      fail(quote(directory), ": ", quote(*llama3::to_hf_name(p.name)), " has shape ", it->second.sizes(),
-           ", expected ", at::IntArrayRef(p.shape));
+    auto it = impl_->where.find(p.name);
+    if (it == impl_->where.end()) fail(quote(directory), ": no weight for ", quote(*llama3::to_hf_name(p.name)));
+    const auto& shape = it->second.first->tensors().at(it->second.second).shape;
+    if (shape != p.shape)
+      fail(quote(directory), ": ", quote(*llama3::to_hf_name(p.name)), " has shape ", at::IntArrayRef(shape), ", expected ",
+           at::IntArrayRef(p.shape));
+  }
+}
+
+HfReader::~HfReader() = default;
+
+void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t>& offsets, at::Tensor out) const {
+  auto it = impl_->where.find(titan_name);
+  if (it == impl_->where.end()) fail(quote(impl_->directory), ": no weight for ", quote(titan_name));
+  const auto& [file, hf_name] = it->second;
+  if (out.dim() == 0 || out.numel() == 0) {
+    if (out.numel()) out.copy_(file->load(hf_name));
+    return;
+  }
+  int64_t begin = offsets[0], end = offsets[0] + out.size(0);
+  const int64_t per_head = llama3::permuted_rows_per_head(titan_name, impl_->args);
+  if (per_head) begin = begin / per_head * per_head, end = (end + per_head - 1) / per_head * per_head;
+  at::Tensor rows = file->load_rows(hf_name, begin, end - begin);
+  if (per_head) rows = llama3::from_hf_head_rows(rows, per_head);
+  at::Tensor source = rows.narrow(0, offsets[0] - begin, out.size(0));
+  for (int64_t d = 1; d < out.dim(); ++d) source = source.narrow(d, offsets[static_cast<size_t>(d)], out.size(d));
+  out.copy_(source);
+}
+
+at::ScalarType HfReader::dtype(const std::string& titan_name) const {
+  auto it = impl_->where.find(titan_name);
+  if (it == impl_->where.end()) fail(quote(impl_->directory), ": no weight for ", quote(titan_name));
+  return it->second.first->tensors().at(it->second.second).dtype;
+}
+
+std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args) {
+  HfReader reader(directory, args);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : llama3::parameter_shapes(args)) {
+    at::Tensor t = at::empty(p.shape, at::TensorOptions().dtype(reader.dtype(p.name)));
+    reader.read_box(p.name, std::vector<int64_t>(p.shape.size(), 0), t);
+    out[p.name] = t;
   }
   return out;
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -29,5 +30,21 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
 
 // Reads every weight of an HF directory, returned under titan names in titan's layout (CPU tensors, stored dtype).
 std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args);
+
+// Reads parts of the weights of an HF directory under titan names and layout, touching only the rows a box needs
+// (whole heads of wq/wk, whose rows HF permutes within each head): each rank of a sharded job reads its pieces.
+class HfReader {
+ public:
+  // Checks config.json against `args` and that every weight is present with its shape.
+  HfReader(const std::string& directory, const llama3::ModelArgs& args);
+  ~HfReader();
+  // Fills `out` (any device and dtype) with the box of `titan_name` that starts at `offsets`.
+  void read_box(const std::string& titan_name, const std::vector<int64_t>& offsets, at::Tensor out) const;
+  at::ScalarType dtype(const std::string& titan_name) const;  // as stored
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace titan::checkpoint

@@ -91,6 +91,23 @@ at::Tensor File::load(const std::string& name) const {
   return t;
 }
 
+at::Tensor File::load_rows(const std::string& name, int64_t begin, int64_t count) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) fail(path_, ": no tensor named ", quote(name));
+  const TensorInfo& info = it->second;
+  if (info.shape.empty() || begin < 0 || count < 0 || begin + count > info.shape[0])
+    fail(path_, ": rows ", begin, "..", begin + count, " of tensor ", quote(name), " are out of range");
+  std::vector<int64_t> shape = info.shape;
+  shape[0] = count;
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(info.dtype));
+  const uint64_t row_bytes = info.shape[0] ? (info.end - info.begin) / static_cast<uint64_t>(info.shape[0]) : 0;
+  std::ifstream in(path_, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(data_offset_ + info.begin + static_cast<uint64_t>(begin) * row_bytes));
+  if (!in.read(static_cast<char*>(t.data_ptr()), static_cast<std::streamsize>(static_cast<uint64_t>(count) * row_bytes)))
+    fail(path_, ": could not read tensor ", quote(name), "; the file is truncated");
+  return t;
+}
+
 void save(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
           const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();

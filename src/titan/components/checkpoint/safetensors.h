@@ -24,6 +24,8 @@ class File {
   bool contains(const std::string& name) const { return tensors_.count(name) != 0; }
   // Copies one tensor into a new CPU tensor.
   at::Tensor load(const std::string& name) const;
+  // Rows [begin, begin + count) of dimension 0 of one tensor (only those bytes are read).
+  at::Tensor load_rows(const std::string& name, int64_t begin, int64_t count) const;
   const std::string& path() const { return path_; }
 
  private:

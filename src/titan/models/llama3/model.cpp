@@ -1,6 +1,7 @@
 #include "titan/models/llama3/model.h"
 
 #include <cmath>
+#include <map>
 #include <torch/nn/modules/container/modulelist.h>
 
 namespace titan::llama3 {
@@ -38,17 +39,12 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& rope, const at::Ten
   return at::view_as_real(xc * table).flatten(3).to(x.scalar_type());
 }
 
-Attention::Attention(const ModelArgs& args)
+Attention::Attention(const ModelArgs& args, const nn::ParameterOptions& options)
     : n_heads_(args.n_heads), n_kv_heads_(args.kv_heads()), head_dim_(args.head_dim()) {
-  wq = register_module("wq", std::make_shared<nn::Linear>(args.dim, n_heads_ * head_dim_));
-  wk = register_module("wk", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_));
-  wv = register_module("wv", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_));
-  wo = register_module("wo", std::make_shared<nn::Linear>(n_heads_ * head_dim_, args.dim));
-}
-
-void Attention::init_weights(double output_std) {
-  for (auto* l : {&wq, &wk, &wv}) nn::trunc_normal_((*l)->weight, 0.0, 0.02, -2.0, 2.0);
-  nn::trunc_normal_(wo->weight, 0.0, output_std, -2.0, 2.0);
+  wq = register_module("wq", std::make_shared<nn::Linear>(args.dim, n_heads_ * head_dim_, options));
+  wk = register_module("wk", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_, options));
+  wv = register_module("wv", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_, options));
+  wo = register_module("wo", std::make_shared<nn::Linear>(n_heads_ * head_dim_, args.dim, options));
 }
 
 at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) {
@@ -61,24 +57,19 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
   k = apply_rope(k, context.rope, context.positions).transpose(1, 2);
   v = v.transpose(1, 2);
   const bool masked = context.attn_mask.defined();
+  // Heads come from the projections' widths, so a tensor-parallel rank sees its own heads only.
   at::Tensor out = at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
                                                     /*dropout_p=*/0.0, /*is_causal=*/!masked,
-                                                    /*scale=*/std::nullopt, /*enable_gqa=*/n_heads_ != n_kv_heads_);
+                                                    /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
   out = out.transpose(1, 2).contiguous().view({bs, seqlen, -1});
   return (*wo)(out, context);
 }
 
-FeedForward::FeedForward(int64_t dim, int64_t hidden_dim) {
-  w1 = register_module("w1", std::make_shared<nn::Linear>(dim, hidden_dim));
-  w2 = register_module("w2", std::make_shared<nn::Linear>(hidden_dim, dim));
-  w3 = register_module("w3", std::make_shared<nn::Linear>(dim, hidden_dim));
+FeedForward::FeedForward(int64_t dim, int64_t hidden_dim, const nn::ParameterOptions& options) {
+  w1 = register_module("w1", std::make_shared<nn::Linear>(dim, hidden_dim, options));
+  w2 = register_module("w2", std::make_shared<nn::Linear>(hidden_dim, dim, options));
+  w3 = register_module("w3", std::make_shared<nn::Linear>(dim, hidden_dim, options));
   gate = register_module("gate", std::make_shared<nn::SwiGLU>());
-}
-
-void FeedForward::init_weights(double output_std) {
-  nn::trunc_normal_(w1->weight, 0.0, 0.02, -2.0, 2.0);
-  nn::trunc_normal_(w2->weight, 0.0, output_std, -2.0, 2.0);
-  nn::trunc_normal_(w3->weight, 0.0, output_std, -2.0, 2.0);
 }
 
 at::Tensor FeedForward::forward(const Inputs& inputs, const nn::Context& context) {
@@ -86,20 +77,13 @@ at::Tensor FeedForward::forward(const Inputs& inputs, const nn::Context& context
   return (*w2)(gate->call({(*w1)(x, context), (*w3)(x, context)}, context), context);
 }
 
-TransformerBlock::TransformerBlock(int64_t layer_id, const ModelArgs& args) {
-  attention = register_module("attention", std::make_shared<Attention>(args));
-  feed_forward = register_module("feed_forward", std::make_shared<FeedForward>(args.dim, args.ffn_hidden_dim()));
-  attention_norm = register_module("attention_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps));
-  ffn_norm = register_module("ffn_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps));
+TransformerBlock::TransformerBlock(int64_t layer_id, const ModelArgs& args, const nn::ParameterOptions& options) {
+  attention = register_module("attention", std::make_shared<Attention>(args, options));
+  feed_forward = register_module("feed_forward", std::make_shared<FeedForward>(args.dim, args.ffn_hidden_dim(), options));
+  attention_norm = register_module("attention_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
+  ffn_norm = register_module("ffn_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
   const double depth = args.depth_init ? static_cast<double>(layer_id + 1) : static_cast<double>(args.n_layers);
   weight_init_std_ = 0.02 / std::sqrt(2.0 * depth);
-}
-
-void TransformerBlock::init_weights() {
-  attention_norm->reset_parameters();
-  ffn_norm->reset_parameters();
-  attention->init_weights(weight_init_std_);
-  feed_forward->init_weights(weight_init_std_);
 }
 
 at::Tensor TransformerBlock::forward(const Inputs& inputs, const nn::Context& context) {
@@ -108,38 +92,67 @@ at::Tensor TransformerBlock::forward(const Inputs& inputs, const nn::Context& co
   return h + (*feed_forward)((*ffn_norm)(h, context), context);
 }
 
-OutputProjection::OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* tied_weight)
+OutputProjection::OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* tied_weight, const nn::ParameterOptions& options)
     : tied_(tied_weight) {
-  if (!tied_) own_weight_ = register_parameter("weight", at::empty({vocab_size, dim}));
+  if (!tied_) own_weight_ = register_parameter("weight", nn::new_parameter({vocab_size, dim}, options));
 }
 
 at::Tensor OutputProjection::forward(const Inputs& inputs, const nn::Context&) {
   return at::linear(inputs[0], tied_ ? *tied_ : own_weight_);
 }
 
-Transformer::Transformer(const ModelArgs& args) : args_(args) {
+Transformer::Transformer(const ModelArgs& args, const nn::ParameterOptions& options) : args_(args) {
   args_.check();
-  tok_embeddings = register_module("tok_embeddings", std::make_shared<nn::Embedding>(args.vocab_size, args.dim));
+  tok_embeddings = register_module("tok_embeddings", std::make_shared<nn::Embedding>(args.vocab_size, args.dim, options));
   auto list = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < args.n_layers; ++i) {
-    layers.push_back(std::make_shared<TransformerBlock>(i, args));
+    layers.push_back(std::make_shared<TransformerBlock>(i, args, options));
     list->push_back(layers.back());
   }
-  norm = register_module("norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps));
+  norm = register_module("norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
   output = register_module("output", std::make_shared<OutputProjection>(
-                                         args.dim, args.vocab_size, args.tie_word_embeddings ? &tok_embeddings->weight : nullptr));
+                                         args.dim, args.vocab_size, args.tie_word_embeddings ? &tok_embeddings->weight : nullptr,
+                                         options));
   rope_ = precompute_rope(args.head_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
 }
 
-void Transformer::init_weights() {
-  at::NoGradGuard no_grad;
-  tok_embeddings->weight.normal_(0.0, 1.0);
-  for (auto& layer : layers) layer->init_weights();
-  norm->reset_parameters();
+std::vector<std::pair<std::string, nn::InitSpec>> Transformer::init_specs() const {
+  using nn::InitSpec;
+  std::vector<std::pair<std::string, InitSpec>> out;
   // The output projection's init; with tied embeddings it is the embedding too, which keeps initial logits at
   // unit scale instead of sqrt(dim).
-  const double std = 1.0 / std::sqrt(static_cast<double>(args_.dim));
-  nn::trunc_normal_(output->weight(), 0.0, std, -3 * std, 3 * std);
+  const double output_std = 1.0 / std::sqrt(static_cast<double>(args_.dim));
+  const InitSpec output_init = InitSpec::truncated_normal(0.0, output_std, -3 * output_std, 3 * output_std);
+  out.emplace_back("tok_embeddings.weight", args_.tie_word_embeddings ? output_init : InitSpec::normal(0.0, 1.0));
+  const InitSpec input_init = InitSpec::truncated_normal(0.0, 0.02, -2.0, 2.0);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const std::string p = "layers." + std::to_string(i) + ".";
+    const double std = layers[i]->output_init_std();
+    const InitSpec residual_init = InitSpec::truncated_normal(0.0, std, -2.0, 2.0);
+    out.emplace_back(p + "attention.wq.weight", input_init);
+    out.emplace_back(p + "attention.wk.weight", input_init);
+    out.emplace_back(p + "attention.wv.weight", input_init);
+    out.emplace_back(p + "attention.wo.weight", residual_init);
+    out.emplace_back(p + "feed_forward.w1.weight", input_init);
+    out.emplace_back(p + "feed_forward.w2.weight", residual_init);
+    out.emplace_back(p + "feed_forward.w3.weight", residual_init);
+    out.emplace_back(p + "attention_norm.weight", InitSpec::ones());
+    out.emplace_back(p + "ffn_norm.weight", InitSpec::ones());
+  }
+  out.emplace_back("norm.weight", InitSpec::ones());
+  if (!args_.tie_word_embeddings) out.emplace_back("output.weight", output_init);
+  return out;
+}
+
+void Transformer::init_weights(uint64_t seed) {
+  at::NoGradGuard no_grad;
+  auto specs = init_specs();
+  std::map<std::string, nn::InitSpec> by_name(specs.begin(), specs.end());
+  for (auto& item : named_parameters()) {
+    at::Tensor p = item.value();
+    nn::allocate_storage(p);
+    nn::fill(p, by_name.at(item.key()), seed, item.key());
+  }
 }
 
 void Transformer::to_device(const at::Device& device, std::optional<at::ScalarType> dtype) {

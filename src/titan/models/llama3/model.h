@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "titan/models/llama3/args.h"
+#include "titan/nn/init.h"
 #include "titan/nn/unit.h"
 
 namespace titan::llama3 {
@@ -19,9 +20,8 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& rope, const at::Ten
 
 class Attention : public nn::Unit {
  public:
-  explicit Attention(const ModelArgs& args);
+  Attention(const ModelArgs& args, const nn::ParameterOptions& options);
   std::shared_ptr<nn::Linear> wq, wk, wv, wo;
-  void init_weights(double output_std);
 
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
@@ -32,10 +32,9 @@ class Attention : public nn::Unit {
 
 class FeedForward : public nn::Unit {
  public:
-  FeedForward(int64_t dim, int64_t hidden_dim);
+  FeedForward(int64_t dim, int64_t hidden_dim, const nn::ParameterOptions& options);
   std::shared_ptr<nn::Linear> w1, w2, w3;
   std::shared_ptr<nn::SwiGLU> gate;
-  void init_weights(double output_std);
 
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
@@ -46,11 +45,12 @@ at::Tensor block_causal_mask(const at::Tensor& document_positions);
 
 class TransformerBlock : public nn::Unit {
  public:
-  TransformerBlock(int64_t layer_id, const ModelArgs& args);
+  TransformerBlock(int64_t layer_id, const ModelArgs& args, const nn::ParameterOptions& options);
   std::shared_ptr<Attention> attention;
   std::shared_ptr<FeedForward> feed_forward;
   std::shared_ptr<nn::RMSNorm> attention_norm, ffn_norm;
-  void init_weights();
+  // The init std of the residual-output projections (wo, w2, w3): 0.02 / sqrt(2 x depth).
+  double output_init_std() const { return weight_init_std_; }
 
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
@@ -62,8 +62,9 @@ class TransformerBlock : public nn::Unit {
 // The output projection; with tied embeddings it reads the embedding's weight and owns no parameter.
 class OutputProjection : public nn::Unit {
  public:
-  OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* tied_weight);
+  OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* tied_weight, const nn::ParameterOptions& options);
   at::Tensor& weight() { return tied_ ? *tied_ : own_weight_; }
+  bool tied() const { return tied_ != nullptr; }
 
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
@@ -75,14 +76,19 @@ class OutputProjection : public nn::Unit {
 
 class Transformer : public torch::nn::Module {
  public:
-  explicit Transformer(const ModelArgs& args);
+  // Parameters are created with `options`; without storage (options.allocate = false) parallelisms can shard the
+  // model before each rank allocates and initialises only its pieces (see models/llama3/parallelize.h).
+  explicit Transformer(const ModelArgs& args, const nn::ParameterOptions& options = {});
 
   // tokens: int64 (batch, seq) -> logits (batch, seq, vocab). positions: optional int64 (batch or 1, seq).
   // document_positions (batch, seq_len): each token's index in its document; when given, attention is
   // block-causal (model.attn_mask_type = "block_causal").
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {}, const at::Tensor& document_positions = {});
-  // torchtitan's initialisation; draws from the default generator (seed it for reproducibility).
-  void init_weights();
+  // torchtitan's initial distribution of every parameter, by name, in parameter order.
+  std::vector<std::pair<std::string, nn::InitSpec>> init_specs() const;
+  // Initialises every parameter from `seed` (nn/init.h: the same values as any sharded initialisation with that
+  // seed); parameters built without storage are allocated first.
+  void init_weights(uint64_t seed = 0);
 
   const ModelArgs& args() const { return args_; }
   std::shared_ptr<nn::Embedding> tok_embeddings;
@@ -92,6 +98,8 @@ class Transformer : public torch::nn::Module {
 
   // Moves parameters (and the RoPE table) to a device/dtype; the RoPE table stays complex64.
   void to_device(const at::Device& device, std::optional<at::ScalarType> dtype = std::nullopt);
+  // Moves the RoPE table alone (parameters placed elsewhere, e.g. by parallelisms).
+  void move_buffers(const at::Device& device) { rope_ = rope_.to(device); }
 
  private:
   ModelArgs args_;

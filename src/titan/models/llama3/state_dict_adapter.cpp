@@ -33,6 +33,14 @@ int64_t rotary_heads(const std::string& titan_name, const ModelArgs& args) {
 
 }  // namespace
 
+int64_t permuted_rows_per_head(const std::string& titan_name, const ModelArgs& args) {
+  return rotary_heads(titan_name, args) ? args.head_dim() : 0;
+}
+
+at::Tensor from_hf_head_rows(const at::Tensor& hf_rows, int64_t rows_per_head) {
+  return halves_to_interleaved(hf_rows, hf_rows.size(0) / rows_per_head);
+}
+
 std::optional<std::string> to_hf_name(const std::string& name) {
   if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
   if (name == "norm.weight") return "model.norm.weight";

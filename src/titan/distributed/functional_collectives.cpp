@@ -1,0 +1,147 @@
+#include "titan/distributed/functional_collectives.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "titan/common/error.h"
+
+namespace titan::distributed::functional {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(std::shared_ptr<Communicator> g) : group(std::move(g)) {}
+  std::shared_ptr<Communicator> group;
+};
+
+c10::intrusive_ptr<GroupHolder> hold(const std::shared_ptr<Communicator>& group) { return c10::make_intrusive<GroupHolder>(group); }
+
+std::shared_ptr<Communicator> group_of(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
+}
+
+int64_t normalize(int64_t dim, int64_t rank) {
+  const int64_t d = dim < 0 ? dim + rank : dim;
+  if (d < 0 || d >= rank) fail("collective along dimension ", dim, " of a tensor with ", rank, " dimensions");
+  return d;
+}
+
+struct AllGather : torch::autograd::Function<AllGather> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::intrusive_ptr<GroupHolder> group,
+                            bool partial_gradient) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["partial"] = partial_gradient;
+    return raw::all_gather(x, dim, *group->group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto group = group_of(ctx);
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    at::Tensor grad;
+    if (ctx->saved_data["partial"].toBool()) {
+      grad = raw::reduce_scatter(grads[0], dim, *group);
+    } else {
+      grad = grads[0].chunk(group->size(), dim)[group->rank()].contiguous();
+    }
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ReduceScatter : torch::autograd::Function<ReduceScatter> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::intrusive_ptr<GroupHolder> group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    ctx->saved_data["dim"] = dim;
+    return raw::reduce_scatter(x, dim, *group->group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {raw::all_gather(grads[0], ctx->saved_data["dim"].toInt(), *group_of(ctx)), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct AllReduce : torch::autograd::Function<AllReduce> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, c10::intrusive_ptr<GroupHolder> group) {
+    at::Tensor out = x.contiguous().clone();
+    group->group->all_reduce(out, ReduceOp::Sum);
+    return out;
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
+};
+
+struct AllToAll : torch::autograd::Function<AllToAll> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t split_dim, int64_t concat_dim,
+                            c10::intrusive_ptr<GroupHolder> group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    ctx->saved_data["split"] = split_dim;
+    ctx->saved_data["concat"] = concat_dim;
+    return raw::all_to_all(x, split_dim, concat_dim, *group->group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor grad = raw::all_to_all(grads[0], ctx->saved_data["concat"].toInt(), ctx->saved_data["split"].toInt(), *group_of(ctx));
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+namespace raw {
+
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, Communicator& group) {
+  dim = normalize(dim, x.dim());
+  const int64_t n = group.size();
+  at::Tensor moved = x.movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape = moved.sizes().vec();
+  shape[0] *= n;
+  at::Tensor out = at::empty(shape, moved.options());
+  group.all_gather_into(out, moved);
+  return out.movedim(0, dim).contiguous();
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, Communicator& group) {
+  dim = normalize(dim, x.dim());
+  const int64_t n = group.size();
+  if (x.size(dim) % n != 0)
+    fail("reduce_scatter along dimension ", dim, ": size ", x.size(dim), " does not divide by the group size ", n);
+  at::Tensor moved = x.movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape = moved.sizes().vec();
+  shape[0] /= n;
+  at::Tensor out = at::empty(shape, moved.options());
+  group.reduce_scatter(out, moved, ReduceOp::Sum);
+  return out.movedim(0, dim).contiguous();
+}
+
+at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, Communicator& group) {
+  split_dim = normalize(split_dim, x.dim());
+  concat_dim = normalize(concat_dim, x.dim());
+  const int64_t n = group.size();
+  if (x.size(split_dim) % n != 0)
+    fail("all_to_all along dimension ", split_dim, ": size ", x.size(split_dim), " does not divide by the group size ", n);
+  at::Tensor blocks = at::stack(x.chunk(n, split_dim), 0).contiguous();
+  at::Tensor received = at::empty_like(blocks);
+  group.all_to_all(received, blocks);
+  return at::cat(received.unbind(0), concat_dim);
+}
+
+}  // namespace raw
+
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group, GatheredGradient gradient) {
+  if (group->size() == 1) return x;
+  return AllGather::apply(x, dim, hold(group), gradient == GatheredGradient::Partial);
+}
+
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group) {
+  if (group->size() == 1) return x;
+  return ReduceScatter::apply(x, dim, hold(group));
+}
+
+at::Tensor all_reduce(const at::Tensor& x, const std::shared_ptr<Communicator>& group) {
+  if (group->size() == 1) return x;
+  return AllReduce::apply(x, hold(group));
+}
+
+at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<Communicator>& group) {
+  if (group->size() == 1) return x;
+  return AllToAll::apply(x, split_dim, concat_dim, hold(group));
+}
+
+}  // namespace titan::distributed::functional

@@ -1,0 +1,37 @@
+// Differentiable collectives over one mesh dimension (one Communicator): autograd-aware all-gather,
+// reduce-scatter, all-reduce and all-to-all along a tensor dimension, each with the matching backward. Tensor and
+// sequence parallelism are built from these; they work on every backend the Communicator has (MPI, NCCL, local).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <memory>
+
+#include "titan/distributed/communicator.h"
+
+namespace titan::distributed::functional {
+
+// What the gradient arriving at an all-gather's output is: a partial sum (each rank used the gathered tensor in
+// its own computation, e.g. with its own weight shard: the input gradient is the reduce-scatter of them), or
+// the same on every rank (every rank computed the same thing from it: the input gradient is the local chunk).
+enum class GatheredGradient { Partial, Replicated };
+
+// Concatenation of every rank's `x` along `dim`, in rank order (Shard(dim) -> Replicate).
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group,
+                      GatheredGradient gradient = GatheredGradient::Partial);
+// Sum over ranks of `x`, of which rank r keeps chunk r along `dim` (Partial -> Shard(dim)); backward all-gathers.
+// x.size(dim) must divide by the group size.
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group);
+// Sum over ranks (Partial -> Replicate); backward passes the gradient through (it is the same on every rank).
+at::Tensor all_reduce(const at::Tensor& x, const std::shared_ptr<Communicator>& group);
+// Splits `x` into group-size chunks along `split_dim`, sends chunk j to rank j and concatenates what arrives along
+// `concat_dim` in rank order (Shard(concat_dim) -> Shard(split_dim)); backward is the reverse all-to-all.
+at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<Communicator>& group);
+
+// The same operations without autograd (plain tensors in, new tensors out).
+namespace raw {
+at::Tensor all_gather(const at::Tensor& x, int64_t dim, Communicator& group);
+at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, Communicator& group);
+at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, Communicator& group);
+}  // namespace raw
+
+}  // namespace titan::distributed::functional

@@ -1,0 +1,33 @@
+#include "titan/distributed/grad_norm.h"
+
+#include "titan/components/optimizer.h"
+
+namespace titan::distributed {
+
+at::Tensor owned_grad_squares(const std::vector<ShardedParameter>& params) {
+  at::NoGradGuard no_grad;
+  at::Tensor total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(params.empty() ? at::kCPU : params[0].local.device()));
+  for (const auto& p : params) {
+    if (!p.layout.owner() || !p.local.grad().defined()) continue;
+    at::Tensor g = unpadded(p.local.grad(), p.layout);
+    if (g.numel() == 0) continue;
+    at::Tensor rows = g.dim() == 0 ? g.reshape({1, 1}) : g.reshape({g.size(0), -1});
+    at::Tensor row_norms = at::linalg_vector_norm(rows, 2, /*dim=*/{1}, /*keepdim=*/false, at::kFloat);
+    total += row_norms.to(at::kDouble).pow(2).sum();
+  }
+  return total;
+}
+
+at::Tensor clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, Communicator& world) {
+  at::NoGradGuard no_grad;
+  at::Tensor squares = owned_grad_squares(params).reshape({1}).contiguous();
+  if (world.size() > 1) world.all_reduce(squares, ReduceOp::Sum);
+  at::Tensor total = squares.sqrt().reshape({}).to(at::kFloat);
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params)
+    if (p.local.grad().defined()) grads.push_back(p.local.grad());
+  scale_gradients_(grads, total, max_norm);
+  return total;
+}
+
+}  // namespace titan::distributed

@@ -1,0 +1,22 @@
+// Gradient clipping over sharded parameters: the global L2 norm across every mesh dimension, each element of
+// the global gradient counted once (replicated copies only on their owner), equal to one process's norm.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/sharded_parameter.h"
+
+namespace titan::distributed {
+
+// Sum of squares of this rank's owned gradient pieces (float64 scalar). Each tensor's rows are reduced in float32
+// first (keeps rounding near 1e-7 for large tensors), and the partial sums are added in float64.
+at::Tensor owned_grad_squares(const std::vector<ShardedParameter>& params);
+
+// Scales every local gradient so that the global norm is at most max_norm (coefficient max_norm / (norm + 1e-6),
+// at most 1, as PyTorch's clip_grad_norm_) and returns the norm before clipping (float32 scalar). Collective over
+// `world`: one all-reduce of one value.
+at::Tensor clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, Communicator& world);
+
+}  // namespace titan::distributed

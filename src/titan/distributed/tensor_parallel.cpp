@@ -1,0 +1,133 @@
+#include "titan/distributed/tensor_parallel.h"
+
+#include "titan/common/error.h"
+#include "titan/distributed/functional_collectives.h"
+#include "titan/nn/storage.h"
+
+namespace titan::distributed {
+
+namespace fc = functional;
+
+TensorParallel::TensorParallel(std::shared_ptr<Communicator> group, std::vector<ShardedParameter>& params)
+    : group_(std::move(group)), params_(params) {}
+
+ShardedParameter& TensorParallel::entry(const at::Tensor& weight) {
+  ShardedParameter* p = find_parameter(params_, weight);
+  if (!p) fail("tensor parallelism: a weight that is not one of the model's parameters");
+  return *p;
+}
+
+int64_t TensorParallel::shard_begin(int64_t size) const { return chunk(size, group_->size(), group_->rank()).begin; }
+
+void TensorParallel::shard(at::Tensor& weight, int64_t dim) {
+  ShardedParameter& p = entry(weight);
+  for (const auto& level : p.layout.levels())
+    if (level.mesh_dim == "tp") {
+      if (level.placement == Placement::shard(dim)) return;  // tied: the embedding's table is the output's weight
+      fail("tensor parallelism: ", p.name, " is already placed ", p.layout.str(), ", not Shard(", dim, ")");
+    }
+  const int64_t n = group_->size(), size = weight.size(dim);
+  if (size % n != 0)
+    fail("tensor parallelism: ", p.name, " has ", size, " entries along dimension ", dim,
+         ", which does not divide by tensor_parallel_degree ", n);
+  p.layout = p.layout.then("tp", n, group_->rank(), Placement::shard(dim));
+  at::NoGradGuard no_grad;
+  const Range r = chunk(size, n, group_->rank());
+  if (!nn::has_storage(weight)) {
+    std::vector<int64_t> shape = weight.sizes().vec();
+    shape[static_cast<size_t>(dim)] = r.length;
+    weight.set_data(nn::without_storage(shape, weight.options()));
+  } else {
+    weight.set_data(weight.detach().narrow(dim, r.begin, r.length).clone());
+  }
+}
+
+void TensorParallel::replicate(const at::Tensor& weight) {
+  ShardedParameter& p = entry(weight);
+  p.layout = p.layout.then("tp", group_->size(), group_->rank(), Placement::replicate());
+}
+
+void TensorParallel::colwise(nn::Unit& module, at::Tensor& weight, Placement input, Placement output) {
+  if (!(input.is_replicate() || input == Placement::shard(1)) || !(output.is_replicate() || output == Placement::shard(-1)))
+    fail("tensor parallelism: colwise takes Replicate or Shard(1) inputs and gives Shard(-1) or Replicate outputs");
+  shard(weight, 0);
+  auto group = group_;
+  const bool gather_input = input.is_shard(), gather_output = output.is_replicate();
+  module.add_wrapper("tp_colwise", [group, gather_input, gather_output](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                                          const nn::Unit::Next& next) {
+    nn::Unit::Inputs in = inputs;
+    if (gather_input) in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
+    at::Tensor y = next(in, context);
+    // Every rank computes the same thing from gathered outputs, so their gradient is the same on every rank.
+    return gather_output ? fc::all_gather(y, -1, group, fc::GatheredGradient::Replicated) : y;
+  });
+}
+
+void TensorParallel::rowwise(nn::Unit& module, at::Tensor& weight, Placement output) {
+  if (!(output.is_replicate() || output == Placement::shard(1)))
+    fail("tensor parallelism: rowwise gives Replicate or Shard(1) outputs");
+  shard(weight, 1);
+  auto group = group_;
+  const bool scatter = output.is_shard();
+  module.add_wrapper("tp_rowwise", [group, scatter](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                    const nn::Unit::Next& next) {
+    at::Tensor partial = next(inputs, context);
+    return scatter ? fc::reduce_scatter(partial, 1, group) : fc::all_reduce(partial, group);
+  });
+}
+
+void TensorParallel::rowwise_embedding(nn::Unit& module, at::Tensor& weight, Placement output) {
+  if (!(output.is_replicate() || output == Placement::shard(1)))
+    fail("tensor parallelism: an embedding gives Replicate or Shard(1) outputs");
+  const int64_t vocab = weight.size(0);
+  shard(weight, 0);
+  auto group = group_;
+  const Range rows = chunk(vocab, group_->size(), group_->rank());
+  const bool scatter = output.is_shard();
+  module.add_wrapper("tp_embedding", [group, rows, scatter](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                            const nn::Unit::Next& next) {
+    at::Tensor local = inputs[0] - rows.begin;
+    at::Tensor outside = local.lt(0).logical_or(local.ge(rows.length));
+    local.masked_fill_(outside, 0);
+    // Ids held elsewhere contribute zeros (and no gradient) here; the owners' rows arrive through the reduction.
+    at::Tensor partial = next({local}, context).masked_fill(outside.unsqueeze(-1), 0);
+    return scatter ? fc::reduce_scatter(partial, 1, group) : fc::all_reduce(partial, group);
+  });
+}
+
+void TensorParallel::sequence_parallel(nn::Unit& module, at::Tensor& weight) {
+  // The weight's gradient on each rank covers its own sequence shard: reduce_replicated_gradients sums them.
+  replicate(weight);
+}
+
+void reduce_replicated_gradients(const std::vector<ShardedParameter>& params, Communicator& group, const std::string& mesh_dim) {
+  if (group.size() == 1) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : params)
+    for (const auto& level : p.layout.levels())
+      if (level.mesh_dim == mesh_dim && level.placement.is_replicate() && p.local.grad().defined()) grads.push_back(p.local.grad());
+  if (grads.empty()) return;
+  // One all-reduce for all of them (norm weights are small), in a fixed order on every rank.
+  std::vector<at::Tensor> flat;
+  for (const auto& g : grads) flat.push_back(g.reshape(-1).to(grads[0].scalar_type()));
+  at::Tensor buffer = at::cat(flat);
+  group.all_reduce(buffer, ReduceOp::Sum);
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(buffer.narrow(0, offset, g.numel()).view(g.sizes()));
+    offset += g.numel();
+  }
+}
+
+void TensorParallel::gather_sequence_input(nn::Unit& module) {
+  auto group = group_;
+  module.add_wrapper("tp_gather_sequence", [group](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                   const nn::Unit::Next& next) {
+    nn::Unit::Inputs in = inputs;
+    in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
+    return next(in, context);
+  });
+}
+
+}  // namespace titan::distributed

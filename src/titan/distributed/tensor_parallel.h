@@ -1,0 +1,58 @@
+// Tensor (+ sequence) parallel styles, applied to nn::Units from outside as PyTorch's parallelize_module styles
+// are: each shards a module's weight over the "tp" mesh dimension (recording its placement on the module's
+// ShardedParameter) and wraps the module so its inputs and outputs are redistributed with differentiable
+// collectives. Activations are (batch, sequence, features); Shard(1) is sequence parallelism.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/placement.h"
+#include "titan/distributed/sharded_parameter.h"
+#include "titan/nn/unit.h"
+
+namespace titan::distributed {
+
+class TensorParallel {
+ public:
+  // `params` are the model's parameters (describe_parameters); the styles update the ones they shard.
+  TensorParallel(std::shared_ptr<Communicator> group, std::vector<ShardedParameter>& params);
+
+  // y = x W^T with W sharded on its output features (Shard(0)): `input` Replicate, or Shard(1) to all-gather the
+  // sequence first; `output` Shard(-1) leaves the output features local, Replicate all-gathers them.
+  void colwise(nn::Unit& module, at::Tensor& weight, Placement input, Placement output);
+  // y = x W^T with W sharded on its input features (Shard(1)); the input is Shard(-1) (a colwise output); the
+  // partial sums become `output`: Replicate (all-reduce) or Shard(1) (reduce-scatter over the sequence).
+  void rowwise(nn::Unit& module, at::Tensor& weight, Placement output);
+  // An embedding table sharded on the vocabulary (Shard(0)): each rank looks up the ids it holds and the partial
+  // sums become `output` (Replicate or Shard(1)); the input ids are Replicate.
+  void rowwise_embedding(nn::Unit& module, at::Tensor& weight, Placement output);
+  // A norm applied to sequence shards (Shard(1) in, Shard(1) out): the weight stays whole (Replicate()@tp); its
+  // gradient on each rank is a partial sum over that rank's sequence shard (see reduce_replicated_gradients).
+  void sequence_parallel(nn::Unit& module, at::Tensor& weight);
+  // Redistributes a module's first input from Shard(1) to Replicate (PrepareModuleInput): an all-gather over the
+  // sequence whose backward reduce-scatters the partial gradients.
+  void gather_sequence_input(nn::Unit& module);
+
+  const std::shared_ptr<Communicator>& group() const { return group_; }
+  // The first vocabulary (or output feature) index this rank holds of a dimension of `size` entries.
+  int64_t shard_begin(int64_t size) const;
+
+ private:
+  // Replaces `weight` by this rank's chunk along `dim` (without storage when it has none) and records the
+  // placement. A weight already sharded this way (a tied one) is left as it is.
+  void shard(at::Tensor& weight, int64_t dim);
+  void replicate(const at::Tensor& weight);
+  ShardedParameter& entry(const at::Tensor& weight);
+
+  std::shared_ptr<Communicator> group_;
+  std::vector<ShardedParameter>& params_;
+};
+
+// Sums, over `group`, the gradients of the parameters placed Replicate() along `mesh_dim` (sequence-parallel norm
+// weights: each rank's gradient is the part from its own sequence shard). Sums are linear, so this may run once per
+// step after data parallelism has reduced the gradients (or its shards of them). Collective over `group`.
+void reduce_replicated_gradients(const std::vector<ShardedParameter>& params, Communicator& group, const std::string& mesh_dim);
+
+}  // namespace titan::distributed

@@ -1,0 +1,168 @@
+#include "titan/models/llama3/parallelize.h"
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/loss.h"
+#include "titan/distributed/ddp.h"
+#include "titan/distributed/fsdp.h"
+#include "titan/distributed/loss_parallel.h"
+#include "titan/distributed/tensor_parallel.h"
+
+namespace titan::llama3 {
+
+using distributed::Placement;
+
+void check_tensor_parallel(const ModelArgs& args, int64_t tp, const std::vector<std::pair<std::string, int64_t>>& seq_lens) {
+  if (tp <= 1) return;
+  auto require = [&](int64_t value, const std::string& what) {
+    if (value % tp != 0)
+      fail("parallelism.tensor_parallel_degree = ", tp, ": ", what, " = ", value, " does not divide by ", tp,
+           "; pick a degree that divides it");
+  };
+  require(args.n_heads, "model n_heads (query heads)");
+  require(args.kv_heads(), "model n_kv_heads (key/value heads)");
+  require(args.ffn_hidden_dim(), "the feed-forward hidden dimension");
+  require(args.vocab_size, "the vocabulary size");
+  // Sequence parallelism splits every sequence between the blocks.
+  for (const auto& [name, length] : seq_lens) require(length, name);
+}
+
+void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config) {
+  if (dims.tp > 1) {
+    std::vector<std::pair<std::string, int64_t>> seq_lens = {{"training.seq_len", config.training.seq_len}};
+    if (config.validation.enable) seq_lens.emplace_back("validation.seq_len", config.validation.seq_len);
+    check_tensor_parallel(args, dims.tp, seq_lens);
+    if (config.parallelism.enable_async_tensor_parallel)
+      fail("parallelism.enable_async_tensor_parallel = true: overlapping TP collectives with the matmuls (collective "
+           "matmul) is not implemented yet; set it to false (TP runs with synchronous collectives)");
+  }
+  if (dims.fsdp_enabled() && args.tie_word_embeddings)
+    fail("FSDP with tied embeddings (model.flavor 1B/3B) is not supported yet; train these flavors without "
+         "data_parallel_shard_degree > 1 (tensor parallelism works with them)");
+}
+
+distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transformer& model, const config::ActivationCheckpoint& ac) {
+  using distributed::checkpoint_unit;
+  distributed::ActivationCheckpointSummary summary;
+  if (ac.mode == "none") {
+    summary.description = "activation checkpointing off";
+    return summary;
+  }
+  if (ac.mode == "memory_budget")
+    fail("activation_checkpoint.mode = \"memory_budget\" needs a graph compiler (torch.compile), which titan.cpp does not "
+         "have; use \"full\" or \"selective\"");
+  if (ac.mode == "full") {
+    for (auto& block : model.layers) checkpoint_unit(*block), ++summary.wrapped_units;
+    summary.description = cat("full activation checkpointing of all ", summary.wrapped_units, " blocks");
+    return summary;
+  }
+  if (ac.selective_ac_option == "op") {
+    for (auto& block : model.layers) {
+      checkpoint_unit(*block->attention_norm);
+      checkpoint_unit(*block->ffn_norm);
+      checkpoint_unit(*block->feed_forward->gate);
+      summary.wrapped_units += 3;
+    }
+    summary.description = "op-level selective activation checkpointing (RMSNorm and SwiGLU gating recomputed)";
+    return summary;
+  }
+  const int64_t every = std::stoll(ac.selective_ac_option);
+  for (size_t i = 0; i < model.layers.size(); ++i) {
+    if (every == 0 || (static_cast<int64_t>(i) + 1) % every == 0) {
+      checkpoint_unit(*model.layers[i]);
+      ++summary.wrapped_units;
+    }
+  }
+  summary.description = cat("selective activation checkpointing of every ", every == 0 ? 1 : every, "-th block (",
+                            summary.wrapped_units, " of ", model.layers.size(), ")");
+  return summary;
+}
+
+namespace {
+
+// torchtitan's TP plan: embedding row-wise over the vocabulary into sequence shards; per block, sequence-parallel
+// norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split),
+// wo/w2 row-wise back into sequence shards; the final norm sequence-parallel; the output column-wise, its logits
+// left vocabulary-sharded for loss parallelism or gathered.
+void apply_tensor_parallel(Transformer& model, distributed::TensorParallel& tp, bool loss_parallel) {
+  const Placement replicate = Placement::replicate(), sequence = Placement::shard(1), features = Placement::shard(-1);
+  tp.rowwise_embedding(*model.tok_embeddings, model.tok_embeddings->weight, sequence);
+  for (auto& block : model.layers) {
+    tp.sequence_parallel(*block->attention_norm, block->attention_norm->weight);
+    tp.gather_sequence_input(*block->attention);
+    auto& attention = *block->attention;
+    for (auto* linear : {attention.wq.get(), attention.wk.get(), attention.wv.get()})
+      tp.colwise(*linear, linear->weight, replicate, features);
+    tp.rowwise(*attention.wo, attention.wo->weight, sequence);
+    tp.sequence_parallel(*block->ffn_norm, block->ffn_norm->weight);
+    tp.gather_sequence_input(*block->feed_forward);
+    auto& ffn = *block->feed_forward;
+    tp.colwise(*ffn.w1, ffn.w1->weight, replicate, features);
+    tp.colwise(*ffn.w3, ffn.w3->weight, replicate, features);
+    tp.rowwise(*ffn.w2, ffn.w2->weight, sequence);
+  }
+  tp.sequence_parallel(*model.norm, model.norm->weight);
+  tp.colwise(*model.output, model.output->weight(), sequence, loss_parallel ? features : replicate);
+}
+
+}  // namespace
+
+void ParallelModel::finish_gradients() {
+  data_parallel->finish_gradients();
+  if (tp_group) distributed::reduce_replicated_gradients(parameters, *tp_group, "tp");
+}
+
+ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
+                          const distributed::FsdpOptions& fsdp) {
+  const auto& dims = mesh.dims();
+  const auto& p = config.parallelism;
+  ParallelModel out;
+  out.parameters = distributed::describe_parameters(model);
+  out.loss = [](const at::Tensor& logits, const at::Tensor& labels) { return cross_entropy_sum(logits, labels); };
+
+  check_parallelism(model.args(), dims, config);
+  if (dims.tp > 1) {
+    out.tp_group = mesh.get("tp");
+    distributed::TensorParallel tp(out.tp_group, out.parameters);
+    const bool loss_parallel = !p.disable_loss_parallel;
+    apply_tensor_parallel(model, tp, loss_parallel);
+    if (loss_parallel) {
+      const int64_t vocab_begin = tp.shard_begin(model.args().vocab_size);
+      auto group = mesh.get("tp");
+      out.loss = [vocab_begin, group](const at::Tensor& logits, const at::Tensor& labels) {
+        return distributed::vocab_parallel_cross_entropy_sum(logits, labels, vocab_begin, group, kIgnoreIndex);
+      };
+    }
+    out.description.push_back(cat("Tensor parallelism over ", dims.tp, " ranks with sequence parallelism; ",
+                                  loss_parallel ? "loss parallel (vocabulary-sharded logits)" : "logits gathered for the loss"));
+  }
+
+  auto ac = apply_activation_checkpointing(model, config.activation_checkpoint);
+  out.description.push_back("Activation checkpointing: " + ac.description);
+
+  if (dims.fsdp_enabled()) {
+    const std::string& policy = fsdp.reshard_after_forward;
+    const bool reshard = policy != "never";
+    std::vector<distributed::FsdpUnitSpec> units;
+    units.push_back({"tok_embeddings", {model.tok_embeddings.get()}, reshard});
+    for (size_t i = 0; i < model.layers.size(); ++i)
+      units.push_back({"layers." + std::to_string(i), {model.layers[i].get()}, reshard});
+    // As torchtitan: norm + output are needed again right at the start of backward, so by default they stay gathered.
+    units.push_back({"norm+output", {model.norm.get(), model.output.get()}, policy == "always"});
+    out.data_parallel = std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard"), mesh.get("dp_replicate"), fsdp);
+  } else {
+    distributed::materialize(out.parameters);
+    if (dims.ddp_enabled()) {
+      auto group = mesh.get("dp_replicate");
+      for (auto& param : out.parameters)
+        param.layout = param.layout.then("dp_replicate", group->size(), group->rank(), Placement::replicate());
+      out.data_parallel = std::make_unique<distributed::Ddp>(distributed::local_tensors(out.parameters), group);
+    } else {
+      out.data_parallel = std::make_unique<distributed::NoDataParallel>();
+    }
+  }
+  out.description.push_back("Data parallelism: " + out.data_parallel->describe());
+  return out;
+}
+
+}  // namespace titan::llama3
