@@ -190,7 +190,9 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
   }
   json rank_state = {{"rank", rank}, {"optimizer_steps", optimizer_steps}};
   if (!model_only) {
-    rank_state["dataloader"] = state.dataloader.state_dict();
+    // One data-parallel rank's stream is read by all ranks of its TP/CP/PP group; one of them saves it.
+    if (mesh_.coordinate("tp") == 0 && mesh_.coordinate("cp") == 0 && mesh_.coordinate("pp") == 0)
+      rank_state["dataloader"] = state.dataloader.state_dict();
     rank_state["rng"] = rng_state();
   }
   json global = metadata_header(step, model_only, world_size, loaded_.config.model.flavor);
@@ -377,7 +379,8 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
   auto world = mesh_.world();
   if (!excluded("dataloader")) {
     std::vector<std::string> states;
-    for (const auto& r : ranks) states.push_back(r.at("dataloader").get<std::string>());
+    for (const auto& r : ranks)
+      if (r.contains("dataloader")) states.push_back(r["dataloader"].get<std::string>());
     state.dataloader.load_state_dict(states);
   }
   if (static_cast<int>(ranks.size()) == world->size() && ranks[world->rank()].contains("rng")) {
