@@ -36,14 +36,22 @@ def probe(tmp_path, name, np, extra, dp=None):
             load_file(str(out / "final.safetensors")))
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return probe(tmp_path_factory.mktemp("single"), "single", 1, [])
+MODELS = {  # the one-process reference each case compares with
+    "mha": [],
+    "gqa": ["--model.flavor", "debugmodel_gqa"],
+    "block_causal": ["--model.attn_mask_type", "block_causal"],
+}
 
 
 @pytest.fixture(scope="module")
-def single_gqa(tmp_path_factory):
-    return probe(tmp_path_factory.mktemp("single_gqa"), "single_gqa", 1, ["--model.flavor", "debugmodel_gqa"])
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            cache[model] = probe(tmp_path_factory.mktemp(f"single_{model}"), "single", 1, MODELS[model])
+        return cache[model]
+    return get
 
 
 def degrees(tp, shard=1, replicate=1):
@@ -51,17 +59,19 @@ def degrees(tp, shard=1, replicate=1):
             "--parallelism.data_parallel_replicate_degree", str(replicate)]
 
 
-# name: (ranks, tp, dp_shard, dp_replicate, extra)
+# name: (reference model, ranks, tp, dp_shard, dp_replicate, extra)
 CASES = {
-    "tp2": (2, 2, 1, 1, []),
-    "tp4": (4, 4, 1, 1, []),
-    "tp2_fsdp2": (4, 2, 2, 1, []),
-    "ddp2_tp2": (4, 2, 1, 2, []),
-    "hsdp2x2_tp2": (8, 2, 2, 2, []),
-    "tp2_ac_full": (2, 2, 1, 1, ["--activation_checkpoint.mode", "full"]),
-    "tp2_no_loss_parallel": (2, 2, 1, 1, ["--parallelism.disable_loss_parallel"]),
-    "gqa_tp2": (2, 2, 1, 1, ["--model.flavor", "debugmodel_gqa"]),
-    "gqa_tp4_fsdp2": (8, 4, 2, 1, ["--model.flavor", "debugmodel_gqa", "--parallelism.fsdp_reshard_after_forward", "always"]),
+    "tp2": ("mha", 2, 2, 1, 1, []),
+    "tp4": ("mha", 4, 4, 1, 1, []),
+    "tp2_fsdp2": ("mha", 4, 2, 2, 1, []),
+    "ddp2_tp2": ("mha", 4, 2, 1, 2, []),
+    "hsdp2x2_tp2": ("mha", 8, 2, 2, 2, []),
+    "tp2_ac_full": ("mha", 2, 2, 1, 1, ["--activation_checkpoint.mode", "full"]),
+    "tp2_ac_op": ("mha", 2, 2, 1, 1, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    "tp2_no_loss_parallel": ("mha", 2, 2, 1, 1, ["--parallelism.disable_loss_parallel"]),
+    "gqa_tp2": ("gqa", 2, 2, 1, 1, MODELS["gqa"]),
+    "gqa_tp4_fsdp2": ("gqa", 8, 4, 2, 1, MODELS["gqa"] + ["--parallelism.fsdp_reshard_after_forward", "always"]),
+    "block_causal_tp2_fsdp2": ("block_causal", 4, 2, 2, 1, MODELS["block_causal"]),
 }
 
 
@@ -82,9 +92,9 @@ def expected_local_elements(layouts_of_rank0, tp, shard):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_single_process(tmp_path, single, single_gqa, case):
-    np_, tp, shard, replicate, extra = CASES[case]
-    ref_meta, ref_initial, ref_final = single_gqa if case.startswith("gqa") else single
+def test_matches_single_process(tmp_path, references, case):
+    model, np_, tp, shard, replicate, extra = CASES[case]
+    ref_meta, ref_initial, ref_final = references(model)
     meta, initial, final = probe(tmp_path, case, np_, degrees(tp, shard, replicate) + extra, dp=shard * replicate)
     assert meta["world_size"] == np_
     # Layout-independent initialisation: the same global weights, bitwise, on every layout.

@@ -1,7 +1,7 @@
 """`titan convert` and Hugging Face interop: a trained titan checkpoint exported to an HF directory loads in
 transformers' LlamaForCausalLM and gives titan's logits; HF -> titan -> HF and titan -> HF -> titan round trips
 are bitwise; sharded exports carry an index; checkpoint.initial_load_in_hf starts training from HF weights,
-also under FSDP."""
+also under FSDP and TP."""
 import json
 import os
 
@@ -83,14 +83,16 @@ def test_round_trips_are_bitwise_and_shards_are_indexed(trained, tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in load_file(str(hf_bf16 / "model.safetensors")).values())
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_training_starts_from_hugging_face_weights(trained, tmp_path, ranks):
+@pytest.mark.parametrize("ranks,tp", [(1, 1), (2, 1), (3, 1), (4, 2)])
+def test_training_starts_from_hugging_face_weights(trained, tmp_path, ranks, tp):
+    """Every rank reads only the rows of its pieces from the safetensors file; FSDP 3 cuts wq/wk inside heads
+    (86-row shards of 16-row heads), whose rows HF permutes within each head; TP 2 x FSDP 2 reads column blocks."""
     hf = tmp_path / "hf"
     run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)])
     dump = tmp_path / "run"
     extra = ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "--optimizer.lr", "1e-30"]
     if ranks > 1:
-        extra += ["--parallelism.data_parallel_shard_degree", str(ranks)]
+        extra += ["--parallelism.data_parallel_shard_degree", str(ranks // tp), "--parallelism.tensor_parallel_degree", str(tp)]
     result = titan_train(dump, 1, extra, np_=ranks)
     assert "Loaded Hugging Face weights" in result.stdout
     _, original = read_checkpoint(trained)

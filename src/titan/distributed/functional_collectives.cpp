@@ -2,6 +2,9 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
+
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 
 namespace titan::distributed::functional {
@@ -20,6 +23,14 @@ c10::intrusive_ptr<GroupHolder> hold(const std::shared_ptr<Communicator>& group)
 std::shared_ptr<Communicator> group_of(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
 }
+
+std::atomic<double> g_seconds{0};
+
+// Adds the lifetime of the scope to g_seconds.
+struct Timed {
+  double start = now_seconds();
+  ~Timed() { g_seconds.fetch_add(now_seconds() - start); }
+};
 
 int64_t normalize(int64_t dim, int64_t rank) {
   const int64_t d = dim < 0 ? dim + rank : dim;
@@ -61,6 +72,7 @@ struct ReduceScatter : torch::autograd::Function<ReduceScatter> {
 
 struct AllReduce : torch::autograd::Function<AllReduce> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x, c10::intrusive_ptr<GroupHolder> group) {
+    Timed timed;
     at::Tensor out = x.contiguous().clone();
     group->group->all_reduce(out, ReduceOp::Sum);
     return out;
@@ -84,9 +96,12 @@ struct AllToAll : torch::autograd::Function<AllToAll> {
 
 }  // namespace
 
+double collective_seconds() { return g_seconds.load(); }
+
 namespace raw {
 
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, Communicator& group) {
+  Timed timed;
   dim = normalize(dim, x.dim());
   const int64_t n = group.size();
   at::Tensor moved = x.movedim(dim, 0).contiguous();
@@ -98,6 +113,7 @@ at::Tensor all_gather(const at::Tensor& x, int64_t dim, Communicator& group) {
 }
 
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, Communicator& group) {
+  Timed timed;
   dim = normalize(dim, x.dim());
   const int64_t n = group.size();
   if (x.size(dim) % n != 0)
@@ -111,6 +127,7 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, Communicator& group)
 }
 
 at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, Communicator& group) {
+  Timed timed;
   split_dim = normalize(split_dim, x.dim());
   concat_dim = normalize(concat_dim, x.dim());
   const int64_t n = group.size();

@@ -27,6 +27,10 @@ at::Tensor all_reduce(const at::Tensor& x, const std::shared_ptr<Communicator>& 
 // `concat_dim` in rank order (Shard(concat_dim) -> Shard(split_dim)); backward is the reverse all-to-all.
 at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<Communicator>& group);
 
+// Seconds this process has spent inside these collectives (forward and backward; they are synchronous, so all of
+// it is exposed communication time), for the step-time breakdown.
+double collective_seconds();
+
 // The same operations without autograd (plain tensors in, new tensors out).
 namespace raw {
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, Communicator& group);

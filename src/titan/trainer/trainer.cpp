@@ -16,6 +16,7 @@
 #include "titan/components/data/builtin.h"
 #include "titan/components/loss.h"
 #include "titan/config/support.h"
+#include "titan/distributed/functional_collectives.h"
 #include "titan/distributed/grad_norm.h"
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/nn/autocast.h"
@@ -141,9 +142,10 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   {
     auto specs = model_->init_specs();
     distributed::initialize(parallel_.parameters, std::map<std::string, nn::InitSpec>(specs.begin(), specs.end()), seed);
-    log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s)",
+    memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
+    log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s); peak memory so far %.2f GiB",
                         distributed::local_parameter_bytes(parallel_.parameters) / 1e6, static_cast<unsigned long long>(seed),
-                        mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model"));
+                        mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model", memory_->peak().peak_gib));
   }
   if (dims.fsdp_enabled()) {
     log::info("Mixed precision training is handled by FSDP (", c.training.mixed_precision_param, " compute, ",
@@ -192,7 +194,6 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
       optimizer_->set_lr(lr_scheduler_->current_lr());
     }
   }
-  memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
   const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
   peak_ = metrics::peak_flops(device_, compute_dtype);
   log::info(memory_->describe(), "; ", peak_.derivation);
@@ -374,6 +375,7 @@ int Trainer::train() {
   }
   time_last_log_ = now_seconds();
   const double train_start = time_last_log_;
+  const int64_t first_step = step_;
   memory_->reset_peak();
   int exit_code = 0;
   while (step_ < c.training.steps) {
@@ -433,13 +435,17 @@ int Trainer::train() {
   std::signal(SIGTERM, previous_term);
   if (checkpointer_) checkpointer_->wait();
   if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
-  if (mesh_->dims().dp_enabled() && step_ > 0) {
-    const double steps = static_cast<double>(step_);
+  const double steps = static_cast<double>(step_ - first_step);  // run by this process
+  if (mesh_->dims().dp_enabled() && steps > 0)
     log::info(strprintf("Data-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting, "
                         "%.3f s inside MPI calls (overlapped or not); %.3f s per step in all",
                         parallel_.data_parallel->bytes_communicated() / steps / 1e6, parallel_.data_parallel->wait_seconds() / steps,
                         distributed::mpi_busy_seconds() / steps, (now_seconds() - train_start) / steps));
-  }
+  if (mesh_->dims().tp > 1 && steps > 0)
+    log::info(strprintf("Tensor-parallel communication per step on this rank: %.2f MB sent, %.3f s in its (synchronous) "
+                        "collectives; %.3f s per step in all",
+                        mesh_->get("tp")->bytes_communicated() / steps / 1e6, distributed::functional::collective_seconds() / steps,
+                        (now_seconds() - train_start) / steps));
   return exit_code;
 }
 
