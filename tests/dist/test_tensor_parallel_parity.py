@@ -72,6 +72,11 @@ CASES = {
     "gqa_tp2": ("gqa", 2, 2, 1, 1, MODELS["gqa"]),
     "gqa_tp4_fsdp2": ("gqa", 8, 4, 2, 1, MODELS["gqa"] + ["--parallelism.fsdp_reshard_after_forward", "always"]),
     "block_causal_tp2_fsdp2": ("block_causal", 4, 2, 2, 1, MODELS["block_causal"]),
+    # Async TP: batch slices with their sequence collectives in the background (local batch 2: two slices).
+    "tp2_async": ("mha", 2, 2, 1, 1, ["--parallelism.enable_async_tensor_parallel"]),
+    "tp2_fsdp2_async_ac_full": ("mha", 4, 2, 2, 1, ["--parallelism.enable_async_tensor_parallel",
+                                                    "--activation_checkpoint.mode", "full"]),
+    "block_causal_tp2_async": ("block_causal", 2, 2, 1, 1, MODELS["block_causal"] + ["--parallelism.enable_async_tensor_parallel"]),
 }
 
 
@@ -144,7 +149,6 @@ def test_loss_parallel_on_and_off_give_the_same_loss(tmp_path):
     (8, degrees(8) + ["--model.flavor", "debugmodel_gqa"], ["n_kv_heads (key/value heads) = 4 does not divide by 8"]),
     (2, degrees(2) + ["--training.seq_len", "63"], ["training.seq_len = 63 does not divide by 2"]),
     (2, degrees(4), ["tensor_parallel_degree (4)", "must equal the number of processes (2)"]),
-    (2, degrees(2) + ["--parallelism.enable_async_tensor_parallel"], ["enable_async_tensor_parallel", "not implemented"]),
     (2, degrees(2) + ["--model.flavor", "1B", "--parallelism.data_parallel_shard_degree", "2",
                       "--parallelism.tensor_parallel_degree", "1"], ["FSDP with tied embeddings"]),
 ])

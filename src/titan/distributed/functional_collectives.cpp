@@ -94,9 +94,43 @@ struct AllToAll : torch::autograd::Function<AllToAll> {
   }
 };
 
+struct TensorHolder : torch::CustomClassHolder {
+  explicit TensorHolder(at::Tensor t) : tensor(std::move(t)) {}
+  at::Tensor tensor;
+};
+
+// Forward: a result computed outside autograd; backward: `backward_gather` ? all-gather : reduce-scatter.
+struct Attached : torch::autograd::Function<Attached> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<TensorHolder> result, int64_t dim,
+                            c10::intrusive_ptr<GroupHolder> group, bool backward_gather) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["gather"] = backward_gather;
+    return result->tensor;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto group = group_of(ctx);
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    at::Tensor grad = ctx->saved_data["gather"].toBool() ? raw::all_gather(grads[0], dim, *group)
+                                                          : raw::reduce_scatter(grads[0], dim, *group);
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 double collective_seconds() { return g_seconds.load(); }
+
+void add_collective_seconds(double seconds) { g_seconds.fetch_add(seconds); }
+
+at::Tensor attach_all_gather(const at::Tensor& x, const at::Tensor& gathered, int64_t dim, const std::shared_ptr<Communicator>& group) {
+  return Attached::apply(x, c10::make_intrusive<TensorHolder>(gathered), dim, hold(group), /*backward_gather=*/false);
+}
+
+at::Tensor attach_reduce_scatter(const at::Tensor& partial, const at::Tensor& scattered, int64_t dim,
+                                 const std::shared_ptr<Communicator>& group) {
+  return Attached::apply(partial, c10::make_intrusive<TensorHolder>(scattered), dim, hold(group), /*backward_gather=*/true);
+}
 
 namespace raw {
 

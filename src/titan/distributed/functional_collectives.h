@@ -27,9 +27,19 @@ at::Tensor all_reduce(const at::Tensor& x, const std::shared_ptr<Communicator>& 
 // `concat_dim` in rank order (Shard(concat_dim) -> Shard(split_dim)); backward is the reverse all-to-all.
 at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<Communicator>& group);
 
+// For collectives run asynchronously outside autograd (to overlap them with computation): attaches their result
+// to the graph. `gathered` must be the all-gather of `x` along `dim` (backward: the reduce-scatter of partial
+// gradients); `scattered` the reduce-scatter of `partial` along `dim` (backward: the all-gather).
+at::Tensor attach_all_gather(const at::Tensor& x, const at::Tensor& gathered, int64_t dim, const std::shared_ptr<Communicator>& group);
+at::Tensor attach_reduce_scatter(const at::Tensor& partial, const at::Tensor& scattered, int64_t dim,
+                                 const std::shared_ptr<Communicator>& group);
+
 // Seconds this process has spent inside these collectives (forward and backward; they are synchronous, so all of
 // it is exposed communication time), for the step-time breakdown.
 double collective_seconds();
+
+// Adds time spent waiting for asynchronous collectives to collective_seconds().
+void add_collective_seconds(double seconds);
 
 // The same operations without autograd (plain tensors in, new tensors out).
 namespace raw {

@@ -1,5 +1,6 @@
 #include "titan/distributed/tensor_parallel.h"
 
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/distributed/functional_collectives.h"
 #include "titan/nn/storage.h"
@@ -69,9 +70,12 @@ void TensorParallel::rowwise(nn::Unit& module, at::Tensor& weight, Placement out
   shard(weight, 1);
   auto group = group_;
   const bool scatter = output.is_shard();
-  module.add_wrapper("tp_rowwise", [group, scatter](const nn::Unit::Inputs& inputs, const nn::Context& context,
-                                                    const nn::Unit::Next& next) {
+  auto deferred = std::make_shared<bool>(false);
+  deferred_[&module] = deferred;
+  module.add_wrapper("tp_rowwise", [group, scatter, deferred](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                              const nn::Unit::Next& next) {
     at::Tensor partial = next(inputs, context);
+    if (*deferred) return partial;
     return scatter ? fc::reduce_scatter(partial, 1, group) : fc::all_reduce(partial, group);
   });
 }
@@ -120,13 +124,92 @@ void reduce_replicated_gradients(const std::vector<ShardedParameter>& params, Co
   }
 }
 
-void TensorParallel::gather_sequence_input(nn::Unit& module) {
+namespace {
+
+// The batch slice [begin, begin + count) of what a unit reads besides its input: per-example masks and positions.
+nn::Context slice_context(const nn::Context& context, int64_t batch, int64_t begin, int64_t count) {
+  nn::Context out = context;
+  if (out.attn_mask.defined() && out.attn_mask.size(0) == batch) out.attn_mask = out.attn_mask.narrow(0, begin, count);
+  if (out.positions.defined() && out.positions.size(0) == batch) out.positions = out.positions.narrow(0, begin, count);
+  return out;
+}
+
+// Runs `next` on batch slices with the sequence all-gathers and reduce-scatters in the background (see
+// TensorParallel::sequence_parallel_region).
+at::Tensor overlapped_region(const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next,
+                             const std::shared_ptr<Communicator>& group, int64_t chunks, bool& deferred) {
+  const at::Tensor& x = inputs[0];  // (batch, seq / tp, dim)
+  const int64_t batch = x.size(0), n = group->size();
+  std::vector<at::Tensor> slices = x.split(chunk_capacity(batch, std::min(chunks, batch)), 0);
+  struct Slice {
+    at::Tensor moved, gathered, partial, scattered;
+    std::shared_ptr<Work> gather, scatter;
+  };
+  std::vector<Slice> work(slices.size());
+  // Every all-gather is queued at once: they run in order while the slices before them compute.
+  for (size_t k = 0; k < slices.size(); ++k) {
+    work[k].moved = slices[k].detach().movedim(1, 0).contiguous();  // (seq / tp, slice, dim)
+    std::vector<int64_t> shape = work[k].moved.sizes().vec();
+    shape[0] *= n;
+    work[k].gathered = at::empty(shape, work[k].moved.options());
+    work[k].gather = group->all_gather_into(work[k].gathered, work[k].moved, /*async=*/true);
+  }
+  auto wait = [](const std::shared_ptr<Work>& w) {
+    const double start = now_seconds();
+    w->wait();
+    functional::add_collective_seconds(now_seconds() - start);
+  };
+  std::vector<at::Tensor> partials(slices.size());
+  int64_t begin = 0;
+  deferred = true;
+  try {
+    for (size_t k = 0; k < slices.size(); ++k) {
+      wait(work[k].gather);
+      at::Tensor full = fc::attach_all_gather(slices[k], work[k].gathered.movedim(0, 1).contiguous(), 1, group);
+      nn::Unit::Inputs in = inputs;
+      in[0] = full;
+      partials[k] = next(in, slice_context(context, batch, begin, slices[k].size(0)));  // (slice, seq, dim), partial sums
+      begin += slices[k].size(0);
+      at::Tensor moved = partials[k].detach().movedim(1, 0).contiguous();
+      std::vector<int64_t> shape = moved.sizes().vec();
+      shape[0] /= n;
+      work[k].partial = moved;
+      work[k].scattered = at::empty(shape, moved.options());
+      work[k].scatter = group->reduce_scatter(work[k].scattered, moved, ReduceOp::Sum, /*async=*/true);
+    }
+  } catch (...) {
+    deferred = false;
+    throw;
+  }
+  deferred = false;
+  std::vector<at::Tensor> outputs;
+  for (size_t k = 0; k < slices.size(); ++k) {
+    wait(work[k].scatter);
+    outputs.push_back(fc::attach_reduce_scatter(partials[k], work[k].scattered.movedim(0, 1).contiguous(), 1, group));
+  }
+  return outputs.size() == 1 ? outputs[0] : at::cat(outputs, 0);
+}
+
+}  // namespace
+
+void TensorParallel::sequence_parallel_region(nn::Unit& module, nn::Unit& rowwise_output, int64_t overlap_chunks) {
   auto group = group_;
-  module.add_wrapper("tp_gather_sequence", [group](const nn::Unit::Inputs& inputs, const nn::Context& context,
-                                                   const nn::Unit::Next& next) {
-    nn::Unit::Inputs in = inputs;
-    in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
-    return next(in, context);
+  if (overlap_chunks <= 1) {
+    module.add_wrapper("tp_gather_sequence", [group](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                     const nn::Unit::Next& next) {
+      nn::Unit::Inputs in = inputs;
+      in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
+      return next(in, context);
+    });
+    return;
+  }
+  auto it = deferred_.find(&rowwise_output);
+  if (it == deferred_.end()) fail("tensor parallelism: the output unit of an overlapped region must be rowwise with Shard(1) output");
+  auto deferred = it->second;
+  module.add_wrapper("tp_overlapped_region", [group, overlap_chunks, deferred](const nn::Unit::Inputs& inputs,
+                                                                               const nn::Context& context,
+                                                                               const nn::Unit::Next& next) {
+    return overlapped_region(inputs, context, next, group, overlap_chunks, *deferred);
   });
 }
 

@@ -3,6 +3,7 @@
 // ShardedParameter) and wraps the module so its inputs and outputs are redistributed with differentiable
 // collectives. Activations are (batch, sequence, features); Shard(1) is sequence parallelism.
 #pragma once
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,9 +32,13 @@ class TensorParallel {
   // A norm applied to sequence shards (Shard(1) in, Shard(1) out): the weight stays whole (Replicate()@tp); its
   // gradient on each rank is a partial sum over that rank's sequence shard (see reduce_replicated_gradients).
   void sequence_parallel(nn::Unit& module, at::Tensor& weight);
-  // Redistributes a module's first input from Shard(1) to Replicate (PrepareModuleInput): an all-gather over the
-  // sequence whose backward reduce-scatters the partial gradients.
-  void gather_sequence_input(nn::Unit& module);
+  // A module entered by sequence shards and left through `rowwise_output` (a rowwise unit inside it whose output
+  // is Shard(1)): its first input is all-gathered over the sequence (PrepareModuleInput: Shard(1) -> Replicate;
+  // backward reduce-scatters the partial gradients). With `overlap_chunks` > 1 (async TP) the module runs on that
+  // many slices of the batch instead: slice k+1's all-gather and slice k-1's reduce-scatter run in the background
+  // while slice k computes, so only the first gather and the last reduce-scatter of the forward pass are exposed.
+  // Exact because the module treats batch elements independently (attention, feed-forward).
+  void sequence_parallel_region(nn::Unit& module, nn::Unit& rowwise_output, int64_t overlap_chunks = 1);
 
   const std::shared_ptr<Communicator>& group() const { return group_; }
   // The first vocabulary (or output feature) index this rank holds of a dimension of `size` entries.
@@ -48,6 +53,8 @@ class TensorParallel {
 
   std::shared_ptr<Communicator> group_;
   std::vector<ShardedParameter>& params_;
+  // Rowwise units whose reduction a surrounding overlapped region does itself while the flag is set.
+  std::map<const nn::Unit*, std::shared_ptr<bool>> deferred_;
 };
 
 // Sums, over `group`, the gradients of the parameters placed Replicate() along `mesh_dim` (sequence-parallel norm

@@ -1,6 +1,7 @@
 #include "titan/models/llama3/parallelize.h"
 
 #include "titan/common/error.h"
+#include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/loss.h"
 #include "titan/distributed/ddp.h"
@@ -32,9 +33,6 @@ void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& d
     std::vector<std::pair<std::string, int64_t>> seq_lens = {{"training.seq_len", config.training.seq_len}};
     if (config.validation.enable) seq_lens.emplace_back("validation.seq_len", config.validation.seq_len);
     check_tensor_parallel(args, dims.tp, seq_lens);
-    if (config.parallelism.enable_async_tensor_parallel)
-      fail("parallelism.enable_async_tensor_parallel = true: overlapping TP collectives with the matmuls (collective "
-           "matmul) is not implemented yet; set it to false (TP runs with synchronous collectives)");
   }
   if (dims.fsdp_enabled() && args.tie_word_embeddings)
     fail("FSDP with tied embeddings (model.flavor 1B/3B) is not supported yet; train these flavors without "
@@ -84,22 +82,22 @@ namespace {
 // norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split),
 // wo/w2 row-wise back into sequence shards; the final norm sequence-parallel; the output column-wise, its logits
 // left vocabulary-sharded for loss parallelism or gathered.
-void apply_tensor_parallel(Transformer& model, distributed::TensorParallel& tp, bool loss_parallel) {
+void apply_tensor_parallel(Transformer& model, distributed::TensorParallel& tp, bool loss_parallel, int64_t overlap_chunks) {
   const Placement replicate = Placement::replicate(), sequence = Placement::shard(1), features = Placement::shard(-1);
   tp.rowwise_embedding(*model.tok_embeddings, model.tok_embeddings->weight, sequence);
   for (auto& block : model.layers) {
     tp.sequence_parallel(*block->attention_norm, block->attention_norm->weight);
-    tp.gather_sequence_input(*block->attention);
     auto& attention = *block->attention;
     for (auto* linear : {attention.wq.get(), attention.wk.get(), attention.wv.get()})
       tp.colwise(*linear, linear->weight, replicate, features);
     tp.rowwise(*attention.wo, attention.wo->weight, sequence);
+    tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
     tp.sequence_parallel(*block->ffn_norm, block->ffn_norm->weight);
-    tp.gather_sequence_input(*block->feed_forward);
     auto& ffn = *block->feed_forward;
     tp.colwise(*ffn.w1, ffn.w1->weight, replicate, features);
     tp.colwise(*ffn.w3, ffn.w3->weight, replicate, features);
     tp.rowwise(*ffn.w2, ffn.w2->weight, sequence);
+    tp.sequence_parallel_region(ffn, *ffn.w2, overlap_chunks);
   }
   tp.sequence_parallel(*model.norm, model.norm->weight);
   tp.colwise(*model.output, model.output->weight(), sequence, loss_parallel ? features : replicate);
@@ -125,7 +123,9 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
     out.tp_group = mesh.get("tp");
     distributed::TensorParallel tp(out.tp_group, out.parameters);
     const bool loss_parallel = !p.disable_loss_parallel;
-    apply_tensor_parallel(model, tp, loss_parallel);
+    // Async TP: attention and feed-forward run on batch slices with their sequence collectives in the background.
+    const int64_t overlap_chunks = p.enable_async_tensor_parallel ? kAsyncTensorParallelSlices : 1;
+    apply_tensor_parallel(model, tp, loss_parallel, overlap_chunks);
     if (loss_parallel) {
       const int64_t vocab_begin = tp.shard_begin(model.args().vocab_size);
       auto group = mesh.get("tp");
@@ -134,7 +134,17 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
       };
     }
     out.description.push_back(cat("Tensor parallelism over ", dims.tp, " ranks with sequence parallelism; ",
-                                  loss_parallel ? "loss parallel (vocabulary-sharded logits)" : "logits gathered for the loss"));
+                                  loss_parallel ? "loss parallel (vocabulary-sharded logits)" : "logits gathered for the loss",
+                                  p.enable_async_tensor_parallel
+                                      ? cat("; async TP: up to ", kAsyncTensorParallelSlices,
+                                            " batch slices per attention/feed-forward, their forward all-gathers and "
+                                            "reduce-scatters overlapped with computation")
+                                      : std::string()));
+    if (p.enable_async_tensor_parallel && config.training.local_batch_size < 2)
+      log::warn("parallelism.enable_async_tensor_parallel: with training.local_batch_size 1 there is one batch slice, "
+                "so nothing overlaps; use a local batch of 2 or more");
+  } else if (p.enable_async_tensor_parallel) {
+    log::warn("parallelism.enable_async_tensor_parallel has no effect without tensor parallelism (tensor_parallel_degree = 1)");
   }
 
   auto ac = apply_activation_checkpointing(model, config.activation_checkpoint);

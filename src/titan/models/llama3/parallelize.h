@@ -22,6 +22,9 @@ namespace titan::llama3 {
 // whole-vocabulary logits, or this rank's vocabulary shard under loss parallelism.
 using LossFunction = std::function<at::Tensor(const at::Tensor& logits, const at::Tensor& labels)>;
 
+// Async TP's batch slices per attention / feed-forward call (fewer when the local batch is smaller).
+constexpr int64_t kAsyncTensorParallelSlices = 4;
+
 struct ParallelModel {
   std::vector<distributed::ShardedParameter> parameters;  // what the optimizer, clipping and checkpoints work on
   std::unique_ptr<distributed::DataParallel> data_parallel;
