@@ -9,6 +9,7 @@
 #include "titan/distributed/sharded_parameter.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/llama3/model.h"
+#include "titan/models/llama3/parallelize.h"
 #include "titan/nn/init.h"
 #include "titan/nn/storage.h"
 
@@ -134,4 +135,31 @@ TEST(Init, ShardedParametersInitialiseLikeTheWholeModel) {
       EXPECT_TRUE(at::equal(params[i].local, full[params[i].name].narrow(0, box.offsets[0], box.lengths[0]))) << params[i].name;
     }
   }
+}
+
+namespace {
+std::string tp_error(const titan::llama3::ModelArgs& args, int64_t tp, int64_t seq_len) {
+  try {
+    titan::llama3::check_tensor_parallel(args, tp, {{"training.seq_len", seq_len}});
+  } catch (const titan::UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(TensorParallelChecks, EveryIndivisibleSizeIsNamedWithItsNumbers) {
+  auto args = titan::llama3::flavor("debugmodel");  // 16 heads, feed-forward 768, vocabulary 2048
+  EXPECT_EQ(tp_error(args, 4, 64), "");
+  EXPECT_NE(tp_error(args, 3, 64).find("model n_heads (query heads) = 16 does not divide by 3"), std::string::npos);
+  args.n_kv_heads = 2;
+  EXPECT_NE(tp_error(args, 4, 64).find("model n_kv_heads (key/value heads) = 2 does not divide by 4"), std::string::npos);
+  args.n_kv_heads.reset();
+  args.multiple_of = 100;  // hidden 700
+  EXPECT_NE(tp_error(args, 8, 64).find("the feed-forward hidden dimension = 700 does not divide by 8"), std::string::npos);
+  args.multiple_of = 256;
+  args.vocab_size = 2050;
+  EXPECT_NE(tp_error(args, 4, 64).find("the vocabulary size = 2050 does not divide by 4"), std::string::npos);
+  args.vocab_size = 2048;
+  EXPECT_NE(tp_error(args, 4, 66).find("training.seq_len = 66 does not divide by 4"), std::string::npos);
 }

@@ -90,33 +90,11 @@ void AdamW::step() {
   }
 }
 
-at::Tensor grad_squares(const std::vector<at::Tensor>& grads) {
-  at::NoGradGuard no_grad;
-  if (grads.empty()) return at::zeros({}, at::kFloat);
-  std::vector<at::Tensor> per_tensor;
-  per_tensor.reserve(grads.size());
-  for (const auto& g : grads) {
-    at::Tensor rows = g.dim() == 0 ? g.reshape({1, 1}) : g.reshape({g.size(0), -1});
-    at::Tensor row_norms = at::linalg_vector_norm(rows, 2, /*dim=*/{1}, /*keepdim=*/false, at::kFloat);
-    per_tensor.push_back(row_norms.pow(2).sum());
-  }
-  return at::stack(per_tensor).sum();
-}
-
 void scale_gradients_(const std::vector<at::Tensor>& grads, const at::Tensor& total_norm, double max_norm) {
   at::NoGradGuard no_grad;
   if (grads.empty()) return;
   at::Tensor coef = at::clamp(max_norm / (total_norm + 1e-6), std::nullopt, 1.0);
   at::_foreach_mul_(grads, coef);
-}
-
-at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm) {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : parameters)
-    if (p.grad().defined()) grads.push_back(p.grad());
-  at::Tensor total = grad_squares(grads).sqrt();
-  scale_gradients_(grads, total, max_norm);
-  return total;
 }
 
 }  // namespace titan

@@ -39,15 +39,8 @@ class AdamW {
   std::string implementation_;
 };
 
-// Sum of squares of all elements of `grads` (float32 scalar), accumulated row by row: each tensor's rows (dim 0)
-// are reduced separately first. That keeps float32 rounding near 1e-7 even for large tensors (a single float32
-// pass over a 2048 x 256 gradient can be off by 1e-4) and makes the result independent of how rows are sharded.
-at::Tensor grad_squares(const std::vector<at::Tensor>& grads);
-
-// Scales gradients so that their global L2 norm is at most max_norm (coefficient max_norm / (norm + 1e-6), at most
-// 1, as PyTorch's clip_grad_norm_) and returns the norm before clipping.
-at::Tensor clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm);
-// The scaling step alone, for a norm already reduced across ranks.
+// Scales gradients so that their global L2 norm (already reduced across ranks: distributed/grad_norm.h) is at
+// most max_norm: coefficient max_norm / (norm + 1e-6), at most 1, as PyTorch's clip_grad_norm_.
 void scale_gradients_(const std::vector<at::Tensor>& grads, const at::Tensor& total_norm, double max_norm);
 
 }  // namespace titan
