@@ -37,8 +37,7 @@ TEST(TensorParallelModel, TiedEmbeddingsMatchOneProcess) {
   llama3::Transformer model(args, nn::ParameterOptions{at::TensorOptions(), /*allocate=*/false});
   auto parallel = llama3::parallelize(model, mesh, c, distributed::FsdpOptions{});
   ASSERT_EQ(parallel.parameters.size(), whole.named_parameters().size());  // the tied table is one parameter
-  auto specs = model.init_specs();
-  distributed::initialize(parallel.parameters, std::map<std::string, nn::InitSpec>(specs.begin(), specs.end()), 3);
+  distributed::initialize(parallel.parameters, model.init_specs(), 3);
   at::Tensor loss = parallel.loss(model.forward(inputs), labels);
   loss.backward();
   parallel.finish_gradients();

@@ -117,8 +117,6 @@ TEST(Init, ShardedParametersInitialiseLikeTheWholeModel) {
   args.max_seq_len = 16;
   titan::llama3::Transformer whole(args);
   whole.init_weights(11);
-  auto specs = whole.init_specs();
-  std::map<std::string, titan::nn::InitSpec> by_name(specs.begin(), specs.end());
   for (int rank = 0; rank < 2; ++rank) {
     titan::llama3::Transformer shell(args, titan::nn::ParameterOptions{at::TensorOptions(), /*allocate=*/false});
     auto params = describe_parameters(shell);
@@ -128,7 +126,7 @@ TEST(Init, ShardedParametersInitialiseLikeTheWholeModel) {
       p.local.set_data(titan::nn::without_storage(p.layout.padded_local_shape(), p.local.options()));
     }
     materialize(params);
-    initialize(params, by_name, 11);
+    initialize(params, whole.init_specs(), 11);
     auto full = whole.named_parameters();
     for (size_t i = 0; i < params.size(); ++i) {
       const Box box = params[i].layout.local_box();

@@ -1,9 +1,9 @@
 // FSDP (ZeRO-3): every parameter (as tensor parallelism left it) is sharded on dim 0 -- Shard(0) over dp_shard,
-// rows padded to a multiple of the group size, as FSDP2 -- and the optimizer updates only this rank's rows. Units (embedding, each block, norm + output) gather their parameters in
-// the compute dtype just before their forward, with the next unit's all-gather prefetched, and free them after
-// forward (reshard_after_forward); backward gathers them again (prefetching the previous unit), and once a
-// unit's gradients are complete they are reduce-scattered in the reduce dtype, summed into the shards' gradients,
-// and the full parameters freed. HSDP adds an all-reduce of the reduced shards across replica groups.
+// rows padded to a multiple of the group size, as FSDP2 -- and the optimizer updates only this rank's rows.
+// Units (embedding, each block, norm + output) gather their parameters in the compute dtype just before their
+// forward, with the next unit's all-gather prefetched, and free them after forward (reshard_after_forward);
+// backward gathers them again (prefetching the previous unit), and once a unit's gradients are complete they are
+// reduce-scattered in the reduce dtype, summed into the shards' gradients, and the full parameters freed. HSDP adds an all-reduce of the reduced shards across replica groups.
 //
 // The model's parameter tensors keep their full shape throughout; only their storage is released and
 // re-allocated, so views that autograd saved in forward (such as a transposed weight) see the re-gathered data in

@@ -6,19 +6,13 @@
 
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
+#include "titan/distributed/autograd_group.h"
 
 namespace titan::distributed::functional {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(std::shared_ptr<Communicator> g) : group(std::move(g)) {}
-  std::shared_ptr<Communicator> group;
-};
-
-c10::intrusive_ptr<GroupHolder> hold(const std::shared_ptr<Communicator>& group) { return c10::make_intrusive<GroupHolder>(group); }
 
 std::shared_ptr<Communicator> group_of(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;

@@ -2,16 +2,13 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "titan/distributed/autograd_group.h"
+
 namespace titan::distributed {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(std::shared_ptr<Communicator> g) : group(std::move(g)) {}
-  std::shared_ptr<Communicator> group;
-};
 
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& local_logits, const at::Tensor& labels, int64_t vocab_begin,
@@ -58,7 +55,7 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
 
 at::Tensor vocab_parallel_cross_entropy_sum(const at::Tensor& local_logits, const at::Tensor& labels, int64_t vocab_begin,
                                             const std::shared_ptr<Communicator>& group, int64_t ignore_index) {
-  return VocabParallelCrossEntropy::apply(local_logits, labels, vocab_begin, c10::make_intrusive<GroupHolder>(group), ignore_index);
+  return VocabParallelCrossEntropy::apply(local_logits, labels, vocab_begin, hold(group), ignore_index);
 }
 
 }  // namespace titan::distributed

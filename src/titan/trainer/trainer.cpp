@@ -100,7 +100,6 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   at::manual_seed(seed);
   log::info("Seed ", seed, c.debug.seed ? " (debug.seed)" : " (random; set --debug.seed to reproduce)");
 
-
   // Tokenizer.
   std::string tokenizer_path = c.model.hf_assets_path;
   if (tokenizer_path == data::kBuiltinTokenizer) {
@@ -139,14 +138,11 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
   parallel_ = llama3::parallelize(*model_, *mesh_, c, fsdp);
   for (const auto& line : parallel_.description) log::info(line);
-  {
-    auto specs = model_->init_specs();
-    distributed::initialize(parallel_.parameters, std::map<std::string, nn::InitSpec>(specs.begin(), specs.end()), seed);
-    memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
-    log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s); peak memory so far %.2f GiB",
-                        distributed::local_parameter_bytes(parallel_.parameters) / 1e6, static_cast<unsigned long long>(seed),
-                        mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model", memory_->peak().peak_gib));
-  }
+  distributed::initialize(parallel_.parameters, model_->init_specs(), seed);
+  memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
+  log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s); peak memory so far %.2f GiB",
+                      distributed::local_parameter_bytes(parallel_.parameters) / 1e6, static_cast<unsigned long long>(seed),
+                      mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model", memory_->peak().peak_gib));
   if (dims.fsdp_enabled()) {
     log::info("Mixed precision training is handled by FSDP (", c.training.mixed_precision_param, " compute, ",
               c.training.mixed_precision_reduce, " gradient reduction)");

@@ -116,42 +116,41 @@ Transformer::Transformer(const ModelArgs& args, const nn::ParameterOptions& opti
   rope_ = precompute_rope(args.head_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
 }
 
-std::vector<std::pair<std::string, nn::InitSpec>> Transformer::init_specs() const {
+std::map<std::string, nn::InitSpec> Transformer::init_specs() const {
   using nn::InitSpec;
-  std::vector<std::pair<std::string, InitSpec>> out;
+  std::map<std::string, InitSpec> out;
   // The output projection's init; with tied embeddings it is the embedding too, which keeps initial logits at
   // unit scale instead of sqrt(dim).
   const double output_std = 1.0 / std::sqrt(static_cast<double>(args_.dim));
   const InitSpec output_init = InitSpec::truncated_normal(0.0, output_std, -3 * output_std, 3 * output_std);
-  out.emplace_back("tok_embeddings.weight", args_.tie_word_embeddings ? output_init : InitSpec::normal(0.0, 1.0));
+  out.emplace("tok_embeddings.weight", args_.tie_word_embeddings ? output_init : InitSpec::normal(0.0, 1.0));
   const InitSpec input_init = InitSpec::truncated_normal(0.0, 0.02, -2.0, 2.0);
   for (size_t i = 0; i < layers.size(); ++i) {
     const std::string p = "layers." + std::to_string(i) + ".";
     const double std = layers[i]->output_init_std();
     const InitSpec residual_init = InitSpec::truncated_normal(0.0, std, -2.0, 2.0);
-    out.emplace_back(p + "attention.wq.weight", input_init);
-    out.emplace_back(p + "attention.wk.weight", input_init);
-    out.emplace_back(p + "attention.wv.weight", input_init);
-    out.emplace_back(p + "attention.wo.weight", residual_init);
-    out.emplace_back(p + "feed_forward.w1.weight", input_init);
-    out.emplace_back(p + "feed_forward.w2.weight", residual_init);
-    out.emplace_back(p + "feed_forward.w3.weight", residual_init);
-    out.emplace_back(p + "attention_norm.weight", InitSpec::ones());
-    out.emplace_back(p + "ffn_norm.weight", InitSpec::ones());
+    out.emplace(p + "attention.wq.weight", input_init);
+    out.emplace(p + "attention.wk.weight", input_init);
+    out.emplace(p + "attention.wv.weight", input_init);
+    out.emplace(p + "attention.wo.weight", residual_init);
+    out.emplace(p + "feed_forward.w1.weight", input_init);
+    out.emplace(p + "feed_forward.w2.weight", residual_init);
+    out.emplace(p + "feed_forward.w3.weight", residual_init);
+    out.emplace(p + "attention_norm.weight", InitSpec::ones());
+    out.emplace(p + "ffn_norm.weight", InitSpec::ones());
   }
-  out.emplace_back("norm.weight", InitSpec::ones());
-  if (!args_.tie_word_embeddings) out.emplace_back("output.weight", output_init);
+  out.emplace("norm.weight", InitSpec::ones());
+  if (!args_.tie_word_embeddings) out.emplace("output.weight", output_init);
   return out;
 }
 
 void Transformer::init_weights(uint64_t seed) {
   at::NoGradGuard no_grad;
-  auto specs = init_specs();
-  std::map<std::string, nn::InitSpec> by_name(specs.begin(), specs.end());
+  const auto specs = init_specs();
   for (auto& item : named_parameters()) {
     at::Tensor p = item.value();
     nn::allocate_storage(p);
-    nn::fill(p, by_name.at(item.key()), seed, item.key());
+    nn::fill(p, specs.at(item.key()), seed, item.key());
   }
 }
 

@@ -4,7 +4,9 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "titan/models/llama3/args.h"
@@ -84,8 +86,8 @@ class Transformer : public torch::nn::Module {
   // document_positions (batch, seq_len): each token's index in its document; when given, attention is
   // block-causal (model.attn_mask_type = "block_causal").
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {}, const at::Tensor& document_positions = {});
-  // torchtitan's initial distribution of every parameter, by name, in parameter order.
-  std::vector<std::pair<std::string, nn::InitSpec>> init_specs() const;
+  // torchtitan's initial distribution of every parameter, by name.
+  std::map<std::string, nn::InitSpec> init_specs() const;
   // Initialises every parameter from `seed` (nn/init.h: the same values as any sharded initialisation with that
   // seed); parameters built without storage are allocated first.
   void init_weights(uint64_t seed = 0);
