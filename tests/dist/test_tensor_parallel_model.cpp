@@ -35,7 +35,7 @@ TEST(TensorParallelModel, TiedEmbeddingsMatchOneProcess) {
   c.activation_checkpoint.mode = "none";
   distributed::DeviceMesh mesh(distributed::ParallelDims::from_config(c.parallelism, n), world);
   llama3::Transformer model(args, nn::ParameterOptions{at::TensorOptions(), /*allocate=*/false});
-  auto parallel = llama3::parallelize(model, mesh, c, distributed::FsdpOptions{});
+  auto parallel = llama3::parallelize(model, mesh, c, distributed::FsdpOptions{}, llama3::ModuleRange::whole(model));
   ASSERT_EQ(parallel.parameters.size(), whole.named_parameters().size());  // the tied table is one parameter
   distributed::initialize(parallel.parameters, model.init_specs(), 3);
   at::Tensor loss = parallel.loss(model.forward(inputs), labels);

@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     titan::config::ActivationCheckpoint ac;
     ac.mode = opt["--ac-mode"];
     ac.selective_ac_option = opt["--ac-option"];
-    titan::llama3::apply_activation_checkpointing(*model, ac);
+    titan::llama3::apply_activation_checkpointing(*model, titan::llama3::ModuleRange::whole(*model), ac);
 
     at::Tensor logits, loss;
     if (autocast) {

@@ -107,7 +107,7 @@ GradRun run_with_ac(const std::string& mode, const std::string& option, int64_t 
   titan::config::ActivationCheckpoint ac;
   ac.mode = mode;
   ac.selective_ac_option = option;
-  titan::llama3::apply_activation_checkpointing(*model, ac);
+  titan::llama3::apply_activation_checkpointing(*model, titan::llama3::ModuleRange::whole(*model), ac);
   at::Tensor tokens = at::randint(0, args.vocab_size, {batch, seq + 1}, at::kLong);
   at::Tensor inputs = tokens.narrow(1, 0, seq).contiguous(), labels = tokens.narrow(1, 1, seq).contiguous();
   titan::metrics::reset_cpu_peak_bytes();
@@ -158,7 +158,7 @@ TEST(ActivationCheckpointing, MemoryBudgetModeIsAClearError) {
   Transformer model(args);
   titan::config::ActivationCheckpoint ac;
   ac.mode = "memory_budget";
-  EXPECT_THROW(titan::llama3::apply_activation_checkpointing(model, ac), titan::UserError);
+  EXPECT_THROW(titan::llama3::apply_activation_checkpointing(model, titan::llama3::ModuleRange::whole(model), ac), titan::UserError);
 }
 
 TEST(StateDictAdapter, RopePermutationRoundTrips) {

@@ -254,6 +254,8 @@ struct Debug {
   bool deterministic = false;
   bool deterministic_warn_only = false;
   bool moe_force_load_balance = false;
+  // titan.cpp: write every pipeline action's start/end per rank to {dump_folder}/pipeline_timeline/rank-R.csv.
+  bool pipeline_timeline = false;
 };
 
 struct JobConfig {

@@ -43,6 +43,8 @@ class Communicator {
   // from rank i.
   virtual std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input, bool async = false) = 0;
   virtual std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async = false) = 0;
+  // Point-to-point, matched by (peer, tag). The MPI backend posts them at once from the calling thread, outside the
+  // issue order of collectives, so they never wait behind another group's collectives (pipeline parallelism).
   virtual std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag = 0, bool async = false) = 0;
   virtual std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag = 0, bool async = false) = 0;
   virtual void barrier() = 0;

@@ -48,6 +48,9 @@ struct FsdpOptions {
   at::ScalarType param_dtype = at::kFloat;    // all-gather and compute dtype (training.mixed_precision_param)
   at::ScalarType reduce_dtype = at::kFloat;   // gradient reduce-scatter dtype (training.mixed_precision_reduce)
   std::string reshard_after_forward = "default";  // parallelism.fsdp_reshard_after_forward
+  // Pipeline parallelism: gradients accumulate unsharded over all micro-batches (whose backwards interleave, and
+  // may be split into input and weight steps) and are reduce-scattered once, in finish_gradients().
+  bool defer_gradient_reduction = false;
 };
 
 }  // namespace titan::distributed

@@ -164,6 +164,7 @@ void Fsdp::pre_backward(size_t u) {
 }
 
 void Fsdp::on_gradient(size_t u) {
+  if (options_.defer_gradient_reduction) return;
   Unit& unit = units_[u];
   if (++unit.grads_ready == static_cast<int64_t>(unit.params.size())) reduce(u);
 }
@@ -202,6 +203,7 @@ void Fsdp::reduce(size_t u) {
 }
 
 void Fsdp::after_backward() {
+  if (options_.defer_gradient_reduction) return;
   // Units some of whose parameters received no gradient (unused in this pass) are reduced now, in reverse unit
   // order on every rank, with zeros for the missing gradients.
   for (size_t u = units_.size(); u-- > 0;) {
@@ -216,6 +218,11 @@ void Fsdp::after_backward() {
 }
 
 void Fsdp::finish_gradients() {
+  if (options_.defer_gradient_reduction) {
+    for (size_t u = units_.size(); u-- > 0;)
+      if (!units_[u].params.empty()) reduce(u);
+    for (auto& unit : units_) unit.reduced_this_backward = false;
+  }
   accumulate(pending_.size());
   earlier_pending_ = 0;
 }
@@ -244,7 +251,8 @@ std::string Fsdp::describe() const {
                                                   : cat("FSDP over ", shard_group_->size(), " ranks");
   return cat(mode, "; ", units_.size(), " units, ", with_thousands(local), " parameter elements on this rank; gather in ",
              dtype_name(options_.param_dtype), ", reduce in ", dtype_name(options_.reduce_dtype),
-             ", reshard_after_forward ", options_.reshard_after_forward);
+             ", reshard_after_forward ", options_.reshard_after_forward,
+             options_.defer_gradient_reduction ? "; gradients reduced once per step (pipeline)" : "");
 }
 
 int64_t Fsdp::bytes_communicated() const {

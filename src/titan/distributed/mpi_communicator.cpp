@@ -122,6 +122,42 @@ class MpiWork final : public Work {
   std::exception_ptr error_;
 };
 
+// A non-blocking point-to-point operation posted from the calling thread; the tensor is kept alive until done.
+class MpiRequestWork final : public Work {
+ public:
+  MpiRequestWork(std::string what, at::Tensor tensor, std::chrono::seconds timeout)
+      : what_(std::move(what)), tensor_(std::move(tensor)), timeout_(timeout) {}
+  MPI_Request* request() { return &request_; }
+  bool completed() override {
+    if (!done_) {
+      int flag = 0;
+      check(MPI_Test(&request_, &flag, MPI_STATUS_IGNORE), what_);
+      done_ = flag != 0;
+    }
+    return done_;
+  }
+  void wait() override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    auto pause = std::chrono::microseconds(10);
+    // Polling with a growing pause: ranks oversubscribing few cores must not spin each other out.
+    while (!completed()) {
+      if (std::chrono::steady_clock::now() > deadline)
+        throw std::runtime_error(cat(what_, " did not complete within ", timeout_.count(),
+                                     " s (comm.init_timeout_seconds / comm.train_timeout_seconds): the peer rank has died or hangs"));
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+    tensor_ = at::Tensor();
+  }
+
+ private:
+  std::string what_;
+  at::Tensor tensor_;
+  std::chrono::seconds timeout_;
+  MPI_Request request_ = MPI_REQUEST_NULL;
+  bool done_ = false;
+};
+
 // Runs MPI calls on one thread, in order; watches the one in progress.
 class MpiEngine {
  public:
@@ -324,26 +360,26 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
                async);
   }
 
+  // Point-to-point operations bypass the worker thread: they are posted at once from the calling thread
+  // (MPI_THREAD_MULTIPLE) so that a pipeline's sends and receives never queue behind, or block, the collectives of
+  // other groups. wait() polls them and throws when they outlive the timeout.
   std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag, bool async) override {
     require_cpu_contiguous(tensor, "send");
-    at::Tensor t = tensor;
-    bytes_ += static_cast<int64_t>(t.nbytes());
-    return run(cat("send(to ", destination, ", tag ", tag, ")"),
-               [t, destination, tag, comm = comm_]() {
-                 check(MPI_Send(t.data_ptr(), count(t), mpi_type(t.scalar_type()), destination, tag, comm), "MPI_Send");
-               },
-               async);
+    bytes_ += static_cast<int64_t>(tensor.nbytes());
+    auto work = std::make_shared<MpiRequestWork>(cat("send(to ", destination, ", tag ", tag, ") on ", name_), tensor, timeout_);
+    check(MPI_Isend(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), destination, tag, comm_, work->request()),
+          "MPI_Isend");
+    if (!async) work->wait();
+    return work;
   }
 
   std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag, bool async) override {
     require_cpu_contiguous(tensor, "recv");
-    at::Tensor t = tensor;
-    return run(cat("recv(from ", source, ", tag ", tag, ")"),
-               [t, source, tag, comm = comm_]() mutable {
-                 check(MPI_Recv(t.data_ptr(), count(t), mpi_type(t.scalar_type()), source, tag, comm, MPI_STATUS_IGNORE),
-                       "MPI_Recv");
-               },
-               async);
+    auto work = std::make_shared<MpiRequestWork>(cat("recv(from ", source, ", tag ", tag, ") on ", name_), tensor, timeout_);
+    check(MPI_Irecv(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), source, tag, comm_, work->request()),
+          "MPI_Irecv");
+    if (!async) work->wait();
+    return work;
   }
 
   void barrier() override {

@@ -4,6 +4,10 @@ namespace titan::nn {
 
 void Unit::add_wrapper(std::string name, Wrapper wrapper) { wrappers_.emplace_back(std::move(name), std::move(wrapper)); }
 
+void Unit::add_innermost_wrapper(std::string name, Wrapper wrapper) {
+  wrappers_.insert(wrappers_.begin(), {std::move(name), std::move(wrapper)});
+}
+
 bool Unit::has_wrapper(const std::string& name) const {
   for (const auto& [n, w] : wrappers_)
     if (n == name) return true;

@@ -30,6 +30,8 @@ class Unit : public torch::nn::Module {
 
   // Wrappers nest in the order added: the first added runs closest to forward().
   void add_wrapper(std::string name, Wrapper wrapper);
+  // Adds a wrapper closest to forward(), inside every wrapper already added (one that replaces the computation).
+  void add_innermost_wrapper(std::string name, Wrapper wrapper);
   bool has_wrapper(const std::string& name) const;
   void clear_wrappers() { wrappers_.clear(); }
 

@@ -56,6 +56,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   llama3::ModelArgs args = llama3::flavor(c.model.flavor);
   args.max_seq_len = c.training.seq_len;  // as torchtitan: the training sequence length
   llama3::check_parallelism(args, dims, c);
+  if (dims.pp > 1) llama3::plan_stages(args, c, dims.pp);  // stage split and schedule checked before any communication
 
   log::info("Starting job: ", c.job.description);
   if (c.job.print_config) log::info("Running with configs: ", config::to_json(c));
@@ -136,23 +137,31 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   fsdp.param_dtype = param_dtype == at::kFloat ? mp_param : param_dtype;
   fsdp.reduce_dtype = dtype_from_name(c.training.mixed_precision_reduce);
   fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
-  parallel_ = llama3::parallelize(*model_, *mesh_, c, fsdp);
-  for (const auto& line : parallel_.description) log::info(line);
-  distributed::initialize(parallel_.parameters, model_->init_specs(), seed);
+  if (!dims.fsdp_enabled() && param_dtype == at::kFloat && mp_param == at::kBFloat16) autocast_dtype_ = at::kBFloat16;
+  if (dims.pp > 1) {
+    pipeline_ = std::make_unique<llama3::Pipeline>(*model_, *mesh_, c, fsdp, autocast_dtype_);
+    pipeline_->runner().record_timeline(c.debug.pipeline_timeline);
+    for (const auto& line : pipeline_->describe()) log::info(line);
+  } else {
+    whole_.push_back(llama3::parallelize(*model_, *mesh_, c, fsdp, llama3::ModuleRange::whole(*model_)));
+    for (const auto& line : whole_.front().description) log::info(line);
+  }
+  for (auto& part : model_parts())
+    for (const auto& p : part.parameters) parameters_.push_back(p);
+  distributed::initialize(parameters_, model_->init_specs(), seed);
   memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
   log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s); peak memory so far %.2f GiB",
-                      distributed::local_parameter_bytes(parallel_.parameters) / 1e6, static_cast<unsigned long long>(seed),
+                      distributed::local_parameter_bytes(parameters_) / 1e6, static_cast<unsigned long long>(seed),
                       mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model", memory_->peak().peak_gib));
   if (dims.fsdp_enabled()) {
     log::info("Mixed precision training is handled by FSDP (", c.training.mixed_precision_param, " compute, ",
               c.training.mixed_precision_reduce, " gradient reduction)");
   } else {
-    if (param_dtype == at::kFloat && mp_param == at::kBFloat16) autocast_dtype_ = at::kBFloat16;
     log::info(autocast_dtype_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters)"
                               : cat("Training in ", c.training.dtype, " without autocast"));
   }
 
-  optimizer_ = std::make_unique<AdamW>(distributed::local_tensors(parallel_.parameters), c.optimizer);
+  optimizer_ = std::make_unique<AdamW>(distributed::local_tensors(parameters_), c.optimizer);
   lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);
   optimizer_->set_lr(lr_scheduler_->current_lr());
 
@@ -218,32 +227,62 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
   const double global_valid = static_cast<double>(global_valid_count);
 
   at::Tensor loss_total = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
-  for (size_t m = 0; m < microbatches.size(); ++m) {
-    const auto& mb = microbatches[m];
-    at::Tensor inputs = mb.inputs.to(device_), labels = mb.labels.to(device_);
-    at::Tensor loss;
-    {
-      // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
-      // training.mixed_precision_param through autocast).
-      nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-      at::Tensor logits = forward(inputs, mb);
-      loss = parallel_.loss(logits, labels) / global_valid;
+  if (pipeline_) {
+    // The schedule runs each local batch's micro-batches through the stages; gradients are reduced once at the end.
+    double sum = 0;
+    for (const auto& mb : microbatches) {
+      sum += pipeline_->train(mb.inputs, mb.labels, block_causal_ ? mb.positions : at::Tensor(), global_valid, step_);
+      result.tokens += mb.labels.numel();
     }
-    parallel_.data_parallel->before_backward(m + 1 == microbatches.size());
-    loss.backward();
-    parallel_.data_parallel->after_backward();
-    loss_total += loss.detach();
-    result.tokens += labels.numel();
+    loss_total.fill_(sum);
+  } else {
+    auto& part = whole_.front();
+    for (size_t m = 0; m < microbatches.size(); ++m) {
+      const auto& mb = microbatches[m];
+      at::Tensor inputs = mb.inputs.to(device_), labels = mb.labels.to(device_);
+      at::Tensor loss;
+      {
+        // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
+        // training.mixed_precision_param through autocast).
+        nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
+        at::Tensor logits = forward(inputs, mb);
+        loss = part.loss(logits, labels) / global_valid;
+      }
+      part.data_parallel->before_backward(m + 1 == microbatches.size());
+      loss.backward();
+      part.data_parallel->after_backward();
+      loss_total += loss.detach();
+      result.tokens += labels.numel();
+    }
   }
-  parallel_.finish_gradients();
-  at::Tensor norm = distributed::clip_grad_norm(parallel_.parameters, loaded_.config.training.max_norm, *mesh_->world());
+  finish_gradients();
+  at::Tensor norm = distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
   optimizer_->step();
   lr_scheduler_->step();
   optimizer_->set_lr(lr_scheduler_->current_lr());
   mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);
+  if (pipeline_) mesh_->get("pp")->all_reduce(loss_total, distributed::ReduceOp::Sum);  // from the last stage's ranks
   result.loss = loss_total.item<double>();
   result.grad_norm = norm.item<double>();
+  if (pipeline_ && loaded_.config.debug.pipeline_timeline) write_pipeline_timeline();
   return result;
+}
+
+void Trainer::finish_gradients() {
+  for (auto& part : model_parts()) {
+    // Under pipeline parallelism nothing was synchronised during the interleaved backwards: DDP's last pass is now.
+    if (pipeline_) part.data_parallel->before_backward(true);
+    part.finish_gradients();
+  }
+}
+
+void Trainer::write_pipeline_timeline() {
+  // debug.pipeline_timeline: what each action of this step ran, when, on this rank (appended per step).
+  const auto dir = std::filesystem::path(loaded_.config.job.dump_folder) / "pipeline_timeline";
+  std::filesystem::create_directories(dir);
+  std::ofstream out(dir / strprintf("rank-%05d.csv", mesh_->world()->rank()), std::ios::app);
+  for (const auto& e : pipeline_->runner().timeline())
+    out << e.step << "," << e.action << "," << strprintf("%.6f,%.6f,%.6f", e.start, e.end, e.waited) << "\n";
 }
 
 at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) {
@@ -254,7 +293,7 @@ at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) 
 checkpoint::CheckpointedState Trainer::checkpoint_view() {
   train_state_.step = step_;
   train_state_.tokens_seen = tokens_seen_;
-  return checkpoint::CheckpointedState{parallel_.parameters, model_->args(), *optimizer_, *lr_scheduler_, *dataloader_, train_state_};
+  return checkpoint::CheckpointedState{parameters_, model_->args(), *optimizer_, *lr_scheduler_, *dataloader_, train_state_};
 }
 
 double Trainer::validate() {
@@ -295,18 +334,24 @@ double Trainer::validate() {
     at::Tensor inputs = batch.inputs.to(device_), labels = batch.labels.to(device_);
     at::Tensor valid = at::full({1}, count_valid_tokens(batch.labels), at::kLong).to(device_);
     dp->all_reduce(valid, distributed::ReduceOp::Sum);
-    at::Tensor sum;
-    {
+    double sum = 0;
+    if (pipeline_) {
+      at::Tensor pp_sum = at::full({1}, pipeline_->evaluate(batch.inputs, batch.labels, block_causal_ ? batch.positions : at::Tensor()),
+                                   at::TensorOptions().dtype(at::kDouble)).to(device_);
+      mesh_->get("pp")->all_reduce(pp_sum, distributed::ReduceOp::Sum);  // from the last stage's ranks
+      sum = pp_sum.cpu().item<double>();
+    } else {
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
       at::Tensor logits = forward(inputs, batch);
-      sum = parallel_.loss(logits, labels);
+      sum = whole_.front().loss(logits, labels).to(at::kDouble).item<double>();
     }
     // torchtitan's formula: the mean over batches of (this batch's loss sum / its global valid tokens).
-    loss_sum += sum.to(at::kDouble).item<double>() / static_cast<double>(std::max<int64_t>(1, valid.cpu().item<int64_t>()));
+    loss_sum += sum / static_cast<double>(std::max<int64_t>(1, valid.cpu().item<int64_t>()));
     tokens += batch.labels.numel();
     ++batches;
   }
-  parallel_.data_parallel->reshard_all();  // units FSDP keeps gathered after forward wait for a backward that never comes
+  // Units FSDP keeps gathered after forward wait for a backward that never comes.
+  for (auto& part : model_parts()) part.data_parallel->reshard_all();
   if (batches == 0) fail("validation: the validation data has no complete batch of ", v.local_batch_size, " x ", v.seq_len, " tokens");
   at::Tensor total = at::full({1}, loss_sum / static_cast<double>(batches), at::TensorOptions().dtype(at::kDouble)).to(device_);
   dp->all_reduce(total, distributed::ReduceOp::Sum);
@@ -432,11 +477,21 @@ int Trainer::train() {
   if (checkpointer_) checkpointer_->wait();
   if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
   const double steps = static_cast<double>(step_ - first_step);  // run by this process
-  if (mesh_->dims().dp_enabled() && steps > 0)
+  if (mesh_->dims().dp_enabled() && steps > 0) {
+    int64_t bytes = 0;
+    double waited = 0;
+    for (auto& part : model_parts()) bytes += part.data_parallel->bytes_communicated(), waited += part.data_parallel->wait_seconds();
     log::info(strprintf("Data-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting, "
                         "%.3f s inside MPI calls (overlapped or not); %.3f s per step in all",
-                        parallel_.data_parallel->bytes_communicated() / steps / 1e6, parallel_.data_parallel->wait_seconds() / steps,
-                        distributed::mpi_busy_seconds() / steps, (now_seconds() - train_start) / steps));
+                        bytes / steps / 1e6, waited / steps, distributed::mpi_busy_seconds() / steps, (now_seconds() - train_start) / steps));
+  }
+  if (pipeline_ && pipeline_->runner().steps() > 0) {
+    const auto& r = pipeline_->runner();
+    log::info(strprintf("Pipeline on this rank: measured bubble %.1f%% (schedule's unit-time bubble %.1f%%), %.2f MB sent to "
+                        "neighbouring stages per step, at most %d micro-batches in flight",
+                        100.0 * r.bubble(), 100.0 * r.schedule().simulate().bubble,
+                        static_cast<double>(r.bytes_sent()) / static_cast<double>(r.steps()) * static_cast<double>(grad_accum_steps_) / 1e6, r.max_in_flight()));
+  }
   if (mesh_->dims().tp > 1 && steps > 0)
     log::info(strprintf("Tensor-parallel communication per step on this rank: %.2f MB sent, %.3f s in its (synchronous) "
                         "collectives; %.3f s per step in all",

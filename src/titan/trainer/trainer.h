@@ -16,6 +16,7 @@
 #include "titan/distributed/parallel_dims.h"
 #include "titan/models/llama3/model.h"
 #include "titan/models/llama3/parallelize.h"
+#include "titan/models/llama3/pipeline.h"
 
 namespace titan {
 
@@ -51,12 +52,18 @@ class Trainer {
   int64_t step() const { return step_; }
   const at::Device& device() const { return device_; }
   const distributed::DeviceMesh& mesh() const { return *mesh_; }
-  distributed::DataParallel& data_parallel() { return *parallel_.data_parallel; }
-  // Every parameter as this rank holds it (what the optimizer updates and where it lies in the global tensor).
-  const std::vector<distributed::ShardedParameter>& parameters() const { return parallel_.parameters; }
+  // Every parameter as this rank holds it, over all its model parts (what the optimizer updates and where it lies
+  // in the global tensor).
+  const std::vector<distributed::ShardedParameter>& parameters() const { return parameters_; }
+  // The parallelized model parts on this rank: the whole model, or its pipeline stages' parts (torchtitan's
+  // model_parts).
+  std::vector<llama3::ParallelModel>& model_parts() { return pipeline_ ? pipeline_->parts() : whole_; }
+  llama3::Pipeline* pipeline() { return pipeline_.get(); }
 
  private:
   void log_step(const StepResult& result, double data_seconds);
+  void finish_gradients();  // every part's data-parallel and tensor-parallel gradient reductions
+  void write_pipeline_timeline();
   at::Tensor forward(const at::Tensor& inputs, const data::Batch& batch);  // logits, device inputs
 
   config::LoadedConfig loaded_;
@@ -65,7 +72,9 @@ class Trainer {
   std::unique_ptr<distributed::DeviceMesh> mesh_;
   std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
   std::shared_ptr<llama3::Transformer> model_;
-  llama3::ParallelModel parallel_;
+  std::vector<llama3::ParallelModel> whole_;  // without pipeline parallelism: one part, the whole model
+  std::unique_ptr<llama3::Pipeline> pipeline_;
+  std::vector<distributed::ShardedParameter> parameters_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LRScheduler> lr_scheduler_;
   std::unique_ptr<data::DataLoader> dataloader_;

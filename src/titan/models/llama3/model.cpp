@@ -170,16 +170,34 @@ at::Tensor block_causal_mask(const at::Tensor& document_positions) {
 }
 
 at::Tensor Transformer::forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& document_positions) {
+  return forward_modules(tokens, 0, module_count(), tokens.size(1), positions, document_positions);
+}
+
+std::vector<std::string> Transformer::module_names() const {
+  std::vector<std::string> out = {"tok_embeddings"};
+  for (size_t i = 0; i < layers.size(); ++i) out.push_back("layers." + std::to_string(i));
+  out.push_back("norm");
+  out.push_back("output");
+  return out;
+}
+
+at::Tensor Transformer::forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
+                                        const at::Tensor& positions, const at::Tensor& document_positions) {
+  TORCH_CHECK(0 <= begin && begin < end && end <= module_count(), "module range [", begin, ", ", end, ") outside 0..", module_count());
   nn::Context context;
   context.positions = positions;
   if (document_positions.defined()) context.attn_mask = block_causal_mask(document_positions);
-  const int64_t seqlen = tokens.size(1);
-  TORCH_CHECK(seqlen <= rope_.size(0), "sequence length ", seqlen, " exceeds the model's max_seq_len ", rope_.size(0));
+  TORCH_CHECK(seq_len <= rope_.size(0), "sequence length ", seq_len, " exceeds the model's max_seq_len ", rope_.size(0));
   context.rope = rope_;
-  at::Tensor h = (*tok_embeddings)(tokens, context);
-  for (auto& layer : layers) h = (*layer)(h, context);
-  h = (*norm)(h, context);
-  return (*output)(h, context);
+  const int64_t n = static_cast<int64_t>(layers.size());
+  at::Tensor h = input;
+  for (int64_t i = begin; i < end; ++i) {
+    if (i == 0) h = (*tok_embeddings)(h, context);
+    else if (i <= n) h = (*layers[static_cast<size_t>(i - 1)])(h, context);
+    else if (i == n + 1) h = (*norm)(h, context);
+    else h = (*output)(h, context);
+  }
+  return h;
 }
 
 }  // namespace titan::llama3

@@ -86,6 +86,14 @@ class Transformer : public torch::nn::Module {
   // document_positions (batch, seq_len): each token's index in its document; when given, attention is
   // block-causal (model.attn_mask_type = "block_causal").
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {}, const at::Tensor& document_positions = {});
+  // The modules [begin, end) of the forward order tok_embeddings, layers.0 .. layers.{n-1}, norm, output (indices
+  // 0 .. n_layers + 2) on `input`: tokens when begin is 0, else the hidden state the module before produced. A
+  // pipeline stage runs its part this way; `seq_len` is the whole sequence's length (the input may be a shard).
+  at::Tensor forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len, const at::Tensor& positions = {},
+                             const at::Tensor& document_positions = {});
+  int64_t module_count() const { return static_cast<int64_t>(layers.size()) + 3; }
+  // The forward-order names: "tok_embeddings", "layers.0", ..., "norm", "output".
+  std::vector<std::string> module_names() const;
   // torchtitan's initial distribution of every parameter, by name.
   std::map<std::string, nn::InitSpec> init_specs() const;
   // Initialises every parameter from `seed` (nn/init.h: the same values as any sharded initialisation with that

@@ -7,6 +7,7 @@
 #include "titan/distributed/ddp.h"
 #include "titan/distributed/fsdp.h"
 #include "titan/distributed/loss_parallel.h"
+#include "titan/distributed/pipeline/zero_bubble.h"
 #include "titan/distributed/tensor_parallel.h"
 
 namespace titan::llama3 {
@@ -39,7 +40,17 @@ void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& d
          "data_parallel_shard_degree > 1 (tensor parallelism works with them)");
 }
 
-distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transformer& model, const config::ActivationCheckpoint& ac) {
+std::vector<int64_t> ModuleRange::layers(const Transformer& model) const {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < static_cast<int64_t>(model.layers.size()); ++i)
+    if (contains(i + 1)) out.push_back(i);
+  return out;
+}
+
+ModuleRange ModuleRange::whole(const Transformer& model) { return ModuleRange{0, model.module_count()}; }
+
+distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transformer& model, const ModuleRange& part,
+                                                                         const config::ActivationCheckpoint& ac) {
   using distributed::checkpoint_unit;
   distributed::ActivationCheckpointSummary summary;
   if (ac.mode == "none") {
@@ -50,12 +61,13 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transfor
     fail("activation_checkpoint.mode = \"memory_budget\" needs a graph compiler (torch.compile), which titan.cpp does not "
          "have; use \"full\" or \"selective\"");
   if (ac.mode == "full") {
-    for (auto& block : model.layers) checkpoint_unit(*block), ++summary.wrapped_units;
+    for (int64_t i : part.layers(model)) checkpoint_unit(*model.layers[static_cast<size_t>(i)]), ++summary.wrapped_units;
     summary.description = cat("full activation checkpointing of all ", summary.wrapped_units, " blocks");
     return summary;
   }
   if (ac.selective_ac_option == "op") {
-    for (auto& block : model.layers) {
+    for (int64_t i : part.layers(model)) {
+      auto& block = model.layers[static_cast<size_t>(i)];
       checkpoint_unit(*block->attention_norm);
       checkpoint_unit(*block->ffn_norm);
       checkpoint_unit(*block->feed_forward->gate);
@@ -65,14 +77,16 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transfor
     return summary;
   }
   const int64_t every = std::stoll(ac.selective_ac_option);
-  for (size_t i = 0; i < model.layers.size(); ++i) {
-    if (every == 0 || (static_cast<int64_t>(i) + 1) % every == 0) {
-      checkpoint_unit(*model.layers[i]);
+  const auto layers = part.layers(model);
+  for (int64_t i : layers) {
+    // Counted over the whole model, so a block is checkpointed or not whatever stage holds it.
+    if (every == 0 || (i + 1) % every == 0) {
+      checkpoint_unit(*model.layers[static_cast<size_t>(i)]);
       ++summary.wrapped_units;
     }
   }
   summary.description = cat("selective activation checkpointing of every ", every == 0 ? 1 : every, "-th block (",
-                            summary.wrapped_units, " of ", model.layers.size(), ")");
+                            summary.wrapped_units, " of ", layers.size(), ")");
   return summary;
 }
 
@@ -82,10 +96,12 @@ namespace {
 // norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split),
 // wo/w2 row-wise back into sequence shards; the final norm sequence-parallel; the output column-wise, its logits
 // left vocabulary-sharded for loss parallelism or gathered.
-void apply_tensor_parallel(Transformer& model, distributed::TensorParallel& tp, bool loss_parallel, int64_t overlap_chunks) {
+void apply_tensor_parallel(Transformer& model, const ModuleRange& part, distributed::TensorParallel& tp, bool loss_parallel,
+                           int64_t overlap_chunks) {
   const Placement replicate = Placement::replicate(), sequence = Placement::shard(1), features = Placement::shard(-1);
-  tp.rowwise_embedding(*model.tok_embeddings, model.tok_embeddings->weight, sequence);
-  for (auto& block : model.layers) {
+  if (part.contains(0)) tp.rowwise_embedding(*model.tok_embeddings, model.tok_embeddings->weight, sequence);
+  for (int64_t i : part.layers(model)) {
+    auto& block = model.layers[static_cast<size_t>(i)];
     tp.sequence_parallel(*block->attention_norm, block->attention_norm->weight);
     auto& attention = *block->attention;
     for (auto* linear : {attention.wq.get(), attention.wk.get(), attention.wv.get()})
@@ -99,8 +115,18 @@ void apply_tensor_parallel(Transformer& model, distributed::TensorParallel& tp, 
     tp.rowwise(*ffn.w2, ffn.w2->weight, sequence);
     tp.sequence_parallel_region(ffn, *ffn.w2, overlap_chunks);
   }
-  tp.sequence_parallel(*model.norm, model.norm->weight);
-  tp.colwise(*model.output, model.output->weight(), sequence, loss_parallel ? features : replicate);
+  const int64_t n = static_cast<int64_t>(model.layers.size());
+  if (part.contains(n + 1)) tp.sequence_parallel(*model.norm, model.norm->weight);
+  if (part.contains(n + 2)) tp.colwise(*model.output, model.output->weight(), sequence, loss_parallel ? features : replicate);
+}
+
+// Which module of the forward order (ModuleRange's indices) a parameter belongs to.
+int64_t module_of(const std::string& name, int64_t n_layers) {
+  if (starts_with(name, "tok_embeddings.")) return 0;
+  if (starts_with(name, "layers.")) return std::stoll(name.substr(7, name.find('.', 7) - 7)) + 1;
+  if (starts_with(name, "norm.")) return n_layers + 1;
+  if (starts_with(name, "output.")) return n_layers + 2;
+  fail("internal: parameter ", name, " belongs to no module of the Llama 3 forward order");
 }
 
 }  // namespace
@@ -111,11 +137,13 @@ void ParallelModel::finish_gradients() {
 }
 
 ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
-                          const distributed::FsdpOptions& fsdp) {
+                          const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward) {
   const auto& dims = mesh.dims();
   const auto& p = config.parallelism;
+  const int64_t n = static_cast<int64_t>(model.layers.size());
   ParallelModel out;
-  out.parameters = distributed::describe_parameters(model);
+  for (auto& param : distributed::describe_parameters(model))
+    if (part.contains(module_of(param.name, n))) out.parameters.push_back(param);
   out.loss = [](const at::Tensor& logits, const at::Tensor& labels) { return cross_entropy_sum(logits, labels); };
 
   check_parallelism(model.args(), dims, config);
@@ -125,7 +153,7 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
     const bool loss_parallel = !p.disable_loss_parallel;
     // Async TP: attention and feed-forward run on batch slices with their sequence collectives in the background.
     const int64_t overlap_chunks = p.enable_async_tensor_parallel ? kAsyncTensorParallelSlices : 1;
-    apply_tensor_parallel(model, tp, loss_parallel, overlap_chunks);
+    apply_tensor_parallel(model, part, tp, loss_parallel, overlap_chunks);
     if (loss_parallel) {
       const int64_t vocab_begin = tp.shard_begin(model.args().vocab_size);
       auto group = mesh.get("tp");
@@ -146,19 +174,33 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
   } else if (p.enable_async_tensor_parallel) {
     log::warn("parallelism.enable_async_tensor_parallel has no effect without tensor parallelism (tensor_parallel_degree = 1)");
   }
+  if (split_backward) {
+    // Zero-bubble schedules: the blocks' matmul weight gradients wait for the schedule's weight steps.
+    for (int64_t i : part.layers(model)) {
+      auto& block = *model.layers[static_cast<size_t>(i)];
+      for (auto* linear : {block.attention->wq.get(), block.attention->wk.get(), block.attention->wv.get(), block.attention->wo.get(),
+                           block.feed_forward->w1.get(), block.feed_forward->w2.get(), block.feed_forward->w3.get()})
+        distributed::pipeline::defer_weight_gradient(*linear);
+    }
+  }
 
-  auto ac = apply_activation_checkpointing(model, config.activation_checkpoint);
+  auto ac = apply_activation_checkpointing(model, part, config.activation_checkpoint);
   out.description.push_back("Activation checkpointing: " + ac.description);
 
   if (dims.fsdp_enabled()) {
     const std::string& policy = fsdp.reshard_after_forward;
-    const bool reshard = policy != "never";
+    // As torchtitan: "default" reshards after forward except under pipeline parallelism, where every micro-batch
+    // would gather again (and the stage's gradients are reduced once per step anyway).
+    const bool reshard = policy == "always" || (policy == "default" && dims.pp == 1);
     std::vector<distributed::FsdpUnitSpec> units;
-    units.push_back({"tok_embeddings", {model.tok_embeddings.get()}, reshard});
-    for (size_t i = 0; i < model.layers.size(); ++i)
-      units.push_back({"layers." + std::to_string(i), {model.layers[i].get()}, reshard});
+    if (part.contains(0)) units.push_back({"tok_embeddings", {model.tok_embeddings.get()}, reshard});
+    for (int64_t i : part.layers(model))
+      units.push_back({"layers." + std::to_string(i), {model.layers[static_cast<size_t>(i)].get()}, reshard});
     // As torchtitan: norm + output are needed again right at the start of backward, so by default they stay gathered.
-    units.push_back({"norm+output", {model.norm.get(), model.output.get()}, policy == "always"});
+    std::vector<nn::Unit*> tail;
+    if (part.contains(n + 1)) tail.push_back(model.norm.get());
+    if (part.contains(n + 2)) tail.push_back(model.output.get());
+    if (!tail.empty()) units.push_back({tail.size() == 2 ? "norm+output" : part.contains(n + 1) ? "norm" : "output", tail, policy == "always"});
     out.data_parallel = std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard"), mesh.get("dp_replicate"), fsdp);
   } else {
     distributed::materialize(out.parameters);

@@ -25,6 +25,15 @@ using LossFunction = std::function<at::Tensor(const at::Tensor& logits, const at
 // Async TP's batch slices per attention / feed-forward call (fewer when the local batch is smaller).
 constexpr int64_t kAsyncTensorParallelSlices = 4;
 
+// A contiguous run [begin, end) of the forward order tok_embeddings, layers.0 .. layers.{n-1}, norm, output
+// (Transformer::module_names()): the whole model, or one pipeline stage's part of it.
+struct ModuleRange {
+  int64_t begin = 0, end = 0;
+  bool contains(int64_t module) const { return begin <= module && module < end; }
+  std::vector<int64_t> layers(const Transformer& model) const;  // the block indices inside
+  static ModuleRange whole(const Transformer& model);
+};
+
 struct ParallelModel {
   std::vector<distributed::ShardedParameter> parameters;  // what the optimizer, clipping and checkpoints work on
   std::unique_ptr<distributed::DataParallel> data_parallel;
@@ -47,12 +56,15 @@ void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& d
 
 // torchtitan's modes: full (every block), selective N (every N-th block), selective "op" (RMSNorm and the SwiGLU
 // gating recomputed). Throws UserError for memory_budget (needs a graph compiler).
-distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transformer& model, const config::ActivationCheckpoint& ac);
+distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transformer& model, const ModuleRange& part,
+                                                                         const config::ActivationCheckpoint& ac);
 
-// TP over mesh "tp" (when > 1), activation checkpointing, then data parallelism over the mesh. The model may be
-// built without storage (on fsdp.device, in fsdp.shard_dtype): each rank then allocates only its pieces, whose
-// values are set afterwards by distributed::initialize or a checkpoint load.
+// TP over mesh "tp" (when > 1), activation checkpointing, then data parallelism over the mesh, applied to the
+// modules of `part` (each pipeline stage's part is parallelized on its own, as torchtitan's model_parts). The model
+// may be built without storage (on fsdp.device, in fsdp.shard_dtype): each rank then allocates only its pieces,
+// whose values are set afterwards by distributed::initialize or a checkpoint load. `split_backward` (zero-bubble
+// schedules) makes the blocks' matmul weight gradients deferrable (distributed/pipeline/zero_bubble.h).
 ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
-                          const distributed::FsdpOptions& fsdp);
+                          const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward = false);
 
 }  // namespace titan::llama3

@@ -1,0 +1,85 @@
+// PipelineRunner: executes a Schedule on this rank's stages. Activations go forward and their gradients back to
+// the neighbouring stages' ranks by non-blocking point-to-point messages on the "pp" group (receives are posted a
+// few actions ahead, sends are never waited for until the step ends), so a stage blocks only on data it needs.
+// Records what ran when, for the bubble and the timeline.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/pipeline/schedule.h"
+
+namespace titan::distributed::pipeline {
+
+struct Stage {
+  int index = 0;
+  // Micro-batch `microbatch`'s forward through this stage's modules. `input` is undefined on the first stage (the
+  // stage reads its tokens itself) and the previous stage's output otherwise.
+  std::function<at::Tensor(const at::Tensor& input, int microbatch)> forward;
+};
+
+// On the last stage: the loss backward starts from (already scaled for the global batch), from the logits.
+using StageLoss = std::function<at::Tensor(const at::Tensor& logits, int microbatch)>;
+
+struct TimelineEntry {
+  int64_t step = 0;
+  std::string action;   // "1F0", "0B3", "2I1", "2W1"
+  double start = 0;     // seconds since the step began
+  double end = 0;
+  double waited = 0;    // of which blocked on receiving from a neighbour
+};
+
+class PipelineRunner {
+ public:
+  PipelineRunner(Schedule schedule, std::vector<Stage> stages, std::shared_ptr<Communicator> pp_group, at::Device device);
+  ~PipelineRunner();
+
+  // One pass of the schedule over its micro-batches with gradients; returns the sum of the losses computed on this
+  // rank (zero without the last stage). `step` labels the timeline.
+  double train(const StageLoss& loss, int64_t step);
+  // Forward only (validation), `microbatches` of them, stage by stage; returns the sum of `loss` on the last stage.
+  double evaluate(const StageLoss& loss, int microbatches);
+
+  const Schedule& schedule() const { return schedule_; }
+  bool has_stage(int index) const;
+  // Measured over every train() so far: the share of the steps' time this rank spent not computing.
+  double bubble() const { return step_seconds_ > 0 ? 1.0 - compute_seconds_ / step_seconds_ : 0.0; }
+  double step_seconds() const { return step_seconds_; }
+  int64_t steps() const { return steps_; }
+  int max_in_flight() const { return max_in_flight_; }  // measured: forwards not yet backward at once
+  int64_t bytes_sent() const { return bytes_sent_; }
+  // Every action of the last `keep` train() calls (debug.pipeline_timeline), oldest first.
+  const std::vector<TimelineEntry>& timeline() const { return timeline_; }
+  void record_timeline(bool on) { record_ = on; }
+
+ private:
+  struct Slot;  // one (stage, micro-batch)'s tensors in flight
+  Slot& slot(int stage, int microbatch);
+  void post_receives(const std::vector<Action>& actions, size_t from);
+  at::Tensor receive_activation(int stage, int microbatch, double& waited);
+  at::Tensor receive_gradient(int stage, int microbatch, double& waited);
+  void send_activation(int stage, int microbatch, const at::Tensor& output);
+  void send_gradient(int stage, int microbatch, const at::Tensor& grad);
+  int tag(int stage, int microbatch, int kind) const;
+  void wait(const std::shared_ptr<Work>& work, const std::string& what, double& waited);
+  void finish_sends();
+
+  Schedule schedule_;
+  std::map<int, Stage> stages_;
+  std::shared_ptr<Communicator> group_;
+  at::Device device_;
+  std::map<std::pair<int, int>, std::unique_ptr<Slot>> slots_;
+  std::vector<std::pair<std::shared_ptr<Work>, at::Tensor>> sends_;
+  double compute_seconds_ = 0, step_seconds_ = 0;
+  int64_t steps_ = 0, bytes_sent_ = 0;
+  int max_in_flight_ = 0;
+  bool record_ = false;
+  std::vector<TimelineEntry> timeline_;
+};
+
+}  // namespace titan::distributed::pipeline

@@ -1,0 +1,75 @@
+#include "titan/distributed/pipeline/zero_bubble.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+#include <map>
+
+#include "titan/common/error.h"
+
+namespace titan::distributed::pipeline {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Set only by the training thread around an input-gradient pass; read by autograd (which on GPUs runs backward on
+// a device thread, hence not thread-local).
+std::atomic<DeferredWeights*> g_capture{nullptr};
+
+struct DeferrableLinear : torch::autograd::Function<DeferrableLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    ctx->save_for_backward({x, weight});
+    return at::linear(x, weight);  // under autocast in the compute dtype, as nn::Linear
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& dy = grads[0];
+    at::Tensor dx = at::matmul(dy, weight.to(dy.scalar_type())).to(x.scalar_type());
+    if (DeferredWeights* capture = g_capture.load()) {
+      capture->add({weight, x, dy});
+      return {dx, at::Tensor()};
+    }
+    at::Tensor dw = at::matmul(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type()));
+    return {dx, dw.to(weight.scalar_type())};
+  }
+};
+
+}  // namespace
+
+DeferredWeights::Capture::Capture(DeferredWeights& target) {
+  DeferredWeights* expected = nullptr;
+  if (!g_capture.compare_exchange_strong(expected, &target)) fail("internal: nested zero-bubble weight captures");
+}
+
+DeferredWeights::Capture::~Capture() { g_capture.store(nullptr); }
+
+void DeferredWeights::apply() {
+  // Summed per weight first, so each weight's accumulator (and its hooks) runs once per weight step.
+  std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> sums;
+  for (const auto& e : entries_) {
+    at::Tensor dw = at::matmul(e.grad_output.reshape({-1, e.grad_output.size(-1)}).t(),
+                               e.input.reshape({-1, e.input.size(-1)}).to(e.grad_output.scalar_type()));
+    auto [it, fresh] = sums.try_emplace(e.weight.unsafeGetTensorImpl(), e.weight, dw);
+    if (!fresh) it->second.second.add_(dw);
+  }
+  entries_.clear();
+  std::vector<at::Tensor> weights, gradients;
+  for (auto& [impl, item] : sums) {
+    weights.push_back(item.first);
+    gradients.push_back(item.second.to(item.first.scalar_type()));
+  }
+  if (!weights.empty()) torch::autograd::backward(weights, gradients);
+}
+
+void defer_weight_gradient(nn::Linear& linear) {
+  at::Tensor* weight = &linear.weight;
+  linear.add_innermost_wrapper("zero_bubble", [weight](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
+    return DeferrableLinear::apply(inputs[0], *weight);
+  });
+}
+
+}  // namespace titan::distributed::pipeline

@@ -1,0 +1,69 @@
+// Pipeline parallelism for Llama 3, as torchtitan's distributed/pipeline_parallel.py: the model is cut into
+// stages (torchtitan's layer assignment, or parallelism.module_fqns_per_model_part), each rank parallelizes the
+// parts its stages hold (TP, AC, FSDP/DDP per part), and a schedule (distributed/pipeline) runs the micro-batches.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "titan/config/job_config.h"
+#include "titan/distributed/pipeline/runner.h"
+#include "titan/models/llama3/parallelize.h"
+
+namespace titan::llama3 {
+
+// torchtitan's generate_llm_fqn_per_model_part: `stages` lists of module names, the embedding counted as
+// `input_weight` layers and norm + output as `output_weight`, layers spread as evenly as that allows (earlier
+// stages take the remainder). Throws UserError naming the numbers when a stage would be empty.
+std::vector<std::vector<std::string>> split_module_names(int64_t stages, int64_t n_layers, int64_t input_weight, int64_t output_weight);
+
+struct StagePlan {
+  std::vector<std::vector<std::string>> names;  // per stage
+  std::vector<ModuleRange> ranges;              // per stage, into Transformer::module_names()
+  int64_t stages_per_rank = 1;
+  std::string schedule;                         // canonical schedule name
+  bool v_shape = false, split_backward = false;
+  int64_t microbatches = 1;                     // per local batch
+};
+
+// The stages for this configuration (torchtitan's rules for their number: pipeline_parallel_layers_per_stage, or 1
+// per rank for single-stage schedules and 2 for the others), checked before anything is built: every module exactly
+// once, in forward order, no stage empty, tied embeddings on one stage, the micro-batch count the schedule needs.
+StagePlan plan_stages(const ModelArgs& args, const config::JobConfig& config, int64_t pp);
+
+// This rank's stages of a pipelined model and the schedule runner that drives them.
+class Pipeline {
+ public:
+  Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
+           const distributed::FsdpOptions& fsdp, std::optional<at::ScalarType> autocast_dtype);
+
+  // One local batch through the schedule with gradients: `tokens`, `labels` and (block-causal) `document_positions`
+  // (batch, seq) are cut into micro-batches; each micro-batch's loss sum is divided by `global_valid`. Returns the
+  // sum of those losses on this rank (zero unless it holds the last stage).
+  double train(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, double global_valid,
+               int64_t step);
+  // Forward only: the cross-entropy sum of the batch on the last stage's rank (zero elsewhere).
+  double evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions);
+
+  std::vector<ParallelModel>& parts() { return parts_; }
+  const StagePlan& plan() const { return plan_; }
+  distributed::pipeline::PipelineRunner& runner() { return *runner_; }
+  std::vector<std::string> describe() const;
+
+ private:
+  void set_batch(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, int64_t microbatch_size);
+  Transformer& model_;
+  StagePlan plan_;
+  std::vector<int> stage_of_part_;
+  std::vector<ParallelModel> parts_;
+  std::unique_ptr<distributed::pipeline::PipelineRunner> runner_;
+  std::optional<at::ScalarType> autocast_dtype_;
+  int64_t microbatch_size_ = 1, seq_len_ = 0;
+  std::vector<at::Tensor> tokens_, labels_, positions_;
+  at::Device device_;
+};
+
+}  // namespace titan::llama3
