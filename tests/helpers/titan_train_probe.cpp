@@ -13,6 +13,7 @@
 
 #include "titan/common/error.h"
 #include "titan/components/checkpoint/safetensors.h"
+#include "titan/components/metrics/memory.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/models/llama3/state_dict_adapter.h"
@@ -97,6 +98,19 @@ int main(int argc, char** argv) {
     for (const auto& p : trainer.parameters())
       layouts[p.name] = {{"placement", p.layout.str()}, {"box", p.layout.local_box().str()}, {"local_shape", p.local.sizes().vec()}};
     meta["layouts"] = layouts;  // this rank's (the writer's: rank 0)
+    if (auto* pipeline = trainer.pipeline()) {
+      const auto& r = pipeline->runner();
+      meta["pipeline"] = {{"schedule", r.schedule().name()},
+                          {"stages", r.schedule().stages()},
+                          {"microbatches", r.schedule().microbatches()},
+                          {"max_in_flight", r.max_in_flight()},
+                          {"schedule_max_in_flight", r.schedule().max_in_flight(0)},
+                          {"measured_bubble", r.bubble()},
+                          {"simulated_bubble", r.schedule().simulate().bubble},
+                          {"bytes_sent", r.bytes_sent()},
+                          {"csv", r.schedule().to_csv()}};
+    }
+    meta["peak_rss_bytes"] = titan::metrics::peak_rss_bytes();
     if (validate) meta["validation_loss"] = trainer.validate();
     if (writer) std::ofstream(out_dir + "/metrics.json") << meta.dump(2) << "\n";
   } catch (const std::exception& e) {

@@ -1,5 +1,7 @@
 #include "titan/distributed/communicator.h"
 
+#include <cstring>
+
 #include <cstdlib>
 #include <mutex>
 
@@ -132,6 +134,23 @@ void shutdown() {
     g_world.reset();
   }
   mpi_finalize();
+}
+
+// Every rank's string, on every rank (lengths first, then the padded bytes).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
+  const int n = comm.size();
+  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor lengths = at::empty({n}, at::kLong);
+  comm.all_gather_into(lengths, length);
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  at::Tensor all = at::empty({longest * n}, at::kByte);
+  comm.all_gather_into(all, bytes);
+  std::vector<std::string> out;
+  const auto* base = static_cast<const char*>(all.data_ptr());
+  for (int r = 0; r < n; ++r) out.emplace_back(base + r * longest, static_cast<size_t>(lengths[r].item<int64_t>()));
+  return out;
 }
 
 }  // namespace titan::distributed

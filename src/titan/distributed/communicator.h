@@ -91,6 +91,9 @@ std::shared_ptr<Communicator> make_mpi_world();
 std::shared_ptr<Communicator> make_nccl_world(const LaunchInfo& launch, const std::shared_ptr<Communicator>& bootstrap,
                                               int device_index);
 
+// Collective: every rank's string, on every rank, in rank order (CPU tensors: the MPI or local backend).
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);
+
 // Convenience: a completed Work.
 std::shared_ptr<Work> completed_work();
 

@@ -1,6 +1,10 @@
 #include "titan/distributed/sharded_parameter.h"
 
+#include <map>
+#include <set>
+
 #include "titan/common/error.h"
+#include "titan/common/strings.h"
 #include "titan/nn/storage.h"
 
 namespace titan::distributed {
@@ -54,18 +58,38 @@ void initialize(std::vector<ShardedParameter>& params, const std::map<std::strin
 std::vector<std::pair<std::string, at::Tensor>> gather_full(const std::vector<ShardedParameter>& params, Communicator& world,
                                                             at::ScalarType dtype) {
   at::NoGradGuard no_grad;
+  // Ranks may hold different parameters (pipeline stages): agree on the union, in the order ranks list them.
+  std::string mine;
+  for (const auto& p : params) mine += p.name + "=" + join_ints(p.layout.global_shape()) + "\n";
+  std::vector<std::pair<std::string, std::vector<int64_t>>> names;
+  std::set<std::string> seen;
+  for (const auto& text : world.size() > 1 ? all_gather_strings(world, mine) : std::vector<std::string>{mine})
+    for (const auto& line : split(text, '\n')) {
+      if (line.empty()) continue;
+      const auto eq = line.rfind('=');
+      std::string name = line.substr(0, eq);
+      if (!seen.insert(name).second) continue;
+      std::vector<int64_t> shape;
+      for (const auto& d : split(line.substr(eq + 1), ',')) shape.push_back(std::stoll(trim(d)));
+      names.emplace_back(std::move(name), std::move(shape));
+    }
+  std::map<std::string, const ShardedParameter*> local;
+  for (const auto& p : params) local[p.name] = &p;
+  const auto options = at::TensorOptions().dtype(dtype).device(params.empty() ? at::Device(at::kCPU) : params.front().local.device());
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& p : params) {
+  for (const auto& [name, shape] : names) {
     // Owners place their pieces (which do not overlap) into zeros; the sum over all ranks is the whole tensor.
-    at::Tensor full = at::zeros(p.layout.global_shape(), p.local.options().dtype(dtype).requires_grad(false));
-    if (p.layout.owner()) {
+    at::Tensor full = at::zeros(shape, options);
+    auto it = local.find(name);
+    if (it != local.end() && it->second->layout.owner()) {
+      const ShardedParameter& p = *it->second;
       const Box box = p.layout.local_box();
       at::Tensor target = full;
       for (size_t d = 0; d < box.offsets.size(); ++d) target = target.narrow(static_cast<int64_t>(d), box.offsets[d], box.lengths[d]);
       target.copy_(p.piece().detach());
     }
     if (world.size() > 1) world.all_reduce(full, ReduceOp::Sum);
-    out.emplace_back(p.name, full);
+    out.emplace_back(name, full);
   }
   return out;
 }

@@ -283,6 +283,7 @@ void Trainer::write_pipeline_timeline() {
   std::ofstream out(dir / strprintf("rank-%05d.csv", mesh_->world()->rank()), std::ios::app);
   for (const auto& e : pipeline_->runner().timeline())
     out << e.step << "," << e.action << "," << strprintf("%.6f,%.6f,%.6f", e.start, e.end, e.waited) << "\n";
+  pipeline_->runner().clear_timeline();
 }
 
 at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) {

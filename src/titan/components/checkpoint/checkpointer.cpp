@@ -33,23 +33,6 @@ std::optional<int64_t> step_of(const fs::path& p) {
   return std::stoll(m[1]);
 }
 
-// Every rank's string, on every rank (lengths first, then the padded bytes).
-std::vector<std::string> all_gather_strings(distributed::Communicator& comm, const std::string& mine) {
-  const int n = comm.size();
-  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor lengths = at::empty({n}, at::kLong);
-  comm.all_gather_into(lengths, length);
-  const int64_t longest = lengths.max().item<int64_t>();
-  at::Tensor bytes = at::zeros({longest}, at::kByte);
-  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  at::Tensor all = at::empty({longest * n}, at::kByte);
-  comm.all_gather_into(all, bytes);
-  std::vector<std::string> out;
-  const auto* base = static_cast<const char*>(all.data_ptr());
-  for (int r = 0; r < n; ++r) out.emplace_back(base + r * longest, static_cast<size_t>(lengths[r].item<int64_t>()));
-  return out;
-}
-
 at::ScalarType export_dtype(const std::string& name) {
   return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
 }
@@ -207,7 +190,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
     for (const auto& item : items) writer.add(item.key, item.tensor, item.offsets, item.shape);
     json part = writer.finish();
     part["rank_state"] = rank_state;
-    auto parts_text = all_gather_strings(*world, part.dump());
+    auto parts_text = distributed::all_gather_strings(*world, part.dump());
     if (rank == 0) {
       std::vector<json> parts;
       for (const auto& t : parts_text) parts.push_back(json::parse(t));

@@ -150,12 +150,11 @@ double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
   const double step_start = now_seconds();
   double loss_sum = 0, compute = 0;
   int in_flight = 0;
-  if (record_) timeline_.clear();
   for (size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
     post_receives(actions, i);
     const double start = now_seconds();
-    double waited = 0;
+    double waited = 0, computed = 0;  // computed: when the result existed (before sending it on)
     Stage& stage = stages_.at(a.stage);
     Slot& s = slot(a.stage, a.microbatch);
     if (a.op == Op::Forward) {
@@ -164,8 +163,10 @@ double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
       if (a.stage == last) {
         s.output = loss_fn(out, a.microbatch);
         loss_sum += s.output.detach().to(at::kDouble).item<double>();
+        computed = now_seconds();
       } else {
         s.output = out;
+        computed = now_seconds();
         send_activation(a.stage, a.microbatch, out);
       }
       max_in_flight_ = std::max(max_in_flight_, ++in_flight);
@@ -177,17 +178,19 @@ double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
         if (grad.defined()) torch::autograd::backward({s.output}, {grad});
         else torch::autograd::backward({s.output});
       }
+      computed = now_seconds();
       if (a.stage > 0) send_gradient(a.stage, a.microbatch, s.input.grad());
       s.input = at::Tensor();
       s.output = at::Tensor();
       --in_flight;
     } else {
       s.deferred.apply();
+      computed = now_seconds();
     }
     if (a.op == Op::Backward || a.op == Op::BackwardWeight) slots_.erase({a.stage, a.microbatch});
     const double end = now_seconds();
     compute += end - start - waited;
-    if (record_) timeline_.push_back({step, a.str(), start - step_start, end - step_start, waited});
+    if (record_) timeline_.push_back({step, a.str(), start, computed, waited});
   }
   finish_sends();
   if (!slots_.empty()) fail("internal: pipeline rank ", rank, " ended a step with ", slots_.size(), " micro-batch(es) unfinished");

@@ -29,9 +29,9 @@ using StageLoss = std::function<at::Tensor(const at::Tensor& logits, int microba
 struct TimelineEntry {
   int64_t step = 0;
   std::string action;   // "1F0", "0B3", "2I1", "2W1"
-  double start = 0;     // seconds since the step began
-  double end = 0;
-  double waited = 0;    // of which blocked on receiving from a neighbour
+  double start = 0;     // steady-clock seconds (CLOCK_MONOTONIC: comparable between processes of one machine)
+  double end = 0;       // when its result existed (before it was sent on)
+  double waited = 0;    // blocked on receiving from a neighbour after `start`, before computing
 };
 
 class PipelineRunner {
@@ -53,9 +53,10 @@ class PipelineRunner {
   int64_t steps() const { return steps_; }
   int max_in_flight() const { return max_in_flight_; }  // measured: forwards not yet backward at once
   int64_t bytes_sent() const { return bytes_sent_; }
-  // Every action of the last `keep` train() calls (debug.pipeline_timeline), oldest first.
+  // Every action since the last clear_timeline(), when recording (debug.pipeline_timeline), oldest first.
   const std::vector<TimelineEntry>& timeline() const { return timeline_; }
   void record_timeline(bool on) { record_ = on; }
+  void clear_timeline() { timeline_.clear(); }
 
  private:
   struct Slot;  // one (stage, micro-batch)'s tensors in flight
