@@ -315,8 +315,9 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
   };
 
   // The model: every parameter must be there with its shape; nothing else may be.
+  // Every parameter of the model, not just this rank's (a pipeline stage holds some of them).
   std::set<std::string> expected;
-  for (const auto& p : state.parameters) expected.insert("model." + p.name);
+  for (const auto& p : llama3::parameter_shapes(state.model_args)) expected.insert("model." + p.name);
   for (const auto& [key, entry] : reader.tensors())
     if (starts_with(key, "model.") && !expected.count(key))
       fail("checkpoint ", reader.directory(), " has tensor ", quote(key), ", which model flavor ",
