@@ -32,7 +32,9 @@ def run(args, pp=1, schedule="1F1B"):
                "--parallelism.pipeline_parallel_schedule", schedule]
         if pp > 1:
             cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(pp)] + cmd
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        # The peer gets the machine's cores as threads; each pipeline rank one thread (as many ranks as cores or more).
+        threads = str(os.cpu_count() if pp == 1 else max(1, os.cpu_count() // pp))
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=threads))
         if out.returncode != 0:
             sys.exit(f"failed: {' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     tps = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", out.stdout)][1:]
@@ -71,7 +73,7 @@ def main():
     print(f"debugmodel, seq_len {args.seq_len}, {args.local_batch} micro-batches of 1 per step, float32, {os.cpu_count()} cores")
     print(f"{'layout':<28}{'step s':>8}{'tok/s':>9}{'vs 1 proc':>10}{'bubble':>8}{'unit-time':>10}{'(p-1)/(m+p-1)':>15}"
           f"{'MB sent':>9}{'analytic':>9}")
-    print(f"{'one process':<28}{base['step']:>8.3f}{base['tokens_per_s']:>9.0f}{1.0:>10.2f}")
+    print(f"{f'one process x {os.cpu_count()} threads':<28}{base['step']:>8.3f}{base['tokens_per_s']:>9.0f}{1.0:>10.2f}")
     for pp in (2, 4):
         for schedule, local in SCHEDULES.items():
             r = run(args, pp, schedule)
