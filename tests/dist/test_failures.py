@@ -28,11 +28,11 @@ def rank_pids(launcher_pid):
     return ranks
 
 
-def start_job(tmp_path, timeout_s):
+def start_job(tmp_path, timeout_s, layout=("--parallelism.data_parallel_shard_degree", "2")):
     cmd = mpirun(2) + [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
                        "--job.dump_folder", str(tmp_path), "--training.steps", "100000", "--training.seq_len", "64",
-                       "--metrics.log_freq", "1", "--metrics.disable_color_printing",
-                       "--parallelism.data_parallel_shard_degree", "2", "--comm.train_timeout_seconds", str(timeout_s)]
+                       "--metrics.log_freq", "1", "--metrics.disable_color_printing", *layout,
+                       "--comm.train_timeout_seconds", str(timeout_s)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
@@ -51,6 +51,22 @@ def finish(proc, lines, limit):
     return "".join(lines) + out, time.time() - start
 
 
+def stop_rank_1(tmp_path, *layout):
+    """Starts a job with an 8 s timeout, stops rank 1 (alive but never answering) after step 3, and waits for the
+    job to end."""
+    proc, lines = start_job(tmp_path, 8, *layout)
+    pids = rank_pids(proc.pid)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        text, seconds = finish(proc, lines, limit=180)
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc, text, seconds
+
+
 def test_killed_rank_ends_the_job(tmp_path):
     proc, lines = start_job(tmp_path, timeout_s=20)
     pids = rank_pids(proc.pid)
@@ -63,16 +79,7 @@ def test_killed_rank_ends_the_job(tmp_path):
 
 
 def test_hung_rank_ends_the_job_after_the_timeout(tmp_path):
-    proc, lines = start_job(tmp_path, timeout_s=8)
-    pids = rank_pids(proc.pid)
-    os.kill(pids[1], signal.SIGSTOP)  # alive but never answering
-    try:
-        text, seconds = finish(proc, lines, limit=180)
-    finally:
-        try:
-            os.kill(pids[1], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    proc, text, seconds = stop_rank_1(tmp_path)
     assert proc.returncode != 0
     assert "[rank 0]" in text and "did not complete within 8 s" in text and "another rank has died or hangs" in text, text[-3000:]
     assert seconds < 8 + 60
@@ -88,3 +95,18 @@ def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert "did not complete" not in text  # no rank was left waiting for the other
     assert proc.returncode == 130, text[-3000:]
     print(f"both ranks stopped {seconds:.1f} s after rank 1 got SIGINT")
+
+
+def test_hung_pipeline_stage_ends_the_job_naming_the_stage(tmp_path):
+    """PP 2 (1F1B, 8 micro-batches): the last stage stops; the first stage, waiting for its gradients (or, between
+    steps, in a collective), ends the job one timeout later with an error that names what it waited for."""
+    layout = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+              "--training.local_batch_size", "8")
+    proc, text, seconds = stop_rank_1(tmp_path, layout)
+    assert proc.returncode != 0
+    named = "pipeline rank 0: stage 0 receiving micro-batch" in text and "from stage 1 (pipeline rank 1)" in text
+    collective = "[rank 0]" in text and "another rank has died or hangs" in text
+    assert (named or collective) and "did not complete within 8 s" in text, text[-3000:]
+    assert seconds < 8 + 60
+    print(f"job ended {seconds:.1f} s after the last stage stopped; "
+          f"{'the pipeline receive named the stage and peer' if named else 'a collective timed out'}")
