@@ -220,7 +220,9 @@ def test_bad_schedule_csv_is_a_clear_error(tmp_path):
         "wrong_rank.csv": ("0F0,0F1,0B0,0B1,1F0\n1F0,1B0,1F1,1B1\n", "rank 0 runs 1F0 but stage 1 lives on rank 1"),
         "stage.csv": ("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1,3F0\n", "there are stages 0..1"),
         "junk.csv": ("0F0,0SEND_F0\n", "is not a compute action"),
-        "deadlock.csv": ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "deadlocks"),
+        "deadlock.csv": ("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n", "deadlocks"),
+        "order.csv": ("0F0,0F1,0B0,0B1\n1F1,1B1,1F0,1B0\n",
+                      "stage 0 runs its forwards in micro-batch order 0 1 but stage 1 in 1 0"),
     }
     for name, (text, needle) in cases.items():
         path = tmp_path / name

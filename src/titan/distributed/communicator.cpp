@@ -60,7 +60,8 @@ class LocalCommunicator final : public Communicator {
   }
   std::shared_ptr<Work> recv(at::Tensor&, int source, int, bool) override { fail("recv from rank ", source, " in a single-process job"); }
   void barrier() override {}
-  std::shared_ptr<Communicator> split(int, int, const std::string& name) override {
+  std::shared_ptr<Communicator> split(int color, int, const std::string& name) override {
+    if (color < 0) return nullptr;
     auto c = std::make_shared<LocalCommunicator>();
     c->name_ = name;
     return c;

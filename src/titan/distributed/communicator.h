@@ -43,13 +43,15 @@ class Communicator {
   // from rank i.
   virtual std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input, bool async = false) = 0;
   virtual std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async = false) = 0;
-  // Point-to-point, matched by (peer, tag). The MPI backend posts them at once from the calling thread, outside the
+  // Point-to-point. MPI matches them by (peer, tag); NCCL ignores the tag and matches each pair of ranks' sends and
+  // receives in issue order, so portable callers issue them in the same order on both sides. The MPI backend posts them at once from the calling thread, outside the
   // issue order of collectives, so they never wait behind another group's collectives (pipeline parallelism).
   virtual std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag = 0, bool async = false) = 0;
   virtual std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag = 0, bool async = false) = 0;
   virtual void barrier() = 0;
 
-  // Collective over this communicator: ranks with the same color form a new communicator, ordered by key.
+  // Collective over this communicator: ranks with the same color form a new communicator, ordered by key. A rank
+  // passing a negative color joins none and gets nullptr.
   virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
 
   // Operations not done within this many seconds abort the job with an error naming the operation (a peer died

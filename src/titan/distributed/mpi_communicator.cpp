@@ -388,7 +388,9 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
 
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
     MPI_Comm out = MPI_COMM_NULL;
-    run(cat("split(", name, ")"), [&] { check(MPI_Comm_split(comm_, color, key, &out), "MPI_Comm_split"); }, false);
+    const int mpi_color = color < 0 ? MPI_UNDEFINED : color;
+    run(cat("split(", name, ")"), [&] { check(MPI_Comm_split(comm_, mpi_color, key, &out), "MPI_Comm_split"); }, false);
+    if (out == MPI_COMM_NULL) return nullptr;
     auto child = std::make_shared<MpiCommunicator>(out, name);
     child->set_timeout(timeout_);
     return child;

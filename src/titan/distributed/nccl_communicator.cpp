@@ -153,7 +153,8 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
     c10::cuda::CUDAGuard guard(device_);
     ncclComm_t child = nullptr;
-    check(ncclCommSplit(comm_, color, key, &child, nullptr), "ncclCommSplit");
+    check(ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, nullptr), "ncclCommSplit");
+    if (!child) return nullptr;
     int r = 0, n = 1;
     ncclCommUserRank(child, &r);
     ncclCommCount(child, &n);

@@ -449,7 +449,10 @@ int Trainer::train() {
     tokens_since_log_ += r.tokens;
     if (!std::isfinite(r.loss)) log::warn("step ", step_, ": loss is ", r.loss);
     // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
-    if (step_ == 1) mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
+    if (step_ == 1) {
+      mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
+      if (pipeline_) pipeline_->runner().set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
+    }
     if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
     if (checkpointer_ && c.checkpoint.enable && checkpointer_->should_save(step_, step_ == c.training.steps)) {
       auto view = checkpoint_view();

@@ -3,6 +3,11 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <deque>
+#include <set>
+#include <tuple>
 
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
@@ -12,20 +17,36 @@
 namespace titan::distributed::pipeline {
 namespace {
 
-// Message kinds between neighbouring stages.
-constexpr int kHeader = 0;      // the activation's dtype and shape (8 int64)
-constexpr int kActivation = 1;
-constexpr int kGradient = 2;
-constexpr int kHeaderLength = 8;
-constexpr size_t kReceiveLookahead = 3;  // actions whose receives are posted before they run
+constexpr int kHeaderLength = 8;         // an activation's dtype, rank and sizes, sent before it
+constexpr size_t kReceiveLookahead = 3;  // actions whose gradient receives are posted before they run
+
+// TITAN_TEST_STOP_BEFORE=<step>:<action> (e.g. "4:1B0"): the rank that runs that action stops itself (SIGSTOP)
+// just before it, a stage that hangs at a known point, for the failure tests.
+std::pair<int64_t, std::string> stop_before_from_environment() {
+  const char* v = std::getenv("TITAN_TEST_STOP_BEFORE");
+  if (!v || !*v) return {-1, ""};
+  const std::string text = v;
+  const auto colon = text.find(':');
+  char* end = nullptr;
+  const long long step = colon == std::string::npos ? -1 : std::strtoll(text.c_str(), &end, 10);
+  if (colon == std::string::npos || end != text.c_str() + colon || step < 1)
+    fail("TITAN_TEST_STOP_BEFORE=", text, ": expected <step>:<action>, e.g. 4:1B0");
+  return {step, text.substr(colon + 1)};
+}
 
 }  // namespace
+
+// One direction of one stage boundary. Messages on it are matched in the order they are sent; both stages take
+// micro-batches in the same order (Schedule::check), so the sender's k-th message is the receiver's k-th receive.
+struct PipelineRunner::Channel {
+  std::shared_ptr<Communicator> comm;  // a two-rank communicator; null when both stages live on this rank
+  int peer = 0;                        // the other rank within `comm`
+  std::deque<at::Tensor> local;        // both stages here: what was sent and not yet received
+};
 
 struct PipelineRunner::Slot {
   at::Tensor input;     // received activation (a leaf whose gradient goes back), undefined on the first stage
   at::Tensor output;    // this stage's output (or the loss on the last stage), what backward starts from
-  at::Tensor header;    // posted receive of the activation's header
-  std::shared_ptr<Work> header_work;
   at::Tensor gradient;  // posted receive of the output's gradient
   std::shared_ptr<Work> gradient_work;
   DeferredWeights deferred;
@@ -34,26 +55,51 @@ struct PipelineRunner::Slot {
 PipelineRunner::PipelineRunner(Schedule schedule, std::vector<Stage> stages, std::shared_ptr<Communicator> pp_group, at::Device device)
     : schedule_(std::move(schedule)), group_(std::move(pp_group)), device_(device) {
   for (auto& s : stages) stages_.emplace(s.index, std::move(s));
-  const auto expected = schedule_.stages_of(group_->rank());
+  const int me = group_->rank();
+  const auto expected = schedule_.stages_of(me);
   if (expected.size() != stages_.size())
-    fail("internal: pipeline rank ", group_->rank(), " was given ", stages_.size(), " stages; the schedule places ", expected.size(), " here");
+    fail("internal: pipeline rank ", me, " was given ", stages_.size(), " stages; the schedule places ", expected.size(), " here");
   for (int s : expected)
-    if (!stages_.count(s)) fail("internal: pipeline rank ", group_->rank(), " lacks stage ", s);
+    if (!stages_.count(s)) fail("internal: pipeline rank ", me, " lacks stage ", s);
+  // Each direction of each boundary between stages on different ranks gets its own two-rank communicator: on NCCL
+  // each has its own stream, so a receive waiting for one neighbour never holds back a message to or from another
+  // (or the collectives of other mesh dimensions, which have their own communicators). Collective over the group,
+  // in the same order on every rank.
+  const int boundaries = schedule_.stages() - 1;
+  activations_.resize(static_cast<size_t>(std::max(boundaries, 0)));
+  gradients_.resize(activations_.size());
+  for (int b = 0; b < boundaries; ++b) {
+    const int low = schedule_.rank_of(b), high = schedule_.rank_of(b + 1);
+    if (low == high) continue;
+    const bool member = me == low || me == high;
+    for (bool forward : {true, false}) {
+      const int sender = forward ? low : high;
+      auto comm = group_->split(member ? 0 : -1, me == sender ? 0 : 1,
+                                cat("pp ", forward ? "activations" : "gradients", " of stages ", b, "/", b + 1, " (pipeline ranks ",
+                                    sender, " -> ", forward ? high : low, ")"));
+      if (!member) continue;
+      Channel& c = forward ? activations_[static_cast<size_t>(b)] : gradients_[static_cast<size_t>(b)];
+      c.comm = std::move(comm);
+      c.peer = 1 - c.comm->rank();
+    }
+  }
+  std::tie(stop_step_, stop_action_) = stop_before_from_environment();
 }
 
 PipelineRunner::~PipelineRunner() = default;
 
 bool PipelineRunner::has_stage(int index) const { return stages_.count(index) > 0; }
 
+void PipelineRunner::set_timeout(std::chrono::seconds timeout) {
+  for (auto* channels : {&activations_, &gradients_})
+    for (auto& c : *channels)
+      if (c.comm) c.comm->set_timeout(timeout);
+}
+
 PipelineRunner::Slot& PipelineRunner::slot(int stage, int microbatch) {
   auto& s = slots_[{stage, microbatch}];
   if (!s) s = std::make_unique<Slot>();
   return *s;
-}
-
-int PipelineRunner::tag(int stage, int microbatch, int kind) const {
-  // Unique per (receiving or sending stage, micro-batch, kind) within a step; MPI keeps order per tag anyway.
-  return ((microbatch * schedule_.stages() + stage) * 3 + kind) % 32768;
 }
 
 void PipelineRunner::wait(const std::shared_ptr<Work>& work, const std::string& what, double& waited) {
@@ -67,50 +113,66 @@ void PipelineRunner::wait(const std::shared_ptr<Work>& work, const std::string& 
 }
 
 void PipelineRunner::post_receives(const std::vector<Action>& actions, size_t from) {
+  // Only gradients: an activation's receive needs its header first, and posting the next header before it would
+  // break the order of the activations' channel.
   const int last = schedule_.stages() - 1;
+  std::set<int> held;  // stages with a receive that cannot be posted yet: later ones must wait for it (channel order)
   for (size_t i = from; i < std::min(actions.size(), from + kReceiveLookahead); ++i) {
     const Action& a = actions[i];
-    if (a.op == Op::Forward && a.stage > 0) {
-      Slot& s = slot(a.stage, a.microbatch);
-      if (s.header_work || s.input.defined()) continue;
-      s.header = at::empty({kHeaderLength}, at::kLong);
-      s.header_work = group_->recv(s.header, schedule_.rank_of(a.stage - 1), tag(a.stage, a.microbatch, kHeader), /*async=*/true);
-    } else if ((a.op == Op::Backward || a.op == Op::BackwardInput) && a.stage < last) {
-      Slot& s = slot(a.stage, a.microbatch);
-      if (s.gradient_work || !s.output.defined()) continue;  // the output's shape is known once its forward ran
-      s.gradient = at::empty(s.output.sizes(), s.output.options().requires_grad(false));
-      s.gradient_work = group_->recv(s.gradient, schedule_.rank_of(a.stage + 1), tag(a.stage, a.microbatch, kGradient), /*async=*/true);
+    if ((a.op != Op::Backward && a.op != Op::BackwardInput) || a.stage == last || held.count(a.stage)) continue;
+    Channel& c = gradients_[static_cast<size_t>(a.stage)];
+    if (!c.comm) continue;
+    auto it = slots_.find({a.stage, a.microbatch});
+    // The gradient's shape is the output's, known once its forward ran.
+    if (it == slots_.end() || !it->second->output.defined()) {
+      held.insert(a.stage);
+      continue;
     }
+    Slot& s = *it->second;
+    if (s.gradient_work) continue;
+    s.gradient = at::empty(s.output.sizes(), s.output.options().requires_grad(false));
+    s.gradient_work = c.comm->recv(s.gradient, c.peer, 0, /*async=*/true);
   }
 }
 
 at::Tensor PipelineRunner::receive_activation(int stage, int microbatch, double& waited) {
-  Slot& s = slot(stage, microbatch);
+  Channel& c = activations_[static_cast<size_t>(stage - 1)];
   const int peer = schedule_.rank_of(stage - 1);
   const std::string what = cat("stage ", stage, " receiving micro-batch ", microbatch, "'s activation from stage ", stage - 1,
                                " (pipeline rank ", peer, ")");
-  if (!s.header_work) {
-    s.header = at::empty({kHeaderLength}, at::kLong);
-    s.header_work = group_->recv(s.header, peer, tag(stage, microbatch, kHeader), /*async=*/true);
+  if (!c.comm) {
+    if (c.local.empty()) fail("internal: pipeline rank ", peer, ": ", what, " found nothing sent");
+    at::Tensor t = std::move(c.local.front());
+    c.local.pop_front();
+    return t;
   }
-  wait(s.header_work, what, waited);
-  const auto* h = s.header.data_ptr<int64_t>();
+  at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions().dtype(at::kLong).device(device_));
+  wait(c.comm->recv(header, c.peer, 0, /*async=*/true), what, waited);
+  const at::Tensor h_cpu = header.cpu();
+  const auto* h = h_cpu.data_ptr<int64_t>();
   std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
   at::Tensor buffer = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(h[0])).device(device_));
-  wait(group_->recv(buffer, peer, tag(stage, microbatch, kActivation), /*async=*/true), what, waited);
-  s.header_work.reset();
+  wait(c.comm->recv(buffer, c.peer, 0, /*async=*/true), what, waited);
   return buffer;
 }
 
 at::Tensor PipelineRunner::receive_gradient(int stage, int microbatch, double& waited) {
-  Slot& s = slot(stage, microbatch);
+  Channel& c = gradients_[static_cast<size_t>(stage)];
   const int peer = schedule_.rank_of(stage + 1);
+  const std::string what = cat("stage ", stage, " receiving micro-batch ", microbatch, "'s gradient from stage ", stage + 1,
+                               " (pipeline rank ", peer, ")");
+  if (!c.comm) {
+    if (c.local.empty()) fail("internal: pipeline rank ", peer, ": ", what, " found nothing sent");
+    at::Tensor t = std::move(c.local.front());
+    c.local.pop_front();
+    return t;
+  }
+  Slot& s = slot(stage, microbatch);
   if (!s.gradient_work) {
     s.gradient = at::empty(s.output.sizes(), s.output.options().requires_grad(false));
-    s.gradient_work = group_->recv(s.gradient, peer, tag(stage, microbatch, kGradient), /*async=*/true);
+    s.gradient_work = c.comm->recv(s.gradient, c.peer, 0, /*async=*/true);
   }
-  wait(s.gradient_work, cat("stage ", stage, " receiving micro-batch ", microbatch, "'s gradient from stage ", stage + 1,
-                            " (pipeline rank ", peer, ")"), waited);
+  wait(s.gradient_work, what, waited);
   s.gradient_work.reset();
   at::Tensor g = s.gradient;
   s.gradient = at::Tensor();
@@ -118,7 +180,12 @@ at::Tensor PipelineRunner::receive_gradient(int stage, int microbatch, double& w
 }
 
 void PipelineRunner::send_activation(int stage, int microbatch, const at::Tensor& output) {
-  const int peer = schedule_.rank_of(stage + 1);
+  (void)microbatch;
+  Channel& c = activations_[static_cast<size_t>(stage)];
+  if (!c.comm) {
+    c.local.push_back(output.detach().clone());
+    return;
+  }
   at::Tensor data = output.detach().contiguous();
   if (data.dim() > kHeaderLength - 2) fail("internal: a pipeline activation has more than ", kHeaderLength - 2, " dimensions");
   at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
@@ -126,14 +193,21 @@ void PipelineRunner::send_activation(int stage, int microbatch, const at::Tensor
   h[0] = static_cast<int64_t>(data.scalar_type());
   h[1] = data.dim();
   for (int64_t d = 0; d < data.dim(); ++d) h[2 + d] = data.size(d);
-  sends_.emplace_back(group_->send(header, peer, tag(stage + 1, microbatch, kHeader), /*async=*/true), header);
-  sends_.emplace_back(group_->send(data, peer, tag(stage + 1, microbatch, kActivation), /*async=*/true), data);
+  header = header.to(device_);
+  sends_.emplace_back(c.comm->send(header, c.peer, 0, /*async=*/true), header);
+  sends_.emplace_back(c.comm->send(data, c.peer, 0, /*async=*/true), data);
   bytes_sent_ += static_cast<int64_t>(data.nbytes() + header.nbytes());
 }
 
 void PipelineRunner::send_gradient(int stage, int microbatch, const at::Tensor& grad) {
+  (void)microbatch;
+  Channel& c = gradients_[static_cast<size_t>(stage - 1)];
+  if (!c.comm) {
+    c.local.push_back(grad.clone());
+    return;
+  }
   at::Tensor data = grad.contiguous();
-  sends_.emplace_back(group_->send(data, schedule_.rank_of(stage - 1), tag(stage - 1, microbatch, kGradient), /*async=*/true), data);
+  sends_.emplace_back(c.comm->send(data, c.peer, 0, /*async=*/true), data);
   bytes_sent_ += static_cast<int64_t>(data.nbytes());
 }
 
@@ -152,13 +226,19 @@ double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
   int in_flight = 0;
   for (size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
+    if (step == stop_step_ && a.str() == stop_action_) std::raise(SIGSTOP);
     post_receives(actions, i);
     const double start = now_seconds();
-    double waited = 0, computed = 0;  // computed: when the result existed (before sending it on)
+    // waited: receiving before computing (the waits and what lies between them); computed: when the result existed
+    // (before it was sent on)
+    double waited = 0, computed = 0;
     Stage& stage = stages_.at(a.stage);
     Slot& s = slot(a.stage, a.microbatch);
     if (a.op == Op::Forward) {
-      if (a.stage > 0) s.input = receive_activation(a.stage, a.microbatch, waited).requires_grad_(true);
+      if (a.stage > 0) {
+        s.input = receive_activation(a.stage, a.microbatch, waited).requires_grad_(true);
+        waited = now_seconds() - start;
+      }
       at::Tensor out = stage.forward(s.input, a.microbatch);
       if (a.stage == last) {
         s.output = loss_fn(out, a.microbatch);
@@ -171,7 +251,11 @@ double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
       }
       max_in_flight_ = std::max(max_in_flight_, ++in_flight);
     } else if (a.op == Op::Backward || a.op == Op::BackwardInput) {
-      at::Tensor grad = a.stage == last ? at::Tensor() : receive_gradient(a.stage, a.microbatch, waited);
+      at::Tensor grad;
+      if (a.stage < last) {
+        grad = receive_gradient(a.stage, a.microbatch, waited);
+        waited = now_seconds() - start;
+      }
       {
         std::optional<DeferredWeights::Capture> capture;
         if (a.op == Op::BackwardInput) capture.emplace(s.deferred);

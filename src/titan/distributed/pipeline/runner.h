@@ -1,10 +1,12 @@
 // PipelineRunner: executes a Schedule on this rank's stages. Activations go forward and their gradients back to
-// the neighbouring stages' ranks by non-blocking point-to-point messages on the "pp" group (receives are posted a
-// few actions ahead, sends are never waited for until the step ends), so a stage blocks only on data it needs.
-// Records what ran when, for the bubble and the timeline.
+// the neighbouring stages' ranks by non-blocking point-to-point messages, on one two-rank communicator per
+// direction of each stage boundary, split from the "pp" group. Messages are matched in order (as NCCL does), sends
+// are never waited for until the step ends and gradient receives are posted a few actions ahead, so a stage blocks
+// only on data it needs. Records what ran when, for the bubble and the timeline.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,7 +33,7 @@ struct TimelineEntry {
   std::string action;   // "1F0", "0B3", "2I1", "2W1"
   double start = 0;     // steady-clock seconds (CLOCK_MONOTONIC: comparable between processes of one machine)
   double end = 0;       // when its result existed (before it was sent on)
-  double waited = 0;    // blocked on receiving from a neighbour after `start`, before computing
+  double waited = 0;    // receiving from a neighbour after `start`: computing began at start + waited
 };
 
 class PipelineRunner {
@@ -46,6 +48,8 @@ class PipelineRunner {
   double evaluate(const StageLoss& loss, int microbatches);
 
   const Schedule& schedule() const { return schedule_; }
+  // For the communicators between stages (comm.train_timeout_seconds after the first step).
+  void set_timeout(std::chrono::seconds timeout);
   bool has_stage(int index) const;
   // Measured over every train() so far: the share of the steps' time this rank spent not computing.
   double bubble() const { return step_seconds_ > 0 ? 1.0 - compute_seconds_ / step_seconds_ : 0.0; }
@@ -59,14 +63,14 @@ class PipelineRunner {
   void clear_timeline() { timeline_.clear(); }
 
  private:
-  struct Slot;  // one (stage, micro-batch)'s tensors in flight
+  struct Slot;     // one (stage, micro-batch)'s tensors in flight
+  struct Channel;  // one direction of one stage boundary
   Slot& slot(int stage, int microbatch);
   void post_receives(const std::vector<Action>& actions, size_t from);
   at::Tensor receive_activation(int stage, int microbatch, double& waited);
   at::Tensor receive_gradient(int stage, int microbatch, double& waited);
   void send_activation(int stage, int microbatch, const at::Tensor& output);
   void send_gradient(int stage, int microbatch, const at::Tensor& grad);
-  int tag(int stage, int microbatch, int kind) const;
   void wait(const std::shared_ptr<Work>& work, const std::string& what, double& waited);
   void finish_sends();
 
@@ -76,6 +80,9 @@ class PipelineRunner {
   at::Device device_;
   std::map<std::pair<int, int>, std::unique_ptr<Slot>> slots_;
   std::vector<std::pair<std::shared_ptr<Work>, at::Tensor>> sends_;
+  std::vector<Channel> activations_, gradients_;  // by boundary: [b] links stages b and b + 1
+  int64_t stop_step_ = -1;                         // TITAN_TEST_STOP_BEFORE
+  std::string stop_action_;
   double compute_seconds_ = 0, step_seconds_ = 0;
   int64_t steps_ = 0, bytes_sent_ = 0;
   int max_in_flight_ = 0;

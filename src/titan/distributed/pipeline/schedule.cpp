@@ -284,6 +284,28 @@ void Schedule::check(const std::string& where) const {
         fail(where, ": ", id, " needs a backward: ", Action{s, Op::Backward, m}.str(), ", or both ", Action{s, Op::BackwardInput, m}.str(),
              " and ", Action{s, Op::BackwardWeight, m}.str());
     }
+  // Messages between two stages are matched in the order they are sent (NCCL has no tags), so neighbouring stages
+  // must take the micro-batches in the same order: forwards for activations, backwards for their gradients.
+  auto order = [&](int stage, bool forward) {
+    std::vector<int> out;
+    for (const auto& a : per_rank_[static_cast<size_t>(rank_of(stage))])
+      if (a.stage == stage && (forward ? a.op == Op::Forward : a.op == Op::Backward || a.op == Op::BackwardInput))
+        out.push_back(a.microbatch);
+    return out;
+  };
+  auto text = [](const std::vector<int>& v) {
+    std::string out;
+    for (int m : v) out += cat(out.empty() ? "" : " ", m);
+    return out;
+  };
+  for (int s = 0; s + 1 < stages_; ++s)
+    for (bool forward : {true, false}) {
+      const auto low = order(s, forward), high = order(s + 1, forward);
+      if (low != high)
+        fail(where, ": stage ", s, " runs its ", forward ? "forwards" : "backwards", " in micro-batch order ", text(low),
+             " but stage ", s + 1, " in ", text(high), "; activations and gradients between neighbouring stages are "
+             "matched in the order they are sent, so both stages must take the micro-batches in the same order");
+    }
 }
 
 Schedule::Simulation Schedule::simulate() const {

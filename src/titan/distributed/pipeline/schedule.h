@@ -69,7 +69,9 @@ class Schedule {
   std::string to_csv() const;
 
  private:
-  void check(const std::string& where) const;  // every (stage, micro-batch) computed exactly once, on its rank
+  // Every (stage, micro-batch) computed exactly once, on its rank; neighbouring stages take micro-batches in the
+  // same order (their messages are matched in order).
+  void check(const std::string& where) const;
   std::string name_;
   int pp_ = 1, stages_ = 1, microbatches_ = 1;
   bool v_shape_ = false;
