@@ -63,8 +63,8 @@ def test_bad_input_is_a_clear_error(tmp_path):
     bad.write_text("[training]\nsteps = 3\nlocal_batchsize = 2\n")
     expect_user_error(["--job.config_file", str(bad)], "bad.toml:3", "local_batchsize", "training.local_batch_size")
     expect_user_error(["--optimizer.lr", "fast"], "optimizer.lr expects a number", '"fast"')
-    expect_user_error(["--parallelism.context_parallel_degree", "2", "--job.dump_folder", str(tmp_path)],
-                      "context_parallel_degree = 2", "not supported yet")
+    expect_user_error(["--parallelism.expert_parallel_degree", "2", "--job.dump_folder", str(tmp_path)],
+                      "expert_parallel_degree = 2", "not supported yet")
     expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin"],
                       "c4_test", "--training.dataset_path")
     expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", str(tmp_path / "nope"),

@@ -173,14 +173,14 @@ TEST(Config, HelpListsEveryKeyWithDefault) {
 
 TEST(Config, UnsupportedFeaturesAreErrorsNotIgnored) {
   std::string e = error_of([] {
-    auto loaded = load_job_config({"--parallelism.context_parallel_degree", "8", "--checkpoint.last_save_in_hf",
+    auto loaded = load_job_config({"--parallelism.expert_parallel_degree", "8", "--checkpoint.last_save_in_hf",
                                    "--checkpoint.enable", "--metrics.enable_tensorboard"});
     titan::config::require_supported(loaded);
   });
-  EXPECT_NE(e.find("parallelism.context_parallel_degree = 8"), std::string::npos) << e;
+  EXPECT_NE(e.find("parallelism.expert_parallel_degree = 8"), std::string::npos) << e;
   EXPECT_NE(e.find("checkpoint.last_save_in_hf = true"), std::string::npos) << e;
   EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
-  EXPECT_NE(e.find("--parallelism.context_parallel_degree"), std::string::npos) << e;  // where it was set
+  EXPECT_NE(e.find("--parallelism.expert_parallel_degree"), std::string::npos) << e;  // where it was set
   auto defaults = load_job_config({});
   EXPECT_TRUE(titan::config::check_supported(defaults).errors.empty());
 }

@@ -13,8 +13,7 @@ SupportReport check_supported(const LoadedConfig& loaded) {
     r.errors.push_back(cat(key, " = ", value, " ", loaded.where(key), ": ", what, " is not supported yet"));
   };
   const auto& p = c.parallelism;
-  for (auto [key, value, what] : {std::tuple{"parallelism.context_parallel_degree", p.context_parallel_degree, "context parallelism"},
-                                  std::tuple{"parallelism.expert_parallel_degree", p.expert_parallel_degree, "expert parallelism"},
+  for (auto [key, value, what] : {std::tuple{"parallelism.expert_parallel_degree", p.expert_parallel_degree, "expert parallelism"},
                                   std::tuple{"parallelism.expert_tensor_parallel_degree", p.expert_tensor_parallel_degree, "expert tensor parallelism"}})
     if (value > 1) not_yet(key, std::to_string(value), what);
   if (c.checkpoint.enable && c.checkpoint.last_save_in_hf) not_yet("checkpoint.last_save_in_hf", "true", "saving in Hugging Face format");

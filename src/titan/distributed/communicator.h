@@ -48,6 +48,9 @@ class Communicator {
   // issue order of collectives, so they never wait behind another group's collectives (pipeline parallelism).
   virtual std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag = 0, bool async = false) = 0;
   virtual std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag = 0, bool async = false) = 0;
+  // Sends `send` to `destination` while receiving `recv` from `source`, as one operation (a ring shift: every rank
+  // sends to the next and receives from the previous without deadlock). Ordered with the collectives.
+  virtual std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool async = false) = 0;
   virtual void barrier() = 0;
 
   // Collective over this communicator: ranks with the same color form a new communicator, ordered by key. A rank

@@ -30,6 +30,7 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
            std::shared_ptr<Communicator> replicate_group, const FsdpOptions& options)
     : shard_group_(std::move(shard_group)), replicate_group_(std::move(replicate_group)), options_(options) {
   const int64_t n = shard_group_->size(), rank = shard_group_->rank();
+  const std::string shard_dim = n > 1 ? shard_group_->name() : "dp_shard";  // "dp_shard", or "dp_shard_cp" under CP
   const int64_t replicas = replicate_group_->size();
   at::NoGradGuard no_grad;
   for (size_t u = 0; u < specs.size(); ++u) {
@@ -49,7 +50,7 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
         param.offset = unit.local_numel;
         unit.local_numel += param.shard_numel();
         // This rank's rows, zero-padded, in the training dtype: the tensor the optimizer owns.
-        TensorLayout layout = entry->layout.then("dp_shard", n, rank, Placement::shard(0));
+        TensorLayout layout = entry->layout.then(shard_dim, n, rank, Placement::shard(0));
         if (replicas > 1) layout = layout.then("dp_replicate", replicas, replicate_group_->rank(), Placement::replicate());
         std::vector<int64_t> shard_shape = param.full_shape;
         shard_shape[0] = param.shard_rows;

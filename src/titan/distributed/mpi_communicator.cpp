@@ -382,6 +382,20 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
     return work;
   }
 
+  std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool async) override {
+    require_cpu_contiguous(send, "send_recv send");
+    require_cpu_contiguous(recv, "send_recv recv");
+    at::Tensor out = send, in = recv;
+    bytes_ += static_cast<int64_t>(out.nbytes());
+    return run(cat("send_recv(to ", destination, ", from ", source, ", ", out.numel(), " x ", c10::toString(out.scalar_type()), ")"),
+               [out, in, destination, source, comm = comm_]() mutable {
+                 check(MPI_Sendrecv(out.data_ptr(), count(out), mpi_type(out.scalar_type()), destination, 0, in.data_ptr(), count(in),
+                                    mpi_type(in.scalar_type()), source, 0, comm, MPI_STATUS_IGNORE),
+                       "MPI_Sendrecv");
+               },
+               async);
+  }
+
   void barrier() override {
     run("barrier", [comm = comm_] { check(MPI_Barrier(comm), "MPI_Barrier"); }, false);
   }

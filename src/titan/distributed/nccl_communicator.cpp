@@ -144,6 +144,15 @@ class NcclCommunicator final : public Communicator {
       check(ncclRecv(t.data_ptr(), t.numel(), nccl_type(t.scalar_type()), source, comm_, s), "ncclRecv");
     });
   }
+  std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool async) override {
+    bytes_ += static_cast<int64_t>(send.nbytes());
+    return launch({send, recv}, "send_recv", async, [&](cudaStream_t s) {
+      check(ncclGroupStart(), "ncclGroupStart");
+      check(ncclSend(send.data_ptr(), send.numel(), nccl_type(send.scalar_type()), destination, comm_, s), "ncclSend");
+      check(ncclRecv(recv.data_ptr(), recv.numel(), nccl_type(recv.scalar_type()), source, comm_, s), "ncclRecv");
+      check(ncclGroupEnd(), "ncclGroupEnd");
+    });
+  }
   void barrier() override {
     c10::cuda::CUDAGuard guard(device_);
     at::Tensor one = at::ones({1}, at::TensorOptions().device(at::kCUDA, device_));

@@ -71,6 +71,9 @@ DeviceMesh::DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> w
   make_group("tp", {"tp"});
   make_group("dp", {"dp_replicate", "dp_shard"});
   make_group("loss", {"dp_replicate", "dp_shard", "cp"});
+  // FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp): context-parallel ranks hold the same parameters.
+  if (dims_.cp == 1) groups_["dp_shard_cp"] = groups_["dp_shard"];
+  else make_group("dp_shard_cp", {"dp_shard", "cp"});
 }
 
 std::shared_ptr<Communicator> DeviceMesh::get(const std::string& name) const {

@@ -28,7 +28,7 @@ struct ParallelDims {
 
 // The rank's coordinates in the [pp, dp_replicate, dp_shard, cp, tp] mesh (row-major, tp fastest, as torchtitan)
 // and one communicator per dimension ("pp", "dp_replicate", "dp_shard", "cp", "tp") plus the flattened "dp"
-// (dp_replicate x dp_shard: data loading) and "loss" (dp x cp) groups.
+// (dp_replicate x dp_shard: data loading), "loss" (dp x cp) and "dp_shard_cp" (dp_shard x cp: FSDP) groups.
 class DeviceMesh {
  public:
   DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> world);

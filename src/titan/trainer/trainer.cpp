@@ -138,6 +138,9 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   fsdp.reduce_dtype = dtype_from_name(c.training.mixed_precision_reduce);
   fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
   if (!dims.fsdp_enabled() && param_dtype == at::kFloat && mp_param == at::kBFloat16) autocast_dtype_ = at::kBFloat16;
+  if (dims.cp > 1)
+    cp_ = std::make_unique<distributed::ContextParallel>(mesh_->get("cp"), distributed::parse_cp_load_balancer(c.parallelism.context_parallel_load_balancer),
+                                                         distributed::parse_cp_rotate_method(c.parallelism.context_parallel_rotate_method));
   if (dims.pp > 1) {
     pipeline_ = std::make_unique<llama3::Pipeline>(*model_, *mesh_, c, fsdp, autocast_dtype_);
     pipeline_->runner().record_timeline(c.debug.pipeline_timeline);
@@ -240,6 +243,11 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
     for (size_t m = 0; m < microbatches.size(); ++m) {
       const auto& mb = microbatches[m];
       at::Tensor inputs = mb.inputs.to(device_), labels = mb.labels.to(device_);
+      if (cp_) {
+        // This rank's chunks of every sequence; the loss sums its tokens, divided by the global count.
+        inputs = cp_->shard(inputs, 1);
+        labels = cp_->shard(labels, 1);
+      }
       at::Tensor loss;
       {
         // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
@@ -252,7 +260,7 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
       loss.backward();
       part.data_parallel->after_backward();
       loss_total += loss.detach();
-      result.tokens += labels.numel();
+      result.tokens += mb.labels.numel();  // per device, divided by cp x tp x pp in the log as torchtitan
     }
   }
   finish_gradients();
@@ -287,7 +295,14 @@ void Trainer::write_pipeline_timeline() {
 }
 
 at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) {
-  // Block-causal attention takes each token's position in its document from the loader.
+  // Block-causal attention takes each token's position in its document from the loader; under context parallelism
+  // RoPE takes the global positions of this rank's chunks.
+  if (cp_) {
+    const int64_t seq_len = batch.inputs.size(1);
+    if (seq_len > model_->args().max_seq_len)
+      fail("sequence length ", seq_len, " exceeds the model's max_seq_len ", model_->args().max_seq_len, " (training.seq_len)");
+    return model_->forward(inputs, cp_->positions(seq_len, device_));
+  }
   return block_causal_ ? model_->forward(inputs, {}, batch.positions.to(device_)) : model_->forward(inputs);
 }
 
@@ -343,8 +358,14 @@ double Trainer::validate() {
       sum = pp_sum.cpu().item<double>();
     } else {
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
+      if (cp_) {
+        inputs = cp_->shard(inputs, 1);
+        labels = cp_->shard(labels, 1);
+      }
       at::Tensor logits = forward(inputs, batch);
-      sum = whole_.front().loss(logits, labels).to(at::kDouble).item<double>();
+      at::Tensor part_sum = whole_.front().loss(logits, labels).to(at::kDouble).reshape({1});
+      if (cp_) cp_->group()->all_reduce(part_sum, distributed::ReduceOp::Sum);
+      sum = part_sum.item<double>();
     }
     // torchtitan's formula: the mean over batches of (this batch's loss sum / its global valid tokens).
     loss_sum += sum / static_cast<double>(std::max<int64_t>(1, valid.cpu().item<int64_t>()));

@@ -12,6 +12,7 @@
 #include "titan/components/optimizer.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/config/loader.h"
+#include "titan/distributed/context_parallel.h"
 #include "titan/distributed/data_parallel.h"
 #include "titan/distributed/parallel_dims.h"
 #include "titan/models/llama3/model.h"
@@ -74,6 +75,7 @@ class Trainer {
   std::shared_ptr<llama3::Transformer> model_;
   std::vector<llama3::ParallelModel> whole_;  // without pipeline parallelism: one part, the whole model
   std::unique_ptr<llama3::Pipeline> pipeline_;
+  std::unique_ptr<distributed::ContextParallel> cp_;  // how batches are cut over the "cp" group (context parallelism)
   std::vector<distributed::ShardedParameter> parameters_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LRScheduler> lr_scheduler_;

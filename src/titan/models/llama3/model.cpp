@@ -45,6 +45,15 @@ Attention::Attention(const ModelArgs& args, const nn::ParameterOptions& options)
   wk = register_module("wk", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_, options));
   wv = register_module("wv", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_, options));
   wo = register_module("wo", std::make_shared<nn::Linear>(n_heads_ * head_dim_, args.dim, options));
+  inner_attention = register_module("inner_attention", std::make_shared<InnerAttention>());
+}
+
+at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
+  const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
+  const bool masked = context.attn_mask.defined();
+  return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
+                                          /*dropout_p=*/0.0, /*is_causal=*/!masked,
+                                          /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
 }
 
 at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) {
@@ -56,11 +65,8 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
   q = apply_rope(q, context.rope, context.positions).transpose(1, 2);
   k = apply_rope(k, context.rope, context.positions).transpose(1, 2);
   v = v.transpose(1, 2);
-  const bool masked = context.attn_mask.defined();
   // Heads come from the projections' widths, so a tensor-parallel rank sees its own heads only.
-  at::Tensor out = at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
-                                                    /*dropout_p=*/0.0, /*is_causal=*/!masked,
-                                                    /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
+  at::Tensor out = inner_attention->call({q, k, v}, context);
   out = out.transpose(1, 2).contiguous().view({bs, seqlen, -1});
   return (*wo)(out, context);
 }

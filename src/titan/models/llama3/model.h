@@ -20,10 +20,19 @@ at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const Ro
 // Rotates interleaved (even, odd) pairs of the last dimension of x (batch, seq, heads, head_dim).
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& positions);
 
+// The attention core (torchtitan's inner_attention): softmax(q k^T / sqrt(d)) v over (batch, heads, seq, head_dim)
+// inputs {q, k, v} (k and v may have fewer heads, GQA), causal, or block-causal with the context's attn_mask. A unit
+// of its own so that wrappers can replace it (context parallelism).
+class InnerAttention : public nn::Unit {
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+};
+
 class Attention : public nn::Unit {
  public:
   Attention(const ModelArgs& args, const nn::ParameterOptions& options);
   std::shared_ptr<nn::Linear> wq, wk, wv, wo;
+  std::shared_ptr<InnerAttention> inner_attention;
 
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;

@@ -4,6 +4,7 @@
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/loss.h"
+#include "titan/distributed/context_parallel.h"
 #include "titan/distributed/ddp.h"
 #include "titan/distributed/fsdp.h"
 #include "titan/distributed/loss_parallel.h"
@@ -30,11 +31,29 @@ void check_tensor_parallel(const ModelArgs& args, int64_t tp, const std::vector<
 }
 
 void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config) {
-  if (dims.tp > 1) {
-    std::vector<std::pair<std::string, int64_t>> seq_lens = {{"training.seq_len", config.training.seq_len}};
-    if (config.validation.enable) seq_lens.emplace_back("validation.seq_len", config.validation.seq_len);
-    check_tensor_parallel(args, dims.tp, seq_lens);
+  std::vector<std::pair<std::string, int64_t>> seq_lens = {{"training.seq_len", config.training.seq_len}};
+  if (config.validation.enable) seq_lens.emplace_back("validation.seq_len", config.validation.seq_len);
+  if (dims.cp > 1) {
+    const auto& p = config.parallelism;
+    const auto balancer = distributed::parse_cp_load_balancer(p.context_parallel_load_balancer);
+    distributed::parse_cp_rotate_method(p.context_parallel_rotate_method);
+    const int64_t chunks = balancer == distributed::CpLoadBalancer::HeadTail ? 2 * dims.cp : dims.cp;
+    for (auto& [name, length] : seq_lens) {
+      if (length % chunks != 0)
+        fail(name, " = ", length, " does not cut into ", chunks, " equal chunks for parallelism.context_parallel_degree = ", dims.cp,
+             balancer == distributed::CpLoadBalancer::HeadTail ? " with headtail load balancing (2 x degree chunks)" : "",
+             "; titan does not pad sequences: use a multiple of ", chunks);
+      length /= dims.cp;  // what each CP rank holds, which sequence parallelism splits further
+      name += " / context_parallel_degree";
+    }
+    if (config.model.attn_mask_type == "block_causal")
+      fail("model.attn_mask_type = \"block_causal\" with parallelism.context_parallel_degree = ", dims.cp,
+           ": context parallelism supports causal attention only so far; use attn_mask_type = \"causal\"");
+    if (dims.pp > 1)
+      fail("parallelism.context_parallel_degree = ", dims.cp, " with pipeline_parallel_degree = ", dims.pp,
+           ": context parallelism does not run under pipeline parallelism yet");
   }
+  if (dims.tp > 1) check_tensor_parallel(args, dims.tp, seq_lens);
   if (dims.fsdp_enabled() && args.tie_word_embeddings)
     fail("FSDP with tied embeddings (model.flavor 1B/3B) is not supported yet; train these flavors without "
          "data_parallel_shard_degree > 1 (tensor parallelism works with them)");
@@ -147,6 +166,19 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
   out.loss = [](const at::Tensor& logits, const at::Tensor& labels) { return cross_entropy_sum(logits, labels); };
 
   check_parallelism(model.args(), dims, config);
+  if (dims.cp > 1) {
+    // The attention core of every block runs over the whole sequence from this rank's part of it.
+    auto cp = std::make_shared<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
+                                                             distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
+    for (int64_t i : part.layers(model))
+      model.layers[static_cast<size_t>(i)]->attention->inner_attention->add_innermost_wrapper(
+          "context_parallel", [cp](const nn::Unit::Inputs& in, const nn::Context& context, const nn::Unit::Next&) {
+            if (context.attn_mask.defined())
+              fail("context parallelism does not support block-causal attention (model.attn_mask_type = \"block_causal\") yet");
+            return cp->attention(in[0], in[1], in[2]);
+          });
+    out.description.push_back("Context parallelism: " + cp->describe());
+  }
   if (dims.tp > 1) {
     out.tp_group = mesh.get("tp");
     distributed::TensorParallel tp(out.tp_group, out.parameters);
@@ -201,7 +233,7 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
     if (part.contains(n + 1)) tail.push_back(model.norm.get());
     if (part.contains(n + 2)) tail.push_back(model.output.get());
     if (!tail.empty()) units.push_back({tail.size() == 2 ? "norm+output" : part.contains(n + 1) ? "norm" : "output", tail, policy == "always"});
-    out.data_parallel = std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard"), mesh.get("dp_replicate"), fsdp);
+    out.data_parallel = std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard_cp"), mesh.get("dp_replicate"), fsdp);
   } else {
     distributed::materialize(out.parameters);
     if (dims.ddp_enabled()) {

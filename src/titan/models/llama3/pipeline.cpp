@@ -117,11 +117,11 @@ StagePlan plan_stages(const ModelArgs& args, const config::JobConfig& config, in
     fail("validation.local_batch_size = ", config.validation.local_batch_size,
          " does not divide into micro-batches of parallelism.pipeline_parallel_microbatch_size = ", mb);
   // Building the schedule checks its micro-batch rule and that it runs (no deadlock).
-  const Schedule schedule = p.pipeline_parallel_schedule_csv && !p.pipeline_parallel_schedule_csv->empty()
-                                ? Schedule::from_csv(*p.pipeline_parallel_schedule_csv, static_cast<int>(pp), static_cast<int>(stages),
-                                                     static_cast<int>(plan.microbatches), traits.v_shape)
-                                : Schedule::make(traits.name, static_cast<int>(pp), static_cast<int>(stages), static_cast<int>(plan.microbatches));
-  plan.split_backward = schedule.splits_backward();
+  plan.actions = p.pipeline_parallel_schedule_csv && !p.pipeline_parallel_schedule_csv->empty()
+                     ? Schedule::from_csv(*p.pipeline_parallel_schedule_csv, static_cast<int>(pp), static_cast<int>(stages),
+                                          static_cast<int>(plan.microbatches), traits.v_shape)
+                     : Schedule::make(traits.name, static_cast<int>(pp), static_cast<int>(stages), static_cast<int>(plan.microbatches));
+  plan.split_backward = plan.actions->splits_backward();
   return plan;
 }
 
@@ -131,10 +131,7 @@ Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, cons
   const auto& p = config.parallelism;
   const int pp = static_cast<int>(mesh.dims().pp);
   plan_ = plan_stages(model.args(), config, pp);
-  const int stages = static_cast<int>(plan_.ranges.size());
-  Schedule schedule = p.pipeline_parallel_schedule_csv && !p.pipeline_parallel_schedule_csv->empty()
-                          ? Schedule::from_csv(*p.pipeline_parallel_schedule_csv, pp, stages, static_cast<int>(plan_.microbatches), plan_.v_shape)
-                          : Schedule::make(plan_.schedule, pp, stages, static_cast<int>(plan_.microbatches));
+  const Schedule& schedule = *plan_.actions;
   microbatch_size_ = p.pipeline_parallel_microbatch_size;
   distributed::FsdpOptions options = fsdp;
   options.defer_gradient_reduction = true;
@@ -150,7 +147,7 @@ Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, cons
                                                              positions_.empty() ? at::Tensor() : positions_[idx]);
                              }});
   }
-  runner_ = std::make_unique<distributed::pipeline::PipelineRunner>(std::move(schedule), std::move(runner_stages), mesh.get("pp"), device_);
+  runner_ = std::make_unique<distributed::pipeline::PipelineRunner>(schedule, std::move(runner_stages), mesh.get("pp"), device_);
 }
 
 void Pipeline::set_batch(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, int64_t size) {

@@ -27,6 +27,7 @@ struct StagePlan {
   std::string schedule;                         // canonical schedule name
   bool v_shape = false, split_backward = false;
   int64_t microbatches = 1;                     // per local batch
+  std::optional<distributed::pipeline::Schedule> actions;  // the schedule built and checked for these stages
 };
 
 // The stages for this configuration (torchtitan's rules for their number: pipeline_parallel_layers_per_stage, or 1

@@ -1,0 +1,296 @@
+#include "titan/distributed/context_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+
+#include <algorithm>
+#include <map>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+#ifdef TITAN_WITH_CUDA
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
+#endif
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
+
+namespace titan::distributed {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// One (query block, key/value block) of attention with equal head counts: the output and the log-sum-exp of each
+// query's scores (float32, (batch, heads, queries)). `causal`: the blocks cover the same positions.
+std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  if (q.is_cpu()) {
+    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+    return {out, lse};
+  }
+#ifdef TITAN_WITH_CUDA
+  if (q.is_cuda()) {
+    auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal);
+    return {std::get<0>(r), std::get<1>(r)};
+  }
+#endif
+  fail("context parallelism has no attention kernel for device ", q.device().str());
+}
+
+// The gradients of one block pair given the combined output and log-sum-exp of the query block: the softmax over
+// every key block is exp(score - lse), so each pair's share of the gradients is what the kernel's backward computes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal) {
+  if (q.is_cpu()) return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal);
+#ifdef TITAN_WITH_CUDA
+  if (q.is_cuda()) {
+    const auto empty = at::empty({0}, q.options().dtype(at::kInt));
+    const auto seed = at::zeros({2}, q.options().dtype(at::kLong));
+    return at::_scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse, empty, empty, q.size(2), k.size(2), 0.0,
+                                                            causal, seed, seed);
+  }
+#endif
+  fail("context parallelism has no attention kernel for device ", q.device().str());
+}
+
+at::Tensor expand_heads(const at::Tensor& kv, int64_t rep) { return rep == 1 ? kv : kv.repeat_interleave(rep, 1); }
+
+at::Tensor reduce_heads(const at::Tensor& g, int64_t rep) {
+  if (rep == 1) return g;
+  return g.view({g.size(0), g.size(1) / rep, rep, g.size(2), g.size(3)}).sum(2);
+}
+
+// The running result of one query chunk: output (float32) and log-sum-exp, combined block by block.
+struct Partial {
+  at::Tensor out, lse;
+  void add(const at::Tensor& o, const at::Tensor& l) {
+    if (!out.defined()) {
+      out = o.to(at::kFloat);
+      lse = l;
+      return;
+    }
+    at::Tensor merged = at::logaddexp(lse, l);
+    out = out * (lse - merged).exp().unsqueeze(-1) + o.to(at::kFloat) * (l - merged).exp().unsqueeze(-1);
+    lse = merged;
+  }
+};
+
+struct CpHolder : torch::CustomClassHolder {
+  explicit CpHolder(const ContextParallel& c) : cp(c) {}
+  ContextParallel cp;
+};
+
+const ContextParallel& cp_of(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<CpHolder>(ctx->saved_data["cp"].toCapsule())->cp;
+}
+
+// The key/value blocks of one rank, (2, batch, kv_heads, local, head_dim), stacked so one message carries both.
+at::Tensor chunk_of(const at::Tensor& x, int64_t index, int64_t len) { return x.narrow(2, index * len, len); }
+
+// Every (query chunk, key chunk) pair this rank computes when it holds the keys of `source`'s chunks, with
+// whether the pair is the diagonal (causal) one.
+struct Pair {
+  int64_t q_index, k_index;  // local chunk indices: into this rank's queries, into the source's keys
+  bool causal;
+};
+std::vector<Pair> pairs_with(const ContextParallel& cp, int source) {
+  std::vector<Pair> out;
+  const auto mine = cp.chunks_of(cp.rank()), theirs = cp.chunks_of(source);
+  for (size_t x = 0; x < mine.size(); ++x)
+    for (size_t y = 0; y < theirs.size(); ++y)
+      if (theirs[y] <= mine[x]) out.push_back({static_cast<int64_t>(x), static_cast<int64_t>(y), theirs[y] == mine[x]});
+  return out;
+}
+
+// The rank whose keys this rank holds at step t of the ring (keys move to the next rank each step).
+int ring_source(const ContextParallel& cp, int t) { return ((cp.rank() - t) % cp.degree() + cp.degree()) % cp.degree(); }
+
+class CpAttention : public torch::autograd::Function<CpAttention> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            c10::intrusive_ptr<CpHolder> holder) {
+    const ContextParallel& cp = holder->cp;
+    const at::Tensor q = q_in.contiguous();
+    const at::Tensor kv = at::stack({k_in, v_in}).contiguous();
+    const int64_t rep = q.size(1) / k_in.size(1);
+    const int64_t chunk = q.size(2) / static_cast<int64_t>(cp.chunks_of(cp.rank()).size());
+    std::vector<Partial> partial(cp.chunks_of(cp.rank()).size());
+    auto compute = [&](const at::Tensor& block, int source) {
+      for (const auto& p : pairs_with(cp, source)) {
+        const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
+        const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
+        auto [o, l] = block_forward(chunk_of(q, p.q_index, chunk), k, v, p.causal);
+        partial[static_cast<size_t>(p.q_index)].add(o, l);
+      }
+    };
+    for_each_block(cp, kv, compute);
+    std::vector<at::Tensor> outs, lses;
+    for (auto& p : partial) {
+      outs.push_back(p.out.to(q.scalar_type()));
+      lses.push_back(p.lse);
+    }
+    at::Tensor out = at::cat(outs, 2), lse = at::cat(lses, 2);
+    ctx->save_for_backward({q, k_in, v_in, out, lse});
+    ctx->saved_data["cp"] = c10::IValue::make_capsule(holder);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const ContextParallel& cp = cp_of(ctx);
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k_in = saved[1], &v_in = saved[2], &out = saved[3], &lse = saved[4];
+    const at::Tensor grad_out = grads[0].contiguous();
+    const int64_t rep = q.size(1) / k_in.size(1);
+    const int64_t chunk = q.size(2) / static_cast<int64_t>(cp.chunks_of(cp.rank()).size());
+    at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    const at::Tensor kv = at::stack({k_in, v_in}).contiguous();
+    // Gradients of a block's keys and values, (2, batch, kv_heads, local, head_dim) in float32.
+    auto block_grads = [&](const at::Tensor& block, int source) {
+      at::Tensor d = at::zeros(block.sizes(), block.options().dtype(at::kFloat));
+      for (const auto& p : pairs_with(cp, source)) {
+        const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
+        const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
+        auto [gq, gk, gv] = block_backward(chunk_of(grad_out, p.q_index, chunk), chunk_of(q, p.q_index, chunk), k, v,
+                                           chunk_of(out, p.q_index, chunk), chunk_of(lse, p.q_index, chunk), p.causal);
+        chunk_of(dq, p.q_index, chunk).add_(gq);
+        chunk_of(d[0], p.k_index, chunk).add_(reduce_heads(gk, rep));
+        chunk_of(d[1], p.k_index, chunk).add_(reduce_heads(gv, rep));
+      }
+      return d;
+    };
+    at::Tensor dkv;
+    auto& group = *cp.group();
+    const int n = cp.degree();
+    if (cp.rotate() == CpRotateMethod::AllGather) {
+      at::Tensor all = at::empty({n * kv.numel()}, kv.options());
+      group.all_gather_into(all, kv.view(-1));
+      all = all.view([&] {
+        std::vector<int64_t> s{n};
+        for (auto d : kv.sizes()) s.push_back(d);
+        return s;
+      }());
+      std::vector<at::Tensor> parts;
+      for (int j = 0; j < n; ++j) parts.push_back(block_grads(all[j], j));
+      at::Tensor stacked = at::stack(parts).contiguous();
+      dkv = at::empty(kv.sizes(), stacked.options());
+      group.reduce_scatter(dkv, stacked.view(-1), ReduceOp::Sum);
+    } else {
+      // The keys go around the ring again, each block's gradient accumulator travelling with it; after n shifts the
+      // accumulator is back on the block's own rank.
+      at::Tensor block = kv, acc;
+      const int next = (cp.rank() + 1) % n, prev = (cp.rank() + n - 1) % n;
+      for (int t = 0; t < n; ++t) {
+        at::Tensor incoming;
+        std::shared_ptr<Work> moving;
+        if (t + 1 < n) {
+          incoming = at::empty_like(block);
+          moving = group.send_recv(block, next, incoming, prev, /*async=*/true);
+        }
+        at::Tensor d = block_grads(block, ring_source(cp, t));
+        if (acc.defined()) d.add_(acc);
+        acc = at::empty_like(d);
+        group.send_recv(d, next, acc, prev);
+        if (moving) {
+          moving->wait();
+          block = incoming;
+        }
+      }
+      dkv = acc;
+    }
+    return {dq.to(q.scalar_type()), dkv[0].to(k_in.scalar_type()), dkv[1].to(v_in.scalar_type()), at::Tensor()};
+  }
+
+ private:
+  // Calls fn(block, source rank) for every rank's key/value block: all at once after one all-gather, or one at a
+  // time as they pass around the ring (the next exchange overlapping this block's compute).
+  template <typename Fn>
+  static void for_each_block(const ContextParallel& cp, const at::Tensor& kv, Fn&& fn) {
+    auto& group = *cp.group();
+    const int n = cp.degree();
+    if (cp.rotate() == CpRotateMethod::AllGather) {
+      at::Tensor all = at::empty({n * kv.numel()}, kv.options());
+      group.all_gather_into(all, kv.view(-1));
+      for (int j = 0; j < n; ++j) fn(all.narrow(0, j * kv.numel(), kv.numel()).view(kv.sizes()), j);
+      return;
+    }
+    const int next = (cp.rank() + 1) % n, prev = (cp.rank() + n - 1) % n;
+    at::Tensor block = kv;
+    for (int t = 0; t < n; ++t) {
+      at::Tensor incoming;
+      std::shared_ptr<Work> moving;
+      if (t + 1 < n) {
+        incoming = at::empty_like(block);
+        moving = group.send_recv(block, next, incoming, prev, /*async=*/true);
+      }
+      fn(block, ring_source(cp, t));
+      if (moving) {
+        moving->wait();
+        block = incoming;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+ContextParallel::ContextParallel(std::shared_ptr<Communicator> group, CpLoadBalancer balancer, CpRotateMethod rotate)
+    : group_(std::move(group)), balancer_(balancer), rotate_(rotate) {
+  cp_ = group_->size();
+  rank_ = group_->rank();
+}
+
+std::string ContextParallel::describe() const {
+  return cat("context parallelism over ", cp_, " ranks: ",
+             balancer_ == CpLoadBalancer::HeadTail ? cat("headtail load balancing (", 2 * cp_, " chunks, rank r holds r and ", 2 * cp_ - 1, " - r)")
+                                                   : cat("no load balancing (rank r holds chunk r of ", cp_, ")"),
+             ", keys/values ", rotate_ == CpRotateMethod::AllGather ? "all-gathered" : "passed around the ring");
+}
+
+std::vector<int> ContextParallel::chunks_of(int rank) const {
+  if (balancer_ == CpLoadBalancer::HeadTail) return {rank, 2 * cp_ - 1 - rank};
+  return {rank};
+}
+
+void ContextParallel::check_seq_len(int64_t seq_len, const std::string& key) const {
+  if (seq_len % chunks() != 0)
+    fail(key, " = ", seq_len, " does not cut into ", chunks(), " equal chunks for context_parallel_degree = ", cp_,
+         balancer_ == CpLoadBalancer::HeadTail ? " with headtail load balancing (2 x degree chunks)" : "",
+         "; titan does not pad sequences: use a multiple of ", chunks());
+}
+
+at::Tensor ContextParallel::shard(const at::Tensor& x, int64_t dim) const {
+  const int64_t len = x.size(dim);
+  check_seq_len(len, "the sequence length");
+  const int64_t chunk = len / chunks();
+  std::vector<at::Tensor> parts;
+  for (int c : chunks_of(rank_)) parts.push_back(x.narrow(dim, c * chunk, chunk));
+  return parts.size() == 1 ? parts[0].contiguous() : at::cat(parts, dim);
+}
+
+at::Tensor ContextParallel::positions(int64_t seq_len, const at::Device& device) const {
+  return shard(at::arange(seq_len, at::TensorOptions().dtype(at::kLong)), 0).unsqueeze(0).to(device);
+}
+
+at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+  if (q.size(1) % k.size(1) != 0) fail("context parallelism: ", q.size(1), " query heads do not group over ", k.size(1), " key/value heads");
+  if (q.size(2) % static_cast<int64_t>(chunks_of(rank_).size()) != 0)
+    fail("internal: context-parallel attention got ", q.size(2), " local positions for ", chunks_of(rank_).size(), " chunks");
+  return CpAttention::apply(q, k, v, c10::make_intrusive<CpHolder>(*this));
+}
+
+CpLoadBalancer parse_cp_load_balancer(const std::optional<std::string>& value) {
+  if (!value || *value == "None" || *value == "none") return CpLoadBalancer::None;
+  if (*value == "headtail") return CpLoadBalancer::HeadTail;
+  fail("parallelism.context_parallel_load_balancer = ", quote(*value),
+       ": titan balances with headtail or None; ptrr (per-document balancing through flex attention's block masks) is not "
+       "implemented");
+}
+
+CpRotateMethod parse_cp_rotate_method(const std::string& value) {
+  if (value == "allgather") return CpRotateMethod::AllGather;
+  if (value == "alltoall") return CpRotateMethod::AllToAll;
+  fail("parallelism.context_parallel_rotate_method = ", quote(value), ": expected allgather or alltoall");
+}
+
+}  // namespace titan::distributed

@@ -1,0 +1,122 @@
+"""Context parallelism on real MPI ranks against one process at the same global batch: each sequence cut over 2 or
+4 ranks (headtail load balancing or none, keys/values all-gathered or passed around the ring), alone and with FSDP,
+HSDP, TP and activation checkpointing, gives the same losses and gradient norms (1e-5 relative), validation loss and
+final weights over 10 float32 steps; a checkpoint saved under CP loads on other layouts and training continues; bad
+sequence lengths and unsupported options are clear errors."""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
+from test_pipeline_parallel_parity import COMMON, STEPS, mpirun, probe
+
+
+def cp(degree, rotate="allgather", balancer="headtail", shard=1, replicate=1, tp=1):
+    return ["--parallelism.context_parallel_degree", str(degree), "--parallelism.context_parallel_rotate_method", rotate,
+            "--parallelism.context_parallel_load_balancer", balancer, "--parallelism.data_parallel_shard_degree", str(shard),
+            "--parallelism.data_parallel_replicate_degree", str(replicate), "--parallelism.tensor_parallel_degree", str(tp)]
+
+
+# name: (ranks, data-parallel degree, arguments)
+CASES = {
+    "cp2_allgather_headtail": (2, 1, cp(2)),
+    "cp2_alltoall_headtail": (2, 1, cp(2, "alltoall")),
+    "cp2_allgather_none": (2, 1, cp(2, balancer="None")),
+    "cp4_alltoall_headtail": (4, 1, cp(4, "alltoall")),
+    "cp4_allgather_none": (4, 1, cp(4, balancer="None")),
+    "fsdp2_cp2_alltoall": (4, 2, cp(2, "alltoall", shard=2)),
+    "hsdp_replicate2_cp2": (4, 2, cp(2, replicate=2)),
+    "tp2_cp2_ac_full": (4, 1, cp(2, tp=2) + ["--activation_checkpoint.mode", "full"]),
+    "fsdp2_cp2_tp2_alltoall_ac_op": (8, 2, cp(2, "alltoall", shard=2, tp=2) + [
+        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return probe(tmp_path_factory.mktemp("single"), "single", 1, [])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_single_process(tmp_path, reference, case):
+    ranks, dp, args = CASES[case]
+    ref_meta, ref_final, _ = reference
+    meta, final, _ = probe(tmp_path, case, ranks, args, dp=dp)
+    assert len(meta["steps"]) == STEPS
+    # Parameters are sharded over dp_shard x cp: context-parallel ranks hold different pieces.
+    assert any("dp_shard_cp" in v["placement"] for v in meta["layouts"].values()), meta["layouts"]
+    worst = 0.0
+    for mine, ref in zip(meta["steps"], ref_meta["steps"]):
+        rel = abs(mine["loss"] - ref["loss"]) / ref["loss"]
+        worst = max(worst, rel)
+        assert rel <= 1e-5, (case, mine, ref)
+        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (case, mine, ref)
+    assert meta["validation_loss"] == pytest.approx(ref_meta["validation_loss"], rel=1e-5)
+    for name, ref in ref_final.items():
+        torch.testing.assert_close(final[name], ref, rtol=1e-4, atol=3e-5, msg=lambda m: f"{case} {name}: {m}")
+    print(f"{case}: worst relative loss difference {worst:.2e} over {STEPS} steps")
+
+
+def titan_train(ranks, args, tmp_path, check=True):
+    cmd = ([] if ranks == 1 else mpirun(ranks)) + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "d"), *COMMON,
+                                                   "--training.local_batch_size", "4", *args]
+    return run(cmd, check=check, env={"OMP_NUM_THREADS": "1"}, timeout=600)
+
+
+@pytest.mark.parametrize("ranks,args,needles", [
+    (2, cp(2) + ["--training.seq_len", "30"], ["training.seq_len = 30 does not cut into 4 equal chunks", "headtail"]),
+    (4, cp(4, balancer="None") + ["--training.seq_len", "30"], ["training.seq_len = 30 does not cut into 4 equal chunks"]),
+    (2, cp(2) + ["--validation.enable", "--validation.dataset", "fortunes", "--validation.seq_len", "30"],
+     ["validation.seq_len = 30 does not cut into 4 equal chunks"]),
+    (2, cp(2, balancer="ptrr"), ["context_parallel_load_balancer = \"ptrr\"", "headtail or None"]),
+    (2, cp(2) + ["--model.attn_mask_type", "block_causal"], ["block_causal", "context_parallel_degree = 2", "causal attention only"]),
+    (4, cp(2) + ["--parallelism.pipeline_parallel_degree", "2"], ["does not run under pipeline parallelism yet"]),
+    (4, cp(2, balancer="None", tp=2) + ["--training.seq_len", "34"],
+     ["tensor_parallel_degree = 2", "training.seq_len / context_parallel_degree = 17"]),
+])
+def test_bad_input_is_a_clear_error(tmp_path, ranks, args, needles):
+    result = titan_train(ranks, args, tmp_path, check=False)
+    assert result.returncode != 0
+    for needle in needles:
+        assert needle in result.stderr, result.stderr[-3000:]
+    assert "frame #" not in result.stderr
+
+
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.no_last_save_model_only",
+              "--lr_scheduler.total_steps", "20", "--metrics.log_freq", "1"]
+LAYOUTS = {"single": (1, []), "fsdp2_cp2": (4, cp(2, "alltoall", shard=2)), "tp2_cp2": (4, cp(2, tp=2)),
+           "cp4": (4, cp(4, balancer="None"))}
+
+
+def losses(stdout):
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)}
+
+
+@pytest.mark.parametrize("source,target", [("fsdp2_cp2", "single"), ("single", "tp2_cp2"), ("fsdp2_cp2", "cp4")])
+def test_a_checkpoint_saved_under_cp_loads_on_another_layout(tmp_path, source, target):
+    """20 straight steps on the source layout saving at step 10; the target layout loads step 10, holds exactly the
+    saved weights and AdamW moments, and its steps 11-20 give the source's losses."""
+    dump = tmp_path / "run"
+    ranks, args = LAYOUTS[source]
+    straight = losses(run(([] if ranks == 1 else mpirun(ranks)) + [
+        binary("titan"), "train", "--job.dump_folder", str(dump), *COMMON, "--training.local_batch_size", "4",
+        "--training.steps", "20", *CHECKPOINT, *args], env={"OMP_NUM_THREADS": "1"}, timeout=600).stdout)
+    _, stored = read_checkpoint(dump / "checkpoint" / "step-10")
+    ranks, args = LAYOUTS[target]
+    out = tmp_path / "probe"
+    run(([] if ranks == 1 else mpirun(ranks)) + [
+        binary("titan_train_probe"), "--probe.out", str(out), "--probe.loaded_state", "--job.dump_folder", str(dump), *COMMON,
+        "--training.local_batch_size", "4", "--training.steps", "20", "--checkpoint.load_step", "10", *CHECKPOINT, *args],
+        env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    state = load_file(str(out / "loaded_state.safetensors"))
+    assert sorted(state) == sorted(stored)
+    for key, value in stored.items():
+        assert np.array_equal(state[key].numpy(), value), f"{source} -> {target}: {key} differs after loading"
+    continued = {s["step"]: s["loss"] for s in json.loads((out / "metrics.json").read_text())["steps"]}
+    assert sorted(continued) == list(range(11, 21))
+    for step, loss in continued.items():
+        assert abs(loss - straight[step]) <= 2e-5 * straight[step], (source, target, step, loss, straight[step])
