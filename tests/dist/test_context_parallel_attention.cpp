@@ -1,0 +1,72 @@
+// Context-parallel attention on real MPI ranks (2 and 4): the local queries' causal attention over the whole
+// sequence, forward and the gradients of q, k and v, against LibTorch's scaled_dot_product_attention over the
+// whole sequence differentiated by autograd in one process; both load balancers, both rotate methods, GQA, float32
+// and bfloat16.
+#include <gtest/gtest.h>
+
+#include "titan/common/error.h"
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/context_parallel.h"
+
+using namespace titan::distributed;
+
+namespace {
+
+std::shared_ptr<Communicator> comm() { return world(detect_launch()); }
+
+at::Tensor global(std::vector<int64_t> shape, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn(shape, gen, at::kDouble).to(at::kFloat);
+}
+
+void check(CpLoadBalancer balancer, CpRotateMethod rotate, int64_t heads, int64_t kv_heads, at::ScalarType dtype, double tol) {
+  ContextParallel cp(comm(), balancer, rotate);
+  const int64_t batch = 2, seq = 8 * cp.chunks(), dim = 16;
+  at::Tensor q = global({batch, heads, seq, dim}, 1).to(dtype).requires_grad_(), k = global({batch, kv_heads, seq, dim}, 2).to(dtype).requires_grad_(),
+             v = global({batch, kv_heads, seq, dim}, 3).to(dtype).requires_grad_();
+  const at::Tensor grad = global({batch, heads, seq, dim}, 4).to(dtype);
+  at::Tensor ref = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true, std::nullopt, heads != kv_heads);
+  ref.backward(grad);
+
+  auto local = [&](const at::Tensor& t) { return cp.shard(t.detach(), 2).requires_grad_(); };
+  at::Tensor lq = local(q), lk = local(k), lv = local(v);
+  at::Tensor out = cp.attention(lq, lk, lv);
+  out.backward(cp.shard(grad, 2));
+  const std::string what = std::string(balancer == CpLoadBalancer::HeadTail ? "headtail" : "none") + " " +
+                           (rotate == CpRotateMethod::AllGather ? "allgather" : "alltoall") + " " + c10::toString(dtype);
+  auto close = [&](const at::Tensor& mine, const at::Tensor& full, const char* name) {
+    const at::Tensor expected = cp.shard(full, 2).to(at::kFloat);
+    const double err = (mine.to(at::kFloat) - expected).abs().max().item<double>();
+    EXPECT_LE(err, tol) << what << ": " << name << " differs by " << err;
+  };
+  close(out.detach(), ref.detach(), "output");
+  close(lq.grad(), q.grad(), "grad q");
+  close(lk.grad(), k.grad(), "grad k");
+  close(lv.grad(), v.grad(), "grad v");
+}
+
+}  // namespace
+
+TEST(ContextParallelAttention, MatchesFullAttentionForwardAndBackward) {
+  for (auto balancer : {CpLoadBalancer::HeadTail, CpLoadBalancer::None})
+    for (auto rotate : {CpRotateMethod::AllGather, CpRotateMethod::AllToAll}) {
+      check(balancer, rotate, 4, 4, at::kFloat, 2e-6);
+      check(balancer, rotate, 4, 2, at::kFloat, 2e-6);  // GQA
+    }
+  check(CpLoadBalancer::HeadTail, CpRotateMethod::AllToAll, 4, 2, at::kBFloat16, 5e-2);
+}
+
+TEST(ContextParallelAttention, ShardsHoldTheBalancedChunksAndTheirPositions) {
+  ContextParallel cp(comm(), CpLoadBalancer::HeadTail, CpRotateMethod::AllGather);
+  const int n = cp.degree(), r = cp.rank();
+  at::Tensor positions = cp.positions(4 * n, at::kCPU);  // chunks of 2: rank r holds r and 2n - 1 - r
+  ASSERT_EQ(positions.size(1), 4);
+  EXPECT_EQ(positions[0][0].item<int64_t>(), 2 * r);
+  EXPECT_EQ(positions[0][2].item<int64_t>(), 2 * (2 * n - 1 - r));
+  try {
+    cp.check_seq_len(4 * n + 2, "training.seq_len");
+    FAIL() << "a sequence that does not cut into 2 x cp chunks was accepted";
+  } catch (const titan::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("training.seq_len = " + std::to_string(4 * n + 2) + " does not cut into"), std::string::npos) << e.what();
+  }
+}
