@@ -33,6 +33,12 @@ CASES = {
     "tp2_cp2_ac_full": (4, 1, cp(2, tp=2) + ["--activation_checkpoint.mode", "full"]),
     "fsdp2_cp2_tp2_alltoall_ac_op": (8, 2, cp(2, "alltoall", shard=2, tp=2) + [
         "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    "pp2_cp2_1F1B": (4, 1, cp(2) + ["--parallelism.pipeline_parallel_degree", "2"]),
+    "pp2_fsdp2_cp2_Interleaved1F1B_alltoall": (8, 2, cp(2, "alltoall", shard=2) + [
+        "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    # All four dimensions at once: 16 ranks.
+    "pp2_fsdp2_cp2_tp2_ac_full": (16, 2, cp(2, shard=2, tp=2) + ["--parallelism.pipeline_parallel_degree", "2",
+                                                                 "--activation_checkpoint.mode", "full"]),
 }
 
 
@@ -74,7 +80,6 @@ def titan_train(ranks, args, tmp_path, check=True):
      ["validation.seq_len = 30 does not cut into 4 equal chunks"]),
     (2, cp(2, balancer="ptrr"), ["context_parallel_load_balancer = \"ptrr\"", "headtail or None"]),
     (2, cp(2) + ["--model.attn_mask_type", "block_causal"], ["block_causal", "context_parallel_degree = 2", "causal attention only"]),
-    (4, cp(2) + ["--parallelism.pipeline_parallel_degree", "2"], ["does not run under pipeline parallelism yet"]),
     (4, cp(2, balancer="None", tp=2) + ["--training.seq_len", "34"],
      ["tensor_parallel_degree = 2", "training.seq_len / context_parallel_degree = 17"]),
 ])
@@ -89,14 +94,15 @@ def test_bad_input_is_a_clear_error(tmp_path, ranks, args, needles):
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.no_last_save_model_only",
               "--lr_scheduler.total_steps", "20", "--metrics.log_freq", "1"]
 LAYOUTS = {"single": (1, []), "fsdp2_cp2": (4, cp(2, "alltoall", shard=2)), "tp2_cp2": (4, cp(2, tp=2)),
-           "cp4": (4, cp(4, balancer="None"))}
+           "cp4": (4, cp(4, balancer="None")), "pp2_cp2": (4, cp(2) + ["--parallelism.pipeline_parallel_degree", "2"])}
 
 
 def losses(stdout):
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)}
 
 
-@pytest.mark.parametrize("source,target", [("fsdp2_cp2", "single"), ("single", "tp2_cp2"), ("fsdp2_cp2", "cp4")])
+@pytest.mark.parametrize("source,target", [("fsdp2_cp2", "single"), ("single", "tp2_cp2"), ("fsdp2_cp2", "cp4"),
+                                           ("pp2_cp2", "fsdp2_cp2")])
 def test_a_checkpoint_saved_under_cp_loads_on_another_layout(tmp_path, source, target):
     """20 straight steps on the source layout saving at step 10; the target layout loads step 10, holds exactly the
     saved weights and AdamW moments, and its steps 11-20 give the source's losses."""

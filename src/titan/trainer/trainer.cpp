@@ -355,6 +355,7 @@ double Trainer::validate() {
       at::Tensor pp_sum = at::full({1}, pipeline_->evaluate(batch.inputs, batch.labels, block_causal_ ? batch.positions : at::Tensor()),
                                    at::TensorOptions().dtype(at::kDouble)).to(device_);
       mesh_->get("pp")->all_reduce(pp_sum, distributed::ReduceOp::Sum);  // from the last stage's ranks
+      if (cp_) cp_->group()->all_reduce(pp_sum, distributed::ReduceOp::Sum);   // each CP rank has its chunks' share
       sum = pp_sum.cpu().item<double>();
     } else {
       nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));

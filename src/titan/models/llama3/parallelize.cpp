@@ -49,9 +49,6 @@ void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& d
     if (config.model.attn_mask_type == "block_causal")
       fail("model.attn_mask_type = \"block_causal\" with parallelism.context_parallel_degree = ", dims.cp,
            ": context parallelism supports causal attention only so far; use attn_mask_type = \"causal\"");
-    if (dims.pp > 1)
-      fail("parallelism.context_parallel_degree = ", dims.cp, " with pipeline_parallel_degree = ", dims.pp,
-           ": context parallelism does not run under pipeline parallelism yet");
   }
   if (dims.tp > 1) check_tensor_parallel(args, dims.tp, seq_lens);
   if (dims.fsdp_enabled() && args.tie_word_embeddings)

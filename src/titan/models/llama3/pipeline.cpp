@@ -133,6 +133,9 @@ Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, cons
   plan_ = plan_stages(model.args(), config, pp);
   const Schedule& schedule = *plan_.actions;
   microbatch_size_ = p.pipeline_parallel_microbatch_size;
+  if (mesh.dims().cp > 1)
+    cp_ = std::make_unique<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
+                                                         distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
   distributed::FsdpOptions options = fsdp;
   options.defer_gradient_reduction = true;
   std::vector<distributed::pipeline::Stage> runner_stages;
@@ -143,8 +146,8 @@ Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, cons
     runner_stages.push_back({stage, [this, range](const at::Tensor& input, int m) {
                                nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
                                const auto idx = static_cast<size_t>(m);
-                               return model_.forward_modules(range.begin == 0 ? tokens_[idx] : input, range.begin, range.end, seq_len_, {},
-                                                             positions_.empty() ? at::Tensor() : positions_[idx]);
+                               return model_.forward_modules(range.begin == 0 ? tokens_[idx] : input, range.begin, range.end, seq_len_,
+                                                             rope_positions_, positions_.empty() ? at::Tensor() : positions_[idx]);
                              }});
   }
   runner_ = std::make_unique<distributed::pipeline::PipelineRunner>(schedule, std::move(runner_stages), mesh.get("pp"), device_);
@@ -152,6 +155,15 @@ Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, cons
 
 void Pipeline::set_batch(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, int64_t size) {
   seq_len_ = tokens.size(1);
+  if (cp_) {
+    // Context parallelism: this rank's chunks of every sequence, RoPE at their global positions.
+    tokens_ = cp_->shard(tokens.to(device_), 1).split(size, 0);
+    labels_ = cp_->shard(labels.to(device_), 1).split(size, 0);
+    rope_positions_ = cp_->positions(seq_len_, device_);
+    if (document_positions.defined()) fail("internal: block-causal attention under context parallelism");
+    positions_.clear();
+    return;
+  }
   tokens_ = tokens.to(device_).split(size, 0);
   labels_ = labels.to(device_).split(size, 0);
   positions_.clear();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "titan/config/job_config.h"
+#include "titan/distributed/context_parallel.h"
 #include "titan/distributed/pipeline/runner.h"
 #include "titan/models/llama3/parallelize.h"
 
@@ -64,6 +65,8 @@ class Pipeline {
   std::optional<at::ScalarType> autocast_dtype_;
   int64_t microbatch_size_ = 1, seq_len_ = 0;
   std::vector<at::Tensor> tokens_, labels_, positions_;
+  std::unique_ptr<distributed::ContextParallel> cp_;  // cuts every sequence over the "cp" group (context parallelism)
+  at::Tensor rope_positions_;                         // under CP: this rank's global positions
   at::Device device_;
 };
 
