@@ -21,7 +21,7 @@ at::Tensor global(std::vector<int64_t> shape, uint64_t seed) {
 
 void check(CpLoadBalancer balancer, CpRotateMethod rotate, int64_t heads, int64_t kv_heads, at::ScalarType dtype, double tol) {
   ContextParallel cp(comm(), balancer, rotate);
-  const int64_t batch = 2, seq = 8 * cp.chunks(), dim = 16;
+  const int64_t batch = 2, seq = balancer == CpLoadBalancer::Ptrr ? 2 * kPtrrBlock * cp.degree() : 8 * cp.chunks(0), dim = 16;
   at::Tensor q = global({batch, heads, seq, dim}, 1).to(dtype).requires_grad_(), k = global({batch, kv_heads, seq, dim}, 2).to(dtype).requires_grad_(),
              v = global({batch, kv_heads, seq, dim}, 3).to(dtype).requires_grad_();
   const at::Tensor grad = global({batch, heads, seq, dim}, 4).to(dtype);
@@ -32,7 +32,7 @@ void check(CpLoadBalancer balancer, CpRotateMethod rotate, int64_t heads, int64_
   at::Tensor lq = local(q), lk = local(k), lv = local(v);
   at::Tensor out = cp.attention(lq, lk, lv);
   out.backward(cp.shard(grad, 2));
-  const std::string what = std::string(balancer == CpLoadBalancer::HeadTail ? "headtail" : "none") + " " +
+  const std::string what = std::string(balancer == CpLoadBalancer::HeadTail ? "headtail" : balancer == CpLoadBalancer::Ptrr ? "ptrr" : "none") + " " +
                            (rotate == CpRotateMethod::AllGather ? "allgather" : "alltoall") + " " + c10::toString(dtype);
   auto close = [&](const at::Tensor& mine, const at::Tensor& full, const char* name) {
     const at::Tensor expected = cp.shard(full, 2).to(at::kFloat);
@@ -48,7 +48,7 @@ void check(CpLoadBalancer balancer, CpRotateMethod rotate, int64_t heads, int64_
 }  // namespace
 
 TEST(ContextParallelAttention, MatchesFullAttentionForwardAndBackward) {
-  for (auto balancer : {CpLoadBalancer::HeadTail, CpLoadBalancer::None})
+  for (auto balancer : {CpLoadBalancer::HeadTail, CpLoadBalancer::None, CpLoadBalancer::Ptrr})
     for (auto rotate : {CpRotateMethod::AllGather, CpRotateMethod::AllToAll}) {
       check(balancer, rotate, 4, 4, at::kFloat, 2e-6);
       check(balancer, rotate, 4, 2, at::kFloat, 2e-6);  // GQA
@@ -63,6 +63,13 @@ TEST(ContextParallelAttention, ShardsHoldTheBalancedChunksAndTheirPositions) {
   ASSERT_EQ(positions.size(1), 4);
   EXPECT_EQ(positions[0][0].item<int64_t>(), 2 * r);
   EXPECT_EQ(positions[0][2].item<int64_t>(), 2 * (2 * n - 1 - r));
+  // ptrr: 4 blocks per rank, heaviest first in rows of n, every other row reversed; every rank gets the same work.
+  ContextParallel ptrr(comm(), CpLoadBalancer::Ptrr, CpRotateMethod::AllGather);
+  const int64_t blocks = 4 * n;
+  int64_t work = 0;
+  for (int64_t b : ptrr.chunks_of(r, blocks * kPtrrBlock)) work += b + 1;
+  EXPECT_EQ(work, (blocks * (blocks + 1) / 2) / n);
+  EXPECT_EQ(ptrr.chunks_of(r, blocks * kPtrrBlock).back(), blocks - 1 - r);  // the first row: the heaviest blocks
   try {
     cp.check_seq_len(4 * n + 2, "training.seq_len");
     FAIL() << "a sequence that does not cut into 2 x cp chunks was accepted";

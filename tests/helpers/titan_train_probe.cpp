@@ -70,6 +70,7 @@ int main(int argc, char** argv) {
     auto initial = hf_weights(trainer);
     if (writer) titan::safetensors::save(out_dir + "/initial.safetensors", initial);
     std::vector<std::pair<std::string, at::Tensor>> batches;
+    const int64_t rss_before_steps = titan::metrics::current_rss_bytes();  // parameters, process baseline
     nlohmann::json steps = nlohmann::json::array();
     for (int64_t step = trainer.step() + 1; step <= trainer.config().training.steps; ++step) {
       auto microbatches = trainer.next_microbatches();
@@ -111,6 +112,7 @@ int main(int argc, char** argv) {
                           {"csv", r.schedule().to_csv()}};
     }
     meta["peak_rss_bytes"] = titan::metrics::peak_rss_bytes();
+    meta["rss_before_steps_bytes"] = rss_before_steps;
     if (validate) meta["validation_loss"] = trainer.validate();
     if (writer) std::ofstream(out_dir + "/metrics.json") << meta.dump(2) << "\n";
   } catch (const std::exception& e) {

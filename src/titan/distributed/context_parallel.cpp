@@ -4,8 +4,10 @@
 #include <torch/custom_class.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 
@@ -94,13 +96,27 @@ struct Pair {
   int64_t q_index, k_index;  // local chunk indices: into this rank's queries, into the source's keys
   bool causal;
 };
-std::vector<Pair> pairs_with(const ContextParallel& cp, int source) {
+std::vector<Pair> pairs_with(const ContextParallel& cp, int source, int64_t seq_len) {
   std::vector<Pair> out;
-  const auto mine = cp.chunks_of(cp.rank()), theirs = cp.chunks_of(source);
+  const auto mine = cp.chunks_of(cp.rank(), seq_len), theirs = cp.chunks_of(source, seq_len);
   for (size_t x = 0; x < mine.size(); ++x)
     for (size_t y = 0; y < theirs.size(); ++y)
       if (theirs[y] <= mine[x]) out.push_back({static_cast<int64_t>(x), static_cast<int64_t>(y), theirs[y] == mine[x]});
   return out;
+}
+
+// Seconds this process spent blocked in context-parallel communication (all-gathers, reduce-scatters, waiting for
+// the ring's next block).
+std::atomic<double> g_wait_seconds{0};
+
+template <typename Fn>
+auto timed(Fn&& fn) {
+  const double start = now_seconds();
+  auto result = fn();
+  double seen = g_wait_seconds.load();
+  while (!g_wait_seconds.compare_exchange_weak(seen, seen + now_seconds() - start)) {
+  }
+  return result;
 }
 
 // The rank whose keys this rank holds at step t of the ring (keys move to the next rank each step).
@@ -114,10 +130,11 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     const at::Tensor q = q_in.contiguous();
     const at::Tensor kv = at::stack({k_in, v_in}).contiguous();
     const int64_t rep = q.size(1) / k_in.size(1);
-    const int64_t chunk = q.size(2) / static_cast<int64_t>(cp.chunks_of(cp.rank()).size());
-    std::vector<Partial> partial(cp.chunks_of(cp.rank()).size());
+    const int64_t seq_len = q.size(2) * cp.degree();
+    const int64_t chunk = seq_len / cp.chunks(seq_len);
+    std::vector<Partial> partial(cp.chunks_of(cp.rank(), seq_len).size());
     auto compute = [&](const at::Tensor& block, int source) {
-      for (const auto& p : pairs_with(cp, source)) {
+      for (const auto& p : pairs_with(cp, source, seq_len)) {
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
         auto [o, l] = block_forward(chunk_of(q, p.q_index, chunk), k, v, p.causal);
@@ -142,13 +159,14 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     const at::Tensor &q = saved[0], &k_in = saved[1], &v_in = saved[2], &out = saved[3], &lse = saved[4];
     const at::Tensor grad_out = grads[0].contiguous();
     const int64_t rep = q.size(1) / k_in.size(1);
-    const int64_t chunk = q.size(2) / static_cast<int64_t>(cp.chunks_of(cp.rank()).size());
+    const int64_t seq_len = q.size(2) * cp.degree();
+    const int64_t chunk = seq_len / cp.chunks(seq_len);
     at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     const at::Tensor kv = at::stack({k_in, v_in}).contiguous();
     // Gradients of a block's keys and values, (2, batch, kv_heads, local, head_dim) in float32.
     auto block_grads = [&](const at::Tensor& block, int source) {
       at::Tensor d = at::zeros(block.sizes(), block.options().dtype(at::kFloat));
-      for (const auto& p : pairs_with(cp, source)) {
+      for (const auto& p : pairs_with(cp, source, seq_len)) {
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
         auto [gq, gk, gv] = block_backward(chunk_of(grad_out, p.q_index, chunk), chunk_of(q, p.q_index, chunk), k, v,
@@ -164,7 +182,7 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     const int n = cp.degree();
     if (cp.rotate() == CpRotateMethod::AllGather) {
       at::Tensor all = at::empty({n * kv.numel()}, kv.options());
-      group.all_gather_into(all, kv.view(-1));
+      timed([&] { return group.all_gather_into(all, kv.view(-1)); });
       all = all.view([&] {
         std::vector<int64_t> s{n};
         for (auto d : kv.sizes()) s.push_back(d);
@@ -174,7 +192,7 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
       for (int j = 0; j < n; ++j) parts.push_back(block_grads(all[j], j));
       at::Tensor stacked = at::stack(parts).contiguous();
       dkv = at::empty(kv.sizes(), stacked.options());
-      group.reduce_scatter(dkv, stacked.view(-1), ReduceOp::Sum);
+      timed([&] { return group.reduce_scatter(dkv, stacked.view(-1), ReduceOp::Sum); });
     } else {
       // The keys go around the ring again, each block's gradient accumulator travelling with it; after n shifts the
       // accumulator is back on the block's own rank.
@@ -190,9 +208,12 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
         at::Tensor d = block_grads(block, ring_source(cp, t));
         if (acc.defined()) d.add_(acc);
         acc = at::empty_like(d);
-        group.send_recv(d, next, acc, prev);
+        timed([&] { return group.send_recv(d, next, acc, prev); });
         if (moving) {
-          moving->wait();
+          timed([&] {
+            moving->wait();
+            return 0;
+          });
           block = incoming;
         }
       }
@@ -210,7 +231,7 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     const int n = cp.degree();
     if (cp.rotate() == CpRotateMethod::AllGather) {
       at::Tensor all = at::empty({n * kv.numel()}, kv.options());
-      group.all_gather_into(all, kv.view(-1));
+      timed([&] { return group.all_gather_into(all, kv.view(-1)); });
       for (int j = 0; j < n; ++j) fn(all.narrow(0, j * kv.numel(), kv.numel()).view(kv.sizes()), j);
       return;
     }
@@ -225,7 +246,10 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
       }
       fn(block, ring_source(cp, t));
       if (moving) {
-        moving->wait();
+        timed([&] {
+          moving->wait();
+          return 0;
+        });
         block = incoming;
       }
     }
@@ -241,30 +265,67 @@ ContextParallel::ContextParallel(std::shared_ptr<Communicator> group, CpLoadBala
 }
 
 std::string ContextParallel::describe() const {
-  return cat("context parallelism over ", cp_, " ranks: ",
-             balancer_ == CpLoadBalancer::HeadTail ? cat("headtail load balancing (", 2 * cp_, " chunks, rank r holds r and ", 2 * cp_ - 1, " - r)")
-                                                   : cat("no load balancing (rank r holds chunk r of ", cp_, ")"),
-             ", keys/values ", rotate_ == CpRotateMethod::AllGather ? "all-gathered" : "passed around the ring");
+  std::string balancing;
+  switch (balancer_) {
+    case CpLoadBalancer::HeadTail: balancing = cat("headtail load balancing (2 x ", cp_, " chunks, rank r holds r and ", 2 * cp_ - 1, " - r)"); break;
+    case CpLoadBalancer::Ptrr: balancing = cat("ptrr load balancing (blocks of ", kPtrrBlock, " tokens dealt by causal work)"); break;
+    case CpLoadBalancer::None: balancing = cat("no load balancing (rank r holds chunk r of ", cp_, ")"); break;
+  }
+  return cat("context parallelism over ", cp_, " ranks: ", balancing, ", keys/values ",
+             rotate_ == CpRotateMethod::AllGather ? "all-gathered" : "passed around the ring");
 }
 
-std::vector<int> ContextParallel::chunks_of(int rank) const {
+int64_t ContextParallel::sequence_multiple(CpLoadBalancer balancer, int64_t cp) {
+  switch (balancer) {
+    case CpLoadBalancer::HeadTail: return 2 * cp;
+    case CpLoadBalancer::Ptrr: return kPtrrBlock * cp;
+    case CpLoadBalancer::None: break;
+  }
+  return cp;
+}
+
+int64_t ContextParallel::chunks(int64_t seq_len) const {
+  switch (balancer_) {
+    case CpLoadBalancer::HeadTail: return 2 * cp_;
+    case CpLoadBalancer::Ptrr: return seq_len / kPtrrBlock;
+    case CpLoadBalancer::None: break;
+  }
+  return cp_;
+}
+
+std::vector<int64_t> ContextParallel::chunks_of(int rank, int64_t seq_len) const {
   if (balancer_ == CpLoadBalancer::HeadTail) return {rank, 2 * cp_ - 1 - rank};
-  return {rank};
+  if (balancer_ == CpLoadBalancer::None) return {rank};
+  // ptrr: block i does i + 1 blocks of causal work. Heaviest first, the blocks are dealt in rows of cp, every other
+  // row in reverse, so each rank's total is even; each rank keeps its blocks in sequence order.
+  const int64_t n = chunks(seq_len);
+  std::vector<int64_t> out;
+  for (int64_t row = 0; row * cp_ < n; ++row) {
+    const int64_t column = row % 2 == 0 ? rank : cp_ - 1 - rank;
+    out.push_back(n - 1 - (row * cp_ + column));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
-void ContextParallel::check_seq_len(int64_t seq_len, const std::string& key) const {
-  if (seq_len % chunks() != 0)
-    fail(key, " = ", seq_len, " does not cut into ", chunks(), " equal chunks for context_parallel_degree = ", cp_,
-         balancer_ == CpLoadBalancer::HeadTail ? " with headtail load balancing (2 x degree chunks)" : "",
-         "; titan does not pad sequences: use a multiple of ", chunks());
+void ContextParallel::check_seq_len(CpLoadBalancer balancer, int64_t cp, int64_t seq_len, const std::string& key) {
+  const int64_t multiple = sequence_multiple(balancer, cp);
+  if (seq_len % multiple == 0) return;
+  std::string how;
+  switch (balancer) {
+    case CpLoadBalancer::HeadTail: how = cat(" into ", multiple, " equal chunks for context_parallel_degree = ", cp, " with headtail load balancing (2 x degree chunks)"); break;
+    case CpLoadBalancer::Ptrr: how = cat(" into blocks of ", kPtrrBlock, " tokens dealt evenly over context_parallel_degree = ", cp, " (ptrr load balancing)"); break;
+    case CpLoadBalancer::None: how = cat(" into ", multiple, " equal chunks for context_parallel_degree = ", cp); break;
+  }
+  fail(key, " = ", seq_len, " does not cut", how, "; titan does not pad sequences: use a multiple of ", multiple);
 }
 
 at::Tensor ContextParallel::shard(const at::Tensor& x, int64_t dim) const {
   const int64_t len = x.size(dim);
   check_seq_len(len, "the sequence length");
-  const int64_t chunk = len / chunks();
+  const int64_t chunk = len / chunks(len);
   std::vector<at::Tensor> parts;
-  for (int c : chunks_of(rank_)) parts.push_back(x.narrow(dim, c * chunk, chunk));
+  for (int64_t c : chunks_of(rank_, len)) parts.push_back(x.narrow(dim, c * chunk, chunk));
   return parts.size() == 1 ? parts[0].contiguous() : at::cat(parts, dim);
 }
 
@@ -274,17 +335,19 @@ at::Tensor ContextParallel::positions(int64_t seq_len, const at::Device& device)
 
 at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
   if (q.size(1) % k.size(1) != 0) fail("context parallelism: ", q.size(1), " query heads do not group over ", k.size(1), " key/value heads");
-  if (q.size(2) % static_cast<int64_t>(chunks_of(rank_).size()) != 0)
-    fail("internal: context-parallel attention got ", q.size(2), " local positions for ", chunks_of(rank_).size(), " chunks");
+  const int64_t seq_len = q.size(2) * cp_;
+  if (seq_len % sequence_multiple(balancer_, cp_) != 0)
+    fail("internal: context-parallel attention got ", q.size(2), " local positions, which do not make whole chunks");
   return CpAttention::apply(q, k, v, c10::make_intrusive<CpHolder>(*this));
 }
+
+double ContextParallel::wait_seconds() { return g_wait_seconds.load(); }
 
 CpLoadBalancer parse_cp_load_balancer(const std::optional<std::string>& value) {
   if (!value || *value == "None" || *value == "none") return CpLoadBalancer::None;
   if (*value == "headtail") return CpLoadBalancer::HeadTail;
-  fail("parallelism.context_parallel_load_balancer = ", quote(*value),
-       ": titan balances with headtail or None; ptrr (per-document balancing through flex attention's block masks) is not "
-       "implemented");
+  if (*value == "ptrr") return CpLoadBalancer::Ptrr;
+  fail("parallelism.context_parallel_load_balancer = ", quote(*value), ": expected headtail, ptrr or None");
 }
 
 CpRotateMethod parse_cp_rotate_method(const std::string& value) {

@@ -518,6 +518,11 @@ int Trainer::train() {
                         100.0 * r.bubble(), 100.0 * r.schedule().simulate().bubble,
                         static_cast<double>(r.bytes_sent()) / static_cast<double>(r.steps()) * static_cast<double>(grad_accum_steps_) / 1e6, r.max_in_flight()));
   }
+  if (cp_ && steps > 0)
+    log::info(strprintf("Context-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting for keys and "
+                        "values or their gradients; %.3f s per step in all",
+                        cp_->group()->bytes_communicated() / steps / 1e6, distributed::ContextParallel::wait_seconds() / steps,
+                        (now_seconds() - train_start) / steps));
   if (mesh_->dims().tp > 1 && steps > 0)
     log::info(strprintf("Tensor-parallel communication per step on this rank: %.2f MB sent, %.3f s in its (synchronous) "
                         "collectives; %.3f s per step in all",

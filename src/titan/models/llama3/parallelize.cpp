@@ -37,12 +37,8 @@ void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& d
     const auto& p = config.parallelism;
     const auto balancer = distributed::parse_cp_load_balancer(p.context_parallel_load_balancer);
     distributed::parse_cp_rotate_method(p.context_parallel_rotate_method);
-    const int64_t chunks = balancer == distributed::CpLoadBalancer::HeadTail ? 2 * dims.cp : dims.cp;
     for (auto& [name, length] : seq_lens) {
-      if (length % chunks != 0)
-        fail(name, " = ", length, " does not cut into ", chunks, " equal chunks for parallelism.context_parallel_degree = ", dims.cp,
-             balancer == distributed::CpLoadBalancer::HeadTail ? " with headtail load balancing (2 x degree chunks)" : "",
-             "; titan does not pad sequences: use a multiple of ", chunks);
+      distributed::ContextParallel::check_seq_len(balancer, dims.cp, length, name);
       length /= dims.cp;  // what each CP rank holds, which sequence parallelism splits further
       name += " / context_parallel_degree";
     }
