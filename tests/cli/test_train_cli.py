@@ -156,3 +156,30 @@ log_freq = 1
     assert 'Dataset "notes": 3 file(s), jsonl, weight 0.8' in result.stdout
     assert 'Dataset "prose": 5 file(s), text, weight 0.2' in result.stdout
     assert "the data ran out" in result.stdout + result.stderr
+
+
+def test_non_finite_values_are_refused_in_every_float_key(tmp_path):
+    expect_user_error(["--optimizer.lr", "nan"], "optimizer.lr must be a finite number", '"nan"')
+    expect_user_error(["--training.max_norm", "inf"], "training.max_norm must be a finite number", '"inf"')
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optimizer]\nlr = -inf\n")
+    expect_user_error(["--job.config_file", str(bad)], "bad.toml", "optimizer.lr must be a finite number")
+
+
+def test_a_non_finite_step_stops_the_run_or_is_skipped(tmp_path):
+    """A learning rate of 1e30 sends the weights to ~1e30 after step 1, so step 2's loss overflows. By default the
+    run stops at step 2 with an error naming it, without applying the step and without reporting success; with
+    training.skip_nonfinite_steps = 2 such steps are skipped with a warning, and the third in a row stops it."""
+    base = [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+            "--training.steps", "10", "--training.seq_len", "64", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
+            "--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "1"]
+    stopped = run(base + ["--job.dump_folder", str(tmp_path / "a")], check=False)
+    assert stopped.returncode == 2, stopped.stdout[-2000:] + stopped.stderr
+    assert "error: step 2: the loss is" in stopped.stderr and "stopping without applying the step" in stopped.stderr, stopped.stderr
+    assert "Training completed" not in stopped.stdout
+    # The last checkpoint is step 1's, the last good state; the bad step was not saved.
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoint").iterdir()) == ["step-1"]
+    skipping = run(base + ["--job.dump_folder", str(tmp_path / "b"), "--training.skip_nonfinite_steps", "2"], check=False)
+    assert skipping.returncode == 2, skipping.stdout[-2000:] + skipping.stderr
+    assert skipping.stdout.count("step skipped without an update") == 2, skipping.stdout[-3000:]
+    assert "step 4: the loss is" in skipping.stderr and "3 steps in a row were not finite" in skipping.stderr, skipping.stderr

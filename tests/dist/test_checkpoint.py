@@ -194,6 +194,31 @@ def test_a_full_disk_fails_the_save_by_name_and_keeps_the_previous_checkpoint(tm
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+@pytest.mark.parametrize("layout", [1, 2])
+def test_a_failed_background_save_stops_the_run_with_an_error(tmp_path, layout):
+    """async_mode: the save at step 10 cannot fit on the 110 MB tmpfs. It fails in the background; at the next step
+    boundary every rank stops with an error naming the file and the cause, the exit code is not success, and the
+    step-5 checkpoint stays complete. (Before, training went on and exited 0 without the checkpoint.)"""
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"skipped: cannot mount a small tmpfs here ({mounted.stderr.decode().strip()})")
+    try:
+        extra = ["--checkpoint.folder", str(disk / "ckpt"), "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
+                 "--checkpoint.async_mode", "async"]
+        run_ = train(tmp_path / "run", layout, 30, check=False, extra=extra)
+        assert run_.returncode == 2, run_.stdout[-2000:] + run_.stderr
+        assert "asynchronous checkpoint failed" in run_.stderr and "disk is full" in run_.stderr, run_.stderr[-3000:]
+        assert "Training completed" not in run_.stdout
+        last = max(step for step, _ in losses(run_.stdout))
+        assert 10 <= last < 15, last  # stopped at a step boundary soon after the failed save
+        assert (disk / "ckpt" / "step-5" / "metadata.json").exists()
+        assert not (disk / "ckpt" / "step-10" / "metadata.json").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
 def test_checkpoint_keys_behave_as_torchtitans(tmp_path):
     dump = tmp_path / "keys"
     keys = ["--checkpoint.enable_first_step_checkpoint", "--checkpoint.keep_latest_k", "2", "--checkpoint.interval", "2"]

@@ -1,6 +1,7 @@
 """A rank that dies (SIGKILL) or hangs (SIGSTOP) mid-training ends the whole job, non-zero, in bounded time,
 with a message saying what happened - never a silent hang."""
 import os
+import re
 import signal
 import subprocess
 import time
@@ -118,3 +119,55 @@ def test_hung_pipeline_stage_ends_the_job_naming_the_stage(tmp_path):
             and "did not complete within 8 s" in text), text[-3000:]
     assert seconds < 8 + 60
     print(f"job ended {seconds:.1f} s after step 3 was logged; the pipeline receive named the stage and peer")
+
+
+def test_sigusr1_on_one_rank_saves_a_checkpoint_and_every_rank_stops(tmp_path):
+    """SLURM's --signal=USR1@N warning reaches rank 1 only: both ranks stop after the same step, write a complete
+    checkpoint of it (the interval would not have saved one), and exit with 138 (128 + SIGUSR1); a new run resumes
+    from it."""
+    layout = ("--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "100000")
+    proc, lines = start_job(tmp_path, 60, layout)
+    pids = rank_pids(proc.pid)
+    os.kill(pids[1], signal.SIGUSR1)
+    text, seconds = finish(proc, lines, limit=120)
+    assert proc.returncode == 138, text[-3000:]
+    m = re.search(r"received SIGUSR1: stopped cleanly after step (\d+) of 100000; checkpoint step-(\d+) is complete", text)
+    assert m and m.group(1) == m.group(2), text[-3000:]
+    step = int(m.group(1))
+    assert (tmp_path / "checkpoint" / f"step-{step}" / "metadata.json").exists()
+    print(f"both ranks stopped and saved step {step} {seconds:.1f} s after rank 1 got SIGUSR1")
+
+
+def single_job(tmp_path, seq_len, extra=()):
+    cmd = [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+           "--job.dump_folder", str(tmp_path), "--training.steps", "100000", "--training.seq_len", str(seq_len),
+           "--metrics.log_freq", "1", "--metrics.disable_color_printing", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "step:  2" in line:
+            break
+    return proc, lines
+
+
+def test_sighup_stops_after_the_step_with_a_checkpoint(tmp_path):
+    proc, lines = single_job(tmp_path, 64, ["--checkpoint.enable", "--checkpoint.interval", "100000"])
+    proc.send_signal(signal.SIGHUP)
+    text, _ = finish(proc, lines, limit=120)
+    assert proc.returncode == 129, text[-3000:]  # 128 + SIGHUP
+    m = re.search(r"received SIGHUP: stopped cleanly after step (\d+) .*checkpoint step-(\d+) is complete", text)
+    assert m and (tmp_path / "checkpoint" / f"step-{m.group(1)}" / "metadata.json").exists(), text[-3000:]
+
+
+def test_a_second_signal_ends_the_process_at_once(tmp_path):
+    """SIGTERM asks for a stop after the current (long) step; a SIGINT right after ends the process mid-step."""
+    proc, lines = single_job(tmp_path, 2048, ["--training.local_batch_size", "8"])
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    text, _ = finish(proc, lines, limit=60)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, text[-2000:])
+    assert time.time() - start < 10

@@ -110,6 +110,9 @@ struct Training {
   int64_t data_lanes = -1;            // independent packing streams; -1 = data-parallel degree
   bool skip_malformed_rows = false;
   int64_t prefetch_batches = 4;
+  // titan.cpp: a step whose loss or gradient norm is not finite is skipped (no update) instead of stopping the run,
+  // up to this many in a row; 0 = stop at the first.
+  int64_t skip_nonfinite_steps = 0;
 };
 
 struct Parallelism {

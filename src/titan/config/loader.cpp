@@ -142,6 +142,7 @@ void set_from_toml(KeySpec& spec, const toml::node& node, const std::string& whe
         } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, std::optional<double>>) {
           auto v = node.is_number() ? node.value<double>() : std::nullopt;
           if (!v) wrong("a number (representable as a double)");
+          if (!std::isfinite(*v)) fail(where, ": ", key, " must be a finite number, got ", describe_toml(node));
           *target = *v;
         } else if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::optional<std::string>>) {
           auto v = node.value_exact<std::string>();
@@ -189,6 +190,7 @@ void set_from_string(KeySpec& spec, const std::string& text, const std::string& 
     errno = 0;
     double v = std::strtod(text.c_str(), &end);
     if (text.empty() || *end != '\0' || errno == ERANGE) wrong("a number");
+    if (!std::isfinite(v)) fail(where, ": ", key, " must be a finite number, got ", quote(text));
     out = v;
   };
   std::visit(

@@ -201,6 +201,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
       .also_allowed = {-1};
   b.add("skip_malformed_rows", &c.training.skip_malformed_rows, "skip bad JSON lines/rows with a counted warning instead of failing (titan.cpp)");
   at_least(b.add("prefetch_batches", &c.training.prefetch_batches, "batches prepared ahead by the background data thread; 0 = none (titan.cpp)"), 0);
+  at_least(b.add("skip_nonfinite_steps", &c.training.skip_nonfinite_steps,
+                 "skip steps whose loss or gradient norm is NaN/inf (no update), up to this many in a row; 0 = stop at the first (titan.cpp)"), 0);
 
   b.in("parallelism");
   at_least(b.add("data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree,

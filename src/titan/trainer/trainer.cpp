@@ -26,11 +26,44 @@ namespace {
 
 std::atomic<int> g_stop_signal{0};
 
+// The signals that stop training after the current step (with a checkpoint when checkpointing is on): Ctrl-C,
+// SIGTERM (scancel, preemption), SIGUSR1 (SLURM's --signal=USR1@seconds warning) and SIGHUP (a closed terminal).
+constexpr int kStopSignals[] = {SIGINT, SIGTERM, SIGUSR1, SIGHUP};
+
 void on_stop_signal(int signal) {
-  g_stop_signal = signal;
-  // A second signal gets the default behaviour (terminate at once).
-  std::signal(signal, SIG_DFL);
+  if (g_stop_signal.exchange(signal) != 0) {
+    // A second stop signal, of any kind, ends the process at once, even mid-step.
+    std::signal(signal, SIG_DFL);
+    std::raise(signal);
+    return;
+  }
+  std::signal(signal, SIG_DFL);  // and a second one of the same kind gets the default behaviour directly
 }
+
+const char* signal_name(int signal) {
+  switch (signal) {
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGHUP: return "SIGHUP";
+  }
+  return "a signal";
+}
+
+// Installs the stop handlers; the destructor restores what was there.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal = 0;
+    for (int s : kStopSignals) previous_.push_back(std::signal(s, on_stop_signal));
+  }
+  ~StopSignals() {
+    for (size_t i = 0; i < previous_.size(); ++i) std::signal(kStopSignals[i], previous_[i]);
+  }
+
+ private:
+  std::vector<void (*)(int)> previous_;
+};
 
 at::ScalarType dtype_from_name(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
 
@@ -265,13 +298,16 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
   }
   finish_gradients();
   at::Tensor norm = distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
-  optimizer_->step();
-  lr_scheduler_->step();
-  optimizer_->set_lr(lr_scheduler_->current_lr());
   mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);
   if (pipeline_) mesh_->get("pp")->all_reduce(loss_total, distributed::ReduceOp::Sum);  // from the last stage's ranks
   result.loss = loss_total.item<double>();
   result.grad_norm = norm.item<double>();
+  // Both are global (the same on every rank), so every rank takes the same decision.
+  result.skipped = !std::isfinite(result.loss) || !std::isfinite(result.grad_norm);
+  if (result.skipped) optimizer_->zero_grad();  // no update from this step; the schedule still advances
+  else optimizer_->step();
+  lr_scheduler_->step();
+  optimizer_->set_lr(lr_scheduler_->current_lr());
   if (pipeline_ && loaded_.config.debug.pipeline_timeline) write_pipeline_timeline();
   return result;
 }
@@ -416,9 +452,7 @@ void Trainer::log_step(const StepResult& r, double data_seconds) {
 
 int Trainer::train() {
   const auto& c = loaded_.config;
-  g_stop_signal = 0;
-  auto previous_int = std::signal(SIGINT, on_stop_signal);
-  auto previous_term = std::signal(SIGTERM, on_stop_signal);
+  StopSignals stop_signals;
   log::info("Training starts at step ", step_ + 1, " of ", c.training.steps, " (local batch ", c.training.local_batch_size,
             " x seq_len ", c.training.seq_len, ", ", grad_accum_steps_, " micro-batch(es) per step, lr warm-up ",
             lr_scheduler_->warmup_steps(), " steps)");
@@ -433,8 +467,6 @@ int Trainer::train() {
     checkpointer_->save(view, /*last=*/true);
     checkpointer_->wait();
     log::info("Created seed checkpoint at step 0 in ", checkpointer_->folder());
-    std::signal(SIGINT, previous_int);
-    std::signal(SIGTERM, previous_term);
     return 0;
   }
   time_last_log_ = now_seconds();
@@ -469,7 +501,23 @@ int Trainer::train() {
     StepResult r = train_step(microbatches);
     tokens_seen_ += r.tokens * mesh_->dims().dp_degree();  // all ranks: the same after a change of layout
     tokens_since_log_ += r.tokens;
-    if (!std::isfinite(r.loss)) log::warn("step ", step_, ": loss is ", r.loss);
+    if (r.skipped) {
+      // A non-finite loss or gradient norm: nothing was applied, and the last checkpoint is untouched.
+      ++nonfinite_in_row_;
+      ++nonfinite_total_;
+      const int64_t allowed = c.training.skip_nonfinite_steps;
+      const std::string what = cat("step ", step_, ": the loss is ", r.loss, " and the gradient norm ", r.grad_norm);
+      if (allowed == 0)
+        fail(what, "; stopping without applying the step (the last checkpoint is untouched). training.skip_nonfinite_steps = N "
+             "skips up to N such steps in a row instead");
+      if (nonfinite_in_row_ > allowed)
+        fail(what, "; ", nonfinite_in_row_, " steps in a row were not finite (training.skip_nonfinite_steps = ", allowed,
+             "); stopping (the last checkpoint is untouched)");
+      log::warn(what, "; step skipped without an update (", nonfinite_in_row_, " in a row, ", nonfinite_total_,
+                " in this run; training.skip_nonfinite_steps = ", allowed, ")");
+    } else {
+      nonfinite_in_row_ = 0;
+    }
     // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
     if (step_ == 1) {
       mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
@@ -486,20 +534,39 @@ int Trainer::train() {
       time_last_log_ = now_seconds();  // validation time does not count against training throughput
     }
     int sig = g_stop_signal.load();
+    // A background checkpoint write that failed on any rank stops the run here: training on would end "successfully"
+    // without the checkpoint that was asked for.
+    const bool save_failed_here = checkpointer_ && !checkpointer_->background_failure().empty();
+    bool save_failed = save_failed_here;
     if (mesh_->world()->size() > 1) {
-      // Every rank stops after the same step, whichever rank the signal reached.
-      at::Tensor flag = at::full({1}, static_cast<int64_t>(sig), at::kLong).to(device_);
+      // Every rank stops after the same step, whichever rank the signal (or the failed save) reached.
+      at::Tensor flag = at::tensor({static_cast<int64_t>(sig), static_cast<int64_t>(save_failed)}, at::kLong).to(device_);
       mesh_->world()->all_reduce(flag, distributed::ReduceOp::Max);
-      sig = static_cast<int>(flag.cpu().item<int64_t>());
+      flag = flag.cpu();
+      sig = static_cast<int>(flag[0].item<int64_t>());
+      save_failed = flag[1].item<int64_t>() != 0;
+    }
+    if (save_failed) {
+      checkpointer_->abandon_background();
+      if (save_failed_here) checkpointer_->wait();  // throws with the cause
+      fail("stopping after step ", step_, ": another rank's asynchronous checkpoint write failed (its error says why); the "
+           "previous complete checkpoint is untouched");
     }
     if (sig) {
-      log::warn("received ", sig == SIGINT ? "SIGINT" : "SIGTERM", ": stopped cleanly after step ", step_, " of ", c.training.steps);
+      // Every rank got here after the same step: save it (collective) unless this step was just saved, so that a
+      // preempted or requeued job resumes where it stopped.
+      if (checkpointer_ && c.checkpoint.enable && !checkpointer_->should_save(step_, step_ == c.training.steps)) {
+        auto view = checkpoint_view();
+        checkpointer_->save(view, /*last=*/false);
+      }
+      if (checkpointer_) checkpointer_->wait();
+      log::warn("received ", signal_name(sig), ": stopped cleanly after step ", step_, " of ", c.training.steps,
+                checkpointer_ && c.checkpoint.enable ? cat("; checkpoint step-", step_, " is complete") : std::string(),
+                " (exit code ", 128 + sig, ")");
       exit_code = 128 + sig;
       break;
     }
   }
-  std::signal(SIGINT, previous_int);
-  std::signal(SIGTERM, previous_term);
   if (checkpointer_) checkpointer_->wait();
   if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
   const double steps = static_cast<double>(step_ - first_step);  // run by this process

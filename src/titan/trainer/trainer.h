@@ -26,6 +26,7 @@ struct StepResult {
   double grad_norm = 0;  // total L2 norm before clipping
   double lr = 0;         // learning rate used by this step
   int64_t tokens = 0;    // tokens processed (all label positions)
+  bool skipped = false;  // the loss or gradient norm was not finite: no update was applied
 };
 
 class Trainer {
@@ -85,6 +86,7 @@ class Trainer {
   checkpoint::TrainState train_state_;
   checkpoint::CheckpointedState checkpoint_view();
   bool block_causal_ = false;
+  int64_t nonfinite_in_row_ = 0, nonfinite_total_ = 0;  // steps skipped for a NaN/inf loss or gradient norm
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;
   metrics::PeakFlops peak_;

@@ -51,18 +51,32 @@ Checkpointer::Checkpointer(const config::LoadedConfig& loaded, const distributed
   if (config_.interval < 1) fail("checkpoint.interval must be at least 1, got ", config_.interval);
 }
 
-Checkpointer::~Checkpointer() { wait(); }
+Checkpointer::~Checkpointer() {
+  // An error still pending here was already reported by the training loop (or the job is failing anyway).
+  abandon_background();
+  if (purge_thread_.joinable()) purge_thread_.join();
+  if (background_.joinable()) background_.join();
+}
 
 void Checkpointer::wait() {
   if (purge_thread_.joinable()) purge_thread_.join();
   if (background_.joinable()) background_.join();
-  std::lock_guard<std::mutex> lock(error_mutex_);
-  if (!background_error_.empty()) {
-    std::string message = background_error_;
-    background_error_.clear();
-    log::error("asynchronous checkpoint failed: ", message, " (the previous complete checkpoint is untouched)");
+  std::string message;
+  {
+    std::lock_guard<std::mutex> lock(error_mutex_);
+    message.swap(background_error_);
   }
+  if (!message.empty())
+    fail("asynchronous checkpoint failed: ", message,
+         message.find("untouched") == std::string::npos ? " (the previous complete checkpoint is untouched)" : "");
 }
+
+std::string Checkpointer::background_failure() {
+  std::lock_guard<std::mutex> lock(error_mutex_);
+  return background_error_;
+}
+
+void Checkpointer::abandon_background() { abandon_ = true; }
 
 std::optional<int64_t> Checkpointer::latest_complete_step(const std::string& root) {
   std::optional<int64_t> best;
@@ -236,6 +250,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
       for (int r = 0; r < world_size; ++r) {
         const fs::path p = partial_dir / strprintf("rank-%05d.json", r);
         while (!fs::exists(p)) {
+          if (abandon_) fail("rank ", r, " did not finish writing checkpoint ", final_dir.string(), " (the job is stopping); it stays incomplete");
           if (now_seconds() - start > timeout)
             fail("rank ", r, " did not finish writing checkpoint ", final_dir.string(), "; it stays incomplete");
           std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <mutex>
+#include <atomic>
 #include <thread>
 
 #include "titan/components/data/dataloader.h"
@@ -47,8 +48,14 @@ class Checkpointer {
   bool should_save(int64_t step, bool last) const;
   // Collective. The last save is model-only in export_dtype when last_save_model_only.
   void save(CheckpointedState& state, bool last);
-  // Waits for the background write (async_mode) and purge of old checkpoints; a failed background write is logged.
+  // Waits for the background write (async_mode) and purge of old checkpoints. A background write that failed is an
+  // error (UserError naming the checkpoint and the cause): a run must not go on, or end successfully, without the
+  // checkpoint it asked for.
   void wait();
+  // Without blocking: the error of a background write that has already failed on this rank, or empty.
+  std::string background_failure();
+  // Stops waiting for other ranks' parts of a background save (a rank's save failed and the job is stopping).
+  void abandon_background();
 
   std::string folder() const { return root_; }
   static std::optional<int64_t> latest_complete_step(const std::string& root);
@@ -65,6 +72,7 @@ class Checkpointer {
   std::thread background_;  // async_mode: the write of the last save
   std::mutex error_mutex_;
   std::string background_error_;
+  std::atomic<bool> abandon_{false};
 };
 
 }  // namespace titan::checkpoint
