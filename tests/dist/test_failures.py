@@ -29,9 +29,10 @@ def rank_pids(launcher_pid):
     return ranks
 
 
-def start_job(tmp_path, timeout_s, layout=("--parallelism.data_parallel_shard_degree", "2"), extra_env=None):
+def start_job(tmp_path, timeout_s, layout=("--parallelism.data_parallel_shard_degree", "2"), extra_env=None, until="step:  3",
+              steps=100000):
     cmd = mpirun(2) + [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
-                       "--job.dump_folder", str(tmp_path), "--training.steps", "100000", "--training.seq_len", "64",
+                       "--job.dump_folder", str(tmp_path), "--training.steps", str(steps), "--training.seq_len", "64",
                        "--metrics.log_freq", "1", "--metrics.disable_color_printing", *layout,
                        "--comm.train_timeout_seconds", str(timeout_s)]
     env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
@@ -40,7 +41,7 @@ def start_job(tmp_path, timeout_s, layout=("--parallelism.data_parallel_shard_de
     deadline = time.time() + 300
     for line in proc.stdout:
         lines.append(line)
-        if "step:  3" in line:
+        if until in line:
             break
         assert time.time() < deadline, "".join(lines)
     return proc, lines
@@ -171,3 +172,27 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path):
     text, _ = finish(proc, lines, limit=60)
     assert proc.returncode == -signal.SIGINT, (proc.returncode, text[-2000:])
     assert time.time() - start < 10
+
+
+def test_a_resumed_run_also_switches_to_the_training_timeout(tmp_path):
+    """A run resumed from step 5 uses comm.train_timeout_seconds (8 s) after its first step, not the 300 s start-up
+    timeout: a rank that hangs then ends the job one short timeout later."""
+    first, lines = start_job(tmp_path, 8, ("--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable",
+                                           "--checkpoint.no_last_save_model_only"), steps=5, until="Training completed")
+    first.communicate(timeout=120)
+    assert (tmp_path / "checkpoint" / "step-5" / "metadata.json").exists()
+    proc, lines = start_job(tmp_path, 8, ("--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable",
+                                          "--checkpoint.interval", "100000", "--comm.init_timeout_seconds", "300"),
+                            until="step:  8")
+    assert any("Loaded checkpoint" in line for line in lines), "".join(lines)
+    pids = rank_pids(proc.pid)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        text, seconds = finish(proc, lines, limit=180)
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0 and "did not complete within 8 s" in text, text[-3000:]
+    assert seconds < 8 + 60

@@ -145,14 +145,19 @@ void shutdown() {
 // Every rank's string, on every rank (lengths first, then the padded bytes).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine) {
   const int n = comm.size();
-  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor lengths = at::empty({n}, at::kLong);
+  // Through tensors on the backend's device: NCCL takes GPU tensors only.
+  const auto on_device = at::TensorOptions().device(comm.tensor_device());
+  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), on_device.dtype(at::kLong));
+  at::Tensor lengths = at::empty({n}, on_device.dtype(at::kLong));
   comm.all_gather_into(lengths, length);
+  lengths = lengths.cpu();
   const int64_t longest = lengths.max().item<int64_t>();
   at::Tensor bytes = at::zeros({longest}, at::kByte);
   std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  at::Tensor all = at::empty({longest * n}, at::kByte);
+  bytes = bytes.to(comm.tensor_device());
+  at::Tensor all = at::empty({longest * n}, on_device.dtype(at::kByte));
   comm.all_gather_into(all, bytes);
+  all = all.cpu();
   std::vector<std::string> out;
   const auto* base = static_cast<const char*>(all.data_ptr());
   for (int r = 0; r < n; ++r) out.emplace_back(base + r * longest, static_cast<size_t>(lengths[r].item<int64_t>()));

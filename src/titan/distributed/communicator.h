@@ -30,6 +30,9 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string backend() const = 0;
+  // Where this backend's tensors must live: the CPU (MPI, local) or this rank's GPU (NCCL). Host objects exchanged
+  // through a communicator (strings, flags) go through tensors on this device.
+  virtual at::Device tensor_device() const { return at::Device(at::kCPU); }
   const std::string& name() const { return name_; }
 
   // In place on `tensor` (contiguous).

@@ -20,7 +20,7 @@ at::Tensor owned_grad_squares(const std::vector<ShardedParameter>& params) {
 
 at::Tensor clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, Communicator& world) {
   at::NoGradGuard no_grad;
-  at::Tensor squares = owned_grad_squares(params).reshape({1}).contiguous();
+  at::Tensor squares = owned_grad_squares(params).reshape({1}).to(world.tensor_device()).contiguous();
   if (world.size() > 1) world.all_reduce(squares, ReduceOp::Sum);
   at::Tensor total = squares.sqrt().reshape({}).to(at::kFloat);
   std::vector<at::Tensor> grads;

@@ -89,6 +89,7 @@ class NcclCommunicator final : public Communicator {
   std::string backend() const override { return "nccl"; }
   void set_timeout(std::chrono::seconds t) override { timeout_seconds_ = t.count(); }
   int64_t bytes_communicated() const override { return bytes_; }
+  at::Device tensor_device() const override { return at::Device(at::kCUDA, device_); }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& t, ReduceOp op, bool async) override {
     bytes_ += 2 * (size_ - 1) * static_cast<int64_t>(t.nbytes()) / std::max(size_, 1);  // ring volume

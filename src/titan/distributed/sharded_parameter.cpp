@@ -75,7 +75,7 @@ std::vector<std::pair<std::string, at::Tensor>> gather_full(const std::vector<Sh
     }
   std::map<std::string, const ShardedParameter*> local;
   for (const auto& p : params) local[p.name] = &p;
-  const auto options = at::TensorOptions().dtype(dtype).device(params.empty() ? at::Device(at::kCPU) : params.front().local.device());
+  const auto options = at::TensorOptions().dtype(dtype).device(world.tensor_device());
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& [name, shape] : names) {
     // Owners place their pieces (which do not overlap) into zeros; the sum over all ranks is the whole tensor.

@@ -518,8 +518,9 @@ int Trainer::train() {
     } else {
       nonfinite_in_row_ = 0;
     }
-    // After the first step (start-up and first collectives done) a tighter timeout catches a dead or hung rank.
-    if (step_ == 1) {
+    // After the first step this process ran (start-up and first collectives done; on a resumed run too) a tighter
+    // timeout catches a dead or hung rank.
+    if (step_ == first_step + 1) {
       mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
       if (pipeline_) pipeline_->runner().set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
     }
