@@ -158,6 +158,12 @@ log_freq = 1
     assert "the data ran out" in result.stdout + result.stderr
 
 
+def test_a_directory_as_config_file_and_a_misspelt_exclude_from_loading_are_errors(tmp_path):
+    expect_user_error(["--job.config_file", str(tmp_path)], "job.config_file", "is a directory")
+    expect_user_error(["--checkpoint.exclude_from_loading", "optimzer"], "checkpoint.exclude_from_loading lists \"optimzer\"",
+                      "optimizer")
+
+
 def test_non_finite_values_are_refused_in_every_float_key(tmp_path):
     expect_user_error(["--optimizer.lr", "nan"], "optimizer.lr must be a finite number", '"nan"')
     expect_user_error(["--training.max_norm", "inf"], "training.max_norm must be a finite number", '"inf"')

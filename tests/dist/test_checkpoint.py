@@ -219,6 +219,17 @@ def test_a_failed_background_save_stops_the_run_with_an_error(tmp_path, layout):
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+def test_a_step_folder_titan_did_not_write_is_moved_aside_not_deleted(tmp_path):
+    dump = tmp_path / "run"
+    foreign = dump / "checkpoint" / "step-99"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("mine")
+    result = train(dump, 1, 2)
+    assert "was not written by titan; moved to" in result.stdout, result.stdout[-2000:]
+    assert (dump / "checkpoint" / "step-99.quarantined" / "notes.txt").read_text() == "mine"
+    assert not foreign.exists()
+
+
 def test_checkpoint_keys_behave_as_torchtitans(tmp_path):
     dump = tmp_path / "keys"
     keys = ["--checkpoint.enable_first_step_checkpoint", "--checkpoint.keep_latest_k", "2", "--checkpoint.interval", "2"]

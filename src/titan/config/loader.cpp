@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <filesystem>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -297,6 +298,11 @@ void check_range(const KeySpec& spec, const std::string& where) {
 
 void apply_toml(KeyIndex& index, LoadedConfig& loaded, const std::string& path) {
   toml::table root;
+  {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec))
+      fail("job.config_file = ", quote(path), " is a directory; expected a TOML file (e.g. configs/debug_model.toml)");
+  }
   try {
     root = toml::parse_file(path);
   } catch (const toml::parse_error& e) {
@@ -410,6 +416,14 @@ std::string LoadedConfig::where(const std::string& key) const {
 
 void validate(LoadedConfig& loaded) {
   JobConfig& c = loaded.config;
+  {
+    // A misspelt part would silently load it after all.
+    static const std::vector<std::string> parts = {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"};
+    for (const auto& part : c.checkpoint.exclude_from_loading)
+      if (std::find(parts.begin(), parts.end(), part) == parts.end())
+        fail(loaded.where("checkpoint.exclude_from_loading"), ": checkpoint.exclude_from_loading lists ", quote(part),
+             "; the parts are ", join(parts, ", "));
+  }
   KeyIndex index(c);
   for (const auto& spec : index.keys) {
     auto it = loaded.origins.find(spec.full_name());

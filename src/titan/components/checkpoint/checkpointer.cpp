@@ -102,10 +102,13 @@ void Checkpointer::purge(int64_t newest_step) {
   }
   std::sort(complete.rbegin(), complete.rend());
   for (size_t i = static_cast<size_t>(config_.keep_latest_k); i < complete.size(); ++i) {
-    // The commit marker goes first, so a purge interrupted half-way leaves an incomplete, ignored directory.
+    // Renamed first (atomic), so a purge interrupted half-way leaves step-N.partial, which the next start removes
+    // as titan's own leftover.
     std::error_code ec;
-    fs::remove(complete[i].second / "metadata.json", ec);
-    fs::remove_all(complete[i].second, ec);
+    const fs::path doomed = complete[i].second.string() + ".partial";
+    fs::rename(complete[i].second, doomed, ec);
+    if (ec) continue;
+    fs::remove_all(doomed, ec);
   }
 }
 
@@ -275,12 +278,24 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
 bool Checkpointer::load(CheckpointedState& state) {
   auto world = mesh_.world();
   if (world->rank() == 0 && fs::is_directory(root_)) {
-    for (const auto& e : fs::directory_iterator(root_)) {
-      const std::string name = e.path().filename().string();
-      if (ends_with(name, ".partial") || (step_of(e.path()) && !fs::exists(e.path() / "metadata.json"))) {
-        log::warn("removing incomplete checkpoint ", e.path().string(), " (a save that did not finish)");
-        std::error_code ec;
-        fs::remove_all(e.path(), ec);
+    std::vector<fs::path> entries;
+    for (const auto& e : fs::directory_iterator(root_)) entries.push_back(e.path());
+    for (const auto& path : entries) {
+      const std::string name = path.filename().string();
+      std::error_code ec;
+      if (ends_with(name, ".partial")) {
+        // titan writes every save as step-N.partial and renames it when complete: this one did not finish.
+        log::warn("removing incomplete checkpoint ", path.string(), " (a save that did not finish)");
+        fs::remove_all(path, ec);
+      } else if (step_of(path) && !fs::exists(path / "metadata.json")) {
+        // Not something titan left (its saves become step-N only once complete): keep it, out of the way.
+        fs::path aside = path.string() + ".quarantined";
+        for (int k = 2; fs::exists(aside); ++k) aside = path.string() + ".quarantined" + std::to_string(k);
+        fs::rename(path, aside, ec);
+        if (ec) fail("checkpoint folder ", path.string(), " has no metadata.json (titan did not write it) and cannot be moved aside: ",
+                     ec.message(), "; move or remove it");
+        log::warn("checkpoint folder ", path.string(), " has no metadata.json and was not written by titan; moved to ",
+                  aside.string(), " (nothing was deleted)");
       }
     }
   }
@@ -339,6 +354,7 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
            quote(loaded_.config.model.flavor), " does not have; it was saved from flavor ", quote(meta.value("flavor", "?")));
   at::NoGradGuard no_grad;
   for (const auto& p : state.parameters) {
+    if (excluded("model")) break;  // checkpoint.exclude_from_loading = model: the initialised weights stay
     const std::string key = "model." + p.name;
     if (!reader.contains(key))
       fail("checkpoint ", reader.directory(), " has no tensor ", quote(key), "; it was saved from flavor ",
