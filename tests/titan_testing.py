@@ -40,6 +40,23 @@ def run(args, input_text=None, check=True, env=None, timeout=600):
     return result
 
 
+def compare_steps(meta, ref_meta, case, rel=1e-5, check_lr=False):
+    """A probe run's per-step loss and gradient norm against the one-process reference's, each within `rel`
+    (relative), and the validation loss likewise when both have one. Returns the worst relative loss difference."""
+    worst = 0.0
+    for mine, ref in zip(meta["steps"], ref_meta["steps"]):
+        diff = abs(mine["loss"] - ref["loss"]) / ref["loss"]
+        worst = max(worst, diff)
+        assert diff <= rel, (case, mine, ref)
+        assert abs(mine["grad_norm"] - ref["grad_norm"]) <= rel * ref["grad_norm"], (case, mine, ref)
+        if check_lr:
+            assert mine["lr"] == ref["lr"], (case, mine, ref)
+    if "validation_loss" in ref_meta:
+        assert abs(meta["validation_loss"] - ref_meta["validation_loss"]) <= rel * abs(ref_meta["validation_loss"]), (
+            case, meta["validation_loss"], ref_meta["validation_loss"])
+    return worst
+
+
 def read_checkpoint(directory):
     """Full tensors of a titan checkpoint step directory, assembled from the pieces its metadata.json lists: boxes
     (version 2) or dim-0 row ranges (version 1). An independent reader of the format in docs/checkpoint.md; it

@@ -2,6 +2,7 @@
 10), loading under another layout (FSDP 4 -> 1 process, FSDP 2, HSDP 2x2, DDP 2), crash-atomicity with kills
 injected inside the write and the commit and with kill -9 of a running rank, and clear errors for bad checkpoints.
 Checkpoints are read back here with a small independent reader (metadata.json + raw rows)."""
+import contextlib
 import json
 import os
 import re
@@ -170,15 +171,24 @@ def test_seed_checkpoint_starts_every_layout_from_the_same_weights(tmp_path):
     assert refused.returncode != 0 and "runs on a single process" in refused.stderr + refused.stdout
 
 
-def test_a_full_disk_fails_the_save_by_name_and_keeps_the_previous_checkpoint(tmp_path):
-    """A 110 MB tmpfs holds one 74 MB training state but not two: the second save fails with ENOSPC, naming the
-    file; the first stays loadable, and a smaller (model-only bfloat16) final save then fits."""
+@contextlib.contextmanager
+def small_disk(tmp_path):
+    """A 110 MB tmpfs: one 74 MB training state fits, two do not (skipped where tmpfs cannot be mounted)."""
     disk = tmp_path / "small_disk"
     disk.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(disk)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"skipped: cannot mount a small tmpfs here ({mounted.stderr.decode().strip()})")
     try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_fails_the_save_by_name_and_keeps_the_previous_checkpoint(tmp_path):
+    """A 110 MB tmpfs holds one 74 MB training state but not two: the second save fails with ENOSPC, naming the
+    file; the first stays loadable, and a smaller (model-only bfloat16) final save then fits."""
+    with small_disk(tmp_path) as disk:
         extra = ["--checkpoint.folder", str(disk / "ckpt"), "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0"]
         full = train(tmp_path / "run", 1, 10, check=False, extra=extra)
         assert full.returncode == 2, full.stdout[-2000:] + full.stderr
@@ -190,8 +200,6 @@ def test_a_full_disk_fails_the_save_by_name_and_keeps_the_previous_checkpoint(tm
         assert "removing incomplete checkpoint" in resumed.stdout
         meta = json.loads((disk / "ckpt" / "step-7" / "metadata.json").read_text())
         assert meta["model_only"] and {t["dtype"] for t in meta["tensors"].values()} == {"bfloat16"}
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 @pytest.mark.parametrize("layout", [1, 2])
@@ -199,12 +207,7 @@ def test_a_failed_background_save_stops_the_run_with_an_error(tmp_path, layout):
     """async_mode: the save at step 10 cannot fit on the 110 MB tmpfs. It fails in the background; at the next step
     boundary every rank stops with an error naming the file and the cause, the exit code is not success, and the
     step-5 checkpoint stays complete. (Before, training went on and exited 0 without the checkpoint.)"""
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=110m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"skipped: cannot mount a small tmpfs here ({mounted.stderr.decode().strip()})")
-    try:
+    with small_disk(tmp_path) as disk:
         extra = ["--checkpoint.folder", str(disk / "ckpt"), "--checkpoint.interval", "5", "--checkpoint.keep_latest_k", "0",
                  "--checkpoint.async_mode", "async"]
         run_ = train(tmp_path / "run", layout, 30, check=False, extra=extra)
@@ -215,8 +218,6 @@ def test_a_failed_background_save_stops_the_run_with_an_error(tmp_path, layout):
         assert 10 <= last < 15, last  # stopped at a step boundary soon after the failed save
         assert (disk / "ckpt" / "step-5" / "metadata.json").exists()
         assert not (disk / "ckpt" / "step-10" / "metadata.json").exists()
-    finally:
-        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 def test_a_step_folder_titan_did_not_write_is_moved_aside_not_deleted(tmp_path):

@@ -53,10 +53,8 @@ def finish(proc, lines, limit):
     return "".join(lines) + out, time.time() - start
 
 
-def stop_rank_1(tmp_path, *layout):
-    """Starts a job with an 8 s timeout, stops rank 1 (alive but never answering) after step 3, and waits for the
-    job to end."""
-    proc, lines = start_job(tmp_path, 8, *layout)
+def stop_rank_1_of(proc, lines):
+    """Stops rank 1 of a running job (alive but never answering) and waits for the job to end."""
     pids = rank_pids(proc.pid)
     os.kill(pids[1], signal.SIGSTOP)
     try:
@@ -66,6 +64,13 @@ def stop_rank_1(tmp_path, *layout):
             os.kill(pids[1], signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return text, seconds
+
+
+def stop_rank_1(tmp_path, *layout):
+    """Starts a job with an 8 s timeout, stops rank 1 after step 3, and waits for the job to end."""
+    proc, lines = start_job(tmp_path, 8, *layout)
+    text, seconds = stop_rank_1_of(proc, lines)
     return proc, text, seconds
 
 
@@ -185,14 +190,6 @@ def test_a_resumed_run_also_switches_to_the_training_timeout(tmp_path):
                                           "--checkpoint.interval", "100000", "--comm.init_timeout_seconds", "300"),
                             until="step:  8")
     assert any("Loaded checkpoint" in line for line in lines), "".join(lines)
-    pids = rank_pids(proc.pid)
-    os.kill(pids[1], signal.SIGSTOP)
-    try:
-        text, seconds = finish(proc, lines, limit=180)
-    finally:
-        try:
-            os.kill(pids[1], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    text, seconds = stop_rank_1_of(proc, lines)
     assert proc.returncode != 0 and "did not complete within 8 s" in text, text[-3000:]
     assert seconds < 8 + 60

@@ -181,42 +181,24 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     auto& group = *cp.group();
     const int n = cp.degree();
     if (cp.rotate() == CpRotateMethod::AllGather) {
-      at::Tensor all = at::empty({n * kv.numel()}, kv.options());
-      timed([&] { return group.all_gather_into(all, kv.view(-1)); });
-      all = all.view([&] {
-        std::vector<int64_t> s{n};
-        for (auto d : kv.sizes()) s.push_back(d);
-        return s;
-      }());
-      std::vector<at::Tensor> parts;
-      for (int j = 0; j < n; ++j) parts.push_back(block_grads(all[j], j));
+      std::vector<at::Tensor> parts(static_cast<size_t>(n));
+      for_each_block(cp, kv, [&](const at::Tensor& block, int source) {
+        parts[static_cast<size_t>(source)] = block_grads(block, source);
+      });
       at::Tensor stacked = at::stack(parts).contiguous();
       dkv = at::empty(kv.sizes(), stacked.options());
       timed([&] { return group.reduce_scatter(dkv, stacked.view(-1), ReduceOp::Sum); });
     } else {
       // The keys go around the ring again, each block's gradient accumulator travelling with it; after n shifts the
       // accumulator is back on the block's own rank.
-      at::Tensor block = kv, acc;
       const int next = (cp.rank() + 1) % n, prev = (cp.rank() + n - 1) % n;
-      for (int t = 0; t < n; ++t) {
-        at::Tensor incoming;
-        std::shared_ptr<Work> moving;
-        if (t + 1 < n) {
-          incoming = at::empty_like(block);
-          moving = group.send_recv(block, next, incoming, prev, /*async=*/true);
-        }
-        at::Tensor d = block_grads(block, ring_source(cp, t));
+      at::Tensor acc;
+      for_each_block(cp, kv, [&](const at::Tensor& block, int source) {
+        at::Tensor d = block_grads(block, source);
         if (acc.defined()) d.add_(acc);
         acc = at::empty_like(d);
         timed([&] { return group.send_recv(d, next, acc, prev); });
-        if (moving) {
-          timed([&] {
-            moving->wait();
-            return 0;
-          });
-          block = incoming;
-        }
-      }
+      });
       dkv = acc;
     }
     return {dq.to(q.scalar_type()), dkv[0].to(k_in.scalar_type()), dkv[1].to(v_in.scalar_type()), at::Tensor()};

@@ -135,17 +135,19 @@ void PipelineRunner::post_receives(const std::vector<Action>& actions, size_t fr
   }
 }
 
+at::Tensor PipelineRunner::take_local(Channel& c, const std::string& what) {
+  if (c.local.empty()) fail("internal: pipeline rank ", group_->rank(), ": ", what, " found nothing sent");
+  at::Tensor t = std::move(c.local.front());
+  c.local.pop_front();
+  return t;
+}
+
 at::Tensor PipelineRunner::receive_activation(int stage, int microbatch, double& waited) {
   Channel& c = activations_[static_cast<size_t>(stage - 1)];
   const int peer = schedule_.rank_of(stage - 1);
   const std::string what = cat("stage ", stage, " receiving micro-batch ", microbatch, "'s activation from stage ", stage - 1,
                                " (pipeline rank ", peer, ")");
-  if (!c.comm) {
-    if (c.local.empty()) fail("internal: pipeline rank ", peer, ": ", what, " found nothing sent");
-    at::Tensor t = std::move(c.local.front());
-    c.local.pop_front();
-    return t;
-  }
+  if (!c.comm) return take_local(c, what);
   at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions().dtype(at::kLong).device(device_));
   wait(c.comm->recv(header, c.peer, 0, /*async=*/true), what, waited);
   const at::Tensor h_cpu = header.cpu();
@@ -161,12 +163,7 @@ at::Tensor PipelineRunner::receive_gradient(int stage, int microbatch, double& w
   const int peer = schedule_.rank_of(stage + 1);
   const std::string what = cat("stage ", stage, " receiving micro-batch ", microbatch, "'s gradient from stage ", stage + 1,
                                " (pipeline rank ", peer, ")");
-  if (!c.comm) {
-    if (c.local.empty()) fail("internal: pipeline rank ", peer, ": ", what, " found nothing sent");
-    at::Tensor t = std::move(c.local.front());
-    c.local.pop_front();
-    return t;
-  }
+  if (!c.comm) return take_local(c, what);
   Slot& s = slot(stage, microbatch);
   if (!s.gradient_work) {
     s.gradient = at::empty(s.output.sizes(), s.output.options().requires_grad(false));
