@@ -168,14 +168,17 @@ def test_sighup_stops_after_the_step_with_a_checkpoint(tmp_path):
 
 
 def test_a_second_signal_ends_the_process_at_once(tmp_path):
-    """SIGTERM asks for a stop after the current (long) step; a SIGINT right after ends the process mid-step."""
+    """SIGTERM asks for a stop after the current (long) step; a SIGINT sent right after it ends the process at once,
+    killed by the signal, without finishing the step. (The two are sent back to back: a pause between them could let
+    the first one's clean stop win at a step boundary.)"""
     proc, lines = single_job(tmp_path, 2048, ["--training.local_batch_size", "8"])
     start = time.time()
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     text, _ = finish(proc, lines, limit=60)
-    assert proc.returncode == -signal.SIGINT, (proc.returncode, text[-2000:])
+    # Pending together, they may be handled in either order: whichever comes second kills the process.
+    assert proc.returncode in (-signal.SIGINT, -signal.SIGTERM), (proc.returncode, text[-2000:])
+    assert "stopped cleanly" not in text
     assert time.time() - start < 10
 
 
