@@ -78,6 +78,16 @@ def test_bad_input_is_a_clear_error(tmp_path):
     expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin",
                        "--training.dataset_path", str(corrupt), "--training.seq_len", "4096", "--training.steps", "1"],
                       "corrupt.jsonl:2")
+    # Rows that give no tokens (empty text, or skipped as malformed) once looped for ever at full CPU.
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": ""}\n{"text": "  "}\n')
+    expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin",
+                       "--training.dataset_path", str(blank), "--training.steps", "1"],
+                      "no training tokens", "blank.jsonl")
+    expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin",
+                       "--training.dataset_path", str(corrupt), "--training.text_field", "body",
+                       "--training.skip_malformed_rows", "true", "--training.steps", "1"],
+                      "no training tokens", "corrupt.jsonl")
 
 
 def test_config_is_saved_and_printed(tmp_path):

@@ -542,6 +542,49 @@ TEST(DataLoader, BadSourcesAreRejectedWithTheirName) {
   expect_error([&] { resolve_sources("c4_test", std::nullopt, "auto", "text", "training"); }, "does not download");
 }
 
+// A source whose rows all give no tokens used to loop at full CPU for ever; now the first batch fails naming it.
+TEST(DataLoader, SourcesThatGiveNoTokensFailNamingTheFileInsteadOfLoopingForever) {
+  titan_test::TempDir tmp;
+  tmp.write("blank_text.jsonl", "{\"text\": \"\"}\n{\"text\": \"  \"}\n{\"text\": \"\\n\"}\n");
+  tmp.write("no_field.jsonl", "{\"body\": \"a\"}\n{\"body\": \"b\"}\n");
+  tmp.write("alternate.jsonl", "{\"text\": \"\"}\n{\"text\": \"ab\"}\n");
+  tmp.write("good.jsonl", "{\"text\": \"abc\"}\n");
+  ByteTokenizer tok;
+  LoaderOptions o;
+  o.seq_len = 4;
+  auto expect_stuck = [&](const std::vector<titan::config::DatasetSource>& list, const LoaderOptions& options,
+                          const std::string& file, const std::string& lane) {
+    DataLoader loader(sources_of(list), &tok, options);
+    try {
+      loader.next();
+      FAIL() << "no error for " << file;
+    } catch (const titan::UserError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("no training tokens"), std::string::npos) << what;
+      EXPECT_NE(what.find(file), std::string::npos) << what;
+      EXPECT_NE(what.find(lane), std::string::npos) << what;
+    }
+  };
+  expect_stuck({source(tmp.path() + "/blank_text.jsonl")}, o, "blank_text.jsonl", "lane 0 of 1");
+  LoaderOptions skipping = o;
+  skipping.skip_malformed_rows = true;
+  expect_stuck({source(tmp.path() + "/no_field.jsonl")}, skipping, "no_field.jsonl", "lane 0 of 1");
+  // Two ranks in file order: rank 0 is always dealt the empty row, rank 1 the good one.
+  LoaderOptions rank0 = o, rank1 = o;
+  rank0.dp_degree = rank1.dp_degree = 2;
+  rank1.dp_rank = 1;
+  expect_stuck({source(tmp.path() + "/alternate.jsonl")}, rank0, "alternate.jsonl", "lane 0 of 2");
+  DataLoader fine(sources_of({source(tmp.path() + "/alternate.jsonl")}), &tok, rank1);
+  EXPECT_EQ(rows(fine.next())[0], (std::vector<int64_t>{256, 'a', 'b', 257, 256}));
+  // An empty source beside a good one starves nothing: windows come from the good one.
+  DataLoader mixed(sources_of({source(tmp.path() + "/blank_text.jsonl", 0.5), source(tmp.path() + "/good.jsonl", 0.5)}),
+                   &tok, o);
+  for (int i = 0; i < 50; ++i) {
+    const auto window = rows(mixed.next());
+    for (int64_t t : window[0]) EXPECT_TRUE(t == 256 || t == 257 || (t >= 'a' && t <= 'c'));
+  }
+}
+
 TEST(DataLoader, MemoryStaysBoundedByTheShuffleBlockOnALargeCorpus) {
   // 40 MB of JSONL (gzip) streamed through a 64-row shuffle block: the loader holds one block, not the file.
   titan_test::TempDir tmp;

@@ -128,6 +128,8 @@ class DataLoader::Lane {
         log::warn("skipping malformed row #", n, " (training.skip_malformed_rows): ", e.what());
       return {};
     }
+    // A row with no text is no document (as an empty .txt file is none): BOS/EOS alone would be trained on.
+    if (text.find_first_not_of(" \t\r\n\f\v") == std::string::npos) return {};
     return tokenizer_->encode_document(text);
   }
 
@@ -148,6 +150,8 @@ class DataLoader::Lane {
       std::erase_if(layers_, [&](const Layer& layer) { return stream_.position() >= layer.end; });
       if (consumed) continue;
       std::vector<int32_t> tokens = encode(doc);
+      if (tokens.empty()) note_empty_document();
+      else starved_docs_ = 0;
       if (start >= tokens.size()) continue;
       tokens_ = std::move(tokens);
       offset_ = start;
@@ -157,7 +161,34 @@ class DataLoader::Lane {
     }
   }
 
+  // A lane whose documents all give no tokens (empty or skipped rows) would loop for ever. It is stuck once every
+  // source still serving has started two new passes during the run of empty documents (a whole pass seen) when
+  // this lane reads every row, or 2 * lanes + 2 passes when it sees one row in `count_` (with a fixed row order
+  // the lane's rows repeat after `count_` passes; shuffled, missing every good row that long is vanishingly rare).
+  void note_empty_document() {
+    const auto& sources = stream_.state().sources;
+    if (starved_docs_++ == 0) {
+      starved_from_epoch_.clear();
+      for (const SourceState& s : sources) starved_from_epoch_.push_back(s.epoch);
+    }
+    const int64_t passes = count_ == 1 ? 2 : 2 * static_cast<int64_t>(count_) + 2;
+    std::string names;
+    for (size_t s = 0; s < sources.size(); ++s) {
+      if (sources[s].exhausted) continue;
+      if (sources[s].epoch - starved_from_epoch_[s] < passes) return;
+      const SourceSpec& spec = stream_.sources()[s];
+      names += cat(names.empty() ? "" : ", ", quote(spec.name), " (", spec.shards.size(), " file(s), first ",
+                   quote(spec.shards.front().path), ")");
+    }
+    fail("no training tokens can be read: the last ", with_thousands(static_cast<int64_t>(starved_docs_)),
+         " documents of data lane ", id_, " of ", count_, ", over ", passes, " or more passes of data source(s) ",
+         names, ", were all empty or skipped as malformed (training.skip_malformed_rows); check the files' contents",
+         " and the source's text_field");
+  }
+
   uint32_t id_, count_;
+  uint64_t starved_docs_ = 0;
+  std::vector<int64_t> starved_from_epoch_;
   DocumentStream stream_;
   const tokenizer::Tokenizer* tokenizer_;
   LoaderOptions options_;
