@@ -57,9 +57,27 @@ def compare_steps(meta, ref_meta, case, rel=1e-5, check_lr=False):
     return worst
 
 
+def metadata_checksum(meta):
+    """metadata_crc32 as docs/checkpoint.md defines it: the CRC-32 of the compact, key-sorted JSON of everything else."""
+    import json
+    import zlib
+
+    rest = {k: v for k, v in meta.items() if k != "metadata_crc32"}
+    return zlib.crc32(json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+def write_metadata(directory, meta, reseal=True):
+    """Writes an edited metadata.json, resealed with a fresh checksum unless reseal is False."""
+    import json
+
+    if reseal and meta.get("version", 0) >= 3:
+        meta = dict(meta, metadata_crc32=metadata_checksum(meta))
+    (Path(directory) / "metadata.json").write_text(json.dumps(meta))
+
+
 def read_checkpoint(directory):
     """Full tensors of a titan checkpoint step directory, assembled from the pieces its metadata.json lists: boxes
-    (version 2) or dim-0 row ranges (version 1). An independent reader of the format in docs/checkpoint.md; it
+    (versions 2 and 3) or dim-0 row ranges (version 1). An independent reader of the format in docs/checkpoint.md; it
     checks that the pieces cover every element exactly once."""
     import json
 
@@ -68,7 +86,9 @@ def read_checkpoint(directory):
     dtypes = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "bfloat16": None}
     directory = Path(directory)
     meta = json.loads((directory / "metadata.json").read_text())
-    assert meta["format"] == "titan-dcp" and meta["version"] in (1, 2), meta.get("version")
+    assert meta["format"] == "titan-dcp" and meta["version"] in (1, 2, 3), meta.get("version")
+    if meta["version"] >= 3:
+        assert meta["metadata_crc32"] == metadata_checksum(meta), "metadata checksum"
     out = {}
     for key, entry in meta["tensors"].items():
         shape = entry["shape"]

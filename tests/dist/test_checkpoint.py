@@ -3,6 +3,7 @@
 injected inside the write and the commit and with kill -9 of a running rank, and clear errors for bad checkpoints.
 Checkpoints are read back here with a small independent reader (metadata.json + raw rows)."""
 import contextlib
+import copy
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
+from titan_testing import SOURCE_DIR, binary, metadata_checksum, read_checkpoint, run, write_metadata
 
 COMMON = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--training.seq_len", "64",
           "--training.local_batch_size", "1", "--metrics.log_freq", "1", "--checkpoint.enable",
@@ -145,10 +146,30 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
     data.write_bytes(original)
     expect('"model.layers.0.attention.wk.weight" has shape [256, 256], the model expects [64, 256]',
            extra=["--model.flavor", "debugmodel_gqa"])
-    meta = json.loads((step10 / "metadata.json").read_text())
-    del meta["tensors"]["model.norm.weight"]
-    (step10 / "metadata.json").write_text(json.dumps(meta))
-    expect('no tensor "model.norm.weight"')
+    # metadata.json: its own checksum catches any edit (swapped offsets loaded the wrong weights silently before).
+    pristine = json.loads((step10 / "metadata.json").read_text())
+    assert pristine["version"] == 3 and pristine["metadata_crc32"] == metadata_checksum(pristine)
+    meta = copy.deepcopy(pristine)
+    wq, wk = (meta["tensors"][f"model.layers.0.attention.{w}.weight"]["pieces"][0] for w in ("wq", "wk"))
+    wq["offset"], wk["offset"] = wk["offset"], wq["offset"]
+    write_metadata(step10, meta, reseal=False)
+    expect("metadata.json: the metadata fails its checksum")
+    # Resealed edits are caught by the field checks.
+    for edit, needle in [(lambda m: m["tensors"].pop("model.norm.weight"), 'no tensor "model.norm.weight"'),
+                         (lambda m: m["train_state"].update(step=9), "train_state.step is 9 but the checkpoint's step is 10"),
+                         (lambda m: m.update(step="10"), 'field "step" is "10"'),
+                         (lambda m: m["lr_scheduler"].update(completed=11), 'field "completed" is 11'),
+                         (lambda m: m["ranks"].pop(), 'field "ranks" must list 1 rank'),
+                         (lambda m: m["tensors"]["optimizer.exp_avg.norm.weight"].update(dtype="bfloat16"),
+                          "a piece of optimizer.exp_avg.norm.weight has 1024 bytes, its box needs 512")]:
+        meta = copy.deepcopy(pristine)
+        edit(meta)
+        write_metadata(step10, meta)
+        expect(needle)
+    write_metadata(step10, pristine, reseal=False)
+    (dump / "checkpoint" / "step-10").rename(dump / "checkpoint" / "step-11")
+    expect("the metadata says step 10 but the folder is \"step-11\"")
+    (dump / "checkpoint" / "step-11").rename(step10)
     expect("no complete checkpoint", extra=["--checkpoint.load_step", "7"])
     # An unwritable checkpoint folder (a file stands where the folder should be) is a clear error.
     blocker = tmp_path / "blocked"

@@ -180,3 +180,43 @@ def test_meta_consolidated_pth_imports_bitwise(trained, tmp_path):
     result = run([binary("titan"), "convert", "--from", str(bogus), "--to", str(tmp_path / "z"), "--flavor", "debugmodel"],
                  check=False)
     assert result.returncode == 2 and "not a torch.save ZIP archive" in result.stderr, result.stderr
+
+
+def test_damaged_torch_save_files_are_refused_by_name(tmp_path):
+    """Every ZIP record is checked against its CRC-32, and the pickle machine refuses malformed programs (truncated
+    operands, stack underflow, missing marks and memo entries) with an error instead of reading out of bounds."""
+    import zipfile
+
+    good = tmp_path / "good.pth"
+    torch.save({"norm.weight": torch.arange(256, dtype=torch.float32)}, good)
+
+    def convert(path):
+        return run([binary("titan"), "convert", "--from", str(path), "--to", str(tmp_path / "out"), "--flavor",
+                    "debugmodel"], check=False)
+
+    with zipfile.ZipFile(good) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+        names = [i.filename for i in z.infolist()]
+        records = {name: z.read(name) for name in names}
+    raw = bytearray(good.read_bytes())
+    name_len, extra_len = int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little"), \
+        int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    raw[info.header_offset + 30 + name_len + extra_len + 40] ^= 0x10  # a bit of element 10
+    flipped = tmp_path / "flipped.pth"
+    flipped.write_bytes(bytes(raw))
+    result = convert(flipped)
+    assert result.returncode == 2 and "/data/0\" fails its CRC-32 check" in result.stderr, result.stderr
+    top = names[0].split("/")[0]
+    for program, needle in [(b"\x80\x02\x8a\x05\x01\x02", "truncated pickle"),
+                            (b"\x80\x02\x8a\x09" + bytes(9) + b".", "wider than 64 bits"),
+                            (b"\x80\x02a.", "stack underflow"), (b"\x80\x02(}(K\x01e.", "expected a list to extend"),
+                            (b"\x80\x02h\x05.", "memo key never stored"), (b"\x80\x02}K\x01s.", "stack underflow"),
+                            (b"\x80\x02(K\x01t(.", "STOP with a stack other than one value"),
+                            (b"\x80\x02K\x01K\x02\x93.", "expected a module name"),
+                            (b"\x80\x02K\x01.", "top-level object is not a dict")]:
+        bad = tmp_path / "bad.pth"
+        with zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as z:
+            for name, data in records.items():
+                z.writestr(name, program if name == f"{top}/data.pkl" else data)
+        result = convert(bad)
+        assert result.returncode == 2 and needle in result.stderr, (program, result.stderr)

@@ -141,3 +141,26 @@ def test_builtin_bpe_training_round_trips_through_tiktoken(tmp_path):
     assert ids == enc.encode_ordinary(text)
     # Learned merges compress: far fewer tokens than bytes.
     assert len(ids) < 0.5 * len(text.encode())
+
+
+def test_decode_refuses_ids_that_are_not_tokens(tmp_path):
+    """Floats, negatives, ids past int32 and ids no token has (a gap in the ranks) are errors naming the value,
+    never truncated or decoded to nothing; tiktoken's own decode agrees that the gap is not a token."""
+    import base64
+
+    import tiktoken
+
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks[b"ab"] = 300  # ids 256..299 belong to no token
+    path = tmp_path / "gappy.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    enc = tiktoken.Encoding("gappy", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+    assert titan_decode(path, [104, 300, 105]) == enc.decode([104, 300, 105]) == "habi"
+    with pytest.raises(KeyError):
+        enc.decode([260])
+    for ids, needle in [([104, 1.5], "element 1 of the input is 1.5"), ([-3], "element 0 of the input is -3"),
+                        ([4294967296], "element 0 of the input is 4294967296"), (["7"], 'element 0 of the input is "7"'),
+                        ([260], "token id 260 is outside the vocabulary")]:
+        result = run([binary("titan"), "tokenizer", "decode", "--tokenizer", str(path)], input_text=json.dumps(ids),
+                     check=False)
+        assert result.returncode == 2 and needle in result.stderr, (ids, result.stderr)

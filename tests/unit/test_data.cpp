@@ -212,6 +212,39 @@ TEST(TokenShard, RoundTripAndTruncationIsDetected) {
   }
   tmp.write("junk.tokens", std::string(100, 'x'));
   EXPECT_THROW(TokenShardReader(tmp.path() + "/junk.tokens"), titan::UserError);
+  // A damaged id (here 69999 -> 70001, past the vocabulary) is named with its byte offset, not fed to the model.
+  std::string damaged = bytes;
+  const size_t at = 64 + 4;  // header, then document 0's second token
+  ASSERT_EQ(static_cast<unsigned char>(damaged[at]), 69999 & 0xff);
+  damaged[at] = static_cast<char>(70001 & 0xff);
+  tmp.write("damaged.tokens", damaged);
+  TokenShardReader bad(tmp.path() + "/damaged.tokens");
+  try {
+    bad.document(0);
+    FAIL();
+  } catch (const titan::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("damaged.tokens\": token id 70001 at byte offset 68 (document 0)"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(DataLoader, TokenShardsOfAnotherTokenizerAreRefused) {
+  titan_test::TempDir tmp;
+  ByteTokenizer tok;  // 258 ids, BOS 256, EOS 257
+  for (auto [name, vocab, bos, eos] : {std::tuple{"small", 200, -1, -1}, std::tuple{"large", 300, 256, 257},
+                                       std::tuple{"bos", 258, 1, 257}}) {
+    TokenShardWriter w(tmp.path() + "/" + name + "/d.tokens", vocab, bos, eos);
+    w.add({1, 2, 3});
+    w.finish();
+    LoaderOptions o;
+    o.seq_len = 2;
+    try {
+      DataLoader(sources_of({source(tmp.path() + "/" + name)}), &tok, o);
+      FAIL() << name;
+    } catch (const titan::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("written with a different tokenizer"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(DataLoader, PacksDocumentsIntoShiftedWindowsWithPositionsAndLoops) {

@@ -89,6 +89,14 @@ TEST(TokenizerLoading, ErrorsNameThePath) {
   expect_error(tmp.write("huge.tiktoken", "QQ== 3000000000\n"), "huge.tiktoken:1");
   expect_error(tmp.write("neg/tokenizer.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -1}, \"merges\": []}}"),
                "has id -1");
+  // Two tokens with one id would decode that id to either: refused.
+  expect_error(tmp.write("dup_rank.tiktoken", "QQ== 0\nQg== 0\n"), "dup_rank.tiktoken:2: rank 0 is given to a second token");
+  expect_error(tmp.write("dup/tokenizer.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 0}, \"merges\": []}}"),
+               "have the same id 0");
+  expect_error(tmp.write("dup_added/tokenizer.json",
+                         "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": []}, \"added_tokens\": "
+                         "[{\"id\": 2, \"content\": \"<x>\"}, {\"id\": 2, \"content\": \"<y>\"}]}"),
+               "added tokens \"<x>\" and \"<y>\" have the same id 2");
   expect_error(tmp.write("tokenizer.json", "{\"model\": "), "not valid JSON");
   expect_error(tmp.write("u/tokenizer.json", "{\"model\": {\"type\": \"Unigram\", \"vocab\": []}}"), "not supported yet");
 }

@@ -152,10 +152,20 @@ int run_tokenizer(const std::vector<std::string>& args) {
     return 0;
   }
   std::vector<int32_t> ids;
+  nlohmann::json array;
   try {
-    ids = nlohmann::json::parse(input).get<std::vector<int32_t>>();
+    array = nlohmann::json::parse(input);
   } catch (const nlohmann::json::exception&) {
-    fail("`titan tokenizer decode` expects a JSON array of integer ids on stdin, e.g. [9906, 1917]");
+  }
+  if (!array.is_array()) fail("`titan tokenizer decode` expects a JSON array of integer ids on stdin, e.g. [9906, 1917]");
+  for (size_t i = 0; i < array.size(); ++i) {
+    const auto& v = array[i];
+    // A float or an id past int32 would otherwise be truncated to some other token.
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > INT32_MAX ||
+        (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)))
+      fail("`titan tokenizer decode`: element ", i, " of the input is ", v.dump(),
+           "; expected a non-negative integer token id (the tokenizer has ", tok->vocab_size(), " ids)");
+    ids.push_back(v.get<int32_t>());
   }
   std::cout << tok->decode(ids, o.skip_special);
   return 0;

@@ -43,6 +43,44 @@ json rng_state() {
   return std::vector<uint8_t>(p, p + state.numel());
 }
 
+// The fields the loader relies on, checked before anything is read, so that a damaged or hand-edited metadata (the
+// checksum guards version 3 only) is refused naming the field instead of loading something else.
+void check_metadata(const json& meta, const std::string& path, const std::string& directory, bool weights_only) {
+  auto field = [&](const json& parent, const char* key) -> const json& {
+    if (!parent.is_object() || !parent.contains(key)) fail(path, ": the metadata has no field ", quote(key));
+    return parent.at(key);
+  };
+  auto integer = [&](const json& parent, const char* key, int64_t lo, int64_t hi) {
+    const json& v = field(parent, key);
+    if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > hi)
+      fail(path, ": field ", quote(key), " is ", v.dump(), "; expected an integer from ", lo, " to ", hi);
+    return v.get<int64_t>();
+  };
+  const int64_t step = integer(meta, "step", 0, INT64_MAX);
+  if (auto named = step_of(fs::path(directory)); named && *named != step)
+    fail(path, ": the metadata says step ", step, " but the folder is ", quote(fs::path(directory).filename().string()),
+         "; a checkpoint folder must not be renamed");
+  if (meta.contains("model_only") && !meta["model_only"].is_boolean())
+    fail(path, ": field \"model_only\" is ", meta["model_only"].dump(), "; expected true or false");
+  const int64_t world_size = integer(meta, "world_size", 1, INT32_MAX);
+  if (!field(meta, "flavor").is_string()) fail(path, ": field \"flavor\" is not a string");
+  if (weights_only || meta.value("model_only", false)) return;
+  const json& train = field(meta, "train_state");
+  if (integer(train, "step", 0, INT64_MAX) != step)
+    fail(path, ": train_state.step is ", train.at("step").dump(), " but the checkpoint's step is ", step);
+  integer(train, "tokens_seen", 0, INT64_MAX);
+  integer(field(meta, "lr_scheduler"), "completed", 0, step);
+  for (const auto& [name, value] : field(field(meta, "optimizer"), "steps").items())
+    if (!value.is_number() || !(value.get<double>() >= 0 && value.get<double>() <= static_cast<double>(step)))
+      fail(path, ": optimizer.steps of ", quote(name), " is ", value.dump(), "; expected 0 to ", step);
+  const json& ranks = field(meta, "ranks");
+  if (!ranks.is_array() || static_cast<int64_t>(ranks.size()) != world_size)
+    fail(path, ": field \"ranks\" must list ", world_size, " rank(s) (world_size)");
+  for (const auto& r : ranks)
+    if (!r.is_object() || (r.contains("dataloader") && !r["dataloader"].is_string()))
+      fail(path, ": an entry of \"ranks\" is not a rank state");
+}
+
 }  // namespace
 
 Checkpointer::Checkpointer(const config::LoadedConfig& loaded, const distributed::DeviceMesh& mesh)
@@ -337,6 +375,7 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
   const double start = now_seconds();
   Reader reader(directory);
   const json& meta = reader.metadata();
+  check_metadata(meta, directory + "/metadata.json", directory, weights_only);
   const bool model_only = weights_only || meta.value("model_only", false);
   const int64_t saved_step = meta.value("step", 0);
   auto excluded = [&](const std::string& part) {
@@ -368,6 +407,9 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
            dtype_string(p.local.scalar_type()), "; a resumable checkpoint must match training.dtype");
     reader.read_box(key, p.layout.local_box().offsets, p.piece().detach());
   }
+  if (!excluded("model") && meta.at("flavor").get<std::string>() != loaded_.config.model.flavor)
+    log::warn("checkpoint ", reader.directory(), " was saved from model flavor ", quote(meta.at("flavor").get<std::string>()),
+              ", this run uses ", quote(loaded_.config.model.flavor), "; every tensor's shape matches, so it loads");
   if (model_only) {
     log::info("Loaded model weights from ", reader.directory(), " (model only: training starts at step 1)");
     return true;
@@ -380,8 +422,16 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
       const auto& p = state.parameters[i];
       if (!steps.contains(p.name)) continue;  // saved before the first optimizer step
       const auto offsets = p.layout.local_box().offsets;
-      reader.read_box("optimizer.exp_avg." + p.name, offsets, distributed::unpadded(opt[i].exp_avg, p.layout));
-      reader.read_box("optimizer.exp_avg_sq." + p.name, offsets, distributed::unpadded(opt[i].exp_avg_sq, p.layout));
+      for (const char* moment : {"exp_avg", "exp_avg_sq"}) {
+        const std::string key = cat("optimizer.", moment, ".", p.name);
+        if (!reader.contains(key)) fail("checkpoint ", reader.directory(), " has no tensor ", quote(key));
+        const auto& entry = reader.tensors().at(key);
+        at::Tensor& buffer = std::string(moment) == "exp_avg" ? opt[i].exp_avg : opt[i].exp_avg_sq;
+        if (entry.shape != p.layout.global_shape() || entry.dtype != buffer.scalar_type())
+          fail("checkpoint tensor ", quote(key), " is ", dtype_string(entry.dtype), " [", join_ints(entry.shape),
+               "]; the optimizer keeps ", dtype_string(buffer.scalar_type()), " [", join_ints(p.layout.global_shape()), "]");
+        reader.read_box(key, offsets, distributed::unpadded(buffer, p.layout));
+      }
       opt[i].step.fill_(steps[p.name].get<double>());
     }
   }

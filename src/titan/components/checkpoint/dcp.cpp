@@ -20,8 +20,10 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr const char* kFormat = "titan-dcp";
-// Version 2: pieces are boxes ({"offsets": [...], "lengths": [...]}); version 1 had dim-0 rows ("rows": [a, b]).
-constexpr int kVersion = 2;
+constexpr const char* kChecksumKey = "metadata_crc32";
+// Version 3 adds metadata_crc32, the CRC-32 of the metadata's compact key-sorted JSON without that key. Version 2:
+// pieces are boxes ({"offsets": [...], "lengths": [...]}); version 1 had dim-0 rows ("rows": [a, b]).
+constexpr int kVersion = 3;
 
 // Fault injection for crash tests: TITAN_CHECKPOINT_CRASH = "bytes:K" kills the process (SIGKILL, as kill -9)
 // once this rank has written K bytes of its data file; "before_metadata" / "before_rename" kill rank 0 at those
@@ -162,12 +164,26 @@ nlohmann::json merge_rank_parts(const std::vector<nlohmann::json>& parts) {
   return merged;
 }
 
+namespace {
+
+uint32_t metadata_checksum(const nlohmann::json& metadata) {
+  nlohmann::json rest = metadata;
+  rest.erase(kChecksumKey);
+  const std::string canonical = rest.dump();  // compact, keys sorted, UTF-8 unescaped
+  return static_cast<uint32_t>(crc32(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(canonical.data()),
+                                     static_cast<uInt>(canonical.size())));
+}
+
+}  // namespace
+
 void commit(const std::string& partial_directory, const std::string& final_directory, const nlohmann::json& metadata) {
   if (crash_plan().at == "before_metadata" && crash_applies(0)) crash_now();
   const std::string tmp = partial_directory + "/metadata.json.tmp", path = partial_directory + "/metadata.json";
+  nlohmann::json sealed = metadata;
+  sealed[kChecksumKey] = metadata_checksum(metadata);
   {
     std::ofstream out(tmp, std::ios::binary);
-    out << metadata.dump(1) << "\n";
+    out << sealed.dump(1) << "\n";
     out.flush();
     if (!out) fail("cannot write ", quote(tmp), errno == ENOSPC ? ": the disk is full" : "");
   }
@@ -191,6 +207,16 @@ Reader::Reader(std::string directory) : directory_(std::move(directory)) {
     if (metadata_.at("format").get<std::string>() != kFormat || version < 1 || version > kVersion)
       fail(path, ": not a titan.cpp checkpoint of version 1 to ", kVersion, " (format ", metadata_.at("format").dump(),
            ", version ", version, "); a newer titan wrote it, or it is not a titan checkpoint");
+    // Versions before 3 carry no checksum of their own; their data files are still checked by CRC-32.
+    if (version >= 3) {
+      if (!metadata_.contains(kChecksumKey)) fail(path, ": the metadata has no ", kChecksumKey, " (version ", version, ")");
+      const auto stored = metadata_.at(kChecksumKey).get<uint32_t>();
+      const uint32_t computed = metadata_checksum(metadata_);
+      if (stored != computed)
+        fail(path, ": the metadata fails its checksum (", kChecksumKey, " ", stored, ", computed ", computed,
+             "): it was changed or damaged after titan wrote it, so its offsets and shapes cannot be trusted; "
+             "load an older step-N (checkpoint.load_step) or restore the file");
+    }
     for (const auto& [key, entry] : metadata_.at("tensors").items()) {
       TensorEntry t;
       t.dtype = parse_dtype(entry.at("dtype").get<std::string>(), path + " (" + key + ")");

@@ -210,9 +210,12 @@ DataLoader::DataLoader(std::vector<SourceSpec> sources, const tokenizer::Tokeniz
       if (shard.format != Format::Tokens) continue;
       TokenShardReader reader(shard.path);
       const auto& h = reader.header();
-      if (tokenizer_ && static_cast<int64_t>(h.vocab_size) > tokenizer_->vocab_size())
-        fail(quote(shard.path), ": token shard written for a vocabulary of ", h.vocab_size,
-             " ids, larger than the tokenizer's ", tokenizer_->vocab_size());
+      if (tokenizer_ && static_cast<int64_t>(h.vocab_size) != tokenizer_->vocab_size())
+        fail(quote(shard.path), ": token shard written for a vocabulary of ", h.vocab_size, " ids, but the tokenizer (",
+             tokenizer_->description(), ") has ", tokenizer_->vocab_size(), "; it was written with a different tokenizer");
+      if (tokenizer_ && h.bos_id >= 0 && tokenizer_->bos_id() && *tokenizer_->bos_id() != h.bos_id)
+        fail(quote(shard.path), ": token shard has BOS id ", h.bos_id, " but the tokenizer's is ",
+             *tokenizer_->bos_id(), "; it was written with a different tokenizer");
       if (tokenizer_ && h.eos_id >= 0 && tokenizer_->eos_id() && *tokenizer_->eos_id() != h.eos_id)
         fail(quote(shard.path), ": token shard has EOS id ", h.eos_id, " but the tokenizer's is ",
              *tokenizer_->eos_id(), "; it was written with a different tokenizer");

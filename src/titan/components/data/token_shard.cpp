@@ -147,6 +147,12 @@ std::vector<int32_t> TokenShardReader::document(uint64_t index) {
   } else if (std::fread(out.data(), 4, out.size(), file_) != out.size()) {
     fail("cannot read ", quote(path_));
   }
+  // An id past the vocabulary would index past the embedding table: name where it is.
+  for (size_t i = 0; i < out.size(); ++i)
+    if (out[i] < 0 || static_cast<uint64_t>(out[i]) >= header_.vocab_size)
+      fail(quote(path_), ": token id ", static_cast<uint32_t>(out[i]), " at byte offset ",
+           kHeaderBytes + (begin + i) * header_.token_bytes, " (document ", index, ") is outside the shard's vocabulary of ",
+           header_.vocab_size, " ids; the file is damaged or was not written by `titan data tokenize`");
   return out;
 }
 

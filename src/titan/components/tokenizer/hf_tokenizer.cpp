@@ -85,6 +85,9 @@ class HfTokenizer : public Tokenizer {
           fail(path_, ": added token ", t.value("content", "?"), " has an invalid id ", t["id"].dump());
         AddedToken a{t.at("content").get<std::string>(), t.at("id").get<int32_t>(), t.value("special", false),
                      t.value("lstrip", false), t.value("rstrip", false), t.value("single_word", false)};
+        if (auto other = added_by_id_.find(a.id); other != added_by_id_.end() && other->second.content != a.content)
+          fail(path_, ": added tokens ", quote(other->second.content), " and ", quote(a.content), " have the same id ",
+               a.id, " (ids must be unique)");
         register_added(a);
       }
       load_post_processor(root.value("post_processor", json()));
@@ -268,6 +271,9 @@ class HfTokenizer : public Tokenizer {
       int32_t i = id.get<int32_t>();
       vocab_[token] = i;
       if (static_cast<size_t>(i) >= id_to_token_.size()) id_to_token_.resize(static_cast<size_t>(i) + 1);
+      if (!id_to_token_[i].empty())
+        fail(path_, ": vocabulary entries ", quote(id_to_token_[i]), " and ", quote(token), " have the same id ", i,
+             " (ids must be unique)");
       id_to_token_[i] = token;
     }
     if (auto unk = model.value("unk_token", json()); !unk.is_null()) {

@@ -67,9 +67,12 @@ class TiktokenTokenizer : public Tokenizer {
       long rank = std::strtol(line.c_str() + space + 1, &end, 10);
       if (!bytes || *end != '\0' || rank < 0 || errno == ERANGE || rank >= (1L << 26))
         fail(path, ":", line_no, ": expected \"<base64 token> <rank>\" (tiktoken format), got ", quote(line.substr(0, 60)));
+      if (bytes->empty()) fail(path, ":", line_no, ": a token must have at least one byte");
       if (!ranks_.emplace(*bytes, static_cast<int32_t>(rank)).second)
         fail(path, ":", line_no, ": token listed twice");
       if (static_cast<size_t>(rank) >= id_to_bytes_.size()) id_to_bytes_.resize(static_cast<size_t>(rank) + 1);
+      if (!id_to_bytes_[static_cast<size_t>(rank)].empty())
+        fail(path, ":", line_no, ": rank ", rank, " is given to a second token (ids must be unique)");
       id_to_bytes_[static_cast<size_t>(rank)] = *bytes;
     }
     if (ranks_.empty()) fail(path, ": no tokens found (expected tiktoken \"<base64 token> <rank>\" lines)");
@@ -85,6 +88,7 @@ class TiktokenTokenizer : public Tokenizer {
     std::filesystem::path meta = p.parent_path() / (p.stem().string() + ".meta.json");
     if (std::filesystem::exists(meta)) {
       nlohmann::json j;
+      meta_ = meta.string();
       try {
         std::ifstream m(meta);
         j = nlohmann::json::parse(m);
@@ -93,7 +97,6 @@ class TiktokenTokenizer : public Tokenizer {
       } catch (const nlohmann::json::exception& e) {
         fail(meta.string(), ": expected {\"pat_str\": ..., \"special_tokens\": {name: id}}: ", e.what());
       }
-      meta_ = meta.string();
     } else {
       auto names = llama3_special_tokens();
       for (size_t i = 0; i < names.size(); ++i) add_special(names[i], num_base_ + static_cast<int32_t>(i));
@@ -115,7 +118,7 @@ class TiktokenTokenizer : public Tokenizer {
   std::string decode(std::span<const int32_t> ids, bool skip_special) const override {
     std::string bytes;
     for (int32_t id : ids) {
-      if (id >= 0 && id < num_base_) {
+      if (id >= 0 && id < num_base_ && !id_to_bytes_[static_cast<size_t>(id)].empty()) {
         bytes += id_to_bytes_[static_cast<size_t>(id)];
       } else if (auto it = special_names_.find(id); it != special_names_.end()) {
         if (!skip_special) bytes += it->second;
@@ -145,6 +148,11 @@ class TiktokenTokenizer : public Tokenizer {
 
  private:
   void add_special(const std::string& name, int32_t id) {
+    if (id < 0 || (id < num_base_ && !id_to_bytes_[static_cast<size_t>(id)].empty()))
+      fail(meta_.empty() ? path_ : meta_, ": special token ", quote(name), " has id ", id,
+           id < 0 ? ", which is negative" : ", which a regular token already has (ids must be unique)");
+    if (special_names_.count(id)) fail(meta_.empty() ? path_ : meta_, ": special tokens ", quote(special_names_[id]),
+                                       " and ", quote(name), " have the same id ", id);
     special_[name] = id;
     special_names_[id] = name;
   }
