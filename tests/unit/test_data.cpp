@@ -619,6 +619,11 @@ TEST(DataLoader, SourcesThatGiveNoTokensFailNamingTheFileInsteadOfLoopingForever
 }
 
 TEST(DataLoader, MemoryStaysBoundedByTheShuffleBlockOnALargeCorpus) {
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  GTEST_SKIP() << "resident memory is no measure under AddressSanitizer (freed blocks stay quarantined)";
+#endif
+#endif
   // 40 MB of JSONL (gzip) streamed through a 64-row shuffle block: the loader holds one block, not the file.
   titan_test::TempDir tmp;
   {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "titan/common/error.h"
+#include "titan/distributed/ddp.h"
 #include "titan/components/loss.h"
 #include "titan/components/metrics/allocation_tracker.h"
 #include "titan/config/job_config.h"
@@ -197,4 +198,18 @@ TEST(Model, BlockCausalAttentionMakesPackedDocumentsIndependent) {
   at::Tensor mask = block_causal_mask(at::tensor({3, 4, 0, 1}, at::kLong).unsqueeze(0));
   at::Tensor expected = at::tensor({1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1}, at::kLong).to(at::kBool).view({1, 1, 4, 4});
   EXPECT_TRUE(at::equal(mask, expected));
+}
+
+// DDP's gradient hooks live in the parameters' autograd nodes, which outlive the Ddp object: a backward after it is
+// destroyed must neither call into it nor lose the gradient.
+TEST(DataParallel, GradientHooksOutlivingTheirDdpDoNothing) {
+  at::Tensor w = at::randn({4, 4}).requires_grad_(true);
+  at::Tensor loss;
+  {
+    titan::distributed::Ddp ddp({w}, titan::distributed::make_local_communicator());
+    ddp.before_backward(true);
+    loss = (w * w).sum();
+  }
+  loss.backward();
+  EXPECT_TRUE(at::allclose(w.grad(), 2 * w.detach()));
 }

@@ -86,8 +86,9 @@ DatasetSources toml_dataset_sources(const toml::node& node, const std::string& f
     if (!table) fail(file_where, ": ", item, " must be a table with keys name, path, format, weight, text_field, loop");
     DatasetSource source;
     bool has_path = false;
-    for (auto&& [k, v] : *table) {
+    for (auto&& [k, node_value] : *table) {
       const std::string name(k.str());
+      const auto& v = node_value;  // clang 14 cannot capture a structured binding in a lambda
       auto want_string = [&](std::string& target) {
         auto s = v.value_exact<std::string>();
         if (!s) fail(file_where, ": ", item, ".", name, " expects a string, got ", describe_toml(v));

@@ -39,13 +39,15 @@ Ddp::Ddp(std::vector<at::Tensor> parameters, std::shared_ptr<Communicator> group
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-          on_gradient_ready(static_cast<int64_t>(i));
+        [this, i, alive = alive_](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          if (*alive) on_gradient_ready(static_cast<int64_t>(i));
           return outputs;
         }));
     accumulators_.push_back(accumulator);
   }
 }
+
+Ddp::~Ddp() { *alive_ = false; }
 
 void Ddp::before_backward(bool last_microbatch) { sync_ = last_microbatch; }
 

@@ -2,6 +2,9 @@
 #pragma once
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
+#include <memory>
+
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/data_parallel.h"
 
@@ -21,6 +24,7 @@ class Ddp final : public DataParallel {
   int64_t bytes_communicated() const override;
   double wait_seconds() const override { return wait_seconds_; }
   size_t bucket_count() const { return buckets_.size(); }
+  ~Ddp() override;
 
  private:
   struct Bucket {
@@ -42,6 +46,9 @@ class Ddp final : public DataParallel {
   std::vector<Bucket> buckets_;
   std::vector<int64_t> bucket_of_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooked accumulators alive
+  // The hooks live in the parameters' autograd nodes, which may outlive this object: they check this flag, which
+  // the destructor clears, instead of calling into a destroyed Ddp.
+  std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
   size_t next_bucket_ = 0;
   bool sync_ = false;
   double wait_seconds_ = 0;

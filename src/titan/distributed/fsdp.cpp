@@ -69,8 +69,8 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
         param.module_param = p;
         auto accumulator = torch::autograd::impl::grad_accumulator(p);
         accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, u](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-              on_gradient(u);
+            [this, u, alive = alive_](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+              if (*alive) on_gradient(u);
               return outputs;
             }));
         accumulators_.push_back(accumulator);
@@ -83,7 +83,9 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
   for (size_t u = 0; u < specs.size(); ++u) {
     if (units_[u].params.empty()) continue;
     specs[u].modules.front()->add_wrapper(
-        "fsdp_unshard", [this, u](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
+        "fsdp_unshard", [this, u, alive = alive_](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                  const nn::Unit::Next& next) {
+          if (!*alive) fail("the model's FSDP wrapping was destroyed; a model sharded by FSDP cannot run without it");
           unshard(u);
           for (size_t v = u + 1; v < units_.size(); ++v)
             if (!units_[v].params.empty()) {
@@ -93,12 +95,13 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
           return next(inputs, context);
         });
     specs[u].modules.back()->add_wrapper(
-        "fsdp_reshard", [this, u](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
+        "fsdp_reshard", [this, u, alive = alive_](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                  const nn::Unit::Next& next) {
           at::Tensor out = next(inputs, context);
           if (units_[u].reshard_after_forward) reshard(u);
           if (at::GradMode::is_enabled() && out.requires_grad())
-            out.register_hook([this, u](const at::Tensor& grad) {
-              pre_backward(u);
+            out.register_hook([this, u, alive](const at::Tensor& grad) {
+              if (*alive) pre_backward(u);
               return grad;
             });
           return out;
@@ -106,7 +109,7 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
   }
 }
 
-Fsdp::~Fsdp() = default;
+Fsdp::~Fsdp() { *alive_ = false; }
 
 void Fsdp::start_gather(size_t u) {
   Unit& unit = units_[u];

@@ -1,5 +1,7 @@
 // FSDP (ZeRO-3) in the spirit of PyTorch's FSDP2, and HSDP on top of it (see fsdp.cpp).
 #pragma once
+#include <atomic>
+#include <memory>
 #include <torch/csrc/autograd/function.h>
 
 #include <memory>
@@ -78,6 +80,9 @@ class Fsdp final : public DataParallel {
   std::shared_ptr<Communicator> shard_group_, replicate_group_;
   FsdpOptions options_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  // Hooks and module wrappers live in the model, which may outlive this object: they check this flag, which the
+  // destructor clears (gradient hooks then do nothing; a forward through the model is an error).
+  std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
   std::vector<Pending> pending_;
   size_t earlier_pending_ = 0;  // pending_ entries from micro-batches before the current one
   double wait_seconds_ = 0;

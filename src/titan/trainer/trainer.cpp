@@ -11,6 +11,7 @@
 
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/data/builtin.h"
@@ -96,7 +97,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   std::filesystem::create_directories(c.job.dump_folder);
   if (c.job.save_config_file && launch_.rank == 0) {
     auto path = std::filesystem::path(c.job.dump_folder) / *c.job.save_config_file;
-    std::ofstream(path) << config::to_json(c) << "\n";
+    write_file(path.string(), config::to_json(c) + "\n");
     log::info("Saved job configs to ", path.string());
   }
 
@@ -327,6 +328,7 @@ void Trainer::write_pipeline_timeline() {
   std::ofstream out(dir / strprintf("rank-%05d.csv", mesh_->world()->rank()), std::ios::app);
   for (const auto& e : pipeline_->runner().timeline())
     out << e.step << "," << e.action << "," << strprintf("%.6f,%.6f,%.6f", e.start, e.end, e.waited) << "\n";
+  if (!out.flush()) fail("cannot write the pipeline timeline in ", quote(dir.string()), describe_write_error(errno));
   pipeline_->runner().clear_timeline();
 }
 

@@ -13,6 +13,7 @@
 
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
@@ -280,12 +281,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
       json part = writer.finish();
       part["rank_state"] = rank_state;
       const fs::path part_path = partial_dir / strprintf("rank-%05d.json", rank);
-      {
-        std::ofstream out(part_path.string() + ".tmp");
-        out << part.dump();
-        if (!out) fail("cannot write ", part_path.string());
-      }
-      fs::rename(part_path.string() + ".tmp", part_path);
+      write_file(part_path.string(), part.dump(), /*durable=*/true);
       if (rank != 0) return;
       std::vector<json> parts(static_cast<size_t>(world_size));
       for (int r = 0; r < world_size; ++r) {

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/strings.h"
 
 namespace titan::checkpoint {
@@ -53,13 +54,6 @@ bool crash_applies(int rank) {
 void crash_now() {
   std::fflush(nullptr);
   std::raise(SIGKILL);
-}
-
-void fsync_path(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
 }
 
 const std::map<std::string, at::ScalarType>& dtype_names() {
@@ -178,17 +172,9 @@ uint32_t metadata_checksum(const nlohmann::json& metadata) {
 
 void commit(const std::string& partial_directory, const std::string& final_directory, const nlohmann::json& metadata) {
   if (crash_plan().at == "before_metadata" && crash_applies(0)) crash_now();
-  const std::string tmp = partial_directory + "/metadata.json.tmp", path = partial_directory + "/metadata.json";
   nlohmann::json sealed = metadata;
   sealed[kChecksumKey] = metadata_checksum(metadata);
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    out << sealed.dump(1) << "\n";
-    out.flush();
-    if (!out) fail("cannot write ", quote(tmp), errno == ENOSPC ? ": the disk is full" : "");
-  }
-  fsync_path(tmp, false);
-  fs::rename(tmp, path);
+  write_file(partial_directory + "/metadata.json", sealed.dump(1) + "\n", /*durable=*/true);
   fsync_path(partial_directory, true);
   if (crash_plan().at == "before_rename" && crash_applies(0)) crash_now();
   std::error_code ec;

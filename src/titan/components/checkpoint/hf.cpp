@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/safetensors.h"
 #include "titan/models/llama3/state_dict_adapter.h"
@@ -102,9 +103,9 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
   }
   if (shards.size() > 1) {
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream(directory + "/model.safetensors.index.json") << index.dump(2) << "\n";
+    write_file(directory + "/model.safetensors.index.json", index.dump(2) + "\n");
   }
-  std::ofstream(directory + "/config.json") << hf_config(args, dtype).dump(2) << "\n";
+  write_file(directory + "/config.json", hf_config(args, dtype).dump(2) + "\n");
 }
 
 struct HfReader::Impl {

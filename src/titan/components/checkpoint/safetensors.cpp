@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/strings.h"
 
 namespace titan::safetensors {
@@ -131,7 +132,12 @@ void save(const std::string& path, const std::vector<std::pair<std::string, at::
     out.write(reinterpret_cast<const char*>(&size), 8);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     for (const auto& t : cpu) out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
-    if (!out.flush()) fail("failed writing ", quote(tmp), " (disk full?)");
+    out.close();
+    if (!out) {
+      const int error = errno;
+      std::filesystem::remove(tmp);
+      fail("cannot write ", quote(path), describe_write_error(error));
+    }
   }
   std::filesystem::rename(tmp, path);
 }

@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/regex_splitter.h"
 
@@ -164,7 +165,12 @@ BpeTrainerStats train_bpe(const std::function<void(const std::function<void(std:
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) fail("cannot write tokenizer file ", quote(tmp));
     for (size_t id = 0; id < token_bytes.size(); ++id) out << base64_encode(token_bytes[id]) << ' ' << id << '\n';
-    if (!out.flush()) fail("failed writing tokenizer file ", quote(tmp));
+    out.close();
+    if (!out) {
+      const int error = errno;
+      std::filesystem::remove(tmp);
+      fail("cannot write tokenizer file ", quote(output_path), describe_write_error(error));
+    }
   }
   std::filesystem::rename(tmp, output_path);
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

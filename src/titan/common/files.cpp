@@ -1,0 +1,46 @@
+#include "titan/common/files.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan {
+
+std::string describe_write_error(int error) {
+  if (error == ENOSPC || error == EDQUOT) return ": the disk is full (or over quota)";
+  return cat(": ", std::strerror(error));
+}
+
+void write_file(const std::string& path, std::string_view content, bool durable) {
+  const std::string tmp = cat(path, ".tmp.", ::getpid());
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) fail("cannot write ", quote(path), describe_write_error(errno));
+  int error = 0;
+  if (!content.empty() && std::fwrite(content.data(), 1, content.size(), f) != content.size()) error = errno;
+  if (!error && std::fflush(f) != 0) error = errno;
+  if (!error && durable && ::fsync(fileno(f)) != 0) error = errno;
+  if (std::fclose(f) != 0 && !error) error = errno;
+  if (!error && std::rename(tmp.c_str(), path.c_str()) != 0) error = errno;
+  if (error) {
+    std::remove(tmp.c_str());
+    fail("cannot write ", quote(path), describe_write_error(error));
+  }
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) fail("cannot open ", quote(path), " to flush it to disk: ", std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int error = errno;
+  ::close(fd);
+  if (rc != 0 && !(directory && error == EINVAL))
+    fail("cannot flush ", quote(path), " to disk", describe_write_error(error));
+}
+
+}  // namespace titan

@@ -1,0 +1,20 @@
+// Writing files so that a full disk or an I/O error is an error naming the file, never a silently short file:
+// whole-file writes through a temporary name and a rename, and fsync of files and folders.
+#pragma once
+#include <string>
+#include <string_view>
+
+namespace titan {
+
+// Writes `content` to `path` (via "<path>.tmp.<pid>", renamed into place; the temporary is removed on failure).
+// `durable` also fsyncs the file before the rename. Throws UserError naming the path and the cause.
+void write_file(const std::string& path, std::string_view content, bool durable = false);
+
+// fsync of a file or a folder (for renames inside it). Throws UserError on failure; a file system that cannot
+// sync folders (EINVAL) is not an error.
+void fsync_path(const std::string& path, bool directory);
+
+// " (the disk is full)" for ENOSPC / EDQUOT, else ": <strerror>".
+std::string describe_write_error(int error);
+
+}  // namespace titan
