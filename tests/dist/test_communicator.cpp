@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "titan/common/error.h"
+#include "titan/distributed/checking_communicator.h"
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/distributed/parallel_dims.h"
@@ -102,6 +103,54 @@ TEST(DeviceMesh, HsdpCoordinatesAndGroups) {
   EXPECT_EQ(u.item<int64_t>(), 2 * (r % 2) + 2);
   EXPECT_EQ(mesh.get("dp")->size(), 4);
   EXPECT_EQ(mesh.get("tp")->size(), 1);
+}
+
+// The checking wrapper (TITAN_CHECK_COLLECTIVES=1; the test suite runs every multi-rank test with it) refuses what
+// the NCCL backend would reject, hang on or corrupt: bad arguments on the calling rank, and ranks that issue
+// different collectives or a receive of another size than was sent, on every rank involved.
+TEST(CheckingCommunicator, RefusesWhatNcclWouldRejectHangOrCorruptOn) {
+  auto checked = make_checking_communicator(g_world->split(0, g_world->rank(), "checked"));
+  const int r = checked->rank(), n = checked->size();
+  auto expect_violation = [](auto&& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << "no violation; expected " << needle;
+    } catch (const titan::UserError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("collective check (TITAN_CHECK_COLLECTIVES) on communicator \"checked\""), std::string::npos) << what;
+      EXPECT_NE(what.find(needle), std::string::npos) << what;
+    }
+  };
+  at::Tensor ones = at::ones({3});
+  checked->all_reduce(ones, ReduceOp::Sum);
+  EXPECT_EQ(ones[0].item<float>(), n);
+  // Argument rules, checked on the calling rank before anything is sent.
+  at::Tensor shorts = at::ones({2}, at::kShort), strided = at::ones({4, 4}).t(), counts = at::ones({2}, at::kLong);
+  expect_violation([&] { checked->all_reduce(shorts, ReduceOp::Max); }, "dtype Short, which the NCCL backend cannot move");
+  expect_violation([&] { checked->all_reduce(strided, ReduceOp::Sum); }, "a non-contiguous tensor of shape [4, 4]");
+  expect_violation([&] { checked->all_reduce(counts, ReduceOp::Avg); }, "an average of Long");
+  at::Tensor short_output = at::empty({n * 3 - 1});
+  expect_violation([&] { checked->all_gather_into(short_output, ones); }, "not size");
+  expect_violation([&] { checked->send(ones, r, 0); }, "is not another rank of the group");
+  // Agreement: rank 0 reduces 4 elements, the others 5; every rank learns what each issued, and nothing was run.
+  at::Tensor uneven = at::ones({r == 0 ? 4 : 5});
+  expect_violation([&] { checked->all_reduce(uneven, ReduceOp::Sum); },
+                   "the ranks issued different operations (rank 0 call #2: all_reduce(Float x 4, sum); rank 1 call #2: "
+                   "all_reduce(Float x 5, sum)");
+  // A receive that expects another size than the sender sent (MPI would accept the shorter message silently).
+  if (n >= 2 && r < 2) {
+    if (r == 0) {
+      at::Tensor sent = at::arange(6, at::kFloat);
+      checked->send(sent, 1, 0);
+    } else {
+      at::Tensor buffer = at::zeros({8});
+      expect_violation([&] { checked->recv(buffer, 0, 0); }, "rank 0 sent Float x 6 but this rank receives Float x 8");
+    }
+  }
+  // The communicator still works after refusals (nothing mismatched was issued).
+  at::Tensor again = at::full({2}, 1.0f);
+  checked->all_reduce(again, ReduceOp::Sum);
+  EXPECT_EQ(again[1].item<float>(), n);
 }
 
 TEST(ParallelDims, ProductMustMatchWorld) {

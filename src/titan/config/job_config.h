@@ -259,6 +259,8 @@ struct Debug {
   bool moe_force_load_balance = false;
   // titan.cpp: write every pipeline action's start/end per rank to {dump_folder}/pipeline_timeline/rank-R.csv.
   bool pipeline_timeline = false;
+  // titan.cpp: start even when the memory estimate exceeds the memory available (models/llama3/memory_estimate.h).
+  bool skip_memory_check = false;
 };
 
 struct JobConfig {

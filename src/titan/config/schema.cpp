@@ -345,6 +345,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("seed", &c.debug.seed, "base random seed (None: a fresh seed each run)");
   b.add("deterministic", &c.debug.deterministic, "use deterministic kernels only (may be slower)");
   b.add("deterministic_warn_only", &c.debug.deterministic_warn_only, "warn instead of failing on non-deterministic kernels");
+  b.add("skip_memory_check", &c.debug.skip_memory_check,
+        "titan.cpp: start even when the estimated memory of a rank exceeds the memory available to it");
   b.add("pipeline_timeline", &c.debug.pipeline_timeline,
         "titan.cpp: record each pipeline action's start and end per rank under {dump_folder}/pipeline_timeline/");
   b.add("moe_force_load_balance", &c.debug.moe_force_load_balance, "round-robin tokens over experts (MoE debugging)");

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "titan/common/error.h"
+#include "titan/distributed/checking_communicator.h"
 #include "titan/distributed/mpi_runtime.h"
 
 namespace titan::distributed {
@@ -131,6 +132,7 @@ std::shared_ptr<Communicator> world(const LaunchInfo& launch) {
     fail("a ", launch.world_size, "-process job launched by ", launch.launcher,
          " needs MPI for CPU communication: start it with mpirun or srun (--mpi=pmix)");
   }
+  g_world = maybe_checking(g_world);
   return g_world;
 }
 

@@ -33,6 +33,9 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
   }
 #ifdef TITAN_WITH_CUDA
   if (q.is_cuda()) {
+    if (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)
+      fail("context parallelism on CUDA runs the flash-attention kernel, which takes bfloat16 or float16, but attention "
+           "computes in ", c10::toString(q.scalar_type()), "; set training.mixed_precision_param = \"bfloat16\"");
     auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal);
     return {std::get<0>(r), std::get<1>(r)};
   }

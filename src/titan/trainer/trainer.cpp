@@ -12,6 +12,9 @@
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/files.h"
+#include "titan/components/metrics/cuda_device.h"
+#include "titan/distributed/checking_communicator.h"
+#include "titan/models/llama3/memory_estimate.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/data/builtin.h"
@@ -104,10 +107,14 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   std::shared_ptr<distributed::Communicator> comm;
   if (at::hasCUDA()) {
     device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(launch_.local_rank));
+    // Every allocation that names no index (parameters built without storage, then allocated) must land on this
+    // rank's GPU, not on GPU 0.
+    metrics::cuda_make_current(launch_.local_rank);
     std::shared_ptr<distributed::Communicator> bootstrap;
     if (launch_.world_size > 1 && launch_.launcher != "torchrun") bootstrap = distributed::world(launch_);
-    comm = launch_.world_size > 1 ? distributed::make_nccl_world(launch_, bootstrap, launch_.local_rank)
-                                  : distributed::make_local_communicator();
+    comm = distributed::maybe_checking(launch_.world_size > 1
+                                           ? distributed::make_nccl_world(launch_, bootstrap, launch_.local_rank)
+                                           : distributed::make_local_communicator());
   } else {
     comm = distributed::world(launch_);
   }
@@ -150,6 +157,8 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     fail("the tokenizer at ", quote(tokenizer_path), " has ", tokenizer_->vocab_size(), " ids but model.flavor ",
          quote(c.model.flavor), " has vocab_size ", args.vocab_size,
          "; pick a tokenizer that fits the flavor (model.hf_assets_path) or a flavor with a larger vocabulary");
+
+  check_memory(args, dims);
 
   // The model is built without storage; the parallelisms shard it, and each rank then allocates and initialises
   // only its own pieces, with values that depend on the seed alone (nn/init.h), not on the layout.
@@ -319,6 +328,31 @@ void Trainer::finish_gradients() {
     if (pipeline_) part.data_parallel->before_backward(true);
     part.finish_gradients();
   }
+}
+
+void Trainer::check_memory(const llama3::ModelArgs& args, const distributed::ParallelDims& dims) {
+  // Before anything large is allocated: a job that cannot fit fails here with the numbers, not in the kernel's OOM
+  // killer or an allocator abort midway through the first step.
+  const config::JobConfig& c = loaded_.config;
+  const bool autocast = !dims.fsdp_enabled() && c.training.dtype == "float32" && c.training.mixed_precision_param == "bfloat16";
+  const double runtime = device_.is_cuda() ? 0.0 : static_cast<double>(metrics::current_rss_bytes());
+  const auto estimate = llama3::estimate_training_memory(args, c, dims, autocast, runtime);
+  const auto available = metrics::available_memory(device_, launch_.local_world_size);
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  log::info("Memory estimate for this rank: ", estimate.describe(), strprintf(" of %.2f GiB available (", available.bytes / gib),
+            available.source, ")");
+  if (estimate.total() <= available.bytes) return;
+  const std::string what = strprintf("this rank needs about %.2f GiB but %.2f GiB is available (%s)", estimate.total() / gib,
+                                     available.bytes / gib, available.source.c_str());
+  if (c.debug.skip_memory_check) {
+    log::warn(what, "; starting anyway (debug.skip_memory_check)");
+    return;
+  }
+  fail(what, ". Estimated: ", estimate.describe(),
+       ". To fit: shard over more ranks (parallelism.data_parallel_shard_degree, tensor_parallel_degree, "
+       "pipeline_parallel_degree), recompute activations (activation_checkpoint.mode = \"full\"), or lower "
+       "training.local_batch_size (", c.training.local_batch_size, ") or training.seq_len (", c.training.seq_len,
+       "); --debug.skip_memory_check starts anyway");
 }
 
 void Trainer::write_pipeline_timeline() {

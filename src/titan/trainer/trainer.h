@@ -65,6 +65,7 @@ class Trainer {
  private:
   void log_step(const StepResult& result, double data_seconds);
   void finish_gradients();  // every part's data-parallel and tensor-parallel gradient reductions
+  void check_memory(const llama3::ModelArgs& args, const distributed::ParallelDims& dims);
   void write_pipeline_timeline();
   at::Tensor forward(const at::Tensor& inputs, const data::Batch& batch);  // logits, device inputs
 

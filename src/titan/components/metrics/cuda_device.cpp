@@ -3,6 +3,9 @@
 #ifdef TITAN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #include <ATen/Context.h>
@@ -16,6 +19,17 @@ std::string cuda_device_name(int index) { return at::cuda::getDeviceProperties(i
 
 double cuda_total_memory_bytes(int index) { return static_cast<double>(at::cuda::getDeviceProperties(index)->totalGlobalMem); }
 
+void cuda_make_current(int index) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(index)); }
+
+double cuda_usable_memory_bytes(int index) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) return 0;
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  const auto held = stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].current;
+  return static_cast<double>(free) + static_cast<double>(held);
+}
+
 int64_t cuda_peak_reserved_bytes(int index) {
   auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
   return stats.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
@@ -26,6 +40,8 @@ void cuda_reset_peak(int index) { c10::cuda::CUDACachingAllocator::resetPeakStat
 bool cuda_available() { return false; }
 std::string cuda_device_name(int) { return ""; }
 double cuda_total_memory_bytes(int) { return 0; }
+double cuda_usable_memory_bytes(int) { return 0; }
+void cuda_make_current(int) {}
 int64_t cuda_peak_reserved_bytes(int) { return 0; }
 void cuda_reset_peak(int) {}
 #endif

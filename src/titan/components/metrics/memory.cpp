@@ -1,6 +1,9 @@
 #include "titan/components/metrics/memory.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <fstream>
+#include <utility>
 #include <unistd.h>
 
 #include "titan/common/error.h"
@@ -20,6 +23,38 @@ int64_t status_kib(const char* field) {
 }
 
 }  // namespace
+
+AvailableMemory available_memory(const at::Device& device, int local_ranks) {
+  // Fault injection for tests: pretend this much memory is available.
+  if (const char* fake = std::getenv("TITAN_TEST_AVAILABLE_MEMORY_BYTES"))
+    return {std::atof(fake), "TITAN_TEST_AVAILABLE_MEMORY_BYTES"};
+  if (device.is_cuda())
+    return {cuda_usable_memory_bytes(device.index()), cat("free memory of ", cuda_device_name(device.index()))};
+  const double mine = static_cast<double>(current_rss_bytes()), ranks = std::max(1, local_ranks);
+  double spare = 0;
+  std::string source = "MemAvailable in /proc/meminfo";
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string line;
+    while (std::getline(in, line))
+      if (starts_with(line, "MemAvailable:")) spare = static_cast<double>(std::atoll(line.c_str() + 13)) * 1024.0;
+  }
+  // A container's limit (cgroup v2, then v1) may be far below the machine's memory.
+  for (const auto& [limit_file, usage_file] : {std::pair{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
+                                               std::pair{"/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                                         "/sys/fs/cgroup/memory/memory.usage_in_bytes"}}) {
+    std::ifstream limit_in(limit_file), usage_in(usage_file);
+    std::string limit, usage;
+    if (!(limit_in >> limit) || !(usage_in >> usage) || limit == "max") continue;
+    const double room = std::stod(limit) - std::stod(usage);
+    if (room < spare) {
+      spare = std::max(0.0, room);
+      source = cat("the cgroup limit in ", limit_file);
+    }
+    break;
+  }
+  return {spare / ranks + mine, local_ranks > 1 ? cat(source, " shared by ", local_ranks, " ranks on this machine") : source};
+}
 
 int64_t current_rss_bytes() { return status_kib("VmRSS") * 1024; }
 int64_t peak_rss_bytes() { return status_kib("VmHWM") * 1024; }

@@ -26,6 +26,16 @@ class MemoryMonitor {
   double capacity_ = 0;
 };
 
+// Memory this process may still grow into, in bytes, and where the figure comes from: on CUDA the device's
+// free memory plus what this process's allocator holds; on the CPU what Linux reports available (MemAvailable, or
+// the cgroup's limit minus its usage when that is lower), shared evenly by `local_ranks` processes, plus this
+// process's resident set.
+struct AvailableMemory {
+  double bytes = 0;
+  std::string source;
+};
+AvailableMemory available_memory(const at::Device& device, int local_ranks);
+
 // Current and peak resident set size of this process in bytes (Linux /proc).
 int64_t current_rss_bytes();
 int64_t peak_rss_bytes();

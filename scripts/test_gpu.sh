@@ -1,0 +1,576 @@
+#!/usr/bin/env bash
+# Checks titan.cpp's CUDA path on one NVIDIA GPU: builds against this machine's CUDA PyTorch, runs titan_gpu_tests
+# and `titan train` on the GPU, and prints a verdict with figures (also written under $OUT when OUT is set).
+#
+# Usage, from the repository root:
+#   scripts/test_gpu.sh                build into build-gpu/ (TITAN_GPU_BUILD), run every check, print the summary
+#   scripts/test_gpu.sh --skip-build   reuse build-gpu/ as it is (a second call on a machine that is still warm)
+#   scripts/test_gpu.sh --fetch-debs   on a Debian bookworm machine with network: download the Debian packages a GPU
+#                                      machine may lack into .debs/ (see below); needs no GPU
+# Exit codes: 0 every check passed; 1 a check failed or was not reached (each named in the summary); 2 something
+# needed to build or run is missing (named); 77 no NVIDIA GPU here, so nothing was run (the "skipped" convention).
+#
+# Needs on the GPU machine: the NVIDIA driver (nvidia-smi), python3 with a CUDA PyTorch (LibTorch is found from
+# torch.utils.cmake_prefix_path, NCCL from the wheel's nvidia/nccl), the CUDA toolkit's nvcc (Torch's CMake
+# package looks for it), a C++20 compiler, CMake >= 3.25, ninja, and the libraries scripts/setup.sh installs as
+# Debian packages: OpenMPI, toml++, nlohmann-json, PCRE2, zstd, zlib, sentencepiece, GoogleTest, pkg-config.
+#
+# Machines that reach no package registry (this workplace's GPU machines) get those as .deb files:
+#   1. On a Debian bookworm machine with network: scripts/test_gpu.sh --fetch-debs  (apt-get download, about
+#      9 MB, into .debs/, which it lists in .git/info/exclude).
+#   2. Carry the folder to the GPU machine: the device tool sends ignored folders only when named in `carry`
+#      (/work/.library/device/README.md), e.g. run with
+#        command: set -o pipefail; scripts/test_gpu.sh 2>&1 | tee $OUT/test_gpu.log
+#        carry: [".debs"]   timeout_s: 600
+#   The script unpacks only the packages of the dependencies it finds missing, with dpkg-deb -x (or ar and tar),
+#   into build-gpu/deps/ -- never into / -- and points CMake, pkg-config and the linker there (titan gets an rpath
+#   to it, so nothing else on the machine sees those libraries).
+#
+# Checks: titan_gpu_tests (tests/gpu: the model on CUDA against the CPU in float32, NCCL collectives on one rank,
+# the trainer on the GPU, checkpoint round trips, GPU memory and peak-FLOPs metrics), then `titan train` on the
+# GPU: bf16-autocast and bf16-parameter runs whose loss must fall, a resume from a checkpoint that must continue
+# the uninterrupted run, the step line's memory field, and tokens/s and MFU of the 1B flavor (figures only: speed
+# never passes or fails). The CLI corpus is the Python standard library's source (present wherever python3 is),
+# the tokenizer is learned from it by `titan tokenizer train`. Two-rank NCCL runs need two GPUs and are not made.
+# Settings: TITAN_GPU_BUILD, TITAN_GPU_PYTHON (python3), TITAN_GPU_DEBS (.debs), TITAN_GPU_JOBS (all cores),
+# TITAN_GPU_GTEST_FILTER (a GoogleTest filter for titan_gpu_tests, '*'; '-*' runs none), TITAN_GPU_SKIP_CLI=1,
+# TITAN_GPU_BENCH_FLAVOR (1B), _BENCH_BATCH (4), _BENCH_SEQ (2048), _BENCH_STEPS (20), TITAN_GPU_TIME_BUDGET
+# (seconds; a phase that would end later is reported as not run; 580 when OUT is set, else none).
+# TITAN_GPU_DRY_RUN=1 checks the script itself on a machine without a GPU: no GPU check and no build (it uses
+# the binaries in TITAN_GPU_BUILD), small CPU runs, CPU expectations.
+set -uo pipefail  # not -e: one failed check must not hide the others
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="${TITAN_GPU_BUILD:-$ROOT/build-gpu}"
+PYTHON="${TITAN_GPU_PYTHON:-python3}"
+DEBS="${TITAN_GPU_DEBS:-$ROOT/.debs}"
+JOBS="${TITAN_GPU_JOBS:-$(nproc)}"
+DRY_RUN="${TITAN_GPU_DRY_RUN:-0}"
+GTEST_FILTER="${TITAN_GPU_GTEST_FILTER:-*}"
+BENCH_FLAVOR="${TITAN_GPU_BENCH_FLAVOR:-1B}"
+BENCH_BATCH="${TITAN_GPU_BENCH_BATCH:-4}"
+BENCH_SEQ="${TITAN_GPU_BENCH_SEQ:-2048}"
+BENCH_STEPS="${TITAN_GPU_BENCH_STEPS:-20}"
+TIME_BUDGET="${TITAN_GPU_TIME_BUDGET:-$([[ -n "${OUT:-}" ]] && echo 580 || echo 0)}"
+CHECK="$ROOT/tests/gpu/check_train_log.py"
+DEPS="$BUILD/deps"
+LIBDIR="$DEPS/usr/lib/x86_64-linux-gnu"
+LIBPATH="$LIBDIR:$DEPS/lib/x86_64-linux-gnu"  # bookworm puts a few runtime libraries (zlib) under /lib
+RUN_ENV=()  # the environment titan's processes need when libraries were unpacked into $DEPS (set after the build)
+START=$(date +%s)
+
+# The Debian bookworm packages behind each dependency (-dev packages and the runtime libraries they link).
+declare -A GROUP_DEBS=(
+  [pkg-config]="pkgconf-bin libpkgconf3"
+  [OpenMPI]="libopenmpi-dev libopenmpi3 libhwloc15 libevent-core-2.1-7 libevent-pthreads-2.1-7"
+  [toml++]="libtomlplusplus-dev libtomlplusplus3"
+  [PCRE2]="libpcre2-dev libpcre2-8-0"
+  [zstd]="libzstd-dev libzstd1"
+  [zlib]="zlib1g-dev zlib1g"
+  [sentencepiece]="libsentencepiece-dev libsentencepiece0"
+  [nlohmann-json]="nlohmann-json3-dev"
+  [GoogleTest]="libgtest-dev"
+  [libudev]="libudev1"
+)
+GROUPS_IN_ORDER=(pkg-config OpenMPI toml++ PCRE2 zstd zlib sentencepiece nlohmann-json GoogleTest libudev)
+
+say() { printf '[test_gpu %4ds] %s\n' $(( $(date +%s) - START )) "$*"; }
+die() { local code=$1; shift; printf 'test_gpu: %s\n' "$*" >&2; exit "$code"; }
+
+# --- --fetch-debs: runs where apt-get reaches a Debian mirror -----------------------------------------------------
+fetch_debs() {
+  command -v apt-get >/dev/null || die 2 "--fetch-debs needs apt-get (a Debian bookworm machine with network)"
+  local all=() group apt_options=()
+  for group in "${GROUPS_IN_ORDER[@]}"; do read -ra packages <<<"${GROUP_DEBS[$group]}"; all+=("${packages[@]}"); done
+  if [[ "$(dpkg --print-architecture)" != amd64 ]]; then
+    # The GPU machines are x86-64: fetch amd64 packages through separate package lists.
+    apt_options=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/titan-amd64-lists)
+    mkdir -p /tmp/titan-amd64-lists/partial
+    apt-get "${apt_options[@]}" update -qq || die 2 "apt-get update (amd64) failed"
+  fi
+  mkdir -p "$DEBS"
+  (cd "$DEBS" && apt-get "${apt_options[@]}" download "${all[@]}") ||
+    die 2 "apt-get download failed for some of: ${all[*]} (run apt-get update first; these are bookworm's names)"
+  if [[ "$DEBS" == "$ROOT/.debs" ]]; then
+    local exclude
+    exclude="$(git -C "$ROOT" rev-parse --git-dir)/info/exclude"
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.debs/' "$exclude" 2>/dev/null || echo '/.debs/' >>"$exclude"
+  fi
+  say "$(find "$DEBS" -name '*.deb' | wc -l) packages, $(du -sh "$DEBS" | cut -f1), in $DEBS"
+  say "next, on the GPU machine: scripts/test_gpu.sh, with .debs carried (see this script's header)"
+  exit 0
+}
+
+skip_build=0
+for arg in "$@"; do
+  case "$arg" in
+    --fetch-debs) fetch_debs ;;
+    --skip-build) skip_build=1 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die 2 "unknown argument '$arg' (expected --skip-build, --fetch-debs or --help)" ;;
+  esac
+done
+
+# --- Is there a GPU? ------------------------------------------------------------------------------------------------
+if [[ "$DRY_RUN" != 1 ]]; then
+  if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    echo "test_gpu: no NVIDIA GPU on this machine (nvidia-smi is missing or lists no GPU): nothing to check here."
+    echo "test_gpu: run it on a machine with an NVIDIA GPU (exit code 77 means skipped)."
+    exit 77
+  fi
+fi
+
+# Where results go: under $OUT when set (the device runner brings those files back, also after a timeout), so
+# every check is written as soon as it is decided.
+LOGS="$BUILD/logs"
+REPORT_DIR="${OUT:-$LOGS}"
+rm -rf "$LOGS"
+mkdir -p "$LOGS" "$REPORT_DIR" || die 2 "cannot create $LOGS or $REPORT_DIR"
+RESULTS="$REPORT_DIR/gpu_results.txt"
+FIGURES="$REPORT_DIR/gpu_figures.txt"
+: >"$RESULTS"
+: >"$FIGURES"
+
+record() {  # record PASS|FAIL|SKIP name detail
+  printf '%s %s: %s\n' "$1" "$2" "$3" | tee -a "$RESULTS"
+}
+figure() { printf '[figure] %s = %s\n' "$1" "$2" | tee -a "$FIGURES"; }
+# Runs the log checker; its PASS/FAIL lines and figures go to the report files.
+checker() {
+  local out
+  out=$("$PYTHON" "$CHECK" "$@" 2>&1)
+  local rc=$?
+  printf '%s\n' "$out"
+  grep '^\[figure\]' <<<"$out" >>"$FIGURES"
+  grep -E '^(PASS|FAIL|SKIP) ' <<<"$out" >>"$RESULTS"
+  if [[ $rc -gt 1 ]]; then record FAIL "checker $1" "check_train_log.py failed: $(tail -1 <<<"$out")"; fi
+  return 0
+}
+within_budget() {  # within_budget phase seconds: false (the phase recorded as not run) if it would end past the budget
+  local spent=$(( $(date +%s) - START ))
+  if [[ "$TIME_BUDGET" -gt 0 && $((spent + $2)) -gt "$TIME_BUDGET" ]]; then
+    record SKIP "$1" "not run: ${spent}s spent, about $2s more would pass the budget of ${TIME_BUDGET}s (TITAN_GPU_TIME_BUDGET); on a warm machine run again with --skip-build"
+    return 1
+  fi
+}
+
+# --- Python, PyTorch, CUDA ------------------------------------------------------------------------------------------
+torch_info=$("$PYTHON" - <<'EOF' 2>&1
+import os, torch
+def safe(read):
+    try:
+        return read()
+    except Exception as error:  # a query that fails is reported, not fatal
+        return f"unknown ({type(error).__name__})"
+available = torch.cuda.is_available()
+print("version", torch.__version__)
+print("cuda", torch.version.cuda or "none")
+print("available", int(available))
+print("cmake", torch.utils.cmake_prefix_path)
+print("site", os.path.dirname(os.path.dirname(torch.__file__)))
+print("nccl", safe(lambda: ".".join(map(str, torch.cuda.nccl.version()))) if torch.version.cuda else "none")
+print("device", safe(lambda: torch.cuda.get_device_name(0)) if available else "none")
+EOF
+) || die 2 "$PYTHON cannot import torch (set TITAN_GPU_PYTHON to a python3 with a CUDA PyTorch): $(tail -1 <<<"$torch_info")"
+info() { awk -v k="$1" '$1 == k { $1 = ""; sub(/^ /, ""); print }' <<<"$torch_info"; }
+TORCH_CMAKE=$(info cmake)
+SITE=$(info site)
+if [[ "$DRY_RUN" != 1 ]]; then
+  [[ "$(info cuda)" != none ]] || die 2 "PyTorch $(info version) in $PYTHON is a CPU-only build; a CUDA build is needed"
+  [[ "$(info available)" == 1 ]] ||
+    die 2 "nvidia-smi lists a GPU but torch.cuda.is_available() is false (driver too old for CUDA $(info cuda)?)"
+fi
+say "PyTorch $(info version) (CUDA $(info cuda), NCCL $(info nccl)) from $SITE; device: $(info device)"
+
+# --- Build ----------------------------------------------------------------------------------------------------------
+BIN="$BUILD/bin"
+cmake_args=()
+probe_groups() {  # prints the dependency groups the configure step would not find
+  local probe="$BUILD/probe"
+  mkdir -p "$probe/src"
+  cat >"$probe/src/CMakeLists.txt" <<'EOF'
+cmake_minimum_required(VERSION 3.25)
+project(titan_gpu_probe LANGUAGES C CXX)
+# The same look-ups as titan's CMakeLists.txt, none required: one line per dependency group.
+function(report group found)
+  if(found)
+    message(STATUS "TITAN_PROBE ${group} FOUND")
+  else()
+    message(STATUS "TITAN_PROBE ${group} MISSING")
+  endif()
+endfunction()
+find_package(PkgConfig QUIET)
+report(pkg-config "${PKG_CONFIG_FOUND}")
+if(PKG_CONFIG_FOUND)
+  pkg_check_modules(P_TOML QUIET tomlplusplus)
+  pkg_check_modules(P_PCRE2 QUIET libpcre2-8)
+  pkg_check_modules(P_ZSTD QUIET libzstd)
+endif()
+report(toml++ "${P_TOML_FOUND}")
+report(PCRE2 "${P_PCRE2_FOUND}")
+report(zstd "${P_ZSTD_FOUND}")
+find_package(ZLIB QUIET)
+report(zlib "${ZLIB_FOUND}")
+find_library(P_SP_LIBRARY sentencepiece)
+find_path(P_SP_INCLUDE sentencepiece_processor.h)
+if(P_SP_LIBRARY AND P_SP_INCLUDE)
+  report(sentencepiece TRUE)
+else()
+  report(sentencepiece FALSE)
+endif()
+find_package(nlohmann_json QUIET)
+report(nlohmann-json "${nlohmann_json_FOUND}")
+find_package(MPI QUIET COMPONENTS C)
+report(OpenMPI "${MPI_C_FOUND}")
+find_package(GTest QUIET)
+report(GoogleTest "${GTest_FOUND}")
+EOF
+  rm -rf "$probe/build"
+  cmake -S "$probe/src" -B "$probe/build" -G Ninja -DCMAKE_PREFIX_PATH="$DEPS/usr" "${cmake_args[@]}" >"$LOGS/probe.log" 2>&1
+  sed -n 's/.*TITAN_PROBE \(.*\) MISSING.*/\1/p' "$LOGS/probe.log"
+  grep -q 'TITAN_PROBE' "$LOGS/probe.log" || echo "probe-failed"
+}
+
+extract_deb() {  # extract_deb file.deb directory: dpkg-deb where it exists, else ar and tar
+  if command -v dpkg-deb >/dev/null; then dpkg-deb -x "$1" "$2"; return; fi
+  local member
+  member=$(ar t "$1" | grep '^data\.tar') || return 1
+  case "$member" in
+    *.xz) ar p "$1" "$member" | tar -xJ -C "$2" ;;
+    *.zst) ar p "$1" "$member" | zstd -dc | tar -x -C "$2" ;;
+    *.gz) ar p "$1" "$member" | tar -xz -C "$2" ;;
+    *) ar p "$1" "$member" | tar -x -C "$2" ;;
+  esac
+}
+
+unpack_groups() {  # unpack_groups group...: their carried .debs into $DEPS; prints packages it could not find
+  local group package file
+  mkdir -p "$DEPS"
+  for group in "$@"; do
+    for package in ${GROUP_DEBS[$group]:-}; do
+      file=$(find "$DEBS" -maxdepth 1 -name "${package}_*.deb" 2>/dev/null | sort | tail -1)
+      if [[ -z "$file" ]]; then echo "$package"; continue; fi
+      extract_deb "$file" "$DEPS" || echo "$package (could not be unpacked)"
+    done
+  done
+  # Absolute symbolic links (libz.so -> /lib/...) must point into the prefix.
+  local link target
+  while IFS= read -r link; do
+    target=$(readlink "$link")
+    [[ -e "$DEPS$target" ]] && ln -sfn "$DEPS$target" "$link"
+  done < <(find "$DEPS" -type l -lname '/*')
+  # Debian's .pc files name /usr; inside the prefix they must name the prefix.
+  # Some (libzstd) say libdir=${prefix}/lib and rely on the multiarch default; the prefix has only the latter.
+  find "$DEPS" -name '*.pc' -exec sed -E -i \
+    -e "s#^([A-Za-z_]+=)/usr#\\1$DEPS/usr#" -e "s#([ =])-([IL])/usr#\\1-\\2$DEPS/usr#g" \
+    -e "s#^libdir=\\\$\\{(exec_)?prefix\\}/lib\$#libdir=$LIBDIR#" {} + 2>/dev/null
+  if [[ -x "$DEPS/usr/bin/pkgconf" ]]; then
+    # pkgconf's own library sits in the prefix; the wrapper gives it that, and nothing else sees it.
+    mkdir -p "$DEPS/bin"
+    # shellcheck disable=SC2016  # the wrapper expands LD_LIBRARY_PATH and "$@" itself, when it runs
+    printf '#!/bin/sh\nLD_LIBRARY_PATH="%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "%s" "$@"\n' \
+      "$LIBPATH" "$DEPS/usr/bin/pkgconf" >"$DEPS/bin/pkg-config"
+    chmod +x "$DEPS/bin/pkg-config"
+  fi
+}
+
+deps_cmake_args() {  # the CMake settings that point at the unpacked prefix
+  cmake_args=()
+  [[ -d "$DEPS/usr" ]] || return 0
+  export PKG_CONFIG_PATH="$LIBDIR/pkgconfig:$DEPS/usr/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  [[ -x "$DEPS/bin/pkg-config" ]] && cmake_args+=(-DPKG_CONFIG_EXECUTABLE="$DEPS/bin/pkg-config")
+  if [[ -f "$LIBDIR/openmpi/include/mpi.h" ]]; then
+    cmake_args+=(-DMPI_SKIP_COMPILER_WRAPPER=ON -DMPI_C_HEADER_DIR="$LIBDIR/openmpi/include" -DMPI_C_LIB_NAMES=mpi
+                 -DMPI_mpi_LIBRARY="$LIBDIR/openmpi/lib/libmpi.so")
+  fi
+  # Where the linker finds the libraries' own dependencies (libmpi -> libopen-pal ...). At run time Debian's
+  # libmpi carries a RUNPATH of its own, which hides the executable's rpath from its dependencies: titan's
+  # processes get LD_LIBRARY_PATH instead (RUN_ENV; python3 and the rest of the machine never see it).
+  cmake_args+=(-DCMAKE_EXE_LINKER_FLAGS="-Wl,-rpath-link,$LIBDIR -Wl,-rpath-link,$DEPS/lib/x86_64-linux-gnu")
+}
+
+check_tools() {
+  local missing=() cmake_version compiler
+  command -v cmake >/dev/null || missing+=("cmake (>= 3.25)")
+  command -v ninja >/dev/null || missing+=("ninja")
+  compiler=$(command -v c++ || command -v g++ || command -v clang++) || missing+=("a C++20 compiler (g++ >= 11)")
+  NVCC=$(command -v nvcc)
+  local candidate
+  for candidate in "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" /usr/local/cuda/bin/nvcc; do
+    [[ -z "$NVCC" && -x "$candidate" ]] && NVCC=$candidate
+  done
+  [[ -n "$NVCC" ]] || missing+=("nvcc (the CUDA toolkit; set CUDA_HOME)")
+  if ((${#missing[@]})); then die 2 "missing tools: ${missing[*]}"; fi
+  cmake_version=$(cmake --version | head -1)
+  say "tools: $cmake_version; ninja $(ninja --version); $($compiler --version | head -1); $("$NVCC" --version | tail -1)"
+  local nccl=("$SITE"/nvidia/nccl/include/nccl.h "$(dirname "$(dirname "$NVCC")")"/include/nccl.h /usr/include/nccl.h)
+  local found=0 h
+  for h in "${nccl[@]}"; do [[ -f "$h" ]] && found=1; done
+  ((found)) || die 2 "NCCL headers not found (looked for ${nccl[*]}); install the nvidia-nccl wheel that matches torch"
+}
+
+set_run_env() {
+  RUN_ENV=()
+  if [[ -d "$DEPS/usr" ]]; then RUN_ENV=(env "LD_LIBRARY_PATH=$LIBPATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"); fi
+}
+
+build() {
+  check_tools
+  local missing
+  deps_cmake_args
+  mapfile -t missing < <(probe_groups)
+  [[ " ${missing[*]} " == *" probe-failed "* ]] && die 2 "the dependency probe did not run; see $LOGS/probe.log"
+  if ((${#missing[@]})); then
+    say "missing here: ${missing[*]}; unpacking the carried packages from $DEBS"
+    [[ " ${missing[*]} " == *" OpenMPI "* ]] && ! ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' && missing+=(libudev)
+    local absent
+    absent=$(unpack_groups "${missing[@]}")
+    deps_cmake_args
+    mapfile -t missing < <(probe_groups)
+    if ((${#missing[@]})); then
+      local wanted=() group
+      for group in "${missing[@]}"; do wanted+=("$group (Debian: ${GROUP_DEBS[$group]:-?})"); done
+      die 2 "missing dependencies: ${wanted[*]}.${absent:+ Packages not in $DEBS: $(echo "$absent" | tr '\n' ' ')}
+Bring them as .deb files: 'scripts/test_gpu.sh --fetch-debs' on a Debian bookworm machine with network, then carry
+.debs to this machine (see the header of scripts/test_gpu.sh). Details: $LOGS/probe.log"
+    fi
+  fi
+  say "configuring $BUILD"
+  local t0=$SECONDS
+  if ! cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$DEPS/usr" -DCUDAToolkit_ROOT="$(dirname "$(dirname "$NVCC")")" \
+      -DCMAKE_CUDA_COMPILER="$NVCC" "${cmake_args[@]}" >"$LOGS/configure.log" 2>&1; then
+    tail -30 "$LOGS/configure.log"
+    record FAIL build.configure "cmake failed: $(grep -m1 -E 'Error|error' "$LOGS/configure.log")"
+    return 1
+  fi
+  if ! grep -q 'TITAN_WITH_CUDA' "$BUILD/build.ninja"; then
+    record FAIL build.configure "configured without CUDA: Torch's CMake package reports no CUDA (see configure.log)"
+    return 1
+  fi
+  record PASS build.configure "$(grep -m1 'NCCL:' "$LOGS/configure.log" | sed 's/^-- //')"
+  # One target after the other: the CLI checks can still run when only the test binary fails to compile.
+  set_run_env
+  local target unresolved
+  for target in titan titan_gpu_tests; do
+    say "building $target on $JOBS cores"
+    if ! cmake --build "$BUILD" -j "$JOBS" --target "$target" >"$LOGS/build-$target.log" 2>&1; then
+      grep -E -m5 -B2 -A8 'error' "$LOGS/build-$target.log" | head -60
+      record FAIL "build.$target" "compile or link failed: $(grep -m1 -E 'error' "$LOGS/build-$target.log")"
+      continue
+    fi
+    unresolved=$("${RUN_ENV[@]}" ldd "$BIN/$target" 2>&1 | grep 'not found' | sort -u | tr -s ' \t\n' ' ')
+    if [[ -n "$unresolved" ]]; then record FAIL "build.$target" "libraries the loader does not find: $unresolved"; continue; fi
+    record PASS "build.$target" "built and loadable ($((SECONDS - t0))s since configuring)"
+  done
+  figure time.build_s "$((SECONDS - t0))"
+}
+
+if [[ "$DRY_RUN" == 1 || "$skip_build" == 1 ]]; then
+  [[ -x "$BIN/titan" && -x "$BIN/titan_gpu_tests" ]] || die 2 "no binaries in $BIN to reuse (build first, or set TITAN_GPU_BUILD)"
+  say "reusing the binaries in $BIN"
+  set_run_env
+elif ! build; then
+  say "the build failed; logs in $LOGS"
+fi
+
+# --- titan_gpu_tests: one process per test suite, and per test where a suite crashes -------------------------------
+run_gtest() {  # run_gtest filter name: one process; its figures and per-test results recorded
+  local filter=$1 name=$2 rc
+  local log="$LOGS/gtest-$name.log" xml="$LOGS/gtest-$name.xml"
+  # A hung NCCL call must not eat the whole session: a suite gets 4 minutes.
+  TITAN_GPU_TESTS_DRY_RUN="$DRY_RUN" NCCL_DEBUG="${NCCL_DEBUG:-WARN}" timeout 240 "${RUN_ENV[@]}" "$BIN/titan_gpu_tests" --gtest_filter="$filter" \
+    --gtest_output="xml:$xml" >"$log" 2>&1
+  rc=$?
+  grep '^\[figure\]' "$log" >>"$FIGURES"
+  grep -E '^\[ *(OK|FAILED|SKIPPED) *\] .*\([0-9]+ ms\)$|^\[figure\]' "$log" | sed 's/^/    /'
+  if [[ $rc -le 1 && -f "$xml" ]]; then
+    local strict=(--skip-is-failure)
+    [[ "$DRY_RUN" == 1 ]] && strict=()
+    checker gtest "$xml" --name "gtest.$name" "${strict[@]}"
+    return 0
+  fi
+  return "$rc"
+}
+
+run_gtests() {
+  local t0=$SECONDS listing suite test rc filter tests
+  listing=$("${RUN_ENV[@]}" "$BIN/titan_gpu_tests" --gtest_list_tests --gtest_filter="$GTEST_FILTER" 2>&1) ||
+    { record FAIL gtest "titan_gpu_tests cannot list its tests: $listing"; return; }
+  for suite in $(grep -E '^[A-Za-z_][A-Za-z0-9_]*\.$' <<<"$listing" | tr -d '.'); do
+    mapfile -t tests < <(awk -v s="$suite." '/^[A-Za-z_]/ { in_suite = ($0 == s) } in_suite && /^  / { print $1 }' <<<"$listing")
+    ((${#tests[@]})) || continue
+    within_budget "gtest.$suite" 90 || continue
+    say "titan_gpu_tests: $suite"
+    filter=$(printf "$suite.%s:" "${tests[@]}")
+    run_gtest "${filter%:}" "$suite"
+    rc=$?
+    ((rc == 0)) && continue
+    # A crash or timeout loses the suite's report: run its tests one by one to name the culprit.
+    record FAIL "gtest.$suite" "the process ended with exit code $rc ($( ((rc == 124)) && echo timeout || echo crash)); rerunning its tests one by one"
+    for test in "${tests[@]}"; do
+      run_gtest "$suite.$test" "$suite.$test"
+      rc=$?
+      ((rc == 0)) || record FAIL "gtest.$suite.$test" "exit code $rc ($( ((rc == 124)) && echo timeout || echo crash)): $(grep -v '^\[' "$LOGS/gtest-$suite.$test.log" | tail -2 | tr '\n' ' ')"
+    done
+  done
+  figure time.gtest_s "$((SECONDS - t0))"
+}
+
+if [[ -x "$BIN/titan_gpu_tests" ]] && ! grep -qE '^FAIL build\.(configure|titan_gpu_tests)' "$RESULTS"; then
+  run_gtests
+fi
+
+# --- titan train on the GPU ----------------------------------------------------------------------------------------
+DATA="$BUILD/data"
+RUNS="$BUILD/runs"
+make_corpus() {  # the Python standard library's sources as text documents, and a BPE tokenizer learned from them
+  rm -rf "$DATA" && mkdir -p "$DATA/corpus"
+  "$PYTHON" - "$DATA/corpus" <<'EOF' || return 1
+import pathlib, sys, sysconfig
+out = pathlib.Path(sys.argv[1])
+stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+total = count = 0
+for path in sorted(stdlib.rglob("*.py")):
+    if "test" in path.parts or "site-packages" in path.parts:
+        continue
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        continue
+    if len(text) < 200:
+        continue
+    (out / f"{count:05d}.txt").write_text(text, encoding="utf-8")
+    count += 1
+    total += len(text.encode())
+    if total > 16_000_000:
+        break
+print(f"{count} files, {total:,} bytes from {stdlib}")
+EOF
+  "${RUN_ENV[@]}" "$BIN/titan" tokenizer train --input "$DATA/corpus" --vocab-size 2048 --output "$DATA/stdlib.tiktoken" >"$LOGS/tokenizer.log" 2>&1
+}
+
+RECORD_TRAIN_FAILURE=1  # 0 while a failure is handled by the caller (the benchmark's retry with a smaller batch)
+train() {  # train name args...: one `titan train` run, its log in $LOGS/train-name.log; false if it did not finish
+  local name=$1 rc t0=$SECONDS
+  shift
+  say "titan train: $name"
+  (cd "$RUNS" && timeout 300 "${RUN_ENV[@]}" "$BIN/titan" train "$@" --job.dump_folder "$RUNS/$name") >"$LOGS/train-$name.log" 2>&1
+  rc=$?
+  grep -E 'step: *[0-9]+ ' "$LOGS/train-$name.log" | tail -3 | sed 's/^.* - INFO - /    /'
+  figure "time.train_${name}_s" "$((SECONDS - t0))"
+  if ((rc != 0)); then
+    local why
+    why="titan train exited with $rc$( ((rc == 124)) && echo ' (timeout)'): $(grep -E 'error|Error|what\(\)' "$LOGS/train-$name.log" | head -2 | tr '\n' ' ')"
+    if ((RECORD_TRAIN_FAILURE)); then record FAIL "cli.$name" "$why"; else say "$name: $why"; fi
+    tail -15 "$LOGS/train-$name.log" | sed 's/^/    /'
+    return 1
+  fi
+}
+
+run_cli() {
+  mkdir -p "$RUNS"
+  if ! make_corpus; then record FAIL cli.corpus "could not build the corpus or tokenizer: $(tail -2 "$LOGS/tokenizer.log" 2>/dev/null)"; return; fi
+  local device_flag=() small=()
+  [[ "$DRY_RUN" == 1 ]] && device_flag=(--cpu) && small=(--training.seq_len 128 --training.local_batch_size 4)
+  local data=(--model.hf_assets_path "$DATA/stdlib.tiktoken" --training.dataset_path "$DATA/corpus" --debug.seed 7)
+  local debug=(--job.config_file "$ROOT/configs/debug_model.toml" "${data[@]}" --metrics.log_freq 1 "${small[@]}")
+
+  # The built-in debug job (bf16 autocast, float32 parameters): the loss falls, the step line shows GPU memory.
+  if within_budget cli.bf16_autocast 40 && train bf16_autocast "${debug[@]}" --training.steps 40; then
+    checker device "$LOGS/train-bf16_autocast.log" --name cli.bf16_autocast.device "${device_flag[@]}"
+    checker loss-falls "$LOGS/train-bf16_autocast.log" --name cli.bf16_autocast.loss_falls --min-drop 1.0
+    checker memory "$LOGS/train-bf16_autocast.log" --name cli.bf16_autocast.memory_field
+    checker throughput "$LOGS/train-bf16_autocast.log" --name cli.bf16_autocast.speed --skip 10
+  fi
+  # bf16 parameters (fused AdamW on bf16 tensors).
+  if within_budget cli.bf16_params 30 && train bf16_params "${debug[@]}" --training.steps 30 --training.dtype bfloat16; then
+    checker loss-falls "$LOGS/train-bf16_params.log" --name cli.bf16_params.loss_falls --min-drop 0.5
+  fi
+  # Resume: 10 steps in one go against 5 steps' checkpoint (copied from that run) resumed to 10.
+  local resume=("${debug[@]}" --training.steps 10 --checkpoint.enable --checkpoint.interval 5 --checkpoint.keep_latest_k 0
+                --checkpoint.no_last_save_model_only --debug.deterministic --debug.deterministic_warn_only)
+  if within_budget cli.resume 60 && train resume_full "${resume[@]}"; then
+    mkdir -p "$RUNS/resume_part/checkpoint"
+    cp -r "$RUNS/resume_full/checkpoint/step-5" "$RUNS/resume_part/checkpoint/"
+    if train resume_part "${resume[@]}"; then
+      checker resume "$LOGS/train-resume_full.log" "$LOGS/train-resume_part.log" --name cli.resume --first 6 --rtol 2e-3
+      local same=no
+      cmp -s "$RUNS/resume_full/checkpoint/step-10/rank-00000.bin" "$RUNS/resume_part/checkpoint/step-10/rank-00000.bin" && same=yes
+      figure cli.resume.step10_state_bitwise_equal "$same"
+    fi
+  fi
+  # Throughput of a 1B-class model on one GPU (no FSDP, no activation checkpointing): figures, never a verdict.
+  local bench=(--model.flavor "$BENCH_FLAVOR" "${data[@]}" --training.seq_len "$BENCH_SEQ" --training.local_batch_size "$BENCH_BATCH"
+               --training.steps "$BENCH_STEPS" --metrics.log_freq 5 --activation_checkpoint.mode none
+               --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5)
+  [[ "$DRY_RUN" == 1 ]] && bench=(--model.flavor debugmodel "${data[@]}" --training.seq_len 128 --training.local_batch_size 2
+                                  --training.steps 10 --metrics.log_freq 5 --activation_checkpoint.mode none)
+  local bench_name="bench_${BENCH_FLAVOR}"
+  [[ "$DRY_RUN" == 1 ]] && bench_name=bench_dry_run
+  local bench_ok=0
+  if within_budget "cli.$bench_name" 90; then
+    RECORD_TRAIN_FAILURE=0
+    train "$bench_name" "${bench[@]}" && bench_ok=1
+    RECORD_TRAIN_FAILURE=1
+    if ((!bench_ok)) && grep -qi 'out of memory' "$LOGS/train-$bench_name.log"; then
+      # The figure is the point: say that the batch did not fit, and measure half of it.
+      figure "cli.$bench_name.out_of_memory_at_local_batch" "$BENCH_BATCH"
+      bench_name="${bench_name}_half_batch"
+      bench+=(--training.local_batch_size "$(( BENCH_BATCH > 1 ? BENCH_BATCH / 2 : 1 ))")
+      within_budget "cli.$bench_name" 90 && train "$bench_name" "${bench[@]}" && bench_ok=1
+    elif ((!bench_ok)); then
+      record FAIL "cli.$bench_name" "titan train did not finish; see $LOGS/train-$bench_name.log"
+    fi
+  fi
+  if ((bench_ok)); then
+    checker memory "$LOGS/train-$bench_name.log" --name "cli.$bench_name.memory_field"
+    checker throughput "$LOGS/train-$bench_name.log" --name "cli.$bench_name" --skip 5
+    figure "cli.$bench_name.setting" "$(grep -m1 -o 'Model llama3 .*' "$LOGS/train-$bench_name.log"); bf16 autocast, $(grep -m1 -o 'local batch [^,]*' "$LOGS/train-$bench_name.log"), AC none, one device"
+  fi
+}
+
+if [[ -x "$BIN/titan" && "${TITAN_GPU_SKIP_CLI:-0}" != 1 ]] && ! grep -qE '^FAIL build\.(configure|titan):' "$RESULTS"; then
+  run_cli
+fi
+
+# --- Summary ----------------------------------------------------------------------------------------------------------
+SUMMARY="$REPORT_DIR/gpu_summary.txt"
+{
+  revision="no git metadata"
+  if git -C "$ROOT" rev-parse --short HEAD >/dev/null 2>&1; then
+    revision="commit $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- 2>/dev/null || echo ', modified tree')"
+  fi
+  echo "==== titan.cpp GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), $revision ===="
+  [[ "$DRY_RUN" == 1 ]] && echo "DRY RUN on the CPU (TITAN_GPU_DRY_RUN=1): checks the script and tests themselves, says nothing of the GPU path"
+  if command -v nvidia-smi >/dev/null; then
+    echo "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  fi
+  echo "PyTorch $(info version), CUDA $(info cuda), NCCL $(info nccl); $(nproc) cores"
+  echo "---- checks ----"
+  cat "$RESULTS"
+  echo "---- figures ----"
+  sed 's/^\[figure\] //' "$FIGURES"
+  failed=$(grep -c '^FAIL' "$RESULTS")
+  not_run=$(grep -c '^SKIP' "$RESULTS")
+  passed=$(grep -c '^PASS' "$RESULTS")
+  if ((failed)); then
+    echo "VERDICT: FAIL -- $failed failed: $(grep '^FAIL' "$RESULTS" | cut -d: -f1 | cut -c6- | tr '\n' ' ')($passed passed, $not_run not run)"
+  elif ((not_run)); then
+    echo "VERDICT: INCOMPLETE -- $not_run not run: $(grep '^SKIP' "$RESULTS" | cut -d: -f1 | cut -c6- | tr '\n' ' ')($passed passed)"
+  elif ((passed == 0)); then
+    echo "VERDICT: FAIL -- no check ran"
+  else
+    echo "VERDICT: PASS -- all $passed checks passed"
+  fi
+  echo "total time: $(( $(date +%s) - START ))s; logs: $LOGS"
+  if ((${#RUN_ENV[@]})); then echo "titan's libraries were unpacked into $DEPS: run its binaries with ${RUN_ENV[*]:1}"; fi
+} >"$SUMMARY"
+echo
+cat "$SUMMARY"
+if [[ -n "${OUT:-}" ]]; then
+  tar -czf "$OUT/gpu_logs.tar.gz" -C "$BUILD" logs 2>/dev/null
+fi
+grep -q '^VERDICT: PASS' "$SUMMARY" && exit 0
+exit 1

@@ -1,0 +1,149 @@
+#include "titan/models/llama3/memory_estimate.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan::llama3 {
+
+namespace {
+
+double bytes_of(const std::string& dtype) { return dtype == "bfloat16" ? 2.0 : 4.0; }
+
+std::string human(double bytes) {
+  if (bytes >= 1024.0 * 1024.0 * 1024.0) return strprintf("%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+  return strprintf("%.1f MiB", bytes / (1024.0 * 1024.0));
+}
+
+// Bytes one block saves for backward per token, counted from what titan's block keeps alive (model.cpp): the
+// residual stream in the parameter dtype `r` (block input, both norms' normalised outputs, the attention residual);
+// under autocast the compute-dtype (`c`) copies of the normalised inputs that wq/wk/wv and w1/w3 save; RoPE's
+// float32 view of q and k; q, k, v, the attention output and its contiguous copy in `c`, and the log-sum-exp per
+// head; the feed-forward's w1 and w3 outputs, the SiLU output and the product (4 x hidden in `c`).
+struct BlockActivations {
+  double full = 0;         // no checkpointing
+  double op_saved = 0;     // what op-level checkpointing (norms and SwiGLU gating recomputed) does not keep
+  double input_only = 0;   // a checkpointed block keeps its input only
+};
+
+BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp) {
+  const double d = static_cast<double>(a.dim), k = static_cast<double>(a.kv_heads() * a.head_dim()),
+               h = static_cast<double>(a.ffn_hidden_dim()), heads = static_cast<double>(a.n_heads);
+  const double t = static_cast<double>(tp);
+  double sharded = 4 * d * r + (d + k) * 4 + (d + 2 * k) * c + 2 * d * c + 4 * h * c + heads * 4;
+  double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
+  if (autocast) sharded += 5 * d * c;
+  if (tp > 1) gathered = 2 * d * c;
+  BlockActivations out;
+  out.full = sharded / t + gathered;
+  out.op_saved = (h * c + (autocast ? 2 * d * r : 0)) / t;
+  out.input_only = d * r / t;
+  return out;
+}
+
+}  // namespace
+
+double MemoryEstimate::total() const {
+  double sum = 0;
+  for (const auto& term : terms) sum += term.bytes;
+  return sum;
+}
+
+std::string MemoryEstimate::describe() const {
+  std::string out;
+  for (const auto& term : terms)
+    if (term.bytes > 0) out += cat(out.empty() ? "" : ", ", term.name, " ", human(term.bytes));
+  return out + cat(": ", human(total()));
+}
+
+MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobConfig& config,
+                                        const distributed::ParallelDims& dims, bool autocast, double runtime_bytes) {
+  const auto& training = config.training;
+  const auto& parallelism = config.parallelism;
+  const double p_bytes = bytes_of(training.dtype);
+  const bool fsdp = dims.fsdp_enabled();
+  // Compute dtype: FSDP gathers in mixed_precision_param; autocast computes in bfloat16; else the parameters'.
+  const double c = fsdp ? (training.dtype == "float32" ? bytes_of(training.mixed_precision_param) : p_bytes)
+                        : (autocast ? 2.0 : p_bytes);
+  const double tp = static_cast<double>(dims.tp), shards = static_cast<double>(dims.dp_shard * dims.cp);
+
+  // This rank's share of the model: the stage with the most parameters under pipeline parallelism (torchtitan's
+  // split counts the embedding and the output as one layer each; the remainder goes to the first stages).
+  const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
+  double per_layer = 0;
+  for (const auto& p : parameter_shapes(a))
+    if (p.name.rfind("layers.0.", 0) == 0) per_layer += static_cast<double>(p.numel());
+  const bool pipelined = dims.pp > 1;
+  int64_t stages_per_rank = 1;
+  if (pipelined) {
+    const std::string s = parallelism.pipeline_parallel_schedule;
+    const bool single = s == "1F1B" || s == "GPipe";
+    stages_per_rank = single ? 1 : 2;
+  }
+  const int64_t stages = dims.pp * stages_per_rank;
+  const int64_t units = a.n_layers + 2;  // the embedding and the output count as one layer each
+  const int64_t per_stage = (units + stages - 1) / stages;
+  const int64_t layers_here = pipelined ? std::min<int64_t>(a.n_layers, per_stage * stages_per_rank) : a.n_layers;
+  const bool first_and_last = !pipelined;
+  const double embed = vocab * d, output = a.tie_word_embeddings ? 0 : vocab * d;
+  const double rank_params = static_cast<double>(layers_here) * per_layer + (first_and_last ? embed + output + d : std::max(embed, output + d));
+  const double local = rank_params / tp / shards;
+
+  MemoryEstimate e;
+  e.terms.push_back({"parameters", local * p_bytes});
+  e.terms.push_back({"gradients", local * p_bytes});
+  e.terms.push_back({"optimizer", 2 * local * p_bytes});
+  // Weights in the compute dtype: autocast's per-step cache of every weight; FSDP's gathered units (the current one
+  // and the prefetched next, or all of them when they stay gathered between forward and backward).
+  double copies = 0;
+  if (autocast) copies = rank_params / tp * 2.0;
+  if (fsdp && shards > 1) {
+    const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
+                         (parallelism.fsdp_reshard_after_forward == "default" && !pipelined);
+    const double unit = std::max(per_layer, embed) / tp;
+    copies = reshard ? 2 * unit * c + unit * bytes_of(training.mixed_precision_reduce) : rank_params / tp * c;
+  }
+  e.terms.push_back({"weight copies", copies});
+
+  // Activations of the micro-batches in flight.
+  const double cp = static_cast<double>(dims.cp);
+  const int64_t microbatch = pipelined ? parallelism.pipeline_parallel_microbatch_size : training.local_batch_size;
+  const double tokens = static_cast<double>(microbatch) * static_cast<double>(training.seq_len) / cp;
+  int64_t in_flight = 1;
+  if (pipelined) {
+    const int64_t m = training.local_batch_size / std::max<int64_t>(1, parallelism.pipeline_parallel_microbatch_size);
+    in_flight = parallelism.pipeline_parallel_schedule == "GPipe" ? m : std::min<int64_t>(m, dims.pp * stages_per_rank);
+  }
+  const BlockActivations block = block_activations(a, p_bytes, c, autocast, dims.tp);
+  const auto& ac = config.activation_checkpoint;
+  double per_token = 0, recompute = 0;
+  if (ac.mode == "full") {
+    per_token = static_cast<double>(layers_here) * block.input_only;
+    recompute = block.full;
+  } else if (ac.mode == "selective" && ac.selective_ac_option == "op") {
+    per_token = static_cast<double>(layers_here) * (block.full - block.op_saved);
+  } else if (ac.mode == "selective") {
+    const int64_t every = std::max<int64_t>(1, std::atoll(ac.selective_ac_option.c_str()));
+    const int64_t checkpointed = layers_here / every;
+    per_token = static_cast<double>(layers_here - checkpointed) * block.full + static_cast<double>(checkpointed) * block.input_only;
+    recompute = checkpointed > 0 ? block.full : 0;
+  } else {
+    per_token = static_cast<double>(layers_here) * block.full;
+  }
+  per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
+  e.terms.push_back({"activations", tokens * (per_token * static_cast<double>(in_flight) + recompute)});
+  // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
+  // saved in forward (measured: docs/metrics.md).
+  e.terms.push_back({"backward buffers", layers_here > 0 ? tokens * block.full : 0});
+  // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
+  // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
+  const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
+  e.terms.push_back({"logits", tokens * vocab_here * (2 * c + 12)});
+  e.terms.push_back({"rope table", static_cast<double>(training.seq_len) * static_cast<double>(a.head_dim() / 2) * 8});
+  e.terms.push_back({"runtime", runtime_bytes});
+  return e;
+}
+
+}  // namespace titan::llama3

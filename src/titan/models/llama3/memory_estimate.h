@@ -1,0 +1,33 @@
+// How much memory one rank needs to train a Llama 3 model under a job's layout, from shapes alone: parameters,
+// gradients, optimizer state, compute copies of the weights, activations under the activation-checkpointing mode,
+// logits and loss, the RoPE table. The start-up memory check uses it (and `titan plan` is to build on it); the
+// equations and their validation are in docs/metrics.md.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "titan/config/job_config.h"
+#include "titan/distributed/parallel_dims.h"
+#include "titan/models/llama3/args.h"
+
+namespace titan::llama3 {
+
+struct MemoryTerm {
+  std::string name;  // "parameters", "activations", ...
+  double bytes = 0;
+};
+
+struct MemoryEstimate {
+  std::vector<MemoryTerm> terms;  // this rank's peak, term by term (the rank with the most layers under PP)
+  double total() const;
+  std::string describe() const;  // "parameters 24.7 MB, gradients ..., total 1.23 GiB"
+};
+
+// `autocast`: the trainer computes in bfloat16 under autocast (float32 parameters without FSDP), keeping a bf16
+// copy of every weight for the step. `runtime_bytes`: what the process already holds (LibTorch, buffers) when
+// the estimate is made, added as its own term.
+MemoryEstimate estimate_training_memory(const ModelArgs& args, const config::JobConfig& config,
+                                        const distributed::ParallelDims& dims, bool autocast, double runtime_bytes);
+
+}  // namespace titan::llama3
