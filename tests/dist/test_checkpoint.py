@@ -206,6 +206,18 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], capture_output=True)
 
 
+def test_a_config_file_that_cannot_be_written_is_an_error(tmp_path):
+    """job.save_config_file on a full disk: the write is checked (a short file used to pass silently)."""
+    with small_disk(tmp_path) as disk:
+        filler = subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'filler'}", "bs=1M", "count=200"], capture_output=True)
+        assert b"No space left" in filler.stderr, filler.stderr
+        (disk / "run").mkdir()
+        result = train(disk / "run", 1, 1, check=False, extra=["--job.save_config_file", "config.json"])
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr
+        assert "cannot write" in result.stderr and "config.json" in result.stderr and "disk is full" in result.stderr, result.stderr
+        assert not (disk / "run" / "config.json").exists()
+
+
 def test_a_full_disk_fails_the_save_by_name_and_keeps_the_previous_checkpoint(tmp_path):
     """A 110 MB tmpfs holds one 74 MB training state but not two: the second save fails with ENOSPC, naming the
     file; the first stays loadable, and a smaller (model-only bfloat16) final save then fits."""
