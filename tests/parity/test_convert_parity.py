@@ -220,3 +220,34 @@ def test_damaged_torch_save_files_are_refused_by_name(tmp_path):
                 z.writestr(name, program if name == f"{top}/data.pkl" else data)
         result = convert(bad)
         assert result.returncode == 2 and needle in result.stderr, (program, result.stderr)
+
+
+def test_initial_load_path_names_what_it_was_given(tmp_path):
+    """checkpoint.initial_load_path pointed at something that is not a titan checkpoint says what it is and which
+    key or command reads it (it used to call every such path "a save that did not finish")."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    pt = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(2)}, pt)
+    dcp_dir = tmp_path / "torchtitan_step"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(dcp_dir))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, str(hf / "model.safetensors"))
+    folder = tmp_path / "checkpoints"
+    (folder / "step-3").mkdir(parents=True)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "rank-00000.bin").write_bytes(b"x")
+    for path, needle in [(pt, "is a torch.save file (a state dict), not a titan checkpoint folder; `titan convert --from"),
+                         (dcp_dir, "is a torch.distributed.checkpoint (DCP) folder"),
+                         (hf, "is a Hugging Face model folder; set checkpoint.initial_load_in_hf = true"),
+                         (folder, "is a folder of checkpoints; name one of its step-N folders"),
+                         (partial, "is incomplete: it has no metadata.json (a save that did not finish)"),
+                         (tmp_path / "missing", "does not exist")]:
+        result = run([binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+                      "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1", "--checkpoint.enable",
+                      "--checkpoint.initial_load_path", str(path)], check=False)
+        assert result.returncode == 2 and needle in result.stderr, (path, result.stderr[-2000:])

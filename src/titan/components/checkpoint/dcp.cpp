@@ -183,10 +183,54 @@ void commit(const std::string& partial_directory, const std::string& final_direc
   fsync_path(fs::path(final_directory).parent_path().string(), true);
 }
 
+namespace {
+
+// What a path without metadata.json is, and what to do with it: the formats users bring, named with the command or
+// key that reads them.
+[[noreturn]] void refuse_non_titan(const std::string& where) {
+  const fs::path p(where);
+  std::error_code ec;
+  if (!fs::exists(p, ec)) fail("checkpoint ", quote(where), " does not exist");
+  auto has = [&](auto&& predicate) {
+    for (const auto& entry : fs::directory_iterator(p, ec))
+      if (predicate(entry.path())) return true;
+    return false;
+  };
+  const std::string convert = cat("`titan convert --from ", where, " --to <folder> --flavor <flavor>` converts it into a "
+                                  "titan checkpoint to load from");
+  if (fs::is_regular_file(p, ec)) {
+    const std::string ext = p.extension().string();
+    if (ext == ".safetensors")
+      fail(quote(where), " is a safetensors file, not a titan checkpoint folder; for Hugging Face weights set "
+           "checkpoint.initial_load_in_hf = true with the folder that holds it (and its config.json)");
+    std::ifstream f(where, std::ios::binary);
+    char magic[4] = {};
+    f.read(magic, 4);
+    if (ext == ".pt" || ext == ".pth" || std::string(magic, 4) == std::string("PK\x03\x04", 4))
+      fail(quote(where), " is a torch.save file (a state dict), not a titan checkpoint folder; ", convert);
+    fail(quote(where), " is a file, not a titan checkpoint folder (step-N/ with metadata.json)");
+  }
+  if (fs::exists(p / ".metadata") || has([](const fs::path& f) { return f.extension() == ".distcp"; }))
+    fail(quote(where), " is a torch.distributed.checkpoint (DCP) folder, as torchtitan saves; titan does not read DCP yet. "
+         "Load its weights into torchtitan and save them as Hugging Face safetensors (or a .pt state dict), then use "
+         "checkpoint.initial_load_in_hf = true (or titan convert)");
+  if (fs::exists(p / "config.json") && has([](const fs::path& f) { return f.extension() == ".safetensors"; }))
+    fail(quote(where), " is a Hugging Face model folder; set checkpoint.initial_load_in_hf = true to start from it, or ", convert);
+  if (has([](const fs::path& f) { return f.extension() == ".pth" || f.extension() == ".pt"; }))
+    fail(quote(where), " holds torch.save files (Meta's consolidated.*.pth layout?), not a titan checkpoint; ", convert);
+  if (has([](const fs::path& f) { return f.filename().string().rfind("step-", 0) == 0; }))
+    fail(quote(where), " is a folder of checkpoints; name one of its step-N folders (or set checkpoint.folder to load the newest)");
+  if (has([](const fs::path& f) { return f.filename().string().rfind("rank-", 0) == 0; }))
+    fail("checkpoint ", quote(where), " is incomplete: it has no metadata.json (a save that did not finish)");
+  fail(quote(where), " is not a titan checkpoint: it has no metadata.json (expected a step-N folder that titan saved)");
+}
+
+}  // namespace
+
 Reader::Reader(std::string directory) : directory_(std::move(directory)) {
   const std::string path = directory_ + "/metadata.json";
   std::ifstream in(path);
-  if (!in) fail("checkpoint ", quote(directory_), " is incomplete: it has no metadata.json (a save that did not finish)");
+  if (!in) refuse_non_titan(directory_);
   try {
     metadata_ = nlohmann::json::parse(in);
     const int version = metadata_.at("version").get<int>();
