@@ -98,6 +98,8 @@ TEST(TokenizerLoading, ErrorsNameThePath) {
                          "[{\"id\": 2, \"content\": \"<x>\"}, {\"id\": 2, \"content\": \"<y>\"}]}"),
                "added tokens \"<x>\" and \"<y>\" have the same id 2");
   expect_error(tmp.write("tokenizer.json", "{\"model\": "), "not valid JSON");
+  // Found by fuzz_tokenizer_files: a number too large for a double escaped as nlohmann's out_of_range.
+  expect_error(tmp.write("huge_number/tokenizer.json", "{\"model\": 6e666666}"), "not valid JSON");
   expect_error(tmp.write("u/tokenizer.json", "{\"model\": {\"type\": \"Unigram\", \"vocab\": []}}"), "not supported yet");
 }
 

@@ -257,7 +257,7 @@ std::string row_text(const RawRow& row, const SourceSpec& source) {
   nlohmann::json value;
   try {
     value = nlohmann::json::parse(row.bytes);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse errors and numbers out of range
     fail(shard.path, ":", row.line, ": malformed JSON line (byte offset ", row.offset, "): ", e.what());
   }
   if (!value.is_object())

@@ -71,7 +71,7 @@ class HfTokenizer : public Tokenizer {
       if (!in) fail("cannot open tokenizer file ", quote(path));
       try {
         root = json::parse(in);
-      } catch (const json::parse_error& e) {
+      } catch (const json::exception& e) {  // parse errors and numbers out of range
         fail(path, ": not valid JSON (", e.what(), "); expected a Hugging Face tokenizer.json");
       }
     }
