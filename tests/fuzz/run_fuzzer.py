@@ -125,6 +125,8 @@ def main():
     parser.add_argument("name")
     parser.add_argument("--seconds", type=int, default=30)
     parser.add_argument("--work", default="fuzz")
+    # A fixed seed keeps CI's short runs reproducible (each still explores for the fixed time); 0 picks one at random.
+    parser.add_argument("--seed", type=int, default=int(os.environ.get("TITAN_FUZZ_SEED", "1")))
     args = parser.parse_args()
     work = Path(args.work) / args.name
     seeds, corpus, artifacts = work / "seeds", work / "corpus", work / "artifacts"
@@ -137,7 +139,8 @@ def main():
         (seeds / f"seed-{i:03d}").write_bytes(data)
     max_len = max(4096, max(len(d) for d in made))
     cmd = [args.binary, str(corpus), str(seeds), f"-max_total_time={args.seconds}", "-timeout=30", "-rss_limit_mb=4096",
-           f"-max_len={max_len}", f"-artifact_prefix={artifacts}/", "-print_final_stats=1"]
+           f"-max_len={max_len}", f"-artifact_prefix={artifacts}/", "-print_final_stats=1",
+           f"-seed={args.seed}"]
     print(f"[fuzz] {args.name}: {len(made)} seeds, {args.seconds} s: {' '.join(cmd)}", flush=True)
     status = subprocess.run(cmd).returncode
     if status != 0:
