@@ -8,6 +8,7 @@ namespace titan::cli {
 int run_train(const std::vector<std::string>& args);
 int run_tokenizer(const std::vector<std::string>& args);
 int run_estimate(const std::vector<std::string>& args);
+int run_plan(const std::vector<std::string>& args);
 int run_data(const std::vector<std::string>& args);
 int run_convert(const std::vector<std::string>& args);
 

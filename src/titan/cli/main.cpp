@@ -20,7 +20,8 @@ const char* kUsage =
     "  tokenizer   encode, decode or train tokenizers (`titan tokenizer --help`)\n"
     "  data        pre-tokenize datasets into token shards, inspect shards (`titan data --help`)\n"
     "  convert     checkpoints between titan, Hugging Face safetensors, torch.save .pt and Meta .pth (`titan convert --help`)\n"
-    "  estimate    parameters, FLOPs per token and training-state memory of a job's model\n";
+    "  estimate    parameters, FLOPs per token and training-state memory of a job's model\n"
+    "  plan        memory per rank, step time, tokens/s and MFU of a layout on a GPU cluster; --search finds the best\n";
 
 }  // namespace
 
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
     }
     if (command == "tokenizer") return titan::cli::run_tokenizer(rest);
     if (command == "estimate") return titan::cli::run_estimate(rest);
+    if (command == "plan") return titan::cli::run_plan(rest);
     if (command == "data") return titan::cli::run_data(rest);
     if (command == "convert") return titan::cli::run_convert(rest);
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), kUsage);

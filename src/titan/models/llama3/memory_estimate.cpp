@@ -59,7 +59,8 @@ std::string MemoryEstimate::describe() const {
 }
 
 MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobConfig& config,
-                                        const distributed::ParallelDims& dims, bool autocast, double runtime_bytes) {
+                                        const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
+                                        Execution execution) {
   const auto& training = config.training;
   const auto& parallelism = config.parallelism;
   const double p_bytes = bytes_of(training.dtype);
@@ -106,6 +107,9 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
     copies = reshard ? 2 * unit * c + unit * bytes_of(training.mixed_precision_reduce) : rank_params / tp * c;
   }
   e.terms.push_back({"weight copies", copies});
+  // torchtitan's pipeline keeps FSDP from reduce-scattering until the last micro-batch: the stage's gradients
+  // accumulate unsharded in the compute dtype.
+  if (execution == Execution::torchtitan && pipelined && fsdp && shards > 1) e.terms.push_back({"unsharded gradients", rank_params / tp * c});
 
   // Activations of the micro-batches in flight.
   const double cp = static_cast<double>(dims.cp);
@@ -116,11 +120,18 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
     const int64_t m = training.local_batch_size / std::max<int64_t>(1, parallelism.pipeline_parallel_microbatch_size);
     in_flight = parallelism.pipeline_parallel_schedule == "GPipe" ? m : std::min<int64_t>(m, dims.pp * stages_per_rank);
   }
-  const BlockActivations block = block_activations(a, p_bytes, c, autocast, dims.tp);
+  // Under FSDP the gathered weights are in the compute dtype, and so is the residual stream.
+  const double r = fsdp ? c : p_bytes;
+  const BlockActivations block = block_activations(a, r, c, autocast, dims.tp);
   const auto& ac = config.activation_checkpoint;
   double per_token = 0, recompute = 0;
   if (ac.mode == "full") {
     per_token = static_cast<double>(layers_here) * block.input_only;
+    recompute = block.full;
+  } else if (ac.mode == "selective" && ac.selective_ac_option == "op" && execution == Execution::torchtitan) {
+    // The block input, the outputs of wq, wv, w1 and w2 (every other matmul), attention's output and log-sum-exp.
+    const double k = static_cast<double>(a.kv_heads() * a.head_dim()), h = static_cast<double>(a.ffn_hidden_dim());
+    per_token = static_cast<double>(layers_here) * ((d * r + (3 * d + k + h) * c) / tp + static_cast<double>(a.n_heads) * 4 / tp);
     recompute = block.full;
   } else if (ac.mode == "selective" && ac.selective_ac_option == "op") {
     per_token = static_cast<double>(layers_here) * (block.full - block.op_saved);
@@ -140,7 +151,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
-  e.terms.push_back({"logits", tokens * vocab_here * (2 * c + 12)});
+  e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12)});
   e.terms.push_back({"rope table", static_cast<double>(training.seq_len) * static_cast<double>(a.head_dim() / 2) * 8});
   e.terms.push_back({"runtime", runtime_bytes});
   return e;

@@ -24,10 +24,17 @@ struct MemoryEstimate {
   std::string describe() const;  // "parameters 24.7 MB, gradients ..., total 1.23 GiB"
 };
 
+// Whose execution the estimate describes: titan's own (the start-up check, `titan plan`), or torchtitan's as of its
+// published benchmarks (`titan plan --as torchtitan`): its op-level selective AC saves the outputs of every other
+// matmul and of attention and recomputes the rest, and its loss keeps float32 logits (12 bytes per logit at the
+// peak instead of titan's compute-dtype copy on top).
+enum class Execution { titan, torchtitan };
+
 // `autocast`: the trainer computes in bfloat16 under autocast (float32 parameters without FSDP), keeping a bf16
 // copy of every weight for the step. `runtime_bytes`: what the process already holds (LibTorch, buffers) when
 // the estimate is made, added as its own term.
 MemoryEstimate estimate_training_memory(const ModelArgs& args, const config::JobConfig& config,
-                                        const distributed::ParallelDims& dims, bool autocast, double runtime_bytes);
+                                        const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
+                                        Execution execution = Execution::titan);
 
 }  // namespace titan::llama3

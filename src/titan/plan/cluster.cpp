@@ -1,0 +1,125 @@
+#include "titan/plan/cluster.h"
+
+#include <toml++/toml.h>
+
+#include <filesystem>
+#include <map>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan::plan {
+
+namespace {
+
+constexpr double kGB = 1e9, kTera = 1e12;
+
+ClusterProfile profile(std::string name, std::string description, double bf16_tflops, double fp8_tflops, double memory_gb,
+                       double bandwidth_gbs, double intra_gbs, double inter_gbs, int64_t per_node, double efficiency,
+                       std::string source) {
+  ClusterProfile p;
+  p.name = std::move(name);
+  p.description = std::move(description);
+  p.peak_bf16_flops = bf16_tflops * kTera;
+  p.peak_fp8_flops = fp8_tflops * kTera;
+  p.memory_bytes = memory_gb * kGB;
+  p.memory_bandwidth = bandwidth_gbs * kGB;
+  p.intra_node_bandwidth = intra_gbs * kGB;
+  p.inter_node_bandwidth = inter_gbs * kGB;
+  p.gpus_per_node = per_node;
+  p.matmul_efficiency = efficiency;
+  p.source = std::move(source);
+  return p;
+}
+
+}  // namespace
+
+const std::vector<ClusterProfile>& builtin_cluster_profiles() {
+  // Peaks, memory and links are the vendors' datasheet figures (dense, no sparsity); inter-node bandwidth is one
+  // 400 Gb/s NIC per GPU unless stated. matmul_efficiency is the share of the peak that large bf16 GEMMs sustain
+  // in published cuBLAS/hipBLASLt measurements (docs/plan.md lists them).
+  static const std::vector<ClusterProfile> profiles = {
+      profile("h100-sxm", "NVIDIA H100 SXM5 80GB, 700 W, NVLink 4, 8 per node", 989.4, 1978.9, 80, 3350, 450, 50, 8, 0.72,
+              "NVIDIA H100 datasheet; GEMM ~710 TFLOP/s bf16"),
+      profile("h100-nvl", "NVIDIA H100 NVL 94GB, 400 W, PCIe 5 with NVLink bridges in pairs", 835.5, 1670.5, 94, 3900, 64, 50, 8,
+              0.72, "NVIDIA H100 NVL datasheet; links: PCIe 5 x16"),
+      profile("h100-pcie", "NVIDIA H100 PCIe 80GB, 350 W", 756.5, 1513, 80, 2000, 64, 50, 8, 0.72,
+              "NVIDIA H100 PCIe datasheet; links: PCIe 5 x16"),
+      profile("h200", "NVIDIA H200 SXM 141GB, 700 W, NVLink 4, 8 per node", 989.4, 1978.9, 141, 4800, 450, 50, 8, 0.72,
+              "NVIDIA H200 datasheet"),
+      profile("a100-80gb", "NVIDIA A100 SXM4 80GB, NVLink 3, 8 per node, 200 Gb/s per GPU", 312, 0, 80, 2039, 300, 25, 8, 0.80,
+              "NVIDIA A100 datasheet; GEMM ~250 TFLOP/s bf16"),
+      profile("mi250x-gcd", "AMD MI250X, one GCD (half a package), Frontier node: 8 GCDs, 4 x 200 Gb/s", 191.5, 0, 64, 1638,
+              50, 12.5, 8, 0.62, "AMD MI250X datasheet (383 TFLOP/s and 3.2 TB/s per package); ORNL Frontier guide"),
+      profile("mi300x", "AMD MI300X 192GB, Infinity Fabric, 8 per node", 1307.4, 2614.9, 192, 5300, 448, 50, 8, 0.55,
+              "AMD MI300X datasheet; hipBLASLt GEMM ~720 TFLOP/s bf16"),
+      profile("b200", "NVIDIA B200 180GB (HGX), NVLink 5, 8 per node", 2250, 4500, 180, 8000, 900, 50, 8, 0.60,
+              "NVIDIA HGX B200 datasheet"),
+      profile("gb200", "NVIDIA GB200 NVL72: one Blackwell GPU, 186GB, NVLink 5 across 72 GPUs", 2500, 5000, 186, 8000, 900, 50,
+              72, 0.60, "NVIDIA GB200 NVL72 datasheet (per GPU)"),
+  };
+  return profiles;
+}
+
+ClusterProfile load_cluster_profile(const std::string& spec) {
+  for (const auto& p : builtin_cluster_profiles())
+    if (p.name == spec) return p;
+  std::vector<std::string> names;
+  for (const auto& p : builtin_cluster_profiles()) names.push_back(p.name);
+  if (!std::filesystem::exists(spec) || std::filesystem::is_directory(spec))
+    fail("--cluster ", quote(spec), ": neither a built-in profile (", join(names, ", "), ") nor a TOML file");
+  toml::table table;
+  try {
+    table = toml::parse_file(spec);
+  } catch (const toml::parse_error& e) {
+    fail(spec, ":", e.source().begin.line, ": not valid TOML: ", e.description());
+  }
+  ClusterProfile p;
+  if (auto base = table["base"]) {
+    auto name = base.value<std::string>();
+    if (!name) fail(spec, ": base must be a string naming a built-in profile (", join(names, ", "), ")");
+    bool found = false;
+    for (const auto& b : builtin_cluster_profiles())
+      if (b.name == *name) p = b, found = true;
+    if (!found) fail(spec, ": base = ", quote(*name), " is not a built-in profile (", join(names, ", "), ")");
+  }
+  p.name = std::filesystem::path(spec).stem().string();
+  p.source = spec;
+  struct Number {
+    double* target;
+    double scale;
+  };
+  const std::map<std::string, Number> numbers = {
+      {"peak_bf16_tflops", {&p.peak_bf16_flops, kTera}},      {"peak_fp8_tflops", {&p.peak_fp8_flops, kTera}},
+      {"memory_gb", {&p.memory_bytes, kGB}},                  {"memory_bandwidth_gbs", {&p.memory_bandwidth, kGB}},
+      {"intra_node_bandwidth_gbs", {&p.intra_node_bandwidth, kGB}}, {"inter_node_bandwidth_gbs", {&p.inter_node_bandwidth, kGB}},
+      {"matmul_efficiency", {&p.matmul_efficiency, 1.0}}};
+  for (const auto& [key, node] : table) {
+    const std::string k(key.str());
+    const int line = static_cast<int>(node.source().begin.line);
+    if (k == "base") continue;
+    if (k == "name" || k == "description" || k == "source") {
+      auto s = node.value<std::string>();
+      if (!s) fail(spec, ":", line, ": ", k, " must be a string");
+      (k == "name" ? p.name : k == "description" ? p.description : p.source) = *s;
+    } else if (k == "gpus_per_node") {
+      auto v = node.value<int64_t>();
+      if (!v || *v < 1) fail(spec, ":", line, ": gpus_per_node must be a positive integer");
+      p.gpus_per_node = *v;
+    } else if (auto it = numbers.find(k); it != numbers.end()) {
+      auto v = node.value<double>();
+      if (!v || *v < 0) fail(spec, ":", line, ": ", k, " must be a non-negative number");
+      *it->second.target = *v * it->second.scale;
+    } else {
+      std::vector<std::string> keys = {"base", "name", "description", "source", "gpus_per_node"};
+      for (const auto& [n, _] : numbers) keys.push_back(n);
+      fail(spec, ":", line, ": unknown key ", quote(k), "; known keys: ", join(keys, ", "));
+    }
+  }
+  for (const auto& [k, n] : numbers)
+    if (*n.target <= 0 && k != "peak_fp8_tflops") fail(spec, ": ", k, " is missing (and no base profile gives it)");
+  if (p.matmul_efficiency > 1) fail(spec, ": matmul_efficiency must be a fraction of the peak (0 to 1), got ", p.matmul_efficiency);
+  return p;
+}
+
+}  // namespace titan::plan

@@ -1,0 +1,29 @@
+// Accelerator and cluster profiles for `titan plan`: peak FLOP/s, memory, bandwidths, GPUs per node and the
+// sustained matmul efficiency, built in for common GPUs or read from a TOML file (docs/plan.md).
+#pragma once
+#include <string>
+#include <vector>
+
+namespace titan::plan {
+
+struct ClusterProfile {
+  std::string name;                 // "h100-sxm", or the TOML file's `name`
+  std::string description;          // "NVIDIA H100 SXM5 80GB (700 W)"
+  double peak_bf16_flops = 0;       // dense, per GPU (the vendor's figure MFU is measured against)
+  double peak_fp8_flops = 0;        // dense, per GPU; 0 where the GPU has no fp8 matmul
+  double memory_bytes = 0;          // device memory usable by the allocator
+  double memory_bandwidth = 0;      // bytes/s
+  double intra_node_bandwidth = 0;  // bytes/s per GPU, one direction, inside a node (NVLink, xGMI)
+  double inter_node_bandwidth = 0;  // bytes/s per GPU, one direction, across nodes (the NIC share of one GPU)
+  int64_t gpus_per_node = 8;        // GPUs sharing the intra-node link (the NVLink domain on GB200 NVL72)
+  double matmul_efficiency = 0.7;   // fraction of peak_bf16_flops that large bf16 matmuls sustain
+  std::string source;               // where the figures come from
+};
+
+const std::vector<ClusterProfile>& builtin_cluster_profiles();
+
+// `spec` is a built-in profile name or a TOML file (see docs/plan.md); throws UserError naming the file, the key
+// or the known names.
+ClusterProfile load_cluster_profile(const std::string& spec);
+
+}  // namespace titan::plan

@@ -1,0 +1,135 @@
+#include "titan/plan/plan.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/config/loader.h"
+#include "titan/config/support.h"
+#include "titan/distributed/pipeline/schedule.h"
+
+namespace titan::plan {
+
+namespace {
+
+// The caching allocator holds more than the tensors it serves at the peak (blocks split and rounded, streams
+// kept apart): this share of the allocated bytes, from torchtitan's published peaks (docs/plan.md).
+constexpr double kAllocatorOverhead = 0.03;
+// The CUDA/HIP context, kernels' modules and NCCL's buffers, which the allocator does not count.
+constexpr double kContextBytes = 1.5e9;
+
+std::string layout_of(const distributed::ParallelDims& dims, const config::JobConfig& c) {
+  std::vector<std::string> parts;
+  auto add = [&](const char* name, int64_t v) {
+    if (v > 1) parts.push_back(cat(name, " ", v));
+  };
+  add("dp_replicate", dims.dp_replicate);
+  add("dp_shard", dims.dp_shard);
+  add("cp", dims.cp);
+  add("tp", dims.tp);
+  add("pp", dims.pp);
+  std::string out = parts.empty() ? "1 rank" : join(parts, " x ");
+  const auto& ac = c.activation_checkpoint;
+  out += ac.mode == "none" ? ", no AC" : ac.mode == "full" ? ", full AC" : cat(", selective AC ", ac.selective_ac_option);
+  out += cat(", local batch ", c.training.local_batch_size);
+  if (dims.pp > 1)
+    out += cat(", micro-batch ", c.parallelism.pipeline_parallel_microbatch_size, ", ", c.parallelism.pipeline_parallel_schedule);
+  return out;
+}
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t i = 1; i <= n; ++i)
+    if (n % i == 0) out.push_back(i);
+  return out;
+}
+
+}  // namespace
+
+Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
+               const ClusterProfile& cluster, llama3::Execution execution) {
+  Plan plan;
+  plan.dims = dims;
+  plan.layout = layout_of(dims, config);
+  const bool autocast = !dims.fsdp_enabled() && config.training.dtype == "float32" &&
+                        config.training.mixed_precision_param == "bfloat16";
+  plan.memory = llama3::estimate_training_memory(args, config, dims, autocast, 0, execution);
+  plan.reserved_bytes = plan.memory.total() * (1 + kAllocatorOverhead);
+  plan.device_bytes = plan.reserved_bytes + kContextBytes;
+  plan.fits = plan.device_bytes <= cluster.memory_bytes;
+  plan.time = estimate_step_time(args, config, dims, cluster, execution);
+  const Speedups s = speedups_of(config);
+  if (s.float8) plan.not_runnable.push_back("float8 linear layers (model.converters)");
+  if (s.compile) plan.not_runnable.push_back("torch.compile (compile.enable)");
+  return plan;
+}
+
+SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConfig& base, const ClusterProfile& cluster,
+                            const SearchOptions& options) {
+  const int64_t gpus = options.gpus;
+  if (gpus < 1) fail("titan plan --search needs --gpus N (the number of GPUs to lay the job out on)");
+  const int64_t global = base.training.global_batch_size;
+  if (global < 1)
+    fail("titan plan --search needs --training.global_batch_size (sequences per step): the layouts divide it among the data-parallel ranks");
+  SearchResult result;
+  std::vector<Plan> plans;
+  const std::vector<std::pair<std::string, std::string>> ac_modes = {{"none", ""}, {"selective", "op"}, {"selective", "2"}, {"full", ""}};
+  for (int64_t tp : divisors(gpus)) {
+    if (tp > cluster.gpus_per_node || args.n_heads % tp || args.kv_heads() % tp) continue;
+    for (int64_t pp : divisors(gpus / tp)) {
+      if (pp > 1 && args.n_layers / pp < 1) continue;
+      for (int64_t cp : divisors(gpus / tp / pp)) {
+        if (base.training.seq_len % (2 * cp)) continue;
+        const int64_t dp = gpus / tp / pp / cp;
+        if (global % dp) continue;
+        for (int64_t replicate : divisors(dp)) {
+          const int64_t shard = dp / replicate;
+          for (int64_t local : divisors(global / dp)) {
+            if (local != global / dp) continue;  // no gradient accumulation: every sequence of the step at once
+            std::vector<std::pair<std::string, int64_t>> pipelines = {{"", 0}};
+            if (pp > 1) {
+              pipelines.clear();
+              for (const std::string schedule : {"1F1B", "Interleaved1F1B", "ZBVZeroBubble"})
+                for (int64_t micro : divisors(local)) pipelines.push_back({schedule, micro});
+            }
+            for (const auto& [mode, option] : ac_modes)
+              for (const auto& [schedule, micro] : pipelines) {
+                config::JobConfig c = base;
+                c.parallelism.tensor_parallel_degree = tp;
+                c.parallelism.pipeline_parallel_degree = pp;
+                c.parallelism.context_parallel_degree = cp;
+                c.parallelism.data_parallel_replicate_degree = replicate;
+                c.parallelism.data_parallel_shard_degree = shard;
+                c.training.local_batch_size = local;
+                c.activation_checkpoint.mode = mode;
+                if (!option.empty()) c.activation_checkpoint.selective_ac_option = option;
+                if (pp > 1) {
+                  c.parallelism.pipeline_parallel_schedule = schedule;
+                  c.parallelism.pipeline_parallel_microbatch_size = micro;
+                }
+                ++result.tried;
+                try {
+                  auto dims = distributed::ParallelDims::from_config(c.parallelism, gpus);
+                  Plan plan = make_plan(args, c, dims, cluster, options.execution);
+                  if (!plan.fits) continue;
+                  ++result.fitting;
+                  plans.push_back(std::move(plan));
+                } catch (const UserError&) {
+                  // a schedule that cannot run this many micro-batches on this many stages
+                }
+              }
+          }
+        }
+      }
+    }
+  }
+  std::sort(plans.begin(), plans.end(), [](const Plan& x, const Plan& y) {
+    return x.time.tokens_per_second_per_device > y.time.tokens_per_second_per_device;
+  });
+  if (static_cast<int64_t>(plans.size()) > options.top) plans.resize(static_cast<size_t>(options.top));
+  result.best = std::move(plans);
+  return result;
+}
+
+}  // namespace titan::plan

@@ -1,0 +1,45 @@
+// `titan plan`: one layout's memory per rank (the start-up check's estimator plus what a GPU allocator adds) and
+// step time on a cluster profile, and the search over layouts that recommends the fastest one that fits.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "titan/config/job_config.h"
+#include "titan/distributed/parallel_dims.h"
+#include "titan/models/llama3/memory_estimate.h"
+#include "titan/plan/cluster.h"
+#include "titan/plan/step_time.h"
+
+namespace titan::plan {
+
+struct Plan {
+  distributed::ParallelDims dims;
+  std::string layout;           // "dp_shard 8 x tp 8 x pp 8, full AC, local batch 32, micro-batch 4, 1F1B"
+  llama3::MemoryEstimate memory;  // allocated bytes per rank, term by term (the busiest pipeline stage)
+  double reserved_bytes = 0;    // what the caching allocator holds at the peak (allocated + fragmentation)
+  double device_bytes = 0;      // reserved + the CUDA/HIP context and communicator buffers outside it
+  bool fits = false;
+  StepTime time;
+  std::vector<std::string> not_runnable;  // what titan models here but cannot run yet (float8, torch.compile, ...)
+};
+
+Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
+               const ClusterProfile& cluster, llama3::Execution execution = llama3::Execution::titan);
+
+struct SearchOptions {
+  int64_t gpus = 0;
+  int64_t top = 5;
+  llama3::Execution execution = llama3::Execution::titan;
+};
+
+// Every layout of `gpus` ranks (dp_replicate x dp_shard x cp x tp x pp, AC mode, micro-batch size, pipeline
+// schedule) that keeps the config's global batch and sequence length, planned and ranked by tokens/s; those that
+// do not fit are dropped. Also returns how many were tried and how many fit.
+struct SearchResult {
+  std::vector<Plan> best;
+  int64_t tried = 0, fitting = 0;
+};
+SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConfig& config, const ClusterProfile& cluster,
+                            const SearchOptions& options);
+
+}  // namespace titan::plan

@@ -1,0 +1,263 @@
+#include "titan/plan/step_time.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/distributed/pipeline/schedule.h"
+
+namespace titan::plan {
+
+namespace {
+
+// The calibration constants, shared by every layout and profile (docs/plan.md says where each comes from).
+// Flash attention's share of the matmul rate: its inner products run in tiles with a softmax between them.
+constexpr double kAttentionEfficiency = 0.55;
+// Share of the memory bandwidth that elementwise kernels and the optimizer reach.
+constexpr double kBandwidthEfficiency = 0.8;
+// Share of a link's bandwidth that NCCL/RCCL collectives reach on large messages (bus bandwidth).
+constexpr double kLinkEfficiency = 0.8;
+// torch.compile fuses the memory-bound kernels around the matmuls: the bytes they move shrink to this share.
+constexpr double kCompileMemoryShare = 0.4;
+// float8 linear layers (torchao's dynamic tensor-wise scaling): each cast of an operand reads it in bf16 twice
+// (its absolute maximum, then the scaled copy) and writes one byte per element.
+constexpr double kFloat8CastBytesPerElement = 5;
+// float8 GEMMs reach this share of the efficiency bf16 GEMMs reach (of their own, twice as high, peak).
+constexpr double kFloat8RelativeEfficiency = 0.8;
+
+// Ring attention loses efficiency with each further context-parallel rank (smaller chunk pairs, the merges of
+// partial results, the shifts' synchronisation): fitted to torchtitan's CP tables (docs/plan.md).
+constexpr double kRingAttentionOverheadPerRank = 0.08;
+
+// Counted, not fitted: flash attention's backward runs five tile matmuls to forward's two.
+constexpr double kAttentionBackwardRatio = 2.5;
+// AdamW over float32 state: reads parameter, gradient and both moments, writes parameter and moments; clipping
+// reads the gradient once more.
+constexpr double kOptimizerBytesPerParameter = 32;
+
+// Bytes the loss moves per logit in eager LibTorch: the output in the compute dtype, its float32 copy, the
+// log-softmax and, in backward, its gradient in float32 and back in the compute dtype.
+double loss_bytes_per_logit(double c) { return c + (c + 4) + 8 + 4 + 12 + (4 + c); }
+
+// torchtitan's loss: float32 logits, their log-softmax, its gradient and the bf16 gradient.
+constexpr double kTorchtitanLossBytesPerLogit = 2 + 4 + 8 + 4 + 12 + 4 + 2;
+
+std::string gbs(double bytes_per_second) { return strprintf("%.0f GB/s", bytes_per_second / 1e9); }
+
+}  // namespace
+
+Speedups speedups_of(const config::JobConfig& c) {
+  Speedups s;
+  s.compile = c.compile.enable;
+  for (const auto& converter : c.model.converters)
+    if (converter == "float8" || converter == "quantize.linear.float8") s.float8 = true;
+  s.float8_all_gather = s.float8 && c.quantize.linear.float8.enable_fsdp_float8_all_gather;
+  return s;
+}
+
+StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig& config,
+                            const distributed::ParallelDims& dims, const ClusterProfile& cluster,
+                            llama3::Execution execution) {
+  const bool torchtitan = execution == llama3::Execution::torchtitan;
+  const auto& training = config.training;
+  const auto& parallelism = config.parallelism;
+  const auto& ac = config.activation_checkpoint;
+  const Speedups speed = speedups_of(config);
+  const double tp = static_cast<double>(dims.tp), cp = static_cast<double>(dims.cp);
+  const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
+  const double d_attn = static_cast<double>(a.n_heads * a.head_dim()), d_kv = static_cast<double>(a.kv_heads() * a.head_dim());
+  const double hidden = static_cast<double>(a.ffn_hidden_dim()), seq = static_cast<double>(training.seq_len);
+  const bool fsdp = dims.fsdp_enabled();
+  const double c = fsdp ? (training.dtype == "float32" ? (config.training.mixed_precision_param == "bfloat16" ? 2.0 : 4.0)
+                                                      : (training.dtype == "bfloat16" ? 2.0 : 4.0))
+                        : (training.dtype == "float32" && training.mixed_precision_param == "bfloat16" ? 2.0
+                                                                                                      : training.dtype == "bfloat16" ? 2.0 : 4.0);
+  const double p_bytes = training.dtype == "bfloat16" ? 2.0 : 4.0;
+
+  // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer
+  // each); the step is paced by the busiest rank, so its share is used.
+  double layer_params = 0;
+  for (const auto& p : llama3::parameter_shapes(a))
+    if (p.name.rfind("layers.0.", 0) == 0 && p.shape.size() == 2) layer_params += static_cast<double>(p.numel());
+  const bool pipelined = dims.pp > 1;
+  int64_t stages_per_rank = 1;
+  double bubble = 0;
+  int64_t microbatches = 1;
+  if (pipelined) {
+    const auto traits = distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule);
+    stages_per_rank = traits.single_stage ? 1 : 2;
+    microbatches = std::max<int64_t>(1, training.local_batch_size / std::max<int64_t>(1, parallelism.pipeline_parallel_microbatch_size));
+    // Simulated once per (schedule, ranks, micro-batches): the search asks for the same ones many times.
+    static std::map<std::tuple<std::string, int64_t, int64_t>, double> bubbles;
+    const auto key = std::make_tuple(traits.name, dims.pp, microbatches);
+    auto it = bubbles.find(key);
+    if (it == bubbles.end()) {
+      auto schedule = distributed::pipeline::Schedule::make(traits.name, static_cast<int>(dims.pp),
+                                                            static_cast<int>(dims.pp * stages_per_rank), static_cast<int>(microbatches));
+      it = bubbles.emplace(key, schedule.simulate().bubble).first;
+    }
+    bubble = it->second;
+  }
+  const double units = static_cast<double>(a.n_layers + 2);
+  const double stages = static_cast<double>(dims.pp * stages_per_rank);
+  const double per_stage = std::ceil(units / stages);
+  // Busiest rank's share of the model's layers (balanced split, rounded up to whole layers).
+  const double layer_share = pipelined ? std::min(1.0, per_stage * static_cast<double>(stages_per_rank) / units) : 1.0;
+  const double layers = static_cast<double>(a.n_layers) * layer_share;
+  const double output_share = pipelined ? layer_share : 1.0;  // the output projection, one unit of the split
+
+  // Tokens this rank computes per step (a context-parallel rank holds seq_len / cp of each sequence).
+  const double tokens = static_cast<double>(training.local_batch_size) * seq / cp;
+
+  // Recomputation in backward, as a share of the layers' forward: full AC recomputes every block; selective layer
+  // AC every N-th; titan's op-level AC recomputes the norms and the SwiGLU gating only (no matmul, no attention).
+  double recompute_layers = 0;
+  if (ac.mode == "full") recompute_layers = 1;
+  else if (ac.mode == "selective" && ac.selective_ac_option != "op")
+    recompute_layers = std::floor(static_cast<double>(a.n_layers) / std::max(1.0, std::atof(ac.selective_ac_option.c_str()))) /
+                       static_cast<double>(a.n_layers);
+  const double op_recompute = ac.mode == "selective" && ac.selective_ac_option == "op" ? 1.0 : 0.0;
+  // torchtitan's op-level policy recomputes every other matmul of the block (wk, wo, w3) and no attention.
+  double op_matmul_recompute = 0;
+  if (torchtitan && op_recompute > 0)
+    op_matmul_recompute = (d * d_kv + d_attn * d + d * hidden) / layer_params;
+
+  const double peak = cluster.peak_bf16_flops * cluster.matmul_efficiency;
+  const double layer_matmul_flops = tokens * layers * 2 * layer_params / tp * (3 + recompute_layers + op_matmul_recompute);
+  const double output_flops = tokens * output_share * 2 * vocab * d / tp * 3;
+  // float8: the blocks' linear layers at the fp8 peak (the output projection stays in bf16), plus the casts.
+  const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * kFloat8RelativeEfficiency : peak;
+  const double matmul_seconds = layer_matmul_flops / layer_rate + output_flops / peak;
+  double cast_bytes = 0;
+  if (speed.float8 && cluster.peak_fp8_flops > 0) {
+    // Per linear: its input and, in backward, its output gradient, each cast twice (as is and transposed for the
+    // weight gradient); column-parallel layers see the whole d input, row-parallel ones a 1/tp slice.
+    const double inputs = 3 * d + d_attn / tp + 2 * d + hidden / tp;
+    const double outputs = (d_attn + 2 * d_kv) / tp + d + 2 * hidden / tp + d;
+    cast_bytes = tokens * layers * kFloat8CastBytesPerElement * (2 * inputs + 2 * outputs + recompute_layers * inputs);
+  }
+  // Causal attention: each query meets seq_len / 2 keys on average, 2 FLOPs per multiply-add, QK^T and PV.
+  const double attention_forward = tokens * layers * 2 * seq * d_attn / tp;
+  const double attention_seconds = attention_forward * (1 + kAttentionBackwardRatio + recompute_layers) *
+                                   (1 + kRingAttentionOverheadPerRank * (cp - 1)) / (peak * kAttentionEfficiency);
+
+  // Memory-bound kernels of one block per token, forward, counted from titan's eager block: two RMSNorms (about six
+  // float32 passes each), RoPE on q and k (four float32 passes), the attention output's transposes, SwiGLU (read
+  // two, write one, plus SiLU) and the two residual adds. Backward moves about twice that.
+  const double r = p_bytes;
+  const double block_forward_bytes = 2 * 6 * d * 4 + 4 * (d_attn + d_kv) * 4 + 2 * d * c + 5 * hidden * c + 2 * 3 * d * r;
+  double memory_bytes = tokens * layers * block_forward_bytes / tp * (3 + recompute_layers + 0.5 * op_recompute) + cast_bytes;
+  const double logits = tokens * output_share * (parallelism.disable_loss_parallel ? vocab : vocab / tp);
+  memory_bytes += logits * (torchtitan ? kTorchtitanLossBytesPerLogit : loss_bytes_per_logit(c));
+  if (speed.compile) memory_bytes *= kCompileMemoryShare;
+  const double bandwidth = cluster.memory_bandwidth * kBandwidthEfficiency;
+
+  // This rank's parameters (its pipeline share, divided by TP), and what FSDP/HSDP/DDP hold of them.
+  const double rank_params = (layers * (layer_params + 2 * d) + output_share * (2 * vocab * d + d)) / tp;
+  const double shard_group = static_cast<double>(dims.dp_shard * dims.cp);
+  const double local_params = rank_params / shard_group;
+  const double optimizer_seconds = local_params * kOptimizerBytesPerParameter / bandwidth;
+
+  StepTime out;
+  const double compute = matmul_seconds + attention_seconds + memory_bytes / bandwidth + optimizer_seconds;
+  out.terms.push_back({"matmuls", matmul_seconds, matmul_seconds,
+                       strprintf("%.3g TFLOP at %.0f TFLOP/s%s", (layer_matmul_flops + output_flops) / 1e12, peak / 1e12,
+                                 layer_rate > peak ? cat(", blocks in float8 at ", static_cast<int64_t>(layer_rate / 1e12), " TFLOP/s").c_str() : "")});
+  out.terms.push_back({"attention", attention_seconds, attention_seconds, strprintf("%.3g TFLOP", attention_forward * (1 + kAttentionBackwardRatio + recompute_layers) / 1e12)});
+  out.terms.push_back({"memory-bound kernels", memory_bytes / bandwidth, memory_bytes / bandwidth,
+                       strprintf("%.3g GB at %s%s", memory_bytes / 1e9, gbs(bandwidth).c_str(), speed.compile ? ", compiled" : "")});
+  out.terms.push_back({"optimizer", optimizer_seconds, optimizer_seconds, strprintf("%.3g M parameters", local_params / 1e6)});
+
+  // Links: a group whose ranks fit in one node (tp innermost, then cp, dp_shard, dp_replicate, pp) uses the
+  // intra-node link, otherwise each GPU's share of the inter-node network.
+  const double per_node = static_cast<double>(cluster.gpus_per_node);
+  auto link = [&](double span) {
+    return (span <= per_node ? cluster.intra_node_bandwidth : cluster.inter_node_bandwidth) * kLinkEfficiency;
+  };
+  auto where = [&](double span) { return cat(span <= per_node ? "intra-node " : "inter-node ", gbs(link(span))); };
+
+  // FSDP: all-gather the compute-dtype weights in forward and again in backward (once per step when they stay
+  // gathered under pipeline parallelism), reduce-scatter the gradients in mixed_precision_reduce. They overlap the
+  // compute except the first gather and the last reduce-scatter.
+  double data_parallel = 0, data_parallel_exposed = 0;
+  std::string dp_detail;
+  if (shard_group > 1) {
+    const double span = shard_group * tp;
+    const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
+                         (parallelism.fsdp_reshard_after_forward == "default" && !pipelined);
+    const double gather_bytes = speed.float8_all_gather ? 1.0 : c;
+    const double reduce_bytes = training.mixed_precision_reduce == "bfloat16" ? 2.0 : 4.0;
+    const double fraction = (shard_group - 1) / shard_group;
+    const double bytes = fraction * rank_params * (gather_bytes * (reshard ? 2 : 1) + reduce_bytes);
+    data_parallel = bytes / link(span);
+    dp_detail = cat("FSDP over ", static_cast<int64_t>(shard_group), " ranks, ", strprintf("%.3g GB", bytes / 1e9), ", ", where(span));
+  }
+  if (dims.dp_replicate > 1) {
+    const double rep = static_cast<double>(dims.dp_replicate);
+    const double span = rep * shard_group * tp;
+    const double bytes = 2 * (rep - 1) / rep * local_params * 4;
+    data_parallel += bytes / link(span);
+    dp_detail += cat(dp_detail.empty() ? "" : "; ", shard_group > 1 ? "HSDP" : "DDP", " all-reduce over ",
+                     dims.dp_replicate, " replicas, ", strprintf("%.3g GB", bytes / 1e9), ", ", where(span));
+  }
+  if (data_parallel > 0) {
+    const double unexposed_units = units * (pipelined ? layer_share : 1.0);
+    data_parallel_exposed = std::max(0.0, data_parallel - compute) + data_parallel / std::max(1.0, unexposed_units);
+    out.terms.push_back({"data parallel", data_parallel_exposed, data_parallel, dp_detail});
+  }
+
+  // Tensor (+ sequence) parallelism: per block two all-gathers and two reduce-scatters of the activations in
+  // forward, as many in backward and in each recomputed forward; nothing hides them, except that async TP overlaps
+  // the forward ones with the matmuls.
+  if (dims.tp > 1) {
+    const double per_pass = (tp - 1) / tp * tokens * d * c * layers;
+    const double forward = 4 * per_pass * (1 + recompute_layers), backward = 4 * per_pass;
+    const double bw = link(tp);
+    const double total = (forward + backward) / bw;
+    const double exposed = parallelism.enable_async_tensor_parallel ? backward / bw : total;
+    out.terms.push_back({"tensor parallel", exposed, total, cat(strprintf("%.3g GB, ", (forward + backward) / 1e9), where(tp),
+                                                               parallelism.enable_async_tensor_parallel ? ", forward overlapped (async TP)" : "")});
+  }
+
+  // Context parallelism: the ring passes keys and values cp - 1 times per block in forward (and in recomputation),
+  // keys, values and their gradients in backward; each shift overlaps the attention of the chunk in hand.
+  if (dims.cp > 1) {
+    const double kv = tokens * 2 * d_kv / tp * c * layers * (cp - 1);
+    const double bytes = kv * (1 + recompute_layers) + 2 * kv;
+    const double bw = link(cp * tp);
+    const double total = bytes / bw;
+    out.terms.push_back({"context parallel", std::max(0.0, total - attention_seconds), total,
+                         cat(strprintf("%.3g GB, ", bytes / 1e9), where(cp * tp))});
+  }
+
+  // Pipeline: each micro-batch's activations cross every stage boundary forward and their gradients backward;
+  // ranks send to the next node (pp is the outermost mesh dimension).
+  double p2p = 0;
+  if (pipelined) {
+    const double message = static_cast<double>(parallelism.pipeline_parallel_microbatch_size) * seq / cp * d * c / tp;
+    const double span = static_cast<double>(dims.world_size) / static_cast<double>(dims.pp) * 2;
+    const double sends = 2 * static_cast<double>(microbatches * stages_per_rank);
+    p2p = sends * message / link(span);
+    out.terms.push_back({"pipeline p2p", p2p, p2p, cat(strprintf("%.0f messages of %.3g MB, ", sends, message / 1e6), where(span))});
+  }
+
+  double busy = 0;
+  for (const auto& t : out.terms) busy += t.seconds;
+  out.bubble_fraction = bubble;
+  out.step_seconds = busy / (1 - bubble);
+  if (bubble > 0) out.terms.push_back({"pipeline bubble", out.step_seconds - busy, out.step_seconds - busy,
+                                       strprintf("%.1f%% idle (%s, %lld micro-batches)", bubble * 100,
+                                                 parallelism.pipeline_parallel_schedule.c_str(), static_cast<long long>(microbatches))});
+  double largest = -1;
+  for (const auto& t : out.terms)
+    if (t.seconds > largest) largest = t.seconds, out.bound = t.name;
+  const double tokens_per_rank = static_cast<double>(training.local_batch_size) * seq / (tp * cp * static_cast<double>(dims.pp));
+  out.tokens_per_second_per_device = tokens_per_rank / out.step_seconds;
+  out.mfu = out.tokens_per_second_per_device * llama3::flops_per_token(a, training.seq_len) / cluster.peak_bf16_flops;
+  return out;
+}
+
+}  // namespace titan::plan

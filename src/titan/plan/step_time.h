@@ -1,0 +1,45 @@
+// The speed half of `titan plan`: the time of one training step on one rank of a layout, term by term (matmuls,
+// attention, memory-bound kernels, the loss, the optimizer, the communication each parallelism exposes, the
+// pipeline bubble), and the tokens/s and MFU that follow. The equations and calibration constants are in
+// docs/plan.md.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "titan/config/job_config.h"
+#include "titan/distributed/parallel_dims.h"
+#include "titan/models/llama3/args.h"
+#include "titan/models/llama3/memory_estimate.h"
+#include "titan/plan/cluster.h"
+
+namespace titan::plan {
+
+struct TimeTerm {
+  std::string name;     // "matmuls", "fsdp", ...
+  double seconds = 0;   // on the step's critical path (communication: the part compute does not hide)
+  double total = 0;     // communication: the whole transfer time, hidden or not; compute: as `seconds`
+  std::string detail;   // "intra-node 360 GB/s", ...
+};
+
+struct StepTime {
+  std::vector<TimeTerm> terms;
+  double bubble_fraction = 0;   // share of the step the pipeline schedule leaves idle
+  double step_seconds = 0;
+  double tokens_per_second_per_device = 0;
+  double mfu = 0;               // torchtitan's FLOPs formula against the profile's peak bf16 FLOP/s
+  std::string bound;            // the largest term, or "pipeline bubble"
+};
+
+// What the layout runs that titan does not (yet): modelled as stated in docs/plan.md.
+struct Speedups {
+  bool compile = false;           // compile.enable: torch.compile fuses the memory-bound kernels
+  bool float8 = false;            // model.converters has "float8": linear layers' matmuls in float8
+  bool float8_all_gather = false; // quantize.linear.float8.enable_fsdp_float8_all_gather
+};
+Speedups speedups_of(const config::JobConfig& config);
+
+StepTime estimate_step_time(const llama3::ModelArgs& args, const config::JobConfig& config,
+                            const distributed::ParallelDims& dims, const ClusterProfile& cluster,
+                            llama3::Execution execution = llama3::Execution::titan);
+
+}  // namespace titan::plan
