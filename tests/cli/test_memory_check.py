@@ -8,47 +8,81 @@ import pytest
 from titan_testing import SOURCE_DIR, binary, run
 
 CONFIG = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--metrics.log_freq", "1"]
-ESTIMATE = re.compile(r"Memory estimate for this rank: .*: ([\d.]+) (GiB|MiB) of ([\d.]+) GiB available")
-PEAK = re.compile(r"memory: +([\d.]+)GiB\(")
+# Each rank's log line (LOG_RANK=all; mpirun --tag-output prefixes "[1,R]<stdout>:").
+ESTIMATE = re.compile(r"^(?:\[1,(\d+)\]<stdout>:)?.*Memory estimate for this rank: (.*): ([\d.]+) (GiB|MiB) of [\d.]+ GiB available",
+                      re.M)
+RUNTIME = re.compile(r"runtime ([\d.]+) (GiB|MiB)")
+PEAK = re.compile(r"^(?:\[1,(\d+)\]<stdout>:)?.*memory: +([\d.]+)GiB\(", re.M)
 
-# Activation checkpointing modes, compute dtypes and two flavors, each big enough that the model and its
-# activations, not the runtime, dominate the peak.
-CASES = {
-    "debug selective 2": [],
-    "debug full, 4 x 2048": ["--training.local_batch_size", "4", "--training.seq_len", "2048", "--activation_checkpoint.mode", "full"],
-    "debug op-level, seq 1024": ["--training.seq_len", "1024", "--activation_checkpoint.selective_ac_option", "op"],
-    "debug float32 compute, none": ["--training.seq_len", "1024", "--training.mixed_precision_param", "float32",
-                                    "--activation_checkpoint.mode", "none"],
-    "100M none, 2 x 1024": ["--model.flavor", "100M", "--training.local_batch_size", "2", "--training.seq_len", "1024",
-                            "--activation_checkpoint.mode", "none"],
+MODEL_100M = ["--model.flavor", "100M", "--training.local_batch_size", "2", "--training.seq_len", "1024",
+              "--activation_checkpoint.mode", "none"]
+NO_FSDP = ["--parallelism.data_parallel_shard_degree", "1"]
+# (ranks, options): activation checkpointing modes, compute dtypes, two flavors and every parallelism, each big
+# enough that the model and its activations, not the runtime, dominate the peak.
+LAYOUTS = {
+    "debug full AC, 4 x 2048": (1, ["--training.local_batch_size", "4", "--training.seq_len", "2048", "--activation_checkpoint.mode", "full"]),
+    "debug op-level AC, seq 1024": (1, ["--training.seq_len", "1024", "--activation_checkpoint.selective_ac_option", "op"]),
+    "debug float32 compute, no AC": (1, ["--training.seq_len", "1024", "--training.mixed_precision_param", "float32",
+                                         "--activation_checkpoint.mode", "none"]),
+    "100M no AC, 2 x 1024": (1, MODEL_100M),
+    "100M FSDP 2": (2, MODEL_100M + ["--parallelism.data_parallel_shard_degree", "2"]),
+    "100M DDP 2": (2, MODEL_100M + NO_FSDP + ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "100M TP 2": (2, MODEL_100M + NO_FSDP + ["--parallelism.tensor_parallel_degree", "2"]),
+    "100M PP 2 (1F1B)": (2, MODEL_100M + NO_FSDP + ["--parallelism.pipeline_parallel_degree", "2"]),
+}
+# Measured at the edge of +-10%, from run to run on either side, kept in view with a wider bound (docs/plan.md):
+# the debug model's selective AC (small activations; the estimate 1.08x to 1.12x) and context parallelism (0.78x
+# to 0.90x: up to 0.25 GiB per rank, whatever the AC mode, that the estimate does not account for).
+WIDER = {
+    "debug selective AC 2": (1, []),
+    "100M CP 2": (2, MODEL_100M + NO_FSDP + ["--parallelism.context_parallel_degree", "2"]),
 }
 
 
-def estimate_and_peak(output):
-    m = ESTIMATE.search(output)
-    assert m, output[-3000:]
-    estimate = float(m.group(1)) / (1024 if m.group(2) == "MiB" else 1)
-    return estimate, max(float(x) for x in PEAK.findall(output))
+def gib(value, unit):
+    return float(value) / (1024 if unit == "MiB" else 1)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_estimate_is_within_20_percent_of_the_measured_peak(tmp_path, case):
-    result = run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "4",
-                  *CASES[case]])
-    estimate, peak = estimate_and_peak(result.stdout)
-    print(f"{case}: estimate {estimate:.2f} GiB, measured peak {peak:.2f} GiB ({estimate / peak:.2f}x)")
-    assert abs(estimate / peak - 1) <= 0.20, (case, estimate, peak)
+def measure(tmp_path, ranks, options):
+    """Per rank: (estimate, runtime term, measured peak) in GiB, all from the rank's own log lines."""
+    command = [binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "4", *options]
+    env = {"LOG_RANK": "all"}
+    if ranks > 1:
+        mpirun = os.environ.get("TITAN_MPIRUN", "mpirun")
+        command = [mpirun, "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "--tag-output", "-np", str(ranks)] + command
+        env["OMP_NUM_THREADS"] = "1"
+    output = run(command, env=env).stdout
+    estimates = {int(m.group(1) or 0): m for m in ESTIMATE.finditer(output)}
+    peaks = {}
+    for m in PEAK.finditer(output):
+        rank = int(m.group(1) or 0)
+        peaks[rank] = max(peaks.get(rank, 0.0), float(m.group(2)))
+    assert sorted(estimates) == list(range(ranks)) and sorted(peaks) == list(range(ranks)), output[-3000:]
+    out = {}
+    for rank, m in estimates.items():
+        runtime = RUNTIME.search(m.group(2))
+        out[rank] = (gib(m.group(3), m.group(4)), gib(*runtime.groups()), peaks[rank])
+    return out
 
 
-def test_fsdp_ranks_estimate_their_shards(tmp_path):
-    mpirun = os.environ.get("TITAN_MPIRUN", "mpirun")
-    result = run([mpirun, "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2", binary("titan"),
-                  "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--model.flavor", "100M",
-                  "--training.local_batch_size", "2", "--training.seq_len", "1024", "--activation_checkpoint.mode", "none",
-                  "--parallelism.data_parallel_shard_degree", "2"], env=dict(os.environ, OMP_NUM_THREADS="1"))
-    estimate, peak = estimate_and_peak(result.stdout)
-    print(f"FSDP 2: estimate {estimate:.2f} GiB, measured peak {peak:.2f} GiB ({estimate / peak:.2f}x)")
-    assert abs(estimate / peak - 1) <= 0.20, (estimate, peak)
+def check(tmp_path, name, ranks, options, bound):
+    for rank, (estimate, runtime, peak) in sorted(measure(tmp_path, ranks, options).items()):
+        # What the job adds above the process's footprint when the estimate is made (LibTorch, MPI): the model's
+        # own memory, predicted against measured.
+        ratio = (estimate - runtime) / (peak - runtime)
+        print(f"{name}, rank {rank}: estimate {estimate:.2f} GiB, measured peak {peak:.2f} GiB, process before the "
+              f"model {runtime:.2f} GiB; above it {ratio:.2f}x")
+        assert abs(ratio - 1) <= bound, (name, rank, estimate, runtime, peak)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_estimate_is_within_10_percent_of_titans_own_peak(tmp_path, name):
+    check(tmp_path, name, *LAYOUTS[name], 0.10)
+
+
+@pytest.mark.parametrize("name", list(WIDER))
+def test_known_gaps_stay_within_25_percent(tmp_path, name):
+    check(tmp_path, name, *WIDER[name], 0.25)
 
 
 def test_a_job_that_cannot_fit_is_refused_before_allocating(tmp_path):

@@ -336,7 +336,8 @@ void Trainer::check_memory(const llama3::ModelArgs& args, const distributed::Par
   const config::JobConfig& c = loaded_.config;
   const bool autocast = !dims.fsdp_enabled() && c.training.dtype == "float32" && c.training.mixed_precision_param == "bfloat16";
   const double runtime = device_.is_cuda() ? 0.0 : static_cast<double>(metrics::current_rss_bytes());
-  const auto estimate = llama3::estimate_training_memory(args, c, dims, autocast, runtime);
+  const auto estimate = llama3::estimate_training_memory(args, c, dims, autocast, runtime, llama3::Execution::titan,
+                                                         mesh_->coordinate("pp"));
   const auto available = metrics::available_memory(device_, launch_.local_world_size);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   log::info("Memory estimate for this rank: ", estimate.describe(), strprintf(" of %.2f GiB available (", available.bytes / gib),

@@ -5,6 +5,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/distributed/pipeline/schedule.h"
 
 namespace titan::llama3 {
 
@@ -60,7 +61,7 @@ std::string MemoryEstimate::describe() const {
 
 MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
-                                        Execution execution) {
+                                        Execution execution, int64_t pipeline_rank) {
   const auto& training = config.training;
   const auto& parallelism = config.parallelism;
   const double p_bytes = bytes_of(training.dtype);
@@ -79,17 +80,29 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   const bool pipelined = dims.pp > 1;
   int64_t stages_per_rank = 1;
   if (pipelined) {
-    const std::string s = parallelism.pipeline_parallel_schedule;
-    const bool single = s == "1F1B" || s == "GPipe";
-    stages_per_rank = single ? 1 : 2;
+    stages_per_rank = distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).single_stage ? 1 : 2;
   }
   const int64_t stages = dims.pp * stages_per_rank;
   const int64_t units = a.n_layers + 2;  // the embedding and the output count as one layer each
   const int64_t per_stage = (units + stages - 1) / stages;
-  const int64_t layers_here = pipelined ? std::min<int64_t>(a.n_layers, per_stage * stages_per_rank) : a.n_layers;
-  const bool first_and_last = !pipelined;
+  // Which ends of the model this rank holds: both without a pipeline; for a given pipeline rank its stages' (rank
+  // 0 holds the first, the last rank the last, or rank 0 both on a V-shaped schedule); else the busiest rank's.
+  bool holds_first = true, holds_last = true;
+  if (pipelined && pipeline_rank >= 0) {
+    const bool v_shape = distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).v_shape;
+    holds_first = pipeline_rank == 0;
+    holds_last = v_shape ? pipeline_rank == 0 : pipeline_rank == dims.pp - 1;
+  }
+  int64_t layers_here = a.n_layers;
+  if (pipelined) {
+    layers_here = per_stage * stages_per_rank;
+    if (pipeline_rank >= 0) layers_here -= (holds_first ? 1 : 0) + (holds_last ? 1 : 0);
+    layers_here = std::clamp<int64_t>(layers_here, 0, a.n_layers);
+  }
   const double embed = vocab * d, output = a.tie_word_embeddings ? 0 : vocab * d;
-  const double rank_params = static_cast<double>(layers_here) * per_layer + (first_and_last ? embed + output + d : std::max(embed, output + d));
+  double ends = embed + output + d;
+  if (pipelined) ends = pipeline_rank < 0 ? std::max(embed, output + d) : (holds_first ? embed : 0) + (holds_last ? output + d : 0);
+  const double rank_params = static_cast<double>(layers_here) * per_layer + ends;
   const double local = rank_params / tp / shards;
 
   MemoryEstimate e;
@@ -118,10 +131,22 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   int64_t in_flight = 1;
   if (pipelined) {
     const int64_t m = training.local_batch_size / std::max<int64_t>(1, parallelism.pipeline_parallel_microbatch_size);
-    in_flight = parallelism.pipeline_parallel_schedule == "GPipe" ? m : std::min<int64_t>(m, dims.pp * stages_per_rank);
+    // The schedule says how many micro-batches a rank holds at once (1F1B: pp - rank on rank `rank`); the busiest
+    // rank's when no rank is given. A schedule that cannot run these numbers is reported by the trainer.
+    in_flight = std::min<int64_t>(m, dims.pp * stages_per_rank);
+    try {
+      const auto schedule = distributed::pipeline::Schedule::make(parallelism.pipeline_parallel_schedule, static_cast<int>(dims.pp),
+                                                                  static_cast<int>(stages), static_cast<int>(m));
+      int most = 0;
+      for (int r = 0; r < dims.pp; ++r)
+        if (pipeline_rank < 0 || r == pipeline_rank) most = std::max(most, schedule.max_in_flight(r));
+      in_flight = most;
+    } catch (const UserError&) {
+    }
   }
-  // Under FSDP the gathered weights are in the compute dtype, and so is the residual stream.
-  const double r = fsdp ? c : p_bytes;
+  // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
+  // computes it in the gathered weights' dtype.
+  const double r = fsdp && execution == Execution::torchtitan ? c : p_bytes;
   const BlockActivations block = block_activations(a, r, c, autocast, dims.tp);
   const auto& ac = config.activation_checkpoint;
   double per_token = 0, recompute = 0;
@@ -143,7 +168,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   } else {
     per_token = static_cast<double>(layers_here) * block.full;
   }
-  per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
+  if (holds_last) per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
   e.terms.push_back({"activations", tokens * (per_token * static_cast<double>(in_flight) + recompute)});
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).
@@ -151,7 +176,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
-  e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12)});
+  if (holds_last) e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12)});
   e.terms.push_back({"rope table", static_cast<double>(training.seq_len) * static_cast<double>(a.head_dim() / 2) * 8});
   e.terms.push_back({"runtime", runtime_bytes});
   return e;

@@ -32,9 +32,10 @@ enum class Execution { titan, torchtitan };
 
 // `autocast`: the trainer computes in bfloat16 under autocast (float32 parameters without FSDP), keeping a bf16
 // copy of every weight for the step. `runtime_bytes`: what the process already holds (LibTorch, buffers) when
-// the estimate is made, added as its own term.
+// the estimate is made, added as its own term. `pipeline_rank`: the rank's coordinate on the pipeline dimension
+// (its stages' layers, the embedding on the first, the output and logits on the last); -1: the busiest rank.
 MemoryEstimate estimate_training_memory(const ModelArgs& args, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
-                                        Execution execution = Execution::titan);
+                                        Execution execution = Execution::titan, int64_t pipeline_rank = -1);
 
 }  // namespace titan::llama3
