@@ -169,7 +169,9 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
     per_token = static_cast<double>(layers_here) * block.full;
   }
   if (holds_last) per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
-  e.terms.push_back({"activations", tokens * (per_token * static_cast<double>(in_flight) + recompute)});
+  // Under a multi-stage schedule `in_flight` counts (stage, micro-batch) pairs, each holding one stage's layers.
+  const double stage_share = 1.0 / static_cast<double>(stages_per_rank);
+  e.terms.push_back({"activations", tokens * (per_token * static_cast<double>(in_flight) * stage_share + recompute)});
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).
   e.terms.push_back({"backward buffers", layers_here > 0 ? tokens * block.full : 0});

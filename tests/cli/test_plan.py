@@ -1,0 +1,190 @@
+"""`titan plan`: its predictions against the published torchtitan runs (../shared/data/published), its layout
+search against the published 70B and 405B layouts, the memory half against the trainer's own start-up estimate
+(one estimator), and cluster profiles from TOML with errors that name the file, line and key."""
+import csv
+import json
+import math
+import re
+
+import pytest
+
+from titan_testing import SOURCE_DIR, binary, run, shared
+
+H100_500W = str(SOURCE_DIR / "tests" / "plan" / "h100_96gb_500w.toml")
+# The published runs' hardware: the 2024-12 tables' 500 W HBM2e H100 as a TOML profile, the others built in.
+CLUSTERS = {"H100 96GB HBM2e 500W": H100_500W, "H100 94GB": "h100-sxm", "A100 80GB": "a100-80gb",
+            "MI250X GCD 64GB": "mi250x-gcd", "GB200 186GB": "gb200", "H100 80GB (p5)": "h100-sxm"}
+
+
+def plan_arguments(row):
+    """A published row as titan plan options. torchtitan's defaults of the time fill what the row leaves out:
+    float32 parameters with bf16 compute (FSDP mixed precision), the 8B TOML's local batch of 1, and as many
+    pipeline micro-batches as pipeline ranks."""
+    local_batch = int(row["local_batch"] or 1)
+    pp = int(row["pp"])
+    args = ["--as", "torchtitan", "--cluster", CLUSTERS[row["gpu"]], "--model.flavor", row["model"].split()[1],
+            "--training.seq_len", row["seq_len"], "--training.local_batch_size", str(local_batch),
+            "--training.dtype", "float32", "--training.mixed_precision_param", "bfloat16",
+            "--parallelism.data_parallel_shard_degree", row["dp_shard"],
+            "--parallelism.data_parallel_replicate_degree", row["dp_replicate"],
+            "--parallelism.tensor_parallel_degree", row["tp"], "--parallelism.pipeline_parallel_degree", row["pp"],
+            "--parallelism.context_parallel_degree", row["cp"]]
+    if row["ac"] == "full":
+        args += ["--activation_checkpoint.mode", "full"]
+    elif row["ac"] == "selective layer":
+        args += ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
+    else:  # "selective" in torchtitan's 8B TOML and "selective op" are the op-level policy
+        args += ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    if row["compile"] == "yes":
+        args += ["--compile.enable"]
+    if row["float8"] == "yes":
+        args += ["--model.converters", "float8"]
+    if row["float8_allgather"] == "yes":
+        args += ["--quantize.linear.float8.enable_fsdp_float8_all_gather"]
+    if row["async_tp"] == "yes":
+        args += ["--parallelism.enable_async_tensor_parallel"]
+    if pp > 1:
+        args += ["--parallelism.pipeline_parallel_schedule", row["pp_schedule"],
+                 "--parallelism.pipeline_parallel_microbatch_size", str(local_batch // pp)]
+    return args
+
+
+def plan_json(args):
+    return json.loads(run([binary("titan"), "plan", "--json", *args]).stdout)
+
+
+def test_predictions_of_the_published_runs():
+    rows = list(csv.DictReader(open(shared("published", "torchtitan_runs.csv"))))
+    assert len(rows) == 32
+    hits = []
+    print()
+    for row in rows:
+        p = plan_json(plan_arguments(row))
+        tps = p["tokens_per_second_per_device"]
+        assert math.isfinite(tps) and tps > 0
+        speed = tps / float(row["tps_per_gpu"])
+        memory = p["memory"]["reserved_bytes"] / 2**30 / float(row["memory_gib"]) if row["memory_gib"] else None
+        hit = abs(speed - 1) <= 0.15 and (memory is None or abs(memory - 1) <= 0.10)
+        hits.append(hit)
+        layout = f"{row['model']:11} {row['gpu'][:16]:16} {row['gpus']:>3} GPUs {p['layout'][:60]:60}"
+        flags = ",".join(k for k in ("compile", "float8", "async_tp") if row[k] == "yes") or "-"
+        memory_text = f"memory {memory:4.2f}x" if memory else "memory   -  "
+        print(f"{'hit ' if hit else 'miss'} {layout} {flags:22} tokens/s {tps:7.0f} vs {row['tps_per_gpu']:>5} "
+              f"({speed:4.2f}x), {memory_text}, bound by {p['bound']}")
+    print(f"{sum(hits)} of {len(rows)} rows within 15% on tokens/s and 10% on memory")
+    assert sum(hits) >= 20
+
+
+@pytest.mark.parametrize("flavor,gpus,published", [
+    # torchtitan's 2024-12 tables 4 and 5: 70B on 256 GPUs, 405B on 512.
+    ("70B", 256, {"dp_shard": "32", "dp_replicate": "1", "tp": "8", "pp": "1", "cp": "1", "local_batch": "16",
+                  "pp_schedule": ""}),
+    ("405B", 512, {"dp_shard": "8", "dp_replicate": "1", "tp": "8", "pp": "8", "cp": "1", "local_batch": "32",
+                   "pp_schedule": "Interleaved1F1B"}),
+])
+def test_the_search_recommends_a_layout_at_least_as_fast_as_the_published_one(flavor, gpus, published):
+    row = dict(published, model=f"llama3 {flavor}", gpu="H100 96GB HBM2e 500W", seq_len="8192", ac="full",
+               compile="yes", float8="yes", float8_allgather="", async_tp="yes")
+    reference = plan_json(plan_arguments(row))
+    global_batch = int(published["local_batch"]) * int(published["dp_shard"])
+    common = ["--as", "torchtitan", "--cluster", H100_500W, "--model.flavor", flavor, "--training.seq_len", "8192",
+              "--training.dtype", "float32", "--compile.enable", "--model.converters", "float8",
+              "--parallelism.enable_async_tensor_parallel"]
+    search = plan_json(["--search", "--gpus", str(gpus), "--top", "3", "--training.global_batch_size", str(global_batch), *common])
+    best = search["best"][0]
+    print(f"\n{flavor} on {gpus} GPUs: published layout {reference['layout']} predicted "
+          f"{reference['tokens_per_second_per_device']:.0f} tokens/s per GPU; recommended {best['layout']} "
+          f"{best['tokens_per_second_per_device']:.0f} ({search['fitting']} of {search['tried']} layouts fit)")
+    assert search["fitting"] > 0 and best["memory"]["fits"]
+    assert best["tokens_per_second_per_device"] >= reference["tokens_per_second_per_device"]
+    degrees = best["degrees"]
+    assert degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"] == gpus
+    ranked = [p["tokens_per_second_per_device"] for p in search["best"]]
+    assert ranked == sorted(ranked, reverse=True)
+
+
+def test_the_plan_and_the_trainer_use_one_memory_estimate(tmp_path):
+    """The trainer's start-up estimate (titan's own execution) and titan plan's allocated memory agree term by
+    term; the trainer adds the process's resident set as `runtime`."""
+    options = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--training.seq_len", "1024",
+               "--activation_checkpoint.mode", "full"]
+    trained = run([binary("titan"), "train", *options, "--job.dump_folder", str(tmp_path), "--training.steps", "1"]).stdout
+    line = re.search(r"Memory estimate for this rank: (.*): [\d.]+ (?:GiB|MiB) of", trained).group(1)
+    logged = {name: float(v) * (1024 if unit == "GiB" else 1)
+              for name, v, unit in re.findall(r"([a-z ]+?) ([\d.]+) (MiB|GiB)(?:, |$)", line)}
+    planned = plan_json(["--cluster", "h100-sxm", "--gpus", "1", *options])
+    terms = {k: v / 2**20 for k, v in planned["memory"]["terms"].items() if v > 0}
+    assert "runtime" in logged
+    logged.pop("runtime")
+    assert sorted(terms) == sorted(logged)
+    for name, mib in terms.items():
+        assert abs(mib - logged[name]) <= max(0.051, 0.001 * mib), (name, mib, logged[name])
+
+
+def test_the_human_report_names_every_term_and_the_bound():
+    out = run([binary("titan"), "plan", "--cluster", "h100-sxm", "--model.flavor", "8B", "--training.seq_len", "8192",
+               "--training.local_batch_size", "1", "--parallelism.data_parallel_shard_degree", "8",
+               "--parallelism.data_parallel_replicate_degree", "2", "--training.dtype", "float32",
+               "--activation_checkpoint.mode", "full", "--compile.enable"]).stdout
+    for needle in ["layout: dp_replicate 2 x dp_shard 8", "(16 ranks)", "parameters", "optimizer", "activations", "logits",
+                   "reserved", "of 74.51 GiB (h100-sxm): fits", "time per step:", "matmuls", "attention",
+                   "memory-bound kernels", "data parallel", "HSDP all-reduce over 2 replicas", "predicted:", "MFU",
+                   "bound by matmuls", "modelled, but titan cannot run it yet: torch.compile"]:
+        assert needle in out, (needle, out)
+    # 405B on one node does not fit; the report says so.
+    too_big = run([binary("titan"), "plan", "--cluster", "h100-sxm", "--model.flavor", "405B",
+                   "--parallelism.data_parallel_shard_degree", "8"]).stdout
+    assert "DOES NOT FIT" in too_big
+
+
+def test_every_builtin_profile_plans_and_pipelines_report_a_bubble():
+    help_text = run([binary("titan"), "plan", "--help"]).stdout
+    names = re.search(r"built-in profile \(([^)]*)\)", help_text).group(1).split(", ")
+    assert {"h100-sxm", "h100-nvl", "h100-pcie", "h200", "a100-80gb", "mi250x-gcd", "mi300x", "gb200", "b200"} <= set(names)
+    for name in names:
+        p = plan_json(["--cluster", name, "--model.flavor", "70B", "--training.seq_len", "8192", "--training.local_batch_size", "8",
+                       "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "8",
+                       "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "1F1B"])
+        assert p["tokens_per_second_per_device"] > 0 and 0 < p["mfu"] < 1, (name, p)
+        # 1F1B over 4 ranks with 8 micro-batches: 3 of 11 slots idle on each rank.
+        assert p["time"]["bubble_fraction"] == pytest.approx(3 / 11), name
+        assert "pipeline bubble" in p["time"]["terms"] and "tensor parallel" in p["time"]["terms"]
+
+
+def test_cluster_profiles_from_toml_and_their_errors(tmp_path):
+    good = tmp_path / "mine.toml"
+    good.write_text('base = "h100-sxm"\nmemory_gb = 40\ndescription = "a smaller H100"\n')
+    p = plan_json(["--cluster", str(good), "--model.flavor", "8B", "--parallelism.data_parallel_shard_degree", "8",
+                   "--training.seq_len", "8192", "--training.local_batch_size", "1"])
+    assert p["cluster"] == "mine" and p["memory"]["device_capacity_bytes"] == 40e9
+
+    def refused(text, *needles):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        result = run([binary("titan"), "plan", "--cluster", str(bad), "--model.flavor", "8B"], check=False)
+        assert result.returncode != 0
+        for needle in needles:
+            assert needle in result.stderr, (needle, result.stderr)
+
+    refused('base = "h100-sxm"\nmemory_gbs = 40\n', "bad.toml:2", 'unknown key "memory_gbs"', "memory_gb")
+    refused("peak_bf16_tflops = 100\n", "bad.toml", "is missing (and no base profile gives it)")
+    refused('base = "h900"\n', 'base = "h900" is not a built-in profile', "h100-sxm")
+    refused('base = "h100-sxm"\nmatmul_efficiency = 1.5\n', "matmul_efficiency must be a fraction")
+    refused('base = "h100-sxm"\ngpus_per_node = "eight"\n', "bad.toml:2", "gpus_per_node must be a positive integer")
+    refused('base = [\n', "bad.toml:", "not valid TOML")
+    missing = run([binary("titan"), "plan", "--cluster", "h1000"], check=False)
+    assert missing.returncode != 0 and "neither a built-in profile" in missing.stderr and "h100-sxm" in missing.stderr
+
+
+def test_command_line_errors():
+    def refused(args, needle):
+        result = run([binary("titan"), "plan", *args], check=False)
+        assert result.returncode != 0 and needle in result.stderr, (args, result.stderr)
+
+    refused([], "titan plan needs --cluster")
+    refused(["--cluster", "h100-sxm", "--parallelism.data_parallel_shard_degree", "-1"], "give --gpus N")
+    refused(["--cluster", "h100-sxm", "--search", "--training.global_batch_size", "8"], "--search needs --gpus")
+    refused(["--cluster", "h100-sxm", "--search", "--gpus", "8"], "--training.global_batch_size")
+    refused(["--cluster", "h100-sxm", "--gpus", "0"], "--gpus \"0\": expected a positive integer")
+    refused(["--cluster", "h100-sxm", "--as", "megatron"], "expected titan (the default) or torchtitan")
+    refused(["--cluster", "h100-sxm", "--gpus", "8", "--parallelism.tensor_parallel_degree", "3"], "8 is not divisible")
