@@ -169,7 +169,7 @@ StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig&
   out.terms.push_back({"attention", attention_seconds, attention_seconds, strprintf("%.3g TFLOP", attention_forward * (1 + kAttentionBackwardRatio + recompute_layers) / 1e12)});
   out.terms.push_back({"memory-bound kernels", memory_bytes / bandwidth, memory_bytes / bandwidth,
                        strprintf("%.3g GB at %s%s", memory_bytes / 1e9, gbs(bandwidth).c_str(), speed.compile ? ", compiled" : "")});
-  out.terms.push_back({"optimizer", optimizer_seconds, optimizer_seconds, strprintf("%.3g M parameters", local_params / 1e6)});
+  out.terms.push_back({"optimizer", optimizer_seconds, optimizer_seconds, strprintf("%.0f M parameters", local_params / 1e6)});
 
   // Links: a group whose ranks fit in one node (tp innermost, then cp, dp_shard, dp_replicate, pp) uses the
   // intra-node link, otherwise each GPU's share of the inter-node network.
