@@ -149,6 +149,12 @@ def test_every_builtin_profile_plans_and_pipelines_report_a_bubble():
         # 1F1B over 4 ranks with 8 micro-batches: 3 of 11 slots idle on each rank.
         assert p["time"]["bubble_fraction"] == pytest.approx(3 / 11), name
         assert "pipeline bubble" in p["time"]["terms"] and "tensor parallel" in p["time"]["terms"]
+        # Per kind of pipeline rank: the first holds the embedding and the most micro-batches, the last the logits;
+        # the busiest-rank figure bounds them all.
+        ranks = {r["kind"]: r for r in p["memory"]["pipeline_ranks"]}
+        assert [ranks[k]["pipeline_rank"] for k in ("first", "middle", "last")] == [0, 2, 3]
+        assert max(r["allocated_bytes"] for r in ranks.values()) <= p["memory"]["allocated_bytes"] * 1.0001
+        assert ranks["first"]["allocated_bytes"] > ranks["middle"]["allocated_bytes"]
 
 
 def test_cluster_profiles_from_toml_and_their_errors(tmp_path):

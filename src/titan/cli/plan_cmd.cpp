@@ -38,11 +38,14 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
   for (const auto& t : p.memory.terms) memory[t.name] = t.bytes;
   nlohmann::ordered_json time = nlohmann::ordered_json::object();
   for (const auto& t : p.time.terms) time[t.name] = {{"seconds", t.seconds}, {"total_seconds", t.total}, {"detail", t.detail}};
+  nlohmann::ordered_json stages = nlohmann::ordered_json::array();
+  for (const auto& r : p.pipeline_ranks) stages.push_back({{"kind", r.kind}, {"pipeline_rank", r.rank}, {"allocated_bytes", r.memory.total()}});
   return {{"layout", p.layout},
           {"degrees", {{"dp_replicate", p.dims.dp_replicate}, {"dp_shard", p.dims.dp_shard}, {"cp", p.dims.cp}, {"tp", p.dims.tp}, {"pp", p.dims.pp}}},
           {"world_size", p.dims.world_size},
           {"memory", {{"terms", memory}, {"allocated_bytes", p.memory.total()}, {"reserved_bytes", p.reserved_bytes},
-                      {"device_bytes", p.device_bytes}, {"device_capacity_bytes", cluster.memory_bytes}, {"fits", p.fits}}},
+                      {"device_bytes", p.device_bytes}, {"device_capacity_bytes", cluster.memory_bytes}, {"fits", p.fits},
+                      {"pipeline_ranks", stages}}},
           {"time", {{"terms", time}, {"bubble_fraction", p.time.bubble_fraction}, {"step_seconds", p.time.step_seconds}}},
           {"tokens_per_second_per_device", p.time.tokens_per_second_per_device},
           {"mfu", p.time.mfu},
@@ -59,6 +62,9 @@ void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
             << strprintf("  %-18s %9.2f GiB (allocator blocks and rounding)\n", "reserved", gib(p.reserved_bytes))
             << strprintf("  %-18s %9.2f GiB of %.2f GiB (%s): %s\n", "with context", gib(p.device_bytes), gib(cluster.memory_bytes),
                          cluster.name.c_str(), p.fits ? "fits" : "DOES NOT FIT");
+  for (const auto& r : p.pipeline_ranks)
+    std::cout << strprintf("  %-18s %9.2f GiB allocated (pipeline rank %lld)\n", (r.kind + " stage").c_str(), gib(r.memory.total()),
+                           static_cast<long long>(r.rank));
   std::cout << strprintf("time per step: %.3f s\n", p.time.step_seconds);
   for (const auto& t : p.time.terms) {
     std::string hidden = t.total > t.seconds * 1.0001 ? strprintf(" (%.3f s in all, the rest hidden)", t.total) : "";

@@ -48,7 +48,7 @@ std::vector<int64_t> divisors(int64_t n) {
 }  // namespace
 
 Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
-               const ClusterProfile& cluster, llama3::Execution execution) {
+               const ClusterProfile& cluster, llama3::Execution execution, bool per_pipeline_rank) {
   Plan plan;
   plan.dims = dims;
   plan.layout = layout_of(dims, config);
@@ -58,10 +58,18 @@ Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, c
   plan.reserved_bytes = plan.memory.total() * (1 + kAllocatorOverhead);
   plan.device_bytes = plan.reserved_bytes + kContextBytes;
   plan.fits = plan.device_bytes <= cluster.memory_bytes;
+  if (dims.pp > 1 && per_pipeline_rank) {
+    std::vector<std::pair<const char*, int64_t>> kinds = {{"first", 0}};
+    if (dims.pp > 2) kinds.push_back({"middle", dims.pp / 2});
+    kinds.push_back({"last", dims.pp - 1});
+    for (const auto& [kind, rank] : kinds)
+      plan.pipeline_ranks.push_back({kind, rank, llama3::estimate_training_memory(args, config, dims, autocast, 0, execution, rank)});
+  }
   plan.time = estimate_step_time(args, config, dims, cluster, execution);
   const Speedups s = speedups_of(config);
-  if (s.float8) plan.not_runnable.push_back("float8 linear layers (model.converters)");
-  if (s.compile) plan.not_runnable.push_back("torch.compile (compile.enable)");
+  static const std::string float8 = "float8 linear layers (model.converters)", compile = "torch.compile (compile.enable)";
+  if (s.float8) plan.not_runnable.push_back(float8);
+  if (s.compile) plan.not_runnable.push_back(compile);
   return plan;
 }
 
@@ -85,41 +93,39 @@ SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConf
         if (global % dp) continue;
         for (int64_t replicate : divisors(dp)) {
           const int64_t shard = dp / replicate;
-          for (int64_t local : divisors(global / dp)) {
-            if (local != global / dp) continue;  // no gradient accumulation: every sequence of the step at once
-            std::vector<std::pair<std::string, int64_t>> pipelines = {{"", 0}};
-            if (pp > 1) {
-              pipelines.clear();
-              for (const std::string schedule : {"1F1B", "Interleaved1F1B", "ZBVZeroBubble"})
-                for (int64_t micro : divisors(local)) pipelines.push_back({schedule, micro});
-            }
-            for (const auto& [mode, option] : ac_modes)
-              for (const auto& [schedule, micro] : pipelines) {
-                config::JobConfig c = base;
-                c.parallelism.tensor_parallel_degree = tp;
-                c.parallelism.pipeline_parallel_degree = pp;
-                c.parallelism.context_parallel_degree = cp;
-                c.parallelism.data_parallel_replicate_degree = replicate;
-                c.parallelism.data_parallel_shard_degree = shard;
-                c.training.local_batch_size = local;
-                c.activation_checkpoint.mode = mode;
-                if (!option.empty()) c.activation_checkpoint.selective_ac_option = option;
-                if (pp > 1) {
-                  c.parallelism.pipeline_parallel_schedule = schedule;
-                  c.parallelism.pipeline_parallel_microbatch_size = micro;
-                }
-                ++result.tried;
-                try {
-                  auto dims = distributed::ParallelDims::from_config(c.parallelism, gpus);
-                  Plan plan = make_plan(args, c, dims, cluster, options.execution);
-                  if (!plan.fits) continue;
-                  ++result.fitting;
-                  plans.push_back(std::move(plan));
-                } catch (const UserError&) {
-                  // a schedule that cannot run this many micro-batches on this many stages
-                }
-              }
+          const int64_t local = global / dp;  // no gradient accumulation: every sequence of the step at once
+          std::vector<std::pair<std::string, int64_t>> pipelines = {{"", 0}};
+          if (pp > 1) {
+            pipelines.clear();
+            for (const std::string schedule : {"1F1B", "Interleaved1F1B", "ZBVZeroBubble"})
+              for (int64_t micro : divisors(local)) pipelines.push_back({schedule, micro});
           }
+          for (const auto& [mode, option] : ac_modes)
+            for (const auto& [schedule, micro] : pipelines) {
+              config::JobConfig c = base;
+              c.parallelism.tensor_parallel_degree = tp;
+              c.parallelism.pipeline_parallel_degree = pp;
+              c.parallelism.context_parallel_degree = cp;
+              c.parallelism.data_parallel_replicate_degree = replicate;
+              c.parallelism.data_parallel_shard_degree = shard;
+              c.training.local_batch_size = local;
+              c.activation_checkpoint.mode = mode;
+              if (!option.empty()) c.activation_checkpoint.selective_ac_option = option;
+              if (pp > 1) {
+                c.parallelism.pipeline_parallel_schedule = schedule;
+                c.parallelism.pipeline_parallel_microbatch_size = micro;
+              }
+              ++result.tried;
+              try {
+                auto dims = distributed::ParallelDims::from_config(c.parallelism, gpus);
+                Plan plan = make_plan(args, c, dims, cluster, options.execution, false);
+                if (!plan.fits) continue;
+                ++result.fitting;
+                plans.push_back(std::move(plan));
+              } catch (const UserError&) {
+                // a schedule that cannot run this many micro-batches on this many stages
+              }
+            }
         }
       }
     }

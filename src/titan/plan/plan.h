@@ -19,12 +19,21 @@ struct Plan {
   double reserved_bytes = 0;    // what the caching allocator holds at the peak (allocated + fragmentation)
   double device_bytes = 0;      // reserved + the CUDA/HIP context and communicator buffers outside it
   bool fits = false;
+  // Under pipeline parallelism, each kind of pipeline rank: the first (embedding), a middle one and the last
+  // (output, logits), with its own layers and micro-batches in flight. `memory` above bounds them all.
+  struct PipelineRank {
+    std::string kind;  // "first", "middle", "last"
+    int64_t rank = 0;
+    llama3::MemoryEstimate memory;
+  };
+  std::vector<PipelineRank> pipeline_ranks;
   StepTime time;
   std::vector<std::string> not_runnable;  // what titan models here but cannot run yet (float8, torch.compile, ...)
 };
 
 Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
-               const ClusterProfile& cluster, llama3::Execution execution = llama3::Execution::titan);
+               const ClusterProfile& cluster, llama3::Execution execution = llama3::Execution::titan,
+               bool per_pipeline_rank = true);  // fill pipeline_ranks (the search skips them)
 
 struct SearchOptions {
   int64_t gpus = 0;

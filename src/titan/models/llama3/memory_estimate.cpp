@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <tuple>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
@@ -134,14 +136,25 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
     // The schedule says how many micro-batches a rank holds at once (1F1B: pp - rank on rank `rank`); the busiest
     // rank's when no rank is given. A schedule that cannot run these numbers is reported by the trainer.
     in_flight = std::min<int64_t>(m, dims.pp * stages_per_rank);
-    try {
-      const auto schedule = distributed::pipeline::Schedule::make(parallelism.pipeline_parallel_schedule, static_cast<int>(dims.pp),
-                                                                  static_cast<int>(stages), static_cast<int>(m));
+    // Per (schedule, ranks, micro-batches): `titan plan --search` asks for the same ones many times.
+    static std::map<std::tuple<std::string, int64_t, int64_t>, std::vector<int>> per_rank_cache;
+    const auto key = std::make_tuple(parallelism.pipeline_parallel_schedule, dims.pp, m);
+    auto it = per_rank_cache.find(key);
+    if (it == per_rank_cache.end()) {
+      std::vector<int> per_rank;
+      try {
+        const auto schedule = distributed::pipeline::Schedule::make(parallelism.pipeline_parallel_schedule, static_cast<int>(dims.pp),
+                                                                    static_cast<int>(stages), static_cast<int>(m));
+        for (int r = 0; r < dims.pp; ++r) per_rank.push_back(schedule.max_in_flight(r));
+      } catch (const UserError&) {
+      }
+      it = per_rank_cache.emplace(key, std::move(per_rank)).first;
+    }
+    if (!it->second.empty()) {
       int most = 0;
       for (int r = 0; r < dims.pp; ++r)
-        if (pipeline_rank < 0 || r == pipeline_rank) most = std::max(most, schedule.max_in_flight(r));
+        if (pipeline_rank < 0 || r == pipeline_rank) most = std::max(most, it->second[static_cast<size_t>(r)]);
       in_flight = most;
-    } catch (const UserError&) {
     }
   }
   // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
