@@ -96,11 +96,11 @@ def test_the_search_recommends_a_layout_at_least_as_fast_as_the_published_one(fl
           f"{reference['tokens_per_second_per_device']:.0f} tokens/s per GPU; recommended {best['layout']} "
           f"{best['tokens_per_second_per_device']:.0f} ({search['fitting']} of {search['tried']} layouts fit)")
     assert search["fitting"] > 0 and best["memory"]["fits"]
-    assert best["tokens_per_second_per_device"] >= reference["tokens_per_second_per_device"]
+    # The published layout is one of those searched; the search finds others predicted clearly faster.
+    assert best["layout"] != reference["layout"]
+    assert best["tokens_per_second_per_device"] >= 1.2 * reference["tokens_per_second_per_device"]
     degrees = best["degrees"]
     assert degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"] == gpus
-    ranked = [p["tokens_per_second_per_device"] for p in search["best"]]
-    assert ranked == sorted(ranked, reverse=True)
 
 
 def test_the_plan_and_the_trainer_use_one_memory_estimate(tmp_path):
@@ -127,7 +127,7 @@ def test_the_human_report_names_every_term_and_the_bound():
                "--parallelism.data_parallel_replicate_degree", "2", "--training.dtype", "float32",
                "--activation_checkpoint.mode", "full", "--compile.enable"]).stdout
     for needle in ["layout: dp_replicate 2 x dp_shard 8", "(16 ranks)", "parameters", "optimizer", "activations", "logits",
-                   "reserved", "of 74.51 GiB (h100-sxm): fits", "time per step:", "matmuls", "attention",
+                   "reserved", "of 80.00 GiB (h100-sxm): fits", "time per step:", "matmuls", "attention",
                    "memory-bound kernels", "data parallel", "HSDP all-reduce over 2 replicas", "predicted:", "MFU",
                    "bound by matmuls", "modelled, but titan cannot run it yet: torch.compile"]:
         assert needle in out, (needle, out)
@@ -159,10 +159,10 @@ def test_every_builtin_profile_plans_and_pipelines_report_a_bubble():
 
 def test_cluster_profiles_from_toml_and_their_errors(tmp_path):
     good = tmp_path / "mine.toml"
-    good.write_text('base = "h100-sxm"\nmemory_gb = 40\ndescription = "a smaller H100"\n')
+    good.write_text('base = "h100-sxm"\nmemory_gib = 40\ndescription = "a smaller H100"\n')
     p = plan_json(["--cluster", str(good), "--model.flavor", "8B", "--parallelism.data_parallel_shard_degree", "8",
                    "--training.seq_len", "8192", "--training.local_batch_size", "1"])
-    assert p["cluster"] == "mine" and p["memory"]["device_capacity_bytes"] == 40e9
+    assert p["cluster"] == "mine" and p["memory"]["device_capacity_bytes"] == 40 * 2**30
 
     def refused(text, *needles):
         bad = tmp_path / "bad.toml"
@@ -172,8 +172,11 @@ def test_cluster_profiles_from_toml_and_their_errors(tmp_path):
         for needle in needles:
             assert needle in result.stderr, (needle, result.stderr)
 
-    refused('base = "h100-sxm"\nmemory_gbs = 40\n', "bad.toml:2", 'unknown key "memory_gbs"', "memory_gb")
-    refused("peak_bf16_tflops = 100\n", "bad.toml", "is missing (and no base profile gives it)")
+    refused('base = "h100-sxm"\nmemory_gb = 40\n', "bad.toml:2", 'unknown key "memory_gb"', "memory_gib")
+    refused("peak_bf16_tflops = 100\n", "bad.toml", "memory_gib", "gpus_per_node", "missing (and no base profile gives them)")
+    refused('base = "h100-sxm"\nmatmul_efficiency = nan\n', "bad.toml:2", "matmul_efficiency must be a finite positive number")
+    refused('base = "h100-sxm"\nmemory_gib = 0\n', "bad.toml:2", "memory_gib must be a finite positive number")
+    refused('base = "h100-sxm"\ngpus_per_node = true\n', "bad.toml:2", "gpus_per_node must be a positive integer")
     refused('base = "h900"\n', 'base = "h900" is not a built-in profile', "h100-sxm")
     refused('base = "h100-sxm"\nmatmul_efficiency = 1.5\n', "matmul_efficiency must be a fraction")
     refused('base = "h100-sxm"\ngpus_per_node = "eight"\n', "bad.toml:2", "gpus_per_node must be a positive integer")
@@ -194,3 +197,11 @@ def test_command_line_errors():
     refused(["--cluster", "h100-sxm", "--gpus", "0"], "--gpus \"0\": expected a positive integer")
     refused(["--cluster", "h100-sxm", "--as", "megatron"], "expected titan (the default) or torchtitan")
     refused(["--cluster", "h100-sxm", "--gpus", "8", "--parallelism.tensor_parallel_degree", "3"], "8 is not divisible")
+    # A pipeline the trainer could not build: 16 stages of Interleaved1F1B for the debug model's 6 layers.
+    refused(["--cluster", "h100-sxm", "--gpus", "8", "--parallelism.pipeline_parallel_degree", "8",
+             "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "16"], "stage")
+    # Nothing fits: --search says so and exits 1, in JSON too.
+    for extra in ([], ["--json"]):
+        result = run([binary("titan"), "plan", "--cluster", "h100-sxm", "--search", "--gpus", "1", "--model.flavor", "405B",
+                      "--training.global_batch_size", "1", *extra], check=False)
+        assert result.returncode == 1, result.stdout

@@ -8,6 +8,7 @@
 #include "titan/common/strings.h"
 #include "titan/config/loader.h"
 #include "titan/models/llama3/args.h"
+#include "titan/models/llama3/pipeline.h"
 #include "titan/plan/plan.h"
 
 namespace titan::cli {
@@ -15,11 +16,12 @@ namespace titan::cli {
 namespace {
 
 const char* kPlanUsage =
-    "usage: titan plan --cluster C [--gpus N] [--json] [--job.config_file FILE] [--section.key value ...]\n"
+    "usage: titan plan --cluster C [--gpus N] [--json] [--as titan|torchtitan] [--job.config_file FILE] [--section.key value ...]\n"
     "       titan plan --search --gpus N --cluster C [--top K] [--json] --model.flavor F --training.seq_len S\n"
     "                  --training.global_batch_size B [...]\n"
     "Predicts a layout's memory per rank, step time, tokens/s per device and MFU on a cluster, from shapes alone;\n"
-    "--search ranks every layout of N GPUs that fits. C: a built-in profile (%s) or a TOML file (docs/plan.md).\n";
+    "--search ranks every layout of N GPUs that fits (--top K of them, default 5). C: a built-in profile (%s) or a\n"
+    "TOML file (docs/plan.md). --as torchtitan predicts torchtitan's execution instead of titan's (docs/plan.md).\n";
 
 double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
 
@@ -128,7 +130,7 @@ int run_plan(const std::vector<std::string>& raw_args) {
       out["best"] = nlohmann::ordered_json::array();
       for (const auto& p : result.best) out["best"].push_back(to_json(p, cluster));
       std::cout << out.dump(2) << "\n";
-      return 0;
+      return result.best.empty() ? 1 : 0;
     }
     std::cout << header << "\n"
               << gpus << " GPUs, global batch " << c.training.global_batch_size << ": " << result.tried << " layouts tried, "
@@ -153,6 +155,8 @@ int run_plan(const std::vector<std::string>& raw_args) {
             par.tensor_parallel_degree * par.pipeline_parallel_degree;
   }
   const auto dims = distributed::ParallelDims::from_config(par, world);
+  // The pipeline's stages and schedule as the trainer would build them: a UserError names what cannot run.
+  if (dims.pp > 1) llama3::plan_stages(model, c, dims.pp);
   const auto p = plan::make_plan(model, c, dims, cluster, execution);
   if (as_json) {
     auto out = to_json(p, cluster);

@@ -2,6 +2,8 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <map>
 
@@ -12,9 +14,9 @@ namespace titan::plan {
 
 namespace {
 
-constexpr double kGB = 1e9, kTera = 1e12;
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0, kGB = 1e9, kTera = 1e12;
 
-ClusterProfile profile(std::string name, std::string description, double bf16_tflops, double fp8_tflops, double memory_gb,
+ClusterProfile profile(std::string name, std::string description, double bf16_tflops, double fp8_tflops, double memory_gib,
                        double bandwidth_gbs, double intra_gbs, double inter_gbs, int64_t per_node, double efficiency,
                        std::string source) {
   ClusterProfile p;
@@ -22,7 +24,7 @@ ClusterProfile profile(std::string name, std::string description, double bf16_tf
   p.description = std::move(description);
   p.peak_bf16_flops = bf16_tflops * kTera;
   p.peak_fp8_flops = fp8_tflops * kTera;
-  p.memory_bytes = memory_gb * kGB;
+  p.memory_bytes = memory_gib * kGiB;
   p.memory_bandwidth = bandwidth_gbs * kGB;
   p.intra_node_bandwidth = intra_gbs * kGB;
   p.inter_node_bandwidth = inter_gbs * kGB;
@@ -35,7 +37,8 @@ ClusterProfile profile(std::string name, std::string description, double bf16_tf
 }  // namespace
 
 const std::vector<ClusterProfile>& builtin_cluster_profiles() {
-  // Peaks, memory and links are the vendors' datasheet figures (dense, no sparsity); inter-node bandwidth is one
+  // Peaks, memory and links are the vendors' datasheet figures (dense, no sparsity; "80GB" of HBM is 80 GiB, of
+  // which the allocator gets slightly less: the context is a term of its own); inter-node bandwidth is one
   // 400 Gb/s NIC per GPU unless stated. matmul_efficiency is the share of the peak that large bf16 GEMMs sustain
   // in published cuBLAS/hipBLASLt measurements (docs/plan.md lists them).
   static const std::vector<ClusterProfile> profiles = {
@@ -91,9 +94,10 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
   };
   const std::map<std::string, Number> numbers = {
       {"peak_bf16_tflops", {&p.peak_bf16_flops, kTera}},      {"peak_fp8_tflops", {&p.peak_fp8_flops, kTera}},
-      {"memory_gb", {&p.memory_bytes, kGB}},                  {"memory_bandwidth_gbs", {&p.memory_bandwidth, kGB}},
+      {"memory_gib", {&p.memory_bytes, kGiB}},                  {"memory_bandwidth_gbs", {&p.memory_bandwidth, kGB}},
       {"intra_node_bandwidth_gbs", {&p.intra_node_bandwidth, kGB}}, {"inter_node_bandwidth_gbs", {&p.inter_node_bandwidth, kGB}},
       {"matmul_efficiency", {&p.matmul_efficiency, 1.0}}};
+  std::vector<std::string> present;
   for (const auto& [key, node] : table) {
     const std::string k(key.str());
     const int line = static_cast<int>(node.source().begin.line);
@@ -104,20 +108,29 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
       (k == "name" ? p.name : k == "description" ? p.description : p.source) = *s;
     } else if (k == "gpus_per_node") {
       auto v = node.value<int64_t>();
-      if (!v || *v < 1) fail(spec, ":", line, ": gpus_per_node must be a positive integer");
+      if (!node.is_integer() || !v || *v < 1) fail(spec, ":", line, ": gpus_per_node must be a positive integer");
       p.gpus_per_node = *v;
     } else if (auto it = numbers.find(k); it != numbers.end()) {
       auto v = node.value<double>();
-      if (!v || *v < 0) fail(spec, ":", line, ": ", k, " must be a non-negative number");
+      // peak_fp8_tflops may be 0 (no float8 matmuls); every other figure must be positive.
+      const bool zero_ok = k == "peak_fp8_tflops";
+      if (!(node.is_integer() || node.is_floating_point()) || !v || !std::isfinite(*v) || *v < 0 || (*v == 0 && !zero_ok))
+        fail(spec, ":", line, ": ", k, zero_ok ? " must be a finite number, 0 or more" : " must be a finite positive number");
       *it->second.target = *v * it->second.scale;
+      present.push_back(k);
     } else {
       std::vector<std::string> keys = {"base", "name", "description", "source", "gpus_per_node"};
       for (const auto& [n, _] : numbers) keys.push_back(n);
       fail(spec, ":", line, ": unknown key ", quote(k), "; known keys: ", join(keys, ", "));
     }
   }
-  for (const auto& [k, n] : numbers)
-    if (*n.target <= 0 && k != "peak_fp8_tflops") fail(spec, ": ", k, " is missing (and no base profile gives it)");
+  if (!table["base"]) {
+    std::vector<std::string> missing;
+    for (const auto& [k, n] : numbers)
+      if (k != "peak_fp8_tflops" && std::find(present.begin(), present.end(), k) == present.end()) missing.push_back(k);
+    if (!table["gpus_per_node"]) missing.push_back("gpus_per_node");
+    if (!missing.empty()) fail(spec, ": ", join(missing, ", "), " missing (and no base profile gives them)");
+  }
   if (p.matmul_efficiency > 1) fail(spec, ": matmul_efficiency must be a fraction of the peak (0 to 1), got ", p.matmul_efficiency);
   return p;
 }

@@ -1,13 +1,16 @@
 #include "titan/plan/plan.h"
 
 #include <algorithm>
+#include <map>
 #include <numeric>
+#include <tuple>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/config/loader.h"
 #include "titan/config/support.h"
 #include "titan/distributed/pipeline/schedule.h"
+#include "titan/models/llama3/pipeline.h"
 
 namespace titan::plan {
 
@@ -82,13 +85,14 @@ SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConf
     fail("titan plan --search needs --training.global_batch_size (sequences per step): the layouts divide it among the data-parallel ranks");
   SearchResult result;
   std::vector<Plan> plans;
+  std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, bool> pipeline_ok;
   const std::vector<std::pair<std::string, std::string>> ac_modes = {{"none", ""}, {"selective", "op"}, {"selective", "2"}, {"full", ""}};
   for (int64_t tp : divisors(gpus)) {
     if (tp > cluster.gpus_per_node || args.n_heads % tp || args.kv_heads() % tp) continue;
     for (int64_t pp : divisors(gpus / tp)) {
       if (pp > 1 && args.n_layers / pp < 1) continue;
       for (int64_t cp : divisors(gpus / tp / pp)) {
-        if (base.training.seq_len % (2 * cp)) continue;
+        if (cp > 1 && base.training.seq_len % (2 * cp)) continue;
         const int64_t dp = gpus / tp / pp / cp;
         if (global % dp) continue;
         for (int64_t replicate : divisors(dp)) {
@@ -117,6 +121,21 @@ SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConf
               }
               ++result.tried;
               try {
+                if (pp > 1) {
+                  // The stages and schedule as the trainer would build them (checked once per combination).
+                  const auto key = std::make_tuple(schedule, pp, micro, local);
+                  auto it = pipeline_ok.find(key);
+                  if (it == pipeline_ok.end()) {
+                    bool ok = true;
+                    try {
+                      llama3::plan_stages(args, c, pp);
+                    } catch (const UserError&) {
+                      ok = false;
+                    }
+                    it = pipeline_ok.emplace(key, ok).first;
+                  }
+                  if (!it->second) continue;
+                }
                 auto dims = distributed::ParallelDims::from_config(c.parallelism, gpus);
                 Plan plan = make_plan(args, c, dims, cluster, options.execution, false);
                 if (!plan.fits) continue;

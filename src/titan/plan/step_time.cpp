@@ -198,7 +198,9 @@ StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig&
   if (dims.dp_replicate > 1) {
     const double rep = static_cast<double>(dims.dp_replicate);
     const double span = rep * shard_group * tp;
-    const double bytes = 2 * (rep - 1) / rep * local_params * 4;
+    // HSDP all-reduces the reduce-scattered shards in mixed_precision_reduce; DDP the whole gradients in their dtype.
+    const double bytes_per_value = shard_group > 1 ? (training.mixed_precision_reduce == "bfloat16" ? 2.0 : 4.0) : p_bytes;
+    const double bytes = 2 * (rep - 1) / rep * local_params * bytes_per_value;
     data_parallel += bytes / link(span);
     dp_detail += cat(dp_detail.empty() ? "" : "; ", shard_group > 1 ? "HSDP" : "DDP", " all-reduce over ",
                      dims.dp_replicate, " replicas, ", strprintf("%.3g GB", bytes / 1e9), ", ", where(span));
@@ -234,11 +236,12 @@ StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig&
   }
 
   // Pipeline: each micro-batch's activations cross every stage boundary forward and their gradients backward;
-  // ranks send to the next node (pp is the outermost mesh dimension).
+  // pp is the outermost mesh dimension, so a boundary crosses nodes unless the job fits in one.
   double p2p = 0;
   if (pipelined) {
     const double message = static_cast<double>(parallelism.pipeline_parallel_microbatch_size) * seq / cp * d * c / tp;
-    const double span = static_cast<double>(dims.world_size) / static_cast<double>(dims.pp) * 2;
+    // Some stage boundary crosses nodes unless the whole job fits in one.
+    const double span = static_cast<double>(dims.world_size);
     const double sends = 2 * static_cast<double>(microbatches * stages_per_rank);
     p2p = sends * message / link(span);
     out.terms.push_back({"pipeline p2p", p2p, p2p, cat(strprintf("%.0f messages of %.3g MB, ", sends, message / 1e6), where(span))});
