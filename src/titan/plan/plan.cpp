@@ -55,8 +55,7 @@ Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, c
   Plan plan;
   plan.dims = dims;
   plan.layout = layout_of(dims, config);
-  const bool autocast = !dims.fsdp_enabled() && config.training.dtype == "float32" &&
-                        config.training.mixed_precision_param == "bfloat16";
+  const bool autocast = llama3::computes_under_autocast(config, dims);
   plan.memory = llama3::estimate_training_memory(args, config, dims, autocast, 0, execution);
   plan.reserved_bytes = plan.memory.total() * (1 + kAllocatorOverhead);
   plan.device_bytes = plan.reserved_bytes + kContextBytes;

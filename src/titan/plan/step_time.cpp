@@ -70,11 +70,7 @@ StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig&
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
   const double d_attn = static_cast<double>(a.n_heads * a.head_dim()), d_kv = static_cast<double>(a.kv_heads() * a.head_dim());
   const double hidden = static_cast<double>(a.ffn_hidden_dim()), seq = static_cast<double>(training.seq_len);
-  const bool fsdp = dims.fsdp_enabled();
-  const double c = fsdp ? (training.dtype == "float32" ? (config.training.mixed_precision_param == "bfloat16" ? 2.0 : 4.0)
-                                                      : (training.dtype == "bfloat16" ? 2.0 : 4.0))
-                        : (training.dtype == "float32" && training.mixed_precision_param == "bfloat16" ? 2.0
-                                                                                                      : training.dtype == "bfloat16" ? 2.0 : 4.0);
+  const double c = llama3::compute_dtype_bytes(config, dims);
   const double p_bytes = training.dtype == "bfloat16" ? 2.0 : 4.0;
 
   // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer

@@ -334,7 +334,7 @@ void Trainer::check_memory(const llama3::ModelArgs& args, const distributed::Par
   // Before anything large is allocated: a job that cannot fit fails here with the numbers, not in the kernel's OOM
   // killer or an allocator abort midway through the first step.
   const config::JobConfig& c = loaded_.config;
-  const bool autocast = !dims.fsdp_enabled() && c.training.dtype == "float32" && c.training.mixed_precision_param == "bfloat16";
+  const bool autocast = llama3::computes_under_autocast(c, dims);
   const double runtime = device_.is_cuda() ? 0.0 : static_cast<double>(metrics::current_rss_bytes());
   const auto estimate = llama3::estimate_training_memory(args, c, dims, autocast, runtime, llama3::Execution::titan,
                                                          mesh_->coordinate("pp"));

@@ -48,6 +48,16 @@ BlockActivations block_activations(const ModelArgs& a, double r, double c, bool 
 
 }  // namespace
 
+bool computes_under_autocast(const config::JobConfig& config, const distributed::ParallelDims& dims) {
+  return !dims.fsdp_enabled() && config.training.dtype == "float32" && config.training.mixed_precision_param == "bfloat16";
+}
+
+double compute_dtype_bytes(const config::JobConfig& config, const distributed::ParallelDims& dims) {
+  const auto& training = config.training;
+  if (dims.fsdp_enabled()) return bytes_of(training.dtype == "float32" ? training.mixed_precision_param : training.dtype);
+  return computes_under_autocast(config, dims) ? 2.0 : bytes_of(training.dtype);
+}
+
 double MemoryEstimate::total() const {
   double sum = 0;
   for (const auto& term : terms) sum += term.bytes;

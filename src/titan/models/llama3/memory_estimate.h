@@ -30,6 +30,12 @@ struct MemoryEstimate {
 // peak instead of titan's compute-dtype copy on top).
 enum class Execution { titan, torchtitan };
 
+// The trainer's mixed-precision rule: without FSDP, float32 parameters with mixed_precision_param = bfloat16 compute
+// under autocast; FSDP gathers the weights in mixed_precision_param instead.
+bool computes_under_autocast(const config::JobConfig& config, const distributed::ParallelDims& dims);
+// Bytes per element of the compute dtype that rule gives (2 for bfloat16, 4 for float32).
+double compute_dtype_bytes(const config::JobConfig& config, const distributed::ParallelDims& dims);
+
 // `autocast`: the trainer computes in bfloat16 under autocast (float32 parameters without FSDP), keeping a bf16
 // copy of every weight for the step. `runtime_bytes`: what the process already holds (LibTorch, buffers) when
 // the estimate is made, added as its own term. `pipeline_rank`: the rank's coordinate on the pipeline dimension
