@@ -1,6 +1,6 @@
 // Test helper: loads Hugging Face-layout weights into titan's Llama 3, runs forward + loss + backward on given
 // tokens (optionally with activation checkpointing) and writes logits, loss and gradients in HF layout.
-// usage: titan_model_probe --flavor F --weights W.safetensors --batch B.safetensors --out O.safetensors
+// usage: titan_model_probe --flavor F|--hf-config config.json --weights W.safetensors --batch B.safetensors --out O.safetensors
 //                          [--ac-mode none|full|selective] [--ac-option N|op] [--autocast-bf16]
 #include <ATen/autocast_mode.h>
 
@@ -9,6 +9,7 @@
 #include "titan/components/checkpoint/safetensors.h"
 #include "titan/components/loss.h"
 #include "titan/config/job_config.h"
+#include "titan/models/llama3/hf_config.h"
 #include "titan/models/llama3/parallelize.h"
 #include "titan/models/llama3/model.h"
 #include "titan/models/llama3/state_dict_adapter.h"
@@ -22,7 +23,9 @@ int main(int argc, char** argv) {
     else if (i + 1 < argc) opt[a] = argv[++i];
   }
   try {
-    auto args = titan::llama3::flavor(opt.at("--flavor"));
+    // The shape: a flavor, or a Hugging Face config.json (--hf-config).
+    auto args = opt.count("--hf-config") ? titan::llama3::read_hf_config(opt.at("--hf-config"))
+                                         : titan::llama3::flavor(opt.at("--flavor"));
     titan::safetensors::File batch(opt.at("--batch"));
     at::Tensor inputs = batch.load("inputs"), labels = batch.load("labels");
     args.max_seq_len = inputs.size(1);

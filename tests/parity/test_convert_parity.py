@@ -104,11 +104,11 @@ def test_training_starts_from_hugging_face_weights(trained, tmp_path, ranks, tp)
 def test_convert_errors_name_the_problem(trained, tmp_path):
     result = run([binary("titan"), "convert", "--from", str(trained), "--to", str(tmp_path / "x"), "--flavor",
                   "debugmodel_gqa"], check=False)
-    assert result.returncode == 2 and "model.layers.0.attention.wk.weight" in result.stderr, result.stderr
+    assert result.returncode == 2 and "n_kv_heads (num_key_value_heads): 16 vs 4" in result.stderr, result.stderr
     hf = tmp_path / "hf"
     run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)])
     result = run([binary("titan"), "convert", "--from", str(hf), "--to", str(tmp_path / "y"), "--flavor", "8B"], check=False)
-    assert result.returncode == 2 and "hidden_size = 256" in result.stderr, result.stderr
+    assert result.returncode == 2 and "dim (hidden_size): 256 vs 4096" in result.stderr, result.stderr
     again = run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)], check=False)
     assert again.returncode == 2 and "already holds weights" in again.stderr
 

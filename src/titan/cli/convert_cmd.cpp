@@ -12,6 +12,7 @@
 #include "titan/components/checkpoint/torch_load.h"
 #include "titan/components/checkpoint/torch_save.h"
 #include "titan/models/llama3/args.h"
+#include "titan/models/llama3/hf_config.h"
 
 namespace titan::cli {
 namespace {
@@ -22,10 +23,10 @@ const char* kConvertUsage =
     "       under titan's (torchtitan's) parameter names, which Python's torch.load reads.\n"
     "  PATH a titan checkpoint step directory (metadata.json): writes a Hugging Face directory (config.json,\n"
     "       model.safetensors or shards + model.safetensors.index.json), q/k rows permuted to HF's RoPE layout;\n"
-    "       dtype defaults to the checkpoint's, the flavor to the one it was saved from.\n"
+    "       dtype defaults to the checkpoint's, the model shape to the one it was saved from.\n"
     "  PATH a Hugging Face directory (config.json + safetensors): writes a model-only titan checkpoint directory\n"
-    "       DIR for checkpoint.initial_load_path (or place it as {folder}/step-0); --flavor is required and must\n"
-    "       match config.json.\n"
+    "       DIR for checkpoint.initial_load_path (or place it as {folder}/step-0); the shape comes from config.json\n"
+    "       (--flavor, when given, must describe the same model, field by field).\n"
     "  PATH Meta's consolidated.00.pth, a folder of consolidated.NN.pth model-parallel shards (merged), or any\n"
     "       torch.save state dict with titan's names: a model-only titan checkpoint directory DIR (--flavor required).\n";
 
@@ -53,6 +54,7 @@ void write_model_only(const std::string& to, const std::string& flavor_name, con
   }
   nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
   metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, flavor_name));
+  metadata["model"] = llama3::args_to_json(model_args);
   checkpoint::commit(partial, to, metadata);
   std::cerr << "wrote titan checkpoint " << to << " (" << flavor_name << ", model only) from " << from << "\n";
 }
@@ -82,9 +84,22 @@ int run_convert(const std::vector<std::string>& args) {
   if (fs::exists(fs::path(from) / "metadata.json")) {
     checkpoint::Reader reader(from);
     const auto& meta = reader.metadata();
-    if (flavor_name.empty()) flavor_name = meta.value("flavor", "");
-    if (flavor_name.empty()) fail(from, ": the checkpoint does not name its flavor; pass --flavor");
-    auto model_args = llama3::flavor(flavor_name);
+    llama3::ModelArgs model_args;
+    if (meta.contains("model")) {
+      // The shape it was trained with; a --flavor must describe the same model.
+      model_args = llama3::args_from_json(meta.at("model"), from + "/metadata.json: model");
+      if (!flavor_name.empty()) {
+        const auto differences = llama3::computation_differences(model_args, llama3::flavor(flavor_name));
+        if (!differences.empty())
+          fail("--flavor ", flavor_name, " is not the model ", from, " holds (checkpoint vs flavor):\n  ", join(differences, "\n  "),
+               "\nleave --flavor out to convert the model as saved");
+      }
+      if (flavor_name.empty()) flavor_name = meta.value("flavor", "custom");
+    } else {
+      if (flavor_name.empty()) flavor_name = meta.value("flavor", "");
+      if (flavor_name.empty()) fail(from, ": the checkpoint does not name its flavor; pass --flavor");
+      model_args = llama3::flavor(flavor_name);
+    }
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     at::ScalarType stored = at::kFloat;
     for (const auto& p : llama3::parameter_shapes(model_args)) {
@@ -112,9 +127,15 @@ int run_convert(const std::vector<std::string>& args) {
     return 0;
   }
   if (fs::exists(fs::path(from) / "config.json")) {
-    if (flavor_name.empty()) fail("converting a Hugging Face directory needs --flavor (the titan model it holds)");
-    auto model_args = llama3::flavor(flavor_name);
-    write_model_only(to, flavor_name, model_args, checkpoint::load_hf(from, model_args), dtype_name, from);
+    // The shape is config.json's; a --flavor is checked against it field by field (load_hf).
+    llama3::ModelArgs model_args = llama3::read_hf_config((fs::path(from) / "config.json").string());
+    if (!flavor_name.empty()) {
+      const int64_t max_seq_len = model_args.max_seq_len;
+      model_args = llama3::flavor(flavor_name);
+      model_args.max_seq_len = max_seq_len;
+    }
+    write_model_only(to, flavor_name.empty() ? "custom" : flavor_name, model_args, checkpoint::load_hf(from, model_args),
+                     dtype_name, from);
     return 0;
   }
   // Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8).

@@ -6,7 +6,7 @@
 #include "titan/cli/commands.h"
 #include "titan/common/strings.h"
 #include "titan/config/loader.h"
-#include "titan/models/llama3/args.h"
+#include "titan/models/llama3/model_config.h"
 
 namespace titan::cli {
 
@@ -24,7 +24,8 @@ int run_estimate(const std::vector<std::string>& raw_args) {
     return 0;
   }
   const auto& c = loaded.config;
-  auto args_model = llama3::flavor(c.model.flavor);
+  const llama3::JobModel job = llama3::job_model(loaded);
+  const auto& args_model = job.args;
   const int64_t params = llama3::count_parameters(args_model);
   const int64_t embedding = llama3::count_embedding_parameters(args_model);
   const double flops = llama3::flops_per_token(args_model, c.training.seq_len);
@@ -33,6 +34,7 @@ int run_estimate(const std::vector<std::string>& raw_args) {
   const double state_bytes = static_cast<double>(params) * bytes_per_value * 4.0;
   if (as_json) {
     nlohmann::ordered_json j = {{"flavor", c.model.flavor},
+                                {"model", job.name},
                                 {"parameters", params},
                                 {"embedding_parameters", embedding},
                                 {"seq_len", c.training.seq_len},
@@ -41,7 +43,7 @@ int run_estimate(const std::vector<std::string>& raw_args) {
     std::cout << j.dump(2) << "\n";
     return 0;
   }
-  std::cout << "model llama3 " << c.model.flavor << ": " << with_thousands(params) << " parameters ("
+  std::cout << "model llama3 " << job.name << ": " << with_thousands(params) << " parameters ("
             << with_thousands(embedding) << " in the embedding)\n"
             << "training FLOPs per token at seq_len " << c.training.seq_len << ": " << strprintf("%.4g", flops) << "\n"
             << "weights + gradients + AdamW state in " << c.training.dtype << ": "

@@ -7,7 +7,7 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/config/loader.h"
-#include "titan/models/llama3/args.h"
+#include "titan/models/llama3/model_config.h"
 #include "titan/models/llama3/pipeline.h"
 #include "titan/plan/plan.h"
 
@@ -120,8 +120,9 @@ int run_plan(const std::vector<std::string>& raw_args) {
   }
   const auto cluster = plan::load_cluster_profile(cluster_spec);
   const auto& c = loaded.config;
-  const auto model = llama3::flavor(c.model.flavor);
-  const std::string header = cat("titan plan: llama3 ", c.model.flavor, ", seq_len ", c.training.seq_len, ", on ",
+  const llama3::JobModel job = llama3::job_model(loaded);
+  const auto& model = job.args;
+  const std::string header = cat("titan plan: llama3 ", job.name, ", seq_len ", c.training.seq_len, ", on ",
                                  cluster.name, " (", cluster.description, ")");
   if (search) {
     const auto result = plan::search_layouts(model, c, cluster, {gpus, top, execution});

@@ -45,6 +45,13 @@ struct Model {
   StringList converters;
   bool print_after_conversion = false;
   std::string attn_mask_type = "causal";  // causal | block_causal (documents in a window do not attend to each other)
+  // titan.cpp additions: any Llama 3-architecture shape. Each key that is set replaces the flavor's value.
+  std::optional<int64_t> dim, n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, hidden_dim, max_seq_len;
+  std::optional<double> ffn_dim_multiplier, norm_eps, rope_theta;
+  std::string rope_scaling = "flavor";  // "flavor" (its own) | "llama3" | "none"
+  std::optional<double> rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor;
+  std::optional<int64_t> rope_original_max_position_embeddings;
+  bool tie_word_embeddings = false;  // replaces the flavor's only when set
 };
 
 struct Optimizer {

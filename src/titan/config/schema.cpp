@@ -138,7 +138,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
 
   b.in("model");
   b.add("name", &c.model.name, "model family to train");
-  b.add("flavor", &c.model.flavor, "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B, ...)");
+  b.add("flavor", &c.model.flavor, "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B, ...; hf: the shape of the Hugging Face config.json loaded by checkpoint.initial_load_in_hf)");
   b.add("hf_assets_path", &c.model.hf_assets_path,
         "directory with tokenizer.json or tokenizer.model (or a tokenizer file); \"builtin\" trains a small BPE on the built-in corpus");
   b.add("tokenizer_path", &c.model.tokenizer_path, "deprecated alias of hf_assets_path");
@@ -147,6 +147,30 @@ std::vector<KeySpec> describe(JobConfig& c) {
           {"causal", "block_causal"});
   b.add("converters", &c.model.converters, "model converters to apply, comma-separated (e.g. float8)");
   b.add("print_after_conversion", &c.model.print_after_conversion, "print the model structure after converters ran");
+  // titan.cpp: the model's shape key by key, over the flavor's (docs/configuration.md, "Model shape").
+  positive(b.add("dim", &c.model.dim, "titan.cpp: model width (HF hidden_size); replaces the flavor's"));
+  positive(b.add("n_layers", &c.model.n_layers, "titan.cpp: transformer blocks (HF num_hidden_layers)"));
+  positive(b.add("n_heads", &c.model.n_heads, "titan.cpp: attention heads (HF num_attention_heads)"));
+  positive(b.add("n_kv_heads", &c.model.n_kv_heads, "titan.cpp: key/value heads for grouped-query attention (HF num_key_value_heads)"));
+  positive(b.add("vocab_size", &c.model.vocab_size, "titan.cpp: embedding and output rows"));
+  positive(b.add("multiple_of", &c.model.multiple_of, "titan.cpp: the feed-forward width is rounded up to a multiple of this"));
+  positive(b.add("ffn_dim_multiplier", &c.model.ffn_dim_multiplier, "titan.cpp: scales the feed-forward width int(8 * dim / 3)"));
+  positive(b.add("hidden_dim", &c.model.hidden_dim,
+                 "titan.cpp: the feed-forward width outright (HF intermediate_size), instead of multiple_of/ffn_dim_multiplier"));
+  positive(b.add("norm_eps", &c.model.norm_eps, "titan.cpp: RMSNorm epsilon (HF rms_norm_eps)"));
+  positive(b.add("rope_theta", &c.model.rope_theta, "titan.cpp: RoPE base frequency"));
+  choices(b.add("rope_scaling", &c.model.rope_scaling,
+                "titan.cpp: RoPE frequency scaling: llama3 (Llama 3.1), none, or the flavor's"),
+          {"flavor", "llama3", "none"});
+  positive(b.add("rope_scaling_factor", &c.model.rope_scaling_factor, "titan.cpp: llama3 RoPE scaling factor (8 for 3.1, 32 for 3.2)"));
+  positive(b.add("rope_low_freq_factor", &c.model.rope_low_freq_factor, "titan.cpp: llama3 RoPE scaling low_freq_factor"));
+  positive(b.add("rope_high_freq_factor", &c.model.rope_high_freq_factor, "titan.cpp: llama3 RoPE scaling high_freq_factor"));
+  positive(b.add("rope_original_max_position_embeddings", &c.model.rope_original_max_position_embeddings,
+                 "titan.cpp: llama3 RoPE scaling original_max_position_embeddings"));
+  b.add("tie_word_embeddings", &c.model.tie_word_embeddings,
+        "titan.cpp: share the embedding with the output projection; replaces the flavor's only when set");
+  positive(b.add("max_seq_len", &c.model.max_seq_len,
+                 "titan.cpp: longest sequence the model is for (HF max_position_embeddings); default training.seq_len"));
 
   b.in("optimizer");
   choices(b.add("name", &c.optimizer.name, "optimizer"), {"AdamW", "Adam"});

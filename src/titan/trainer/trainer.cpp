@@ -15,6 +15,7 @@
 #include "titan/components/metrics/cuda_device.h"
 #include "titan/distributed/checking_communicator.h"
 #include "titan/models/llama3/memory_estimate.h"
+#include "titan/models/llama3/model_config.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/data/builtin.h"
@@ -90,8 +91,8 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
-  llama3::ModelArgs args = llama3::flavor(c.model.flavor);
-  args.max_seq_len = c.training.seq_len;  // as torchtitan: the training sequence length
+  const llama3::JobModel job_model = llama3::job_model(loaded_);
+  const llama3::ModelArgs& args = job_model.args;
   llama3::check_parallelism(args, dims, c);
   if (dims.pp > 1) llama3::plan_stages(args, c, dims.pp);  // stage split and schedule checked before any communication
 
@@ -154,9 +155,9 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   log::info("Tokenizer: ", tokenizer_->description(), "; BOS ", tokenizer_->bos_id() ? std::to_string(*tokenizer_->bos_id()) : "none",
             ", EOS ", tokenizer_->eos_id() ? std::to_string(*tokenizer_->eos_id()) : "none");
   if (tokenizer_->vocab_size() > args.vocab_size)
-    fail("the tokenizer at ", quote(tokenizer_path), " has ", tokenizer_->vocab_size(), " ids but model.flavor ",
-         quote(c.model.flavor), " has vocab_size ", args.vocab_size,
-         "; pick a tokenizer that fits the flavor (model.hf_assets_path) or a flavor with a larger vocabulary");
+    fail("the tokenizer at ", quote(tokenizer_path), " has ", tokenizer_->vocab_size(), " ids but the model (",
+         job_model.name, ") has vocab_size ", args.vocab_size,
+         "; pick a tokenizer that fits (model.hf_assets_path), a flavor with a larger vocabulary or a larger model.vocab_size");
 
   check_memory(args, dims);
 
@@ -168,7 +169,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   model_->move_buffers(device_);
   const int64_t n_params = llama3::count_parameters(args);
   flops_per_token_ = llama3::flops_per_token(args, c.training.seq_len);
-  log::info("Model llama3 ", c.model.flavor, " size: ", with_thousands(n_params), " total parameters; ",
+  log::info("Model llama3 ", job_model.name, " size: ", with_thousands(n_params), " total parameters; ",
             strprintf("%.2f", flops_per_token_ / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
 
   // Mixed precision as torchtitan: FSDP gathers parameters in mixed_precision_param and reduces gradients in

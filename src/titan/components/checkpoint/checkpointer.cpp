@@ -18,6 +18,7 @@
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/hf.h"
+#include "titan/models/llama3/hf_config.h"
 
 namespace titan::checkpoint {
 
@@ -235,6 +236,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
     rank_state["rng"] = rng_state();
   }
   json global = metadata_header(step, model_only, world_size, loaded_.config.model.flavor);
+  global["model"] = llama3::args_to_json(state.model_args);
   if (!model_only) {
     global["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
     global["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};
@@ -403,9 +405,18 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
            dtype_string(p.local.scalar_type()), "; a resumable checkpoint must match training.dtype");
     reader.read_box(key, p.layout.local_box().offsets, p.piece().detach());
   }
-  if (!excluded("model") && meta.at("flavor").get<std::string>() != loaded_.config.model.flavor)
+  if (!excluded("model") && meta.contains("model")) {
+    // Same shapes can still compute differently (RoPE base and scaling, norm epsilon): say so, as long-context
+    // extension changes them on purpose.
+    const auto differences =
+        llama3::computation_differences(llama3::args_from_json(meta.at("model"), directory + "/metadata.json: model"), state.model_args);
+    if (!differences.empty())
+      log::warn("checkpoint ", reader.directory(), " was saved from a model that computes differently than this run's (saved vs now): ",
+                join(differences, "; "));
+  } else if (!excluded("model") && meta.at("flavor").get<std::string>() != loaded_.config.model.flavor) {
     log::warn("checkpoint ", reader.directory(), " was saved from model flavor ", quote(meta.at("flavor").get<std::string>()),
               ", this run uses ", quote(loaded_.config.model.flavor), "; every tensor's shape matches, so it loads");
+  }
   if (model_only) {
     log::info("Loaded model weights from ", reader.directory(), " (model only: training starts at step 1)");
     return true;

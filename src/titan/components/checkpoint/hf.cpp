@@ -7,6 +7,7 @@
 #include "titan/common/files.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/safetensors.h"
+#include "titan/models/llama3/hf_config.h"
 #include "titan/models/llama3/state_dict_adapter.h"
 
 namespace titan::checkpoint {
@@ -15,57 +16,18 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 json hf_config(const llama3::ModelArgs& args, at::ScalarType dtype) {
-  json c;
-  c["architectures"] = {"LlamaForCausalLM"};
-  c["model_type"] = "llama";
-  c["hidden_size"] = args.dim;
-  c["intermediate_size"] = args.ffn_hidden_dim();
-  c["num_hidden_layers"] = args.n_layers;
-  c["num_attention_heads"] = args.n_heads;
-  c["num_key_value_heads"] = args.kv_heads();
-  c["head_dim"] = args.head_dim();
-  c["vocab_size"] = args.vocab_size;
-  c["rms_norm_eps"] = args.norm_eps;
-  c["rope_theta"] = args.rope_theta;
-  c["max_position_embeddings"] = args.max_seq_len;
-  c["tie_word_embeddings"] = args.tie_word_embeddings;
-  c["hidden_act"] = "silu";
-  c["attention_bias"] = false;
-  c["mlp_bias"] = false;
-  c["torch_dtype"] = dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32";
-  if (args.rope_scaling.enabled)
-    c["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", args.rope_scaling.factor},
-                         {"low_freq_factor", args.rope_scaling.low_freq_factor},
-                         {"high_freq_factor", args.rope_scaling.high_freq_factor},
-                         {"original_max_position_embeddings", args.rope_scaling.original_max_position_embeddings}};
-  return c;
+  return llama3::to_hf_config(args, dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32");
 }
 
 void check_hf_config(const std::string& directory, const llama3::ModelArgs& args) {
   const std::string path = directory + "/config.json";
-  std::ifstream in(path);
-  if (!in) fail("no config.json in ", quote(directory), "; expected a Hugging Face model directory");
-  json c;
-  try {
-    c = json::parse(in);
-  } catch (const json::exception& e) {
-    fail(path, ": not valid JSON: ", e.what());
-  }
-  const json want = hf_config(args, at::kFloat);
-  for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                          "num_key_value_heads", "vocab_size"}) {
-    if (!c.contains(key)) {
-      if (std::string(key) == "num_key_value_heads" && c.value("num_attention_heads", 0) == args.kv_heads()) continue;
-      fail(path, ": no ", key);
-    }
-    if (c[key] != want[key])
-      fail(path, ": ", key, " = ", c[key].dump(), ", but the model flavor has ", want[key].dump(),
-           "; choose the matching --model.flavor");
-  }
-  if (c.value("tie_word_embeddings", false) != args.tie_word_embeddings)
-    fail(path, ": tie_word_embeddings = ", c.value("tie_word_embeddings", false) ? "true" : "false",
-         " does not match the model flavor");
+  if (!fs::exists(path)) fail("no config.json in ", quote(directory), "; expected a Hugging Face model directory");
+  const auto differences = llama3::computation_differences(llama3::read_hf_config(path), args);
+  if (differences.empty()) return;
+  fail(path, " describes another model than this run's (config.json vs the configured model):\n  ",
+       join(differences, "\n  "),
+       "\nchoose the matching model.flavor or [model] shape keys, or model.flavor = \"hf\" to take the shape from "
+       "config.json");
 }
 
 void save_hf(const std::string& directory, const llama3::ModelArgs& args,

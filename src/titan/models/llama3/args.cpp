@@ -50,6 +50,7 @@ const std::map<std::string, ModelArgs>& flavors() {
 }  // namespace
 
 int64_t ModelArgs::ffn_hidden_dim() const {
+  if (hidden_dim) return *hidden_dim;
   int64_t hidden = static_cast<int64_t>(2.0 * (4 * dim) / 3.0);
   if (ffn_dim_multiplier) hidden = static_cast<int64_t>(*ffn_dim_multiplier * static_cast<double>(hidden));
   return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
@@ -59,6 +60,17 @@ void ModelArgs::check() const {
   if (dim <= 0 || n_layers <= 0 || n_heads <= 0 || vocab_size <= 0 || multiple_of <= 0)
     fail("model dimensions must be positive (dim ", dim, ", n_layers ", n_layers, ", n_heads ", n_heads, ", vocab_size ",
          vocab_size, ")");
+  if (hidden_dim && *hidden_dim <= 0) fail("the feed-forward hidden_dim must be positive, got ", *hidden_dim);
+  if (ffn_dim_multiplier && !(*ffn_dim_multiplier > 0)) fail("ffn_dim_multiplier must be positive, got ", *ffn_dim_multiplier);
+  if (!(norm_eps > 0)) fail("norm_eps must be positive, got ", norm_eps);
+  if (!(rope_theta > 0)) fail("rope_theta must be positive, got ", rope_theta);
+  if (max_seq_len <= 0) fail("max_seq_len must be positive, got ", max_seq_len);
+  if (rope_scaling.enabled &&
+      (!(rope_scaling.factor > 0) || !(rope_scaling.low_freq_factor > 0) ||
+       !(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor) || rope_scaling.original_max_position_embeddings <= 0))
+    fail("RoPE scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0; got factor ",
+         rope_scaling.factor, ", low_freq_factor ", rope_scaling.low_freq_factor, ", high_freq_factor ",
+         rope_scaling.high_freq_factor, ", original_max_position_embeddings ", rope_scaling.original_max_position_embeddings);
   if (dim % n_heads != 0) fail("model dim ", dim, " is not divisible by n_heads ", n_heads);
   if (head_dim() % 2 != 0) fail("head_dim ", head_dim(), " must be even for rotary embeddings");
   if (kv_heads() <= 0 || n_heads % kv_heads() != 0)

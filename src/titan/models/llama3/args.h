@@ -24,6 +24,7 @@ struct ModelArgs {
   int64_t vocab_size = 128256;
   int64_t multiple_of = 256;
   std::optional<double> ffn_dim_multiplier;
+  std::optional<int64_t> hidden_dim;  // the feed-forward width when given outright (an HF config's intermediate_size)
   double norm_eps = 1e-5;
   double rope_theta = 10000;
   RopeScaling rope_scaling;
@@ -33,7 +34,7 @@ struct ModelArgs {
 
   int64_t kv_heads() const { return n_kv_heads.value_or(n_heads); }
   int64_t head_dim() const { return dim / n_heads; }
-  // int(2 * 4 * dim / 3), times ffn_dim_multiplier, rounded up to a multiple of multiple_of.
+  // hidden_dim when set; else int(2 * 4 * dim / 3), times ffn_dim_multiplier, rounded up to a multiple of multiple_of.
   int64_t ffn_hidden_dim() const;
   // Throws UserError when the dimensions do not fit together (heads dividing dim, GQA grouping, ...).
   void check() const;

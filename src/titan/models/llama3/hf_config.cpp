@@ -1,0 +1,230 @@
+#include "titan/models/llama3/hf_config.h"
+
+#include <fstream>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan::llama3 {
+
+using json = nlohmann::json;
+
+json to_hf_config(const ModelArgs& args, const std::string& torch_dtype) {
+  json c;
+  c["architectures"] = {"LlamaForCausalLM"};
+  c["model_type"] = "llama";
+  c["hidden_size"] = args.dim;
+  c["intermediate_size"] = args.ffn_hidden_dim();
+  c["num_hidden_layers"] = args.n_layers;
+  c["num_attention_heads"] = args.n_heads;
+  c["num_key_value_heads"] = args.kv_heads();
+  c["head_dim"] = args.head_dim();
+  c["vocab_size"] = args.vocab_size;
+  c["rms_norm_eps"] = args.norm_eps;
+  c["rope_theta"] = args.rope_theta;
+  c["max_position_embeddings"] = args.max_seq_len;
+  c["tie_word_embeddings"] = args.tie_word_embeddings;
+  c["hidden_act"] = "silu";
+  c["attention_bias"] = false;
+  c["mlp_bias"] = false;
+  c["torch_dtype"] = torch_dtype;
+  if (args.rope_scaling.enabled)
+    c["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", args.rope_scaling.factor},
+                         {"low_freq_factor", args.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", args.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", args.rope_scaling.original_max_position_embeddings}};
+  else
+    c["rope_scaling"] = nullptr;
+  return c;
+}
+
+namespace {
+
+// Typed field access with errors that name the file and the field.
+struct Fields {
+  const json& object;
+  std::string path;
+
+  const json* find(const std::string& key) const {
+    auto it = object.find(key);
+    return it == object.end() || it->is_null() ? nullptr : &*it;
+  }
+  int64_t integer(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) fail(path, ": no ", key, "; a Llama config.json must give it");
+    return integer_value(key, *v);
+  }
+  int64_t integer_value(const std::string& key, const json& v) const {
+    if (!v.is_number_integer()) fail(path, ": ", key, " must be an integer, got ", v.dump());
+    return v.get<int64_t>();
+  }
+  double number(const std::string& key, double fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number()) fail(path, ": ", key, " must be a number, got ", v->dump());
+    return v->get<double>();
+  }
+  bool boolean(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) fail(path, ": ", key, " must be true or false, got ", v->dump());
+    return v->get<bool>();
+  }
+};
+
+}  // namespace
+
+ModelArgs from_hf_config(const json& config, const std::string& path) {
+  if (!config.is_object()) fail(path, ": expected a JSON object (a Hugging Face config.json)");
+  Fields f{config, path};
+  if (const json* type = f.find("model_type"); type && *type != "llama")
+    fail(path, ": model_type = ", type->dump(), "; titan trains Llama models (model_type \"llama\")");
+  ModelArgs a;
+  a.dim = f.integer("hidden_size");
+  a.n_layers = f.integer("num_hidden_layers");
+  a.n_heads = f.integer("num_attention_heads");
+  a.n_kv_heads = f.find("num_key_value_heads") ? f.integer("num_key_value_heads") : a.n_heads;
+  a.vocab_size = f.integer("vocab_size");
+  a.hidden_dim = f.integer("intermediate_size");
+  a.multiple_of = 1;
+  // LlamaConfig's own defaults where a field is absent: rms_norm_eps 1e-6, rope_theta 10000, untied, no scaling.
+  a.norm_eps = f.number("rms_norm_eps", 1e-6);
+  a.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
+  a.max_seq_len = f.find("max_position_embeddings") ? f.integer("max_position_embeddings") : 2048;
+  if (const json* act = f.find("hidden_act"); act && *act != "silu")
+    fail(path, ": hidden_act = ", act->dump(), "; Llama 3's feed-forward uses \"silu\" (SwiGLU)");
+  for (const char* bias : {"attention_bias", "mlp_bias"})
+    if (f.boolean(bias, false)) fail(path, ": ", bias, " = true; Llama 3 has no biases");
+  if (a.n_heads > 0 && a.dim % a.n_heads == 0 && f.find("head_dim") && f.integer("head_dim") != a.dim / a.n_heads)
+    fail(path, ": head_dim = ", f.integer("head_dim"), ", but titan's attention uses hidden_size / num_attention_heads = ",
+         a.dim / a.n_heads);
+
+  // transformers 5 nests theta and scaling in rope_parameters; earlier versions use rope_theta + rope_scaling.
+  const json* rope = f.find("rope_parameters");
+  if (rope && !rope->is_object()) fail(path, ": rope_parameters must be an object, got ", rope->dump());
+  if (!rope) rope = f.find("rope_scaling");
+  if (rope && !rope->is_object()) fail(path, ": rope_scaling must be an object or null, got ", rope->dump());
+  a.rope_theta = f.number("rope_theta", 10000.0);
+  a.rope_scaling.enabled = false;
+  if (rope) {
+    const std::string field = f.find("rope_parameters") ? "rope_parameters" : "rope_scaling";
+    Fields r{*rope, cat(path, ": ", field)};
+    if (r.find("rope_theta")) a.rope_theta = r.number("rope_theta", a.rope_theta);
+    const json* type = r.find("rope_type");
+    if (!type) type = r.find("type");
+    const std::string kind = type && type->is_string() ? type->get<std::string>() : "default";
+    if (kind == "llama3") {
+      a.rope_scaling.enabled = true;
+      for (const char* key : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        if (!r.find(key)) fail(path, ": ", field, " of type llama3 has no ", key);
+      a.rope_scaling.factor = r.number("factor", 0);
+      a.rope_scaling.low_freq_factor = r.number("low_freq_factor", 0);
+      a.rope_scaling.high_freq_factor = r.number("high_freq_factor", 0);
+      a.rope_scaling.original_max_position_embeddings = r.integer("original_max_position_embeddings");
+    } else if (kind != "default") {
+      fail(path, ": ", field, " type ", quote(kind), " is not supported; titan's RoPE has Llama 3.1 scaling (\"llama3\") or none");
+    }
+  }
+  if (!(a.rope_theta > 0)) fail(path, ": rope_theta must be positive, got ", a.rope_theta);
+  try {
+    a.check();
+  } catch (const UserError& e) {
+    fail(path, ": ", e.what());
+  }
+  return a;
+}
+
+ModelArgs read_hf_config(const std::string& config_json_path) {
+  std::ifstream in(config_json_path);
+  if (!in) fail("cannot read ", quote(config_json_path), "; expected a Hugging Face config.json");
+  json c;
+  try {
+    c = json::parse(in);
+  } catch (const json::exception& e) {
+    fail(config_json_path, ": not valid JSON: ", e.what());
+  }
+  return from_hf_config(c, config_json_path);
+}
+
+std::vector<std::string> computation_differences(const ModelArgs& a, const ModelArgs& b) {
+  std::vector<std::string> out;
+  auto compare = [&](const char* name, auto x, auto y) {
+    if (x != y) out.push_back(cat(name, ": ", x, " vs ", y));
+  };
+  compare("dim (hidden_size)", a.dim, b.dim);
+  compare("n_layers (num_hidden_layers)", a.n_layers, b.n_layers);
+  compare("n_heads (num_attention_heads)", a.n_heads, b.n_heads);
+  compare("n_kv_heads (num_key_value_heads)", a.kv_heads(), b.kv_heads());
+  compare("vocab_size", a.vocab_size, b.vocab_size);
+  compare("feed-forward hidden dim (intermediate_size)", a.ffn_hidden_dim(), b.ffn_hidden_dim());
+  compare("norm_eps (rms_norm_eps)", a.norm_eps, b.norm_eps);
+  compare("rope_theta", a.rope_theta, b.rope_theta);
+  compare("tie_word_embeddings", a.tie_word_embeddings ? "true" : "false", b.tie_word_embeddings ? "true" : "false");
+  compare("rope scaling (rope_scaling)", a.rope_scaling.enabled ? "llama3" : "none", b.rope_scaling.enabled ? "llama3" : "none");
+  if (a.rope_scaling.enabled && b.rope_scaling.enabled) {
+    compare("rope_scaling factor", a.rope_scaling.factor, b.rope_scaling.factor);
+    compare("rope_scaling low_freq_factor", a.rope_scaling.low_freq_factor, b.rope_scaling.low_freq_factor);
+    compare("rope_scaling high_freq_factor", a.rope_scaling.high_freq_factor, b.rope_scaling.high_freq_factor);
+    compare("rope_scaling original_max_position_embeddings", a.rope_scaling.original_max_position_embeddings,
+            b.rope_scaling.original_max_position_embeddings);
+  }
+  return out;
+}
+
+json args_to_json(const ModelArgs& a) {
+  json j = {{"dim", a.dim},
+            {"n_layers", a.n_layers},
+            {"n_heads", a.n_heads},
+            {"n_kv_heads", a.kv_heads()},
+            {"vocab_size", a.vocab_size},
+            {"ffn_hidden_dim", a.ffn_hidden_dim()},
+            {"norm_eps", a.norm_eps},
+            {"rope_theta", a.rope_theta},
+            {"max_seq_len", a.max_seq_len},
+            {"tie_word_embeddings", a.tie_word_embeddings},
+            {"depth_init", a.depth_init}};
+  if (a.rope_scaling.enabled)
+    j["rope_scaling"] = {{"factor", a.rope_scaling.factor},
+                         {"low_freq_factor", a.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", a.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", a.rope_scaling.original_max_position_embeddings}};
+  else
+    j["rope_scaling"] = nullptr;
+  return j;
+}
+
+ModelArgs args_from_json(const json& j, const std::string& where) {
+  if (!j.is_object()) fail(where, ": model arguments must be a JSON object");
+  Fields f{j, where};
+  ModelArgs a;
+  a.dim = f.integer("dim");
+  a.n_layers = f.integer("n_layers");
+  a.n_heads = f.integer("n_heads");
+  a.n_kv_heads = f.integer("n_kv_heads");
+  a.vocab_size = f.integer("vocab_size");
+  a.hidden_dim = f.integer("ffn_hidden_dim");
+  a.multiple_of = 1;
+  a.norm_eps = f.number("norm_eps", a.norm_eps);
+  a.rope_theta = f.number("rope_theta", a.rope_theta);
+  a.max_seq_len = f.integer("max_seq_len");
+  a.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
+  a.depth_init = f.boolean("depth_init", true);
+  const json* rope = f.find("rope_scaling");
+  a.rope_scaling.enabled = rope != nullptr;
+  if (rope) {
+    Fields r{*rope, where + ": rope_scaling"};
+    a.rope_scaling.factor = r.number("factor", a.rope_scaling.factor);
+    a.rope_scaling.low_freq_factor = r.number("low_freq_factor", a.rope_scaling.low_freq_factor);
+    a.rope_scaling.high_freq_factor = r.number("high_freq_factor", a.rope_scaling.high_freq_factor);
+    a.rope_scaling.original_max_position_embeddings = r.integer("original_max_position_embeddings");
+  }
+  try {
+    a.check();
+  } catch (const UserError& e) {
+    fail(where, ": ", e.what());
+  }
+  return a;
+}
+
+}  // namespace titan::llama3

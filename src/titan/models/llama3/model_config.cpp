@@ -1,0 +1,106 @@
+#include "titan/models/llama3/model_config.h"
+
+#include <filesystem>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/models/llama3/hf_config.h"
+
+namespace titan::llama3 {
+
+namespace {
+
+bool is_set(const config::LoadedConfig& loaded, const std::string& key) { return loaded.origins.count(key) > 0; }
+
+// The shape keys that are set, as "key=value" for the log line.
+std::vector<std::string> set_shape_keys(const config::LoadedConfig& loaded) {
+  std::vector<std::string> out;
+  for (const auto& [key, origin] : loaded.origins) {
+    if (!starts_with(key, "model.")) continue;
+    const std::string name = key.substr(6);
+    if (name == "name" || name == "flavor" || name == "hf_assets_path" || name == "tokenizer_path" ||
+        name == "attn_mask_type" || name == "converters" || name == "print_after_conversion")
+      continue;
+    out.push_back(name);
+  }
+  return out;
+}
+
+}  // namespace
+
+ModelArgs apply_shape_keys(ModelArgs a, const config::LoadedConfig& loaded) {
+  const config::Model& m = loaded.config.model;
+  if (m.dim) a.dim = *m.dim;
+  if (m.n_layers) a.n_layers = *m.n_layers;
+  if (m.n_heads) a.n_heads = *m.n_heads;  // without n_kv_heads, a flavor without GQA keeps one per head
+  if (m.n_kv_heads) a.n_kv_heads = *m.n_kv_heads;
+  if (m.vocab_size) a.vocab_size = *m.vocab_size;
+  if (m.multiple_of || m.ffn_dim_multiplier) a.hidden_dim.reset();  // the width is derived again
+  if (m.multiple_of) a.multiple_of = *m.multiple_of;
+  if (m.ffn_dim_multiplier) a.ffn_dim_multiplier = *m.ffn_dim_multiplier;
+  if (m.hidden_dim) a.hidden_dim = *m.hidden_dim;
+  if (m.norm_eps) a.norm_eps = *m.norm_eps;
+  if (m.rope_theta) a.rope_theta = *m.rope_theta;
+  if (m.rope_scaling != "flavor") a.rope_scaling.enabled = m.rope_scaling == "llama3";
+  if (m.rope_scaling_factor) a.rope_scaling.factor = *m.rope_scaling_factor;
+  if (m.rope_low_freq_factor) a.rope_scaling.low_freq_factor = *m.rope_low_freq_factor;
+  if (m.rope_high_freq_factor) a.rope_scaling.high_freq_factor = *m.rope_high_freq_factor;
+  if (m.rope_original_max_position_embeddings)
+    a.rope_scaling.original_max_position_embeddings = *m.rope_original_max_position_embeddings;
+  if (!a.rope_scaling.enabled)
+    for (const char* key : {"model.rope_scaling_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
+                            "model.rope_original_max_position_embeddings"})
+      if (is_set(loaded, key))
+        fail(key, " ", loaded.where(key), " has no effect: RoPE scaling is off (model.rope_scaling = \"none\"",
+             is_set(loaded, "model.rope_scaling") ? "" : " for this flavor", "); set model.rope_scaling = \"llama3\"");
+  if (is_set(loaded, "model.tie_word_embeddings")) a.tie_word_embeddings = m.tie_word_embeddings;
+  const int64_t seq_len = loaded.config.training.seq_len;
+  if (m.max_seq_len && *m.max_seq_len < seq_len)
+    fail("model.max_seq_len = ", *m.max_seq_len, " ", loaded.where("model.max_seq_len"),
+         " is shorter than training.seq_len = ", seq_len, "; the model must cover the training sequences");
+  a.max_seq_len = m.max_seq_len.value_or(seq_len);
+  try {
+    a.check();
+  } catch (const UserError& e) {
+    const auto keys = set_shape_keys(loaded);
+    fail("model shape ", keys.empty() ? cat("of flavor ", quote(m.flavor)) : cat("(", join(keys, ", "), " set over flavor ", quote(m.flavor), ")"),
+         ": ", e.what());
+  }
+  return a;
+}
+
+JobModel job_model(const config::LoadedConfig& loaded) {
+  const config::JobConfig& c = loaded.config;
+  const auto keys = set_shape_keys(loaded);
+  const bool from_hf = c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path;
+  const bool hf_flavor = c.model.flavor == kHfFlavor;
+  if (hf_flavor && !from_hf)
+    fail("model.flavor = \"hf\" ", loaded.where("model.flavor"),
+         " takes the model's shape from the Hugging Face weights the job starts from; set checkpoint.initial_load_path "
+         "to their folder and checkpoint.initial_load_in_hf = true, or name a flavor");
+  if (!from_hf || (is_set(loaded, "model.flavor") && !hf_flavor)) {
+    JobModel out{apply_shape_keys(flavor(c.model.flavor), loaded), c.model.flavor};
+    if (!keys.empty()) out.name = cat(c.model.flavor, " with ", join(keys, ", "), " set");
+    if (from_hf) {
+      // The configured model must compute what the Hugging Face weights were trained to compute.
+      const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
+      const auto differences = computation_differences(read_hf_config(path), out.args);
+      if (!differences.empty())
+        fail(path, " describes another model than model.flavor = ", quote(c.model.flavor), " ", loaded.where("model.flavor"),
+             keys.empty() ? "" : cat(" with ", join(keys, ", ")), " (config.json vs configured):\n  ", join(differences, "\n  "),
+             "\nset model.flavor = \"hf\" to take the whole shape from config.json, or fix the flavor or [model] keys");
+    }
+    return out;
+  }
+  // No flavor named: the Hugging Face config.json is the shape; shape keys set in the config must agree with it.
+  const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
+  const ModelArgs hf = read_hf_config(path);
+  ModelArgs args = apply_shape_keys(hf, loaded);
+  const auto differences = computation_differences(hf, args);
+  if (!differences.empty())
+    fail("[model] keys ", join(keys, ", "), " change the model that ", path, " describes (config.json vs configured):\n  ",
+         join(differences, "\n  "), "\nremove them to train the model the weights belong to");
+  return {args, cat("from ", path)};
+}
+
+}  // namespace titan::llama3
