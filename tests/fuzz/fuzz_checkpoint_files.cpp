@@ -1,15 +1,17 @@
 // libFuzzer harness: checkpoint and weight files titan reads. The first byte picks the reader: safetensors (every
-// tensor loaded), torch.save ZIP + pickle (titan convert's .pt/.pth import), or a titan checkpoint's metadata.json.
+// tensor loaded), torch.save ZIP + pickle (titan convert's .pt/.pth import), a titan checkpoint's metadata.json, a
+// torch DCP .metadata pickle, or a torch DCP data item (one torch.save archive read as a tensor and as a value).
 #include <string>
 
 #include "fuzz_util.h"
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/safetensors.h"
+#include "titan/components/checkpoint/torch_dcp.h"
 #include "titan/components/checkpoint/torch_load.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
-  switch (data[0] % 3) {
+  switch (data[0] % 5) {
     case 0: {
       const std::string path = titan_fuzz::write_file("model.safetensors", data + 1, size - 1);
       titan_fuzz::refusals_allowed([&] {
@@ -21,6 +23,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case 1: {
       const std::string path = titan_fuzz::write_file("weights.pth", data + 1, size - 1);
       titan_fuzz::refusals_allowed([&] { titan::checkpoint::load_torch(path); });
+      break;
+    }
+    case 2: {
+      titan_fuzz::write_file("dcp/.metadata", data + 1, size - 1);
+      titan_fuzz::refusals_allowed([&] { titan::checkpoint::torch_dcp::Reader reader(titan_fuzz::scratch_dir() + "/dcp"); });
+      break;
+    }
+    case 3: {
+      const std::string path = titan_fuzz::write_file("__0_0.distcp", data + 1, size - 1);
+      titan_fuzz::refusals_allowed([&] { titan::checkpoint::load_torch_tensor(path, 0, size - 1); });
+      titan_fuzz::refusals_allowed([&] { titan::checkpoint::load_torch_object(path, 0, size - 1); });
       break;
     }
     default: {

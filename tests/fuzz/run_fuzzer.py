@@ -107,6 +107,16 @@ def seeds_checkpoint_files():
         base = torch.arange(20, dtype=torch.float32)
         torch.save({"w": base[4:16].view(3, 4), "n": torch.ones(3, dtype=torch.bfloat16), "i": torch.tensor([7])}, buffer)
         out.append(b"\x01" + buffer.getvalue())
+        # torch DCP: the .metadata of a small checkpoint, and one data item (a torch.save'd tensor).
+        import tempfile
+        import torch.distributed.checkpoint as dcp
+        with tempfile.TemporaryDirectory() as d:
+            dcp.save({"w": torch.ones(2, 3), "s": torch.tensor(3.0), "n": 5, "e": {"x": [1.5]}}, checkpoint_id=d)
+            with open(os.path.join(d, ".metadata"), "rb") as f:
+                out.append(b"\x02" + f.read())
+        buffer = io.BytesIO()
+        torch.save(torch.arange(6, dtype=torch.bfloat16).view(2, 3).t(), buffer)
+        out.append(b"\x03" + buffer.getvalue())
     except ImportError:
         pass
     meta = {"format": "titan-dcp", "version": 3, "step": 1, "model_only": False, "world_size": 1, "flavor": "debugmodel",
@@ -115,7 +125,7 @@ def seeds_checkpoint_files():
                 {"file": "rank-00000.bin", "offset": 0, "bytes": 56, "box": {"offsets": [0, 0], "lengths": [2, 7]}}]}}}
     rest = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     meta["metadata_crc32"] = zlib.crc32(rest)
-    out.append(b"\x02" + json.dumps(meta, indent=1).encode())
+    out.append(b"\x04" + json.dumps(meta, indent=1).encode())
     return out
 
 

@@ -209,10 +209,10 @@ def test_damaged_torch_save_files_are_refused_by_name(tmp_path):
     top = names[0].split("/")[0]
     for program, needle in [(b"\x80\x02\x8a\x05\x01\x02", "truncated pickle"),
                             (b"\x80\x02\x8a\x09" + bytes(9) + b".", "wider than 64 bits"),
-                            (b"\x80\x02a.", "stack underflow"), (b"\x80\x02(}(K\x01e.", "expected a list to extend"),
+                            (b"\x80\x02a.", "stack underflow"), (b"\x80\x02(}(K\x01e.", "APPENDS to a dict"),
                             (b"\x80\x02h\x05.", "memo key never stored"), (b"\x80\x02}K\x01s.", "stack underflow"),
                             (b"\x80\x02(K\x01t(.", "STOP with a stack other than one value"),
-                            (b"\x80\x02K\x01K\x02\x93.", "expected a module name"),
+                            (b"\x80\x02K\x01K\x02\x93.", "STACK_GLOBAL without two strings"),
                             (b"\x80\x02K\x01.", "top-level object is not a dict")]:
         bad = tmp_path / "bad.pth"
         with zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as z:
@@ -242,7 +242,7 @@ def test_initial_load_path_names_what_it_was_given(tmp_path):
     partial.mkdir()
     (partial / "rank-00000.bin").write_bytes(b"x")
     for path, needle in [(pt, "is a torch.save file (a state dict), not a titan checkpoint folder; `titan convert --from"),
-                         (dcp_dir, "is a torch.distributed.checkpoint (DCP) folder"),
+                         (dcp_dir, "has tensor \"w\", which this run's model does not have"),
                          (hf, "is a Hugging Face model folder; set checkpoint.initial_load_in_hf = true"),
                          (folder, "is a folder of checkpoints; name one of its step-N folders"),
                          (partial, "is incomplete: it has no metadata.json (a save that did not finish)"),

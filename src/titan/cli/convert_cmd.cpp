@@ -1,68 +1,297 @@
-// `titan convert`: titan checkpoints (titan-dcp) to Hugging Face safetensors directories and back.
+// `titan convert`: model weights (and, between titan and torchtitan checkpoints, the training state) from one
+// format into another: titan checkpoints, torch DCP directories (torchtitan's checkpoints), Hugging Face
+// safetensors directories, torch.save files and Meta's consolidated .pth shards.
 #include <algorithm>
 #include <filesystem>
-#include <map>
 #include <iostream>
+#include <map>
 
 #include "titan/cli/commands.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/hf.h"
+#include "titan/components/checkpoint/pickle_writer.h"
+#include "titan/components/checkpoint/torch_dcp.h"
 #include "titan/components/checkpoint/torch_load.h"
 #include "titan/components/checkpoint/torch_save.h"
+#include "titan/components/checkpoint/torchtitan_checkpoint.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/llama3/hf_config.h"
 
 namespace titan::cli {
 namespace {
 
-const char* kConvertUsage =
-    "usage: titan convert --from PATH --to DIR [--flavor F] [--dtype float32|bfloat16|float16] [--max-shard-mb N]\n"
-    "  PATH a titan checkpoint step directory and --to FILE.pt (or .pth): a torch.save file of the model's weights\n"
-    "       under titan's (torchtitan's) parameter names, which Python's torch.load reads.\n"
-    "  PATH a titan checkpoint step directory (metadata.json): writes a Hugging Face directory (config.json,\n"
-    "       model.safetensors or shards + model.safetensors.index.json), q/k rows permuted to HF's RoPE layout;\n"
-    "       dtype defaults to the checkpoint's, the model shape to the one it was saved from.\n"
-    "  PATH a Hugging Face directory (config.json + safetensors): writes a model-only titan checkpoint directory\n"
-    "       DIR for checkpoint.initial_load_path (or place it as {folder}/step-0); the shape comes from config.json\n"
-    "       (--flavor, when given, must describe the same model, field by field).\n"
-    "  PATH Meta's consolidated.00.pth, a folder of consolidated.NN.pth model-parallel shards (merged), or any\n"
-    "       torch.save state dict with titan's names: a model-only titan checkpoint directory DIR (--flavor required).\n";
+namespace fs = std::filesystem;
 
-// A model-only titan checkpoint directory at `to` from full tensors under titan names.
-void write_model_only(const std::string& to, const std::string& flavor_name, const llama3::ModelArgs& model_args,
-                      const std::map<std::string, at::Tensor>& weights, const std::string& dtype_name,
-                      const std::string& from) {
-  namespace fs = std::filesystem;
-  for (const auto& p : llama3::parameter_shapes(model_args)) {
-    auto it = weights.find(p.name);
-    if (it == weights.end()) fail(quote(from), ": no tensor ", quote(p.name), " (is it a ", flavor_name, " model?)");
-    if (it->second.sizes().vec() != p.shape)
-      fail(quote(from), ": ", quote(p.name), " has shape ", it->second.sizes(), ", flavor ", flavor_name, " expects ",
+const char* kConvertUsage =
+    "usage: titan convert --from PATH --to PATH [--format titan|hf|dcp|pt] [--flavor F] [--dtype float32|bfloat16|float16]\n"
+    "                     [--max-shard-mb N]\n"
+    "  --from: a titan checkpoint step directory (metadata.json), a torch DCP directory (.metadata: torchtitan's\n"
+    "          checkpoints), a Hugging Face directory (config.json + safetensors), Meta's consolidated.00.pth or a\n"
+    "          folder of consolidated.NN.pth model-parallel shards, or any torch.save state dict with titan's names.\n"
+    "  --format of --to: titan (a model-only titan checkpoint directory, for checkpoint.initial_load_path), hf (a\n"
+    "          Hugging Face directory: config.json, model.safetensors or shards + index), dcp (a torch DCP directory in\n"
+    "          torchtitan's layout: the weights, and from a full titan checkpoint the AdamW state, step and LR schedule\n"
+    "          too), pt (a torch.save file of the weights). Default: pt when --to ends in .pt/.pth, hf from a titan\n"
+    "          checkpoint, titan from anything else.\n"
+    "  --flavor: the model's shape where the source does not record it (torch DCP, .pth); titan checkpoints and\n"
+    "          Hugging Face directories carry theirs, and a --flavor given is compared with it field by field.\n"
+    "  --dtype: of the written weights (default: as stored).\n";
+
+// What is read from the source: the weights under titan's names, and the training state where it has one.
+struct Source {
+  std::string description;  // for messages
+  std::string flavor_name;
+  llama3::ModelArgs args;
+  std::vector<std::pair<std::string, at::Tensor>> weights;  // in parameter order
+  at::ScalarType stored = at::kFloat;
+  bool training_state = false;
+  std::map<std::string, at::Tensor> exp_avg, exp_avg_sq;
+  std::map<std::string, double> optimizer_steps;
+  int64_t step = 0, tokens_seen = 0, lr_completed = 0;
+  nlohmann::json optimizer_settings;  // titan checkpoints from this version on
+};
+
+llama3::ModelArgs flavor_for(const std::string& flavor_name, const std::string& what) {
+  if (flavor_name.empty()) fail(what, " does not record the model's shape; pass --flavor (the titan model it holds)");
+  return llama3::flavor(flavor_name);
+}
+
+// Every parameter from `get(name, shape)`, checked against the shape the arguments give.
+template <typename Get>
+void take_weights(Source& s, Get&& get) {
+  for (const auto& p : llama3::parameter_shapes(s.args)) {
+    at::Tensor t = get(p.name);
+    if (!t.defined()) fail(s.description, ": no tensor ", quote(p.name), " (is it a ", s.flavor_name, " model?)");
+    if (t.sizes().vec() != p.shape)
+      fail(s.description, ": ", quote(p.name), " has shape ", t.sizes(), ", the model (", s.flavor_name, ") expects ",
            at::IntArrayRef(p.shape));
+    s.stored = t.scalar_type();
+    s.weights.emplace_back(p.name, t);
   }
+}
+
+Source read_titan(const std::string& from, const std::string& flavor_name) {
+  checkpoint::Reader reader(from);
+  const auto& meta = reader.metadata();
+  Source s;
+  s.description = "titan checkpoint " + from;
+  if (meta.contains("model")) {
+    // The shape it was trained with; a --flavor must describe the same model.
+    s.args = llama3::args_from_json(meta.at("model"), from + "/metadata.json: model");
+    if (!flavor_name.empty()) {
+      const auto differences = llama3::computation_differences(s.args, llama3::flavor(flavor_name));
+      if (!differences.empty())
+        fail("--flavor ", flavor_name, " is not the model ", from, " holds (checkpoint vs flavor):\n  ", join(differences, "\n  "),
+             "\nleave --flavor out to convert the model as saved");
+    }
+    s.flavor_name = flavor_name.empty() ? meta.value("flavor", "custom") : flavor_name;
+  } else {
+    s.flavor_name = flavor_name.empty() ? meta.value("flavor", "") : flavor_name;
+    s.args = flavor_for(s.flavor_name, from);
+  }
+  auto read = [&](const std::string& key) -> at::Tensor {
+    if (!reader.contains(key)) return {};
+    const auto& entry = reader.tensors().at(key);
+    at::Tensor full = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
+    reader.read_box(key, std::vector<int64_t>(entry.shape.size(), 0), full);  // whatever layout saved it
+    return full;
+  };
+  take_weights(s, [&](const std::string& name) { return read("model." + name); });
+  if (!meta.value("model_only", false) && meta.contains("optimizer")) {
+    s.training_state = true;
+    for (const auto& [name, step] : meta.at("optimizer").at("steps").items()) {
+      s.optimizer_steps[name] = step.get<double>();
+      s.exp_avg[name] = read("optimizer.exp_avg." + name);
+      s.exp_avg_sq[name] = read("optimizer.exp_avg_sq." + name);
+      if (!s.exp_avg[name].defined() || !s.exp_avg_sq[name].defined())
+        fail(s.description, ": optimizer state of ", quote(name), " is missing");
+    }
+    s.step = meta.at("train_state").at("step").get<int64_t>();
+    s.tokens_seen = meta.at("train_state").at("tokens_seen").get<int64_t>();
+    s.lr_completed = meta.at("lr_scheduler").at("completed").get<int64_t>();
+    s.optimizer_settings = meta.value("optimizer_settings", nlohmann::json());
+  }
+  return s;
+}
+
+Source read_torch_dcp(const std::string& from, const std::string& flavor_name) {
+  checkpoint::torch_dcp::Reader reader(from);
+  Source s;
+  s.description = "torch DCP checkpoint " + from;
+  s.flavor_name = flavor_name;
+  s.args = flavor_for(flavor_name, s.description);
+  take_weights(s, [&](const std::string& name) { return reader.has_tensor(name) ? reader.read(name) : at::Tensor(); });
+  return s;
+}
+
+Source read_hf(const std::string& from, const std::string& flavor_name) {
+  // The shape is config.json's; a --flavor is checked against it field by field (load_hf).
+  Source s;
+  s.description = "Hugging Face model " + from;
+  s.args = llama3::read_hf_config((fs::path(from) / "config.json").string());
+  s.flavor_name = flavor_name.empty() ? "custom" : flavor_name;
+  if (!flavor_name.empty()) {
+    const int64_t max_seq_len = s.args.max_seq_len;
+    s.args = llama3::flavor(flavor_name);
+    s.args.max_seq_len = max_seq_len;
+  }
+  auto weights = checkpoint::load_hf(from, s.args);
+  take_weights(s, [&](const std::string& name) { return weights.count(name) ? weights.at(name) : at::Tensor(); });
+  return s;
+}
+
+// Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8).
+Source read_pth(const std::vector<std::string>& parts, const std::string& from, const std::string& flavor_name) {
+  Source s;
+  s.description = parts.size() == 1 ? parts[0] : from;
+  s.flavor_name = flavor_name;
+  s.args = flavor_for(flavor_name, s.description);
+  std::vector<std::map<std::string, at::Tensor>> shards;
+  for (const auto& part : parts) {
+    shards.push_back(checkpoint::load_torch(part));
+    shards.back().erase("rope.freqs");  // Llama 2's precomputed RoPE table: not a parameter
+  }
+  std::map<std::string, at::Tensor> weights;
+  if (shards.size() == 1) {
+    weights = std::move(shards[0]);
+  } else {
+    // Meta's model parallelism: the embedding and the row-parallel projections (wo, w2) are split along dim 1,
+    // the column-parallel ones (wq, wk, wv, w1, w3, output) along dim 0; norms are replicated.
+    for (const auto& [name, first] : shards[0]) {
+      std::vector<at::Tensor> pieces;
+      for (size_t i = 0; i < shards.size(); ++i) {
+        auto it = shards[i].find(name);
+        if (it == shards[i].end()) fail(quote(parts[i]), ": no tensor ", quote(name), " (shards of different models?)");
+        pieces.push_back(it->second);
+      }
+      if (first.dim() == 1) {
+        weights[name] = first;
+      } else {
+        const bool dim1 = name == "tok_embeddings.weight" || ends_with(name, ".attention.wo.weight") ||
+                          ends_with(name, ".feed_forward.w2.weight");
+        weights[name] = at::cat(pieces, dim1 ? 1 : 0);
+      }
+    }
+  }
+  take_weights(s, [&](const std::string& name) { return weights.count(name) ? weights.at(name) : at::Tensor(); });
+  return s;
+}
+
+void write_titan(const Source& s, const std::string& to) {
   if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new directory so nothing is overwritten");
   const std::string partial = to + ".partial";
   fs::remove_all(partial);
   fs::create_directories(partial);
   checkpoint::RankWriter writer(partial, 0);
-  for (const auto& p : llama3::parameter_shapes(model_args)) {
-    at::Tensor t = weights.at(p.name);
-    if (!dtype_name.empty()) t = t.to(checkpoint::parse_dtype(dtype_name, "--dtype"));
-    writer.add("model." + p.name, t, std::vector<int64_t>(p.shape.size(), 0), p.shape);
-  }
+  for (const auto& [name, t] : s.weights) writer.add("model." + name, t, std::vector<int64_t>(t.dim(), 0), t.sizes().vec());
   nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
-  metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, flavor_name));
-  metadata["model"] = llama3::args_to_json(model_args);
+  metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, s.flavor_name));
+  metadata["model"] = llama3::args_to_json(s.args);
   checkpoint::commit(partial, to, metadata);
-  std::cerr << "wrote titan checkpoint " << to << " (" << flavor_name << ", model only) from " << from << "\n";
+  std::cerr << "wrote titan checkpoint " << to << " (" << s.flavor_name << ", model only) from " << s.description << "\n";
+}
+
+std::string pickled_int(int64_t v) {
+  pickle::Writer p;
+  p.integer(v);
+  p.stop();
+  return p.out;
+}
+
+std::string pickled_float(double v) {
+  pickle::Writer p;
+  p.real(v);
+  p.stop();
+  return p.out;
+}
+
+// torchtitan's layout (torchtitan_checkpoint.h): model weights at the top level; with the training state also the
+// AdamW state and param_groups as torch.optim keeps them, the LR schedule (a LambdaLR) and the train state.
+void write_dcp(const Source& s, const std::string& to) {
+  namespace tt = checkpoint::torchtitan;
+  using checkpoint::torch_dcp::ObjectToWrite;
+  using checkpoint::torch_dcp::TensorToWrite;
+  std::vector<TensorToWrite> tensors;
+  std::vector<ObjectToWrite> objects;
+  for (const auto& [name, t] : s.weights) tensors.push_back({name, {name}, t});
+  if (s.training_state) {
+    const auto& o = s.optimizer_settings;
+    if (o.is_null())
+      fail(s.description, " was saved by an older titan that did not record the optimizer's settings; export the "
+           "weights only (a model-only checkpoint) or save again with this version");
+    auto object = [&](const std::string& group, const std::string& key, std::string program) {
+      objects.push_back({group + "." + key, {group, key}, std::move(program)});
+    };
+    object("train_state", "step", pickled_int(s.step));
+    object("train_state", "ntokens_seen", pickled_int(s.tokens_seen));
+    const double lr = o.at("lr").get<double>(), initial_lr = o.at("initial_lr").get<double>();
+    // LambdaLR's state_dict (its lr_lambdas are functions: not saved).
+    object("lr_scheduler", "last_epoch", pickled_int(s.lr_completed));
+    object("lr_scheduler", "_step_count", pickled_int(s.lr_completed + 1));
+    pickle::Writer flag;
+    flag.boolean(false);
+    flag.stop();
+    object("lr_scheduler", "_is_initial", flag.out);
+    object("lr_scheduler", "_get_lr_called_within_step", flag.out);
+    for (const char* key : {"base_lrs", "_last_lr"}) {
+      pickle::Writer p;
+      p.op(']');
+      p.real(std::string(key) == "base_lrs" ? initial_lr : lr);
+      p.op('a');
+      p.stop();
+      object("lr_scheduler", key, p.out);
+    }
+    const std::string implementation = o.at("implementation").get<std::string>();
+    for (const auto& [name, t] : s.weights) {
+      if (!s.optimizer_steps.count(name)) continue;
+      for (const auto& [field, value] : {std::pair{"exp_avg", s.exp_avg.at(name)}, std::pair{"exp_avg_sq", s.exp_avg_sq.at(name)}})
+        tensors.push_back({tt::optimizer_key(name, field), {"optimizer", "state." + name + "." + field}, value});
+      tensors.push_back({tt::optimizer_key(name, "step"), {"optimizer", "state." + name + ".step"},
+                         at::scalar_tensor(s.optimizer_steps.at(name), at::kFloat)});
+      // torch.optim.AdamW's param_group, one per parameter in the flattened layout.
+      auto group = [&](const std::string& key, std::string program) {
+        objects.push_back({"optimizer.param_groups." + name + "." + key, {"optimizer", "param_groups." + name + "." + key},
+                           std::move(program)});
+      };
+      auto boolean = [](std::optional<bool> v) {
+        pickle::Writer p;
+        if (v) p.boolean(*v);
+        else p.none();
+        p.stop();
+        return p.out;
+      };
+      group("lr", pickled_float(lr));
+      pickle::Writer betas;
+      betas.mark();
+      betas.real(o.at("beta1").get<double>());
+      betas.real(o.at("beta2").get<double>());
+      betas.op('t');
+      betas.stop();
+      group("betas", betas.out);
+      group("eps", pickled_float(o.at("eps").get<double>()));
+      group("weight_decay", pickled_float(o.at("weight_decay").get<double>()));
+      group("amsgrad", boolean(false));
+      group("maximize", boolean(false));
+      group("foreach", implementation == "foreach" ? boolean(true) : implementation == "for-loop" ? boolean(false) : boolean(std::nullopt));
+      group("capturable", boolean(false));
+      group("differentiable", boolean(false));
+      group("fused", implementation == "fused" ? boolean(true) : boolean(std::nullopt));
+      group("decoupled_weight_decay", boolean(o.at("name").get<std::string>() == "AdamW"));
+      group("initial_lr", pickled_float(initial_lr));
+    }
+  }
+  checkpoint::torch_dcp::write_checkpoint(to, tensors, objects);
+  std::cerr << "wrote torch DCP checkpoint " << to << " (" << s.flavor_name << ", "
+            << (s.training_state ? cat("step ", s.step, ": model, optimizer, LR schedule, train state") : "model only")
+            << ") from " << s.description << "\n";
 }
 
 }  // namespace
 
 int run_convert(const std::vector<std::string>& args) {
-  std::string from, to, flavor_name, dtype_name;
+  std::string from, to, flavor_name, dtype_name, format;
   int64_t max_shard_mb = 5000;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -76,111 +305,58 @@ int run_convert(const std::vector<std::string>& args) {
     else if (a == "--to") to = v;
     else if (a == "--flavor") flavor_name = v;
     else if (a == "--dtype") dtype_name = v;
+    else if (a == "--format") format = v;
     else if (a == "--max-shard-mb") max_shard_mb = std::stoll(v);
     else fail("unknown option ", quote(a), " for `titan convert`\n", kConvertUsage);
   }
   if (from.empty() || to.empty()) fail("`titan convert` needs --from and --to\n", kConvertUsage);
-  namespace fs = std::filesystem;
+  if (!format.empty() && format != "titan" && format != "hf" && format != "dcp" && format != "pt")
+    fail("--format ", quote(format), ": expected titan, hf, dcp or pt");
+
+  Source source;
+  bool from_titan = false;
   if (fs::exists(fs::path(from) / "metadata.json")) {
-    checkpoint::Reader reader(from);
-    const auto& meta = reader.metadata();
-    llama3::ModelArgs model_args;
-    if (meta.contains("model")) {
-      // The shape it was trained with; a --flavor must describe the same model.
-      model_args = llama3::args_from_json(meta.at("model"), from + "/metadata.json: model");
-      if (!flavor_name.empty()) {
-        const auto differences = llama3::computation_differences(model_args, llama3::flavor(flavor_name));
-        if (!differences.empty())
-          fail("--flavor ", flavor_name, " is not the model ", from, " holds (checkpoint vs flavor):\n  ", join(differences, "\n  "),
-               "\nleave --flavor out to convert the model as saved");
-      }
-      if (flavor_name.empty()) flavor_name = meta.value("flavor", "custom");
-    } else {
-      if (flavor_name.empty()) flavor_name = meta.value("flavor", "");
-      if (flavor_name.empty()) fail(from, ": the checkpoint does not name its flavor; pass --flavor");
-      model_args = llama3::flavor(flavor_name);
+    source = read_titan(from, flavor_name);
+    from_titan = true;
+  } else if (checkpoint::torch_dcp::is_checkpoint(from)) {
+    source = read_torch_dcp(from, flavor_name);
+  } else if (fs::exists(fs::path(from) / "config.json")) {
+    source = read_hf(from, flavor_name);
+  } else {
+    std::vector<std::string> parts;
+    if (fs::is_directory(from)) {
+      for (const auto& e : fs::directory_iterator(from))
+        if (e.path().filename().string().starts_with("consolidated.") && e.path().extension() == ".pth") parts.push_back(e.path().string());
+      std::sort(parts.begin(), parts.end());
+    } else if (fs::is_regular_file(from) && (ends_with(from, ".pth") || ends_with(from, ".pt"))) {
+      parts = {from};
     }
-    std::vector<std::pair<std::string, at::Tensor>> tensors;
-    at::ScalarType stored = at::kFloat;
-    for (const auto& p : llama3::parameter_shapes(model_args)) {
-      const std::string key = "model." + p.name;
-      if (!reader.contains(key)) fail(from, ": no tensor ", quote(key), " (is it a ", flavor_name, " checkpoint?)");
-      const auto& entry = reader.tensors().at(key);
-      if (entry.shape != p.shape) fail(from, ": ", key, " has another shape than flavor ", flavor_name, " expects");
-      at::Tensor full = at::empty(p.shape, at::TensorOptions().dtype(entry.dtype));
-      reader.read_box(key, std::vector<int64_t>(p.shape.size(), 0), full);  // whatever layout saved it
-      stored = entry.dtype;
-      tensors.emplace_back(p.name, full);
-    }
-    const at::ScalarType dtype = dtype_name.empty() ? stored : checkpoint::parse_dtype(dtype_name, "--dtype");
-    if (ends_with(to, ".pt") || ends_with(to, ".pth")) {
-      if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new file name so nothing is overwritten");
-      for (auto& [name, t] : tensors) t = t.to(dtype);
-      checkpoint::save_torch(to, tensors);
-      std::cerr << "wrote torch.save file " << to << " (" << tensors.size() << " tensors, "
-                << checkpoint::dtype_string(dtype) << ") from " << from << "\n";
-      return 0;
-    }
-    checkpoint::save_hf(to, model_args, tensors, dtype, max_shard_mb * 1000 * 1000);
-    std::cerr << "wrote Hugging Face model " << to << " (" << flavor_name << ", " << checkpoint::dtype_string(dtype)
-              << ") from " << from << "\n";
-    return 0;
+    if (parts.empty())
+      fail(quote(from), " is neither a titan checkpoint directory (metadata.json), a torch DCP one (.metadata), a "
+           "Hugging Face one (config.json) nor .pth files");
+    source = read_pth(parts, from, flavor_name);
   }
-  if (fs::exists(fs::path(from) / "config.json")) {
-    // The shape is config.json's; a --flavor is checked against it field by field (load_hf).
-    llama3::ModelArgs model_args = llama3::read_hf_config((fs::path(from) / "config.json").string());
-    if (!flavor_name.empty()) {
-      const int64_t max_seq_len = model_args.max_seq_len;
-      model_args = llama3::flavor(flavor_name);
-      model_args.max_seq_len = max_seq_len;
-    }
-    write_model_only(to, flavor_name.empty() ? "custom" : flavor_name, model_args, checkpoint::load_hf(from, model_args),
-                     dtype_name, from);
-    return 0;
+  if (!dtype_name.empty()) {
+    const at::ScalarType dtype = checkpoint::parse_dtype(dtype_name, "--dtype");
+    for (auto& [name, t] : source.weights) t = t.to(dtype);
+    source.stored = dtype;
   }
-  // Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8).
-  std::vector<std::string> parts;
-  if (fs::is_directory(from)) {
-    for (const auto& e : fs::directory_iterator(from))
-      if (e.path().filename().string().starts_with("consolidated.") && e.path().extension() == ".pth") parts.push_back(e.path().string());
-    std::sort(parts.begin(), parts.end());
-  } else if (fs::is_regular_file(from) && (ends_with(from, ".pth") || ends_with(from, ".pt"))) {
-    parts = {from};
+  if (format.empty()) format = ends_with(to, ".pt") || ends_with(to, ".pth") ? "pt" : from_titan ? "hf" : "titan";
+  if (format == "pt") {
+    if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new file name so nothing is overwritten");
+    checkpoint::save_torch(to, source.weights);
+    std::cerr << "wrote torch.save file " << to << " (" << source.weights.size() << " tensors, "
+              << checkpoint::dtype_string(source.stored) << ") from " << source.description << "\n";
+  } else if (format == "hf") {
+    checkpoint::save_hf(to, source.args, source.weights, source.stored, max_shard_mb * 1000 * 1000);
+    std::cerr << "wrote Hugging Face model " << to << " (" << source.flavor_name << ", "
+              << checkpoint::dtype_string(source.stored) << ") from " << source.description << "\n";
+  } else if (format == "dcp") {
+    write_dcp(source, to);
+  } else {
+    write_titan(source, to);
   }
-  if (!parts.empty()) {
-    if (flavor_name.empty()) fail("converting .pth files needs --flavor (the titan model they hold)");
-    auto model_args = llama3::flavor(flavor_name);
-    std::vector<std::map<std::string, at::Tensor>> shards;
-    for (const auto& part : parts) {
-      shards.push_back(checkpoint::load_torch(part));
-      shards.back().erase("rope.freqs");  // Llama 2's precomputed RoPE table: not a parameter
-    }
-    std::map<std::string, at::Tensor> weights;
-    if (shards.size() == 1) {
-      weights = std::move(shards[0]);
-    } else {
-      // Meta's model parallelism: the embedding and the row-parallel projections (wo, w2) are split along dim 1,
-      // the column-parallel ones (wq, wk, wv, w1, w3, output) along dim 0; norms are replicated.
-      for (const auto& [name, first] : shards[0]) {
-        std::vector<at::Tensor> pieces;
-        for (size_t i = 0; i < shards.size(); ++i) {
-          auto it = shards[i].find(name);
-          if (it == shards[i].end()) fail(quote(parts[i]), ": no tensor ", quote(name), " (shards of different models?)");
-          pieces.push_back(it->second);
-        }
-        if (first.dim() == 1) {
-          weights[name] = first;
-        } else {
-          const bool dim1 = name == "tok_embeddings.weight" || ends_with(name, ".attention.wo.weight") ||
-                            ends_with(name, ".feed_forward.w2.weight");
-          weights[name] = at::cat(pieces, dim1 ? 1 : 0);
-        }
-      }
-    }
-    write_model_only(to, flavor_name, model_args, weights, dtype_name, parts.size() == 1 ? parts[0] : from);
-    return 0;
-  }
-  fail(quote(from), " is neither a titan checkpoint directory (metadata.json) nor a Hugging Face one (config.json)");
+  return 0;
 }
 
 }  // namespace titan::cli

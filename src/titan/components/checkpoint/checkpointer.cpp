@@ -18,6 +18,7 @@
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/hf.h"
+#include "titan/components/checkpoint/torch_dcp.h"
 #include "titan/models/llama3/hf_config.h"
 
 namespace titan::checkpoint {
@@ -124,7 +125,8 @@ std::optional<int64_t> Checkpointer::latest_complete_step(const std::string& roo
   if (!fs::is_directory(root, ec)) return best;
   for (const auto& e : fs::directory_iterator(root)) {
     auto step = step_of(e.path());
-    if (step && fs::exists(e.path() / "metadata.json") && (!best || *step > *best)) best = step;
+    const bool complete = fs::exists(e.path() / "metadata.json") || torch_dcp::is_checkpoint(e.path().string());
+    if (step && complete && (!best || *step > *best)) best = step;
   }
   return best;
 }
@@ -240,6 +242,11 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
   if (!model_only) {
     global["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
     global["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};
+    // What an export to torchtitan's layout needs for its optimizer's param_groups (titan convert --format dcp).
+    const auto& o = loaded_.config.optimizer;
+    global["optimizer_settings"] = {{"name", o.name}, {"lr", state.optimizer.lr()}, {"initial_lr", o.lr},
+                                    {"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps},
+                                    {"weight_decay", o.weight_decay}, {"implementation", o.implementation}};
   }
   const std::string what = cat(final_dir.string(), model_only ? cat(" (model only, ", config_.export_dtype, ")") : std::string());
 
@@ -323,7 +330,7 @@ bool Checkpointer::load(CheckpointedState& state) {
         // titan writes every save as step-N.partial and renames it when complete: this one did not finish.
         log::warn("removing incomplete checkpoint ", path.string(), " (a save that did not finish)");
         fs::remove_all(path, ec);
-      } else if (step_of(path) && !fs::exists(path / "metadata.json")) {
+      } else if (step_of(path) && !fs::exists(path / "metadata.json") && !torch_dcp::is_checkpoint(path.string())) {
         // Not something titan left (its saves become step-N only once complete): keep it, out of the way.
         fs::path aside = path.string() + ".quarantined";
         for (int k = 2; fs::exists(aside); ++k) aside = path.string() + ".quarantined" + std::to_string(k);
@@ -339,7 +346,8 @@ bool Checkpointer::load(CheckpointedState& state) {
   std::optional<int64_t> step;
   if (config_.load_step >= 0) {
     step = config_.load_step;
-    if (!fs::exists(fs::path(root_) / ("step-" + std::to_string(*step)) / "metadata.json"))
+    const fs::path dir = fs::path(root_) / ("step-" + std::to_string(*step));
+    if (!fs::exists(dir / "metadata.json") && !torch_dcp::is_checkpoint(dir.string()))
       fail("checkpoint.load_step = ", *step, ": no complete checkpoint ", (fs::path(root_) / ("step-" + std::to_string(*step))).string());
   } else {
     step = latest_complete_step(root_);
@@ -351,12 +359,15 @@ bool Checkpointer::load(CheckpointedState& state) {
         load_hf_weights(state, path);
         return true;
       }
+      if (torch_dcp::is_checkpoint(path)) return load_torch_dcp(state, path, config_.initial_load_model_only);
       return load_directory(state, path, config_.initial_load_model_only);
     }
     log::info("No checkpoint in ", root_, "; training starts from scratch");
     return false;
   }
-  return load_directory(state, (fs::path(root_) / ("step-" + std::to_string(*step))).string(), false);
+  const std::string directory = (fs::path(root_) / ("step-" + std::to_string(*step))).string();
+  if (!fs::exists(fs::path(directory) / "metadata.json")) return load_torch_dcp(state, directory, false);  // torchtitan's
+  return load_directory(state, directory, false);
 }
 
 void Checkpointer::load_hf_weights(CheckpointedState& state, const std::string& directory) {

@@ -40,8 +40,9 @@ class Checkpointer {
   Checkpointer(const config::LoadedConfig& loaded, const distributed::DeviceMesh& mesh);
   ~Checkpointer();
 
-  // Removes incomplete saves and loads checkpoint.load_step (-1: the newest complete one); when the folder has none,
-  // checkpoint.initial_load_path (a titan checkpoint directory, or with initial_load_in_hf a Hugging Face one).
+  // Removes incomplete saves and loads checkpoint.load_step (-1: the newest complete one, titan's or a torchtitan
+  // step-N torch DCP directory); when the folder has none, checkpoint.initial_load_path (a titan checkpoint
+  // directory, a torch DCP one, or with initial_load_in_hf a Hugging Face one).
   // Returns whether anything was loaded. Collective.
   bool load(CheckpointedState& state);
   // torchtitan's rule: every `interval` steps, the first step when enable_first_step_checkpoint, and the last.
@@ -64,6 +65,9 @@ class Checkpointer {
   void purge(int64_t newest_step);
   bool load_directory(CheckpointedState& state, const std::string& directory, bool weights_only);
   void load_hf_weights(CheckpointedState& state, const std::string& directory);
+  // torchtitan's checkpoints (torch DCP directories): weights, and unless weights_only the AdamW state, step,
+  // token count and LR schedule (checkpointer_torch_dcp.cpp).
+  bool load_torch_dcp(CheckpointedState& state, const std::string& directory, bool weights_only);
   const config::LoadedConfig& loaded_;
   const config::Checkpoint& config_;
   const distributed::DeviceMesh& mesh_;

@@ -211,9 +211,9 @@ namespace {
     fail(quote(where), " is a file, not a titan checkpoint folder (step-N/ with metadata.json)");
   }
   if (fs::exists(p / ".metadata") || has([](const fs::path& f) { return f.extension() == ".distcp"; }))
-    fail(quote(where), " is a torch.distributed.checkpoint (DCP) folder, as torchtitan saves; titan does not read DCP yet. "
-         "Load its weights into torchtitan and save them as Hugging Face safetensors (or a .pt state dict), then use "
-         "checkpoint.initial_load_in_hf = true (or titan convert)");
+    fail(quote(where), " is a torch.distributed.checkpoint (DCP) folder, as torchtitan saves; titan loads it as "
+         "checkpoint.initial_load_path, or as a step-N folder in checkpoint.folder, or `titan convert --from ", where,
+         " --to <folder> --flavor <flavor>` converts its weights");
   if (fs::exists(p / "config.json") && has([](const fs::path& f) { return f.extension() == ".safetensors"; }))
     fail(quote(where), " is a Hugging Face model folder; set checkpoint.initial_load_in_hf = true to start from it, or ", convert);
   if (has([](const fs::path& f) { return f.extension() == ".pth" || f.extension() == ".pt"; }))

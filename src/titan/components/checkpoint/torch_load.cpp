@@ -3,14 +3,16 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
-#include <variant>
+#include <optional>
 #include <vector>
 
 #include <zlib.h>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/components/checkpoint/pickle.h"
 
 namespace titan::checkpoint {
 
@@ -30,11 +32,17 @@ struct ZipRecord {
 
 class ZipReader {
  public:
-  explicit ZipReader(const std::string& path) : path_(path) {
-    file_ = std::fopen(path.c_str(), "rb");
-    if (!file_) fail("cannot open ", quote(path), ": ", std::strerror(errno));
+  // The archive in bytes [base, base + length) of the file (a torch DCP data file holds one per item).
+  explicit ZipReader(const std::string& file, uint64_t base = 0, uint64_t length = UINT64_MAX)
+      : path_(base == 0 && length == UINT64_MAX ? file : cat(file, " at byte ", base)), base_(base) {
+    const std::string& path = path_;
+    file_ = std::fopen(file.c_str(), "rb");
+    if (!file_) fail("cannot open ", quote(file), ": ", std::strerror(errno));
     fseeko(file_, 0, SEEK_END);
-    const uint64_t size = static_cast<uint64_t>(ftello(file_));
+    const uint64_t file_size = static_cast<uint64_t>(ftello(file_));
+    if (base > file_size || (length != UINT64_MAX && length > file_size - base))
+      fail(quote(path), ": the file ends at byte ", file_size, ", before the ", length, "-byte archive expected there");
+    const uint64_t size = length == UINT64_MAX ? file_size - base : length;
     size_ = size;
     if (size < 22) fail(quote(path), ": not a torch.save ZIP archive (", size, " bytes)");
     const uint64_t tail = std::min<uint64_t>(size, 65536 + 22);
@@ -114,7 +122,8 @@ class ZipReader {
     fail(quote(path_), ": no record ", quote(suffix), " in the archive");
   }
   void read_at(uint64_t offset, void* out, uint64_t n) const {
-    if (fseeko(file_, static_cast<off_t>(offset), SEEK_SET) != 0 || std::fread(out, 1, n, file_) != n)
+    if (offset > size_ || n > size_ - offset || fseeko(file_, static_cast<off_t>(base_ + offset), SEEK_SET) != 0 ||
+        std::fread(out, 1, n, file_) != n)
       fail(quote(path_), ": truncated (cannot read ", n, " bytes at ", offset, ")");
   }
   // A record's bytes, checked against the CRC-32 its central directory entry holds.
@@ -134,277 +143,71 @@ class ZipReader {
 
  private:
   std::string path_;
-  uint64_t size_ = 0;
+  uint64_t base_ = 0, size_ = 0;
   FILE* file_ = nullptr;
   std::map<std::string, ZipRecord> records_;
 };
 
-// --- a pickle interpreter for torch.save's dicts of tensors ---
-struct Value;
-using ValuePtr = std::shared_ptr<Value>;
-struct Global {
-  std::string module, name;
-};
-struct TensorRef {
+// --- torch.save's pickle: tensors are torch._utils._rebuild_tensor_v2(storage, offset, sizes, strides, ...) calls
+// whose storage is a persistent id ('storage', <dtype>Storage, key, location, numel) naming the record data/<key>.
+struct TensorRecord {
   std::string storage_key;
   at::ScalarType dtype;
   int64_t offset;
   std::vector<int64_t> sizes, strides;
 };
-struct Storage {
-  std::string key;
-  at::ScalarType dtype;
-};
-struct Value {
-  std::variant<std::monostate, bool, int64_t, double, std::string, std::vector<ValuePtr>, Global, Storage, TensorRef,
-               std::vector<std::pair<ValuePtr, ValuePtr>>>
-      v;
-  bool is_list = false;
-};
-
-ValuePtr make(auto x) {
-  auto p = std::make_shared<Value>();
-  p->v = std::move(x);
-  return p;
-}
 
 at::ScalarType storage_dtype(const std::string& name, const std::string& path) {
   static const std::map<std::string, at::ScalarType> types = {
       {"FloatStorage", at::kFloat}, {"BFloat16Storage", at::kBFloat16}, {"HalfStorage", at::kHalf},
-      {"DoubleStorage", at::kDouble}, {"LongStorage", at::kLong}, {"IntStorage", at::kInt}, {"ByteStorage", at::kByte}};
+      {"DoubleStorage", at::kDouble}, {"LongStorage", at::kLong}, {"IntStorage", at::kInt}, {"ShortStorage", at::kShort},
+      {"CharStorage", at::kChar}, {"ByteStorage", at::kByte}, {"BoolStorage", at::kBool}};
   auto it = types.find(name);
   if (it == types.end()) fail(quote(path), ": unsupported storage type torch.", name);
   return it->second;
 }
 
-using Dict = std::vector<std::pair<ValuePtr, ValuePtr>>;
-using Items = std::vector<ValuePtr>;
+using pickle::Value;
+using Kind = pickle::Value::Kind;
 
-// The value's alternative T, or an error: malformed or hostile pickles must not reach std::get's exception.
-template <typename T>
-T& as(const ValuePtr& v, const std::string& path, const char* what) {
-  if (!v || !std::holds_alternative<T>(v->v)) fail(quote(path), ": malformed pickle (expected ", what, ")");
-  return std::get<T>(v->v);
+int64_t integer(const pickle::Ptr& v, const std::string& path, const char* what) {
+  if (!v || !v->is(Kind::integer)) fail(quote(path), ": malformed tensor record (expected ", what, ")");
+  return v->integer;
 }
 
-std::vector<int64_t> int_tuple(const ValuePtr& v, const std::string& path) {
+std::vector<int64_t> int_tuple(const pickle::Ptr& v, const std::string& path) {
+  if (!v || !v->is(Kind::tuple)) fail(quote(path), ": malformed tensor record (expected a tuple of sizes or strides)");
   std::vector<int64_t> out;
-  for (const auto& item : as<Items>(v, path, "a tuple of sizes or strides")) out.push_back(as<int64_t>(item, path, "an integer size or stride"));
+  for (const auto& item : v->items) out.push_back(integer(item, path, "an integer size or stride"));
   return out;
 }
 
-ValuePtr unpickle(const std::string& data, const std::string& path) {
-  std::vector<ValuePtr> stack;
-  std::vector<size_t> marks;
-  std::map<uint64_t, ValuePtr> memo;
-  size_t p = 0;
-  auto malformed = [&](const char* what) { fail(quote(path), ": malformed pickle (", what, " at byte ", p, ")"); };
-  auto need = [&](size_t n) {
-    if (n > data.size() - p) fail(quote(path), ": truncated pickle");
-  };
-  auto pop = [&] {
-    if (stack.empty() || (!marks.empty() && stack.size() <= marks.back())) malformed("stack underflow");
-    ValuePtr v = stack.back();
-    stack.pop_back();
-    return v;
-  };
-  auto top = [&]() -> ValuePtr& {
-    if (stack.empty()) malformed("stack underflow");
-    return stack.back();
-  };
-  auto pop_mark = [&] {
-    if (marks.empty()) malformed("no mark");
-    size_t m = marks.back();
-    marks.pop_back();
-    std::vector<ValuePtr> items(stack.begin() + static_cast<std::ptrdiff_t>(m), stack.end());
-    stack.resize(m);
-    return items;
-  };
-  auto line = [&] {
-    size_t end = data.find('\n', p);
-    if (end == std::string::npos) fail(quote(path), ": truncated pickle");
-    std::string s = data.substr(p, end - p);
-    p = end + 1;
-    return s;
-  };
-  auto u = [&](int n) {
-    need(static_cast<size_t>(n));
-    uint64_t v = le(reinterpret_cast<const unsigned char*>(data.data() + p), n);
-    p += static_cast<size_t>(n);
-    return v;
-  };
-  auto str = [&](uint64_t n) {
-    need(n);
-    std::string s = data.substr(p, n);
-    p += n;
-    return s;
-  };
-  auto memo_get = [&](uint64_t key) {
-    auto it = memo.find(key);
-    if (it == memo.end()) malformed("memo key never stored");
-    return it->second;
-  };
-  while (true) {
-    need(1);
-    const unsigned char op = static_cast<unsigned char>(data[p++]);
-    switch (op) {
-      case 0x80: u(1); break;                   // PROTO
-      case 0x95: u(8); break;                   // FRAME
-      case '.': {                               // STOP
-        if (stack.size() != 1 || !marks.empty()) malformed("STOP with a stack other than one value");
-        return stack.back();
-      }
-      case '}': stack.push_back(make(Dict{})); break;
-      case ']': {
-        auto v = make(Items{});
-        v->is_list = true;
-        stack.push_back(v);
-        break;
-      }
-      case ')': stack.push_back(make(Items{})); break;
-      case '(': marks.push_back(stack.size()); break;
-      case 'N': stack.push_back(make(std::monostate{})); break;
-      case 0x88: stack.push_back(make(true)); break;
-      case 0x89: stack.push_back(make(false)); break;
-      case 'J': stack.push_back(make(static_cast<int64_t>(static_cast<int32_t>(u(4))))); break;
-      case 'K': stack.push_back(make(static_cast<int64_t>(u(1)))); break;
-      case 'M': stack.push_back(make(static_cast<int64_t>(u(2)))); break;
-      case 0x8a: {  // LONG1: little-endian two's complement of n bytes
-        const size_t n = u(1);
-        if (n > 8) malformed("an integer wider than 64 bits");
-        need(n);
-        uint64_t v = 0;
-        for (size_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(data[p + i])) << (8 * i);
-        if (n > 0 && n < 8 && (static_cast<unsigned char>(data[p + n - 1]) & 0x80)) v |= ~uint64_t{0} << (8 * n);
-        p += n;
-        stack.push_back(make(static_cast<int64_t>(v)));
-        break;
-      }
-      case 'G': {
-        need(8);
-        uint64_t bits = 0;
-        for (int i = 0; i < 8; ++i) bits = (bits << 8) | static_cast<unsigned char>(data[p + i]);
-        p += 8;
-        double d;
-        std::memcpy(&d, &bits, 8);
-        stack.push_back(make(d));
-        break;
-      }
-      case 'X': stack.push_back(make(str(u(4)))); break;
-      case 0x8c: stack.push_back(make(str(u(1)))); break;
-      case 'c': {
-        std::string module = line();
-        std::string name = line();
-        stack.push_back(make(Global{module, name}));
-        break;
-      }
-      case 0x93: {  // STACK_GLOBAL
-        auto name = pop(), module = pop();
-        stack.push_back(make(Global{as<std::string>(module, path, "a module name"), as<std::string>(name, path, "a name")}));
-        break;
-      }
-      case 'q': memo[u(1)] = top(); break;
-      case 'r': memo[u(4)] = top(); break;
-      case 0x94: memo[memo.size()] = top(); break;
-      case 'h': stack.push_back(memo_get(u(1))); break;
-      case 'j': stack.push_back(memo_get(u(4))); break;
-      case 't': stack.push_back(make(pop_mark())); break;
-      case 0x85: {
-        auto a = pop();
-        stack.push_back(make(Items{a}));
-        break;
-      }
-      case 0x86: {
-        auto b = pop(), a = pop();
-        stack.push_back(make(Items{a, b}));
-        break;
-      }
-      case 0x87: {
-        auto c = pop(), b = pop(), a = pop();
-        stack.push_back(make(Items{a, b, c}));
-        break;
-      }
-      case 'a': {
-        auto v = pop();
-        as<Items>(top(), path, "a list to append to").push_back(v);
-        break;
-      }
-      case 'e': {
-        auto items = pop_mark();
-        auto& list = as<Items>(top(), path, "a list to extend");
-        list.insert(list.end(), items.begin(), items.end());
-        break;
-      }
-      case 's': {
-        auto value = pop(), key = pop();
-        as<Dict>(top(), path, "a dict to set an item of").emplace_back(key, value);
-        break;
-      }
-      case 'u': {
-        auto items = pop_mark();
-        if (items.size() % 2) malformed("SETITEMS with an odd number of values");
-        auto& dict = as<Dict>(top(), path, "a dict to set items of");
-        for (size_t i = 0; i + 1 < items.size(); i += 2) dict.emplace_back(items[i], items[i + 1]);
-        break;
-      }
-      case 'Q': {  // BINPERSID: ('storage', <storage type>, key, location, numel)
-        auto& id = as<Items>(pop(), path, "a persistent id tuple");
-        if (id.size() < 3 || !std::holds_alternative<Global>(id[1]->v)) fail(quote(path), ": unexpected persistent id");
-        stack.push_back(make(Storage{as<std::string>(id[2], path, "a storage key"), storage_dtype(std::get<Global>(id[1]->v).name, path)}));
-        break;
-      }
-      case 'R': {  // REDUCE
-        auto args = pop();
-        auto callable = pop();
-        if (!std::holds_alternative<Global>(callable->v)) fail(quote(path), ": unsupported pickle (REDUCE on a non-global)");
-        const Global g = std::get<Global>(callable->v);
-        const auto& a = as<Items>(args, path, "an argument tuple");
-        if (g.module == "torch._utils" && g.name == "_rebuild_tensor_v2") {
-          if (a.size() < 4 || !std::holds_alternative<Storage>(a[0]->v)) fail(quote(path), ": malformed tensor record");
-          const Storage& s = std::get<Storage>(a[0]->v);
-          stack.push_back(make(TensorRef{s.key, s.dtype, as<int64_t>(a[1], path, "a storage offset"), int_tuple(a[2], path),
-                                         int_tuple(a[3], path)}));
-        } else if (g.module == "collections" && g.name == "OrderedDict") {
-          stack.push_back(make(Dict{}));
-        } else {
-          fail(quote(path), ": unsupported object ", g.module, ".", g.name,
-               " in the pickle; expected a dict of tensors (a state dict)");
-        }
-        break;
-      }
-      case 'b': pop(); break;  // BUILD (OrderedDict metadata): ignored
-      default:
-        fail(quote(path), ": unsupported pickle opcode 0x", strprintf("%02x", op), " at byte ", p - 1,
-             "; expected a torch.save state dict");
-    }
-  }
+// The tensor `v` stands for, or nothing when it is not a tensor.
+std::optional<TensorRecord> tensor_record(const Value& v, const std::string& path) {
+  if (!v.is_object("torch._utils", "_rebuild_tensor_v2")) return std::nullopt;
+  const auto& a = v.items;
+  if (a.size() < 4 || !a[0]->is(Kind::persistent)) fail(quote(path), ": malformed tensor record");
+  const pickle::Ptr& id = a[0]->items.at(0);
+  if (!id->is(Kind::tuple) || id->items.size() < 3 || !id->items[1]->is(Kind::global) || !id->items[2]->is(Kind::string))
+    fail(quote(path), ": unexpected persistent id (expected ('storage', <type>, key, location, numel))");
+  return TensorRecord{id->items[2]->text, storage_dtype(id->items[1]->name, path), integer(a[1], path, "a storage offset"),
+                      int_tuple(a[2], path), int_tuple(a[3], path)};
 }
 
-}  // namespace
-
-std::map<std::string, at::Tensor> load_torch(const std::string& path) {
-  ZipReader zip(path);
-  const ZipRecord& pkl = zip.find("data.pkl");
-  std::string data(pkl.size, '\0');
-  zip.read_record(pkl, data.data());
-  ValuePtr root = unpickle(data, path);
-  if (!std::holds_alternative<Dict>(root->v))
-    fail(quote(path), ": the pickle's top-level object is not a dict (a state dict was expected)");
-  std::map<std::string, at::Tensor> out;
-  std::map<std::string, at::Tensor> storages;  // each storage read (and CRC-checked) once, however many views it has
-  for (const auto& [key, value] : std::get<Dict>(root->v)) {
-    if (!std::holds_alternative<std::string>(key->v) || !std::holds_alternative<TensorRef>(value->v)) continue;
-    const std::string& name = std::get<std::string>(key->v);
-    const TensorRef& t = std::get<TensorRef>(value->v);
-    const ZipRecord& record = zip.find("data/" + t.storage_key);
+// Reads tensors out of one archive; each storage is read (and CRC-checked) once, however many views it has.
+class TensorMaterializer {
+ public:
+  TensorMaterializer(const ZipReader& zip, const std::string& path) : zip_(zip), path_(path) {}
+  at::Tensor operator()(const TensorRecord& t, const std::string& name) {
+    const ZipRecord& record = zip_.find("data/" + t.storage_key);
     const int64_t element = static_cast<int64_t>(c10::elementSize(t.dtype));
     if (record.size % static_cast<uint64_t>(element) != 0)
-      fail(quote(path), ": storage ", quote(t.storage_key), " of tensor ", quote(name), " has ", record.size,
+      fail(quote(path_), ": storage ", quote(t.storage_key), " of tensor ", quote(name), " has ", record.size,
            " bytes, not a whole number of ", c10::toString(t.dtype), " elements");
-    at::Tensor& storage = storages[t.storage_key];
+    at::Tensor& storage = storages_[t.storage_key];
     if (!storage.defined() || storage.scalar_type() != t.dtype) {
       storage = at::empty({static_cast<int64_t>(record.size) / element}, at::TensorOptions().dtype(t.dtype));
-      zip.read_record(record, storage.data_ptr());
+      zip_.read_record(record, storage.data_ptr());
     }
     // The view must lie inside its storage and repeat none of it (state dicts hold no expanded views): sizes and
     // strides from the file are checked before as_strided, in 128 bits so that no product overflows.
@@ -417,11 +220,55 @@ std::map<std::string, at::Tensor> load_torch(const std::string& path) {
       if (t.sizes[d] > 0) last = std::min<__int128>(last + static_cast<__int128>(t.sizes[d] - 1) * t.strides[d], limit);
     }
     if (!ok || (count > 0 && (count > limit || last >= limit)))
-      fail(quote(path), ": tensor ", quote(name), " (sizes [", join_ints(t.sizes), "], strides [", join_ints(t.strides),
+      fail(quote(path_), ": tensor ", quote(name), " (sizes [", join_ints(t.sizes), "], strides [", join_ints(t.strides),
            "], offset ", t.offset, ") reaches past its storage of ", storage.numel(), " elements");
-    out[name] = storage.as_strided(t.sizes, t.strides, t.offset).clone();
+    return storage.as_strided(t.sizes, t.strides, t.offset).clone();
+  }
+
+ private:
+  const ZipReader& zip_;
+  const std::string& path_;
+  std::map<std::string, at::Tensor> storages_;
+};
+
+pickle::Ptr read_pickle(const ZipReader& zip, const std::string& path) {
+  const ZipRecord& pkl = zip.find("data.pkl");
+  std::string data(pkl.size, '\0');
+  zip.read_record(pkl, data.data());
+  return pickle::load(data, quote(path));
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> load_torch(const std::string& path) {
+  ZipReader zip(path);
+  pickle::Ptr root = read_pickle(zip, path);
+  if (!root->is(Kind::dict)) fail(quote(path), ": the pickle's top-level object is not a dict (a state dict was expected)");
+  std::map<std::string, at::Tensor> out;
+  TensorMaterializer materialize(zip, path);
+  for (const auto& [key, value] : root->entries) {
+    if (!key->is(Kind::string)) continue;
+    if (auto t = tensor_record(*value, path)) out[key->text] = materialize(*t, key->text);
+    else if (value->is(Kind::object))  // anything else is a non-tensor value, skipped; unknown objects are refused
+      if (!value->is_object("collections", "OrderedDict"))
+        fail(quote(path), ": unsupported object ", value->module, ".", value->name,
+             " in the pickle; expected a dict of tensors (a state dict)");
   }
   return out;
+}
+
+at::Tensor load_torch_tensor(const std::string& path, uint64_t offset, uint64_t length) {
+  ZipReader zip(path, offset, length);
+  const std::string where = cat(path, " at byte ", offset);
+  pickle::Ptr root = read_pickle(zip, where);
+  auto t = tensor_record(*root, where);
+  if (!t) fail(quote(where), ": expected a torch.save'd tensor, found ", root->describe());
+  return TensorMaterializer(zip, where)(*t, "item");
+}
+
+pickle::Ptr load_torch_object(const std::string& path, uint64_t offset, uint64_t length) {
+  ZipReader zip(path, offset, length);
+  return read_pickle(zip, cat(path, " at byte ", offset));
 }
 
 }  // namespace titan::checkpoint

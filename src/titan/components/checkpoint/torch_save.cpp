@@ -9,6 +9,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/components/checkpoint/pickle_writer.h"
 
 namespace titan::checkpoint {
 
@@ -23,32 +24,6 @@ uint64_t zip64_threshold() {
   return threshold;
 }
 
-// --- pickle (protocol 2), only the opcodes a tensor dict needs ---
-class Pickler {
- public:
-  std::string out = std::string("\x80\x02", 2);
-  void op(char c) { out.push_back(c); }
-  void global(const std::string& module, const std::string& name) { out += "c" + module + "\n" + name + "\n"; }
-  void unicode(const std::string& s) {
-    op('X');
-    u32(static_cast<uint32_t>(s.size()));
-    out += s;
-  }
-  void integer(int64_t v) {
-    if (v >= INT32_MIN && v <= INT32_MAX) {
-      op('J');
-      u32(static_cast<uint32_t>(static_cast<int32_t>(v)));
-      return;
-    }
-    op('\x8a');  // LONG1: little-endian two's complement
-    out.push_back(8);
-    for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>(static_cast<uint64_t>(v) >> (8 * i)));
-  }
-  void u32(uint32_t v) {
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>(v >> (8 * i)));
-  }
-};
-
 const char* storage_type(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return "FloatStorage";
@@ -58,6 +33,9 @@ const char* storage_type(at::ScalarType t) {
     case at::kLong: return "LongStorage";
     case at::kInt: return "IntStorage";
     case at::kByte: return "ByteStorage";
+    case at::kShort: return "ShortStorage";
+    case at::kChar: return "CharStorage";
+    case at::kBool: return "BoolStorage";
     default: fail("torch.save export: unsupported dtype ", c10::toString(t));
   }
 }
@@ -71,13 +49,8 @@ struct Entry {
 
 class ZipWriter {
  public:
-  explicit ZipWriter(const std::string& path) : path_(path) {
-    file_ = std::fopen(path.c_str(), "wb");
-    if (!file_) fail("cannot create ", quote(path), ": ", std::strerror(errno));
-  }
-  ~ZipWriter() {
-    if (file_) std::fclose(file_);
-  }
+  // Writes from `file`'s current position; offsets inside the archive count from there.
+  ZipWriter(std::FILE* file, const std::string& path) : path_(path), file_(file) {}
   // Adds a record whose data starts on a 64-byte boundary (as torch.save aligns storages).
   void add(const std::string& name, const void* data, uint64_t size) {
     Entry e{name, position_, size, static_cast<uint32_t>(crc32_all(data, size))};
@@ -175,12 +148,8 @@ class ZipWriter {
     put32(end, zip64 ? kMax32 : static_cast<uint32_t>(cd_offset));
     put16(end, 0);
     write(end.data(), end.size());
-    if (std::fclose(file_) != 0) {
-      file_ = nullptr;
-      fail("cannot write ", quote(path_), ": ", std::strerror(errno));
-    }
-    file_ = nullptr;
   }
+  uint64_t size() const { return position_; }
 
  private:
   static uLong crc32_all(const void* data, uint64_t size) {
@@ -214,56 +183,82 @@ class ZipWriter {
   std::vector<Entry> entries_;
 };
 
+// torch._utils._rebuild_tensor_v2(storage, 0, sizes, strides, False, OrderedDict()) for a contiguous CPU tensor
+// whose storage is the archive's record data/<key>.
+void pickle_tensor(pickle::Writer& p, const at::Tensor& t, const std::string& key) {
+  p.global("torch._utils", "_rebuild_tensor_v2");
+  p.mark();
+  p.mark();  // the persistent id: ('storage', <type>, key, location, numel)
+  p.unicode("storage");
+  p.global("torch", storage_type(t.scalar_type()));
+  p.unicode(key);
+  p.unicode("cpu");
+  p.integer(t.numel());
+  p.op('t');
+  p.op('Q');  // BINPERSID
+  p.integer(0);
+  p.tuple_of_ints(t.sizes());
+  p.tuple_of_ints(t.strides());
+  p.boolean(false);  // requires_grad
+  p.global("collections", "OrderedDict");
+  p.op(')');
+  p.op('R');
+  p.op('t');
+  p.op('R');
+}
+
+// One archive: data.pkl, byteorder, the storages as data/0, data/1, ..., version.
+uint64_t write_archive(std::FILE* file, const std::string& path, const std::string& prefix, const std::string& program,
+                       const std::vector<at::Tensor>& storages) {
+  ZipWriter zip(file, path);
+  zip.add(prefix + "data.pkl", program.data(), program.size());
+  zip.add(prefix + "byteorder", "little", 6);
+  for (size_t i = 0; i < storages.size(); ++i)
+    zip.add(prefix + "data/" + std::to_string(i), storages[i].data_ptr(), storages[i].nbytes());
+  zip.add(prefix + "version", "3\n", 2);
+  zip.finish();
+  return zip.size();
+}
+
 }  // namespace
 
 void save_torch(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   std::vector<at::Tensor> cpu;
-  Pickler p;
+  pickle::Writer p;
   p.op('}');  // EMPTY_DICT
-  p.op('(');  // MARK
+  p.mark();
   for (size_t i = 0; i < tensors.size(); ++i) {
-    at::Tensor t = tensors[i].second.detach().to(at::kCPU).contiguous();
-    cpu.push_back(t);
+    cpu.push_back(tensors[i].second.detach().to(at::kCPU).contiguous());
     p.unicode(tensors[i].first);
-    p.global("torch._utils", "_rebuild_tensor_v2");
-    p.op('(');
-    p.op('(');  // the persistent id: ('storage', <type>, key, location, numel)
-    p.unicode("storage");
-    p.global("torch", storage_type(t.scalar_type()));
-    p.unicode(std::to_string(i));
-    p.unicode("cpu");
-    p.integer(t.numel());
-    p.op('t');
-    p.op('Q');  // BINPERSID
-    p.integer(0);
-    p.op('(');
-    for (int64_t s : t.sizes()) p.integer(s);
-    p.op('t');
-    p.op('(');
-    for (int64_t s : t.strides()) p.integer(s);
-    p.op('t');
-    p.op('\x89');  // requires_grad = False
-    p.global("collections", "OrderedDict");
-    p.op(')');
-    p.op('R');
-    p.op('t');
-    p.op('R');
+    pickle_tensor(p, cpu.back(), std::to_string(i));
   }
   p.op('u');  // SETITEMS
-  p.op('.');
+  p.stop();
   const std::string partial = path + ".partial";
-  {
-    ZipWriter zip(partial);
-    const std::string prefix = std::filesystem::path(path).stem().string() + "/";
-    zip.add(prefix + "data.pkl", p.out.data(), p.out.size());
-    zip.add(prefix + "byteorder", "little", 6);
-    for (size_t i = 0; i < cpu.size(); ++i) zip.add(prefix + "data/" + std::to_string(i), cpu[i].data_ptr(), cpu[i].nbytes());
-    zip.add(prefix + "version", "3\n", 2);
-    zip.finish();
+  std::FILE* file = std::fopen(partial.c_str(), "wb");
+  if (!file) fail("cannot create ", quote(partial), ": ", std::strerror(errno));
+  try {
+    write_archive(file, partial, std::filesystem::path(path).stem().string() + "/", p.out, cpu);
+  } catch (...) {
+    std::fclose(file);
+    throw;
   }
+  if (std::fclose(file) != 0) fail("cannot write ", quote(partial), ": ", std::strerror(errno));
   std::error_code ec;
   std::filesystem::rename(partial, path, ec);
   if (ec) fail("cannot rename ", quote(partial), " to ", quote(path), ": ", ec.message());
+}
+
+uint64_t append_torch_tensor(std::FILE* file, const std::string& path, const at::Tensor& tensor) {
+  at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
+  pickle::Writer p;
+  pickle_tensor(p, t, "0");
+  p.stop();
+  return write_archive(file, path, "archive/", p.out, {t});
+}
+
+uint64_t append_torch_object(std::FILE* file, const std::string& path, const std::string& program) {
+  return write_archive(file, path, "archive/", program, {});
 }
 
 }  // namespace titan::checkpoint

@@ -4,6 +4,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,5 +13,11 @@ namespace titan::checkpoint {
 
 // Writes `tensors` (copied to the CPU, contiguous) as a torch.save file: via "<path>.partial", then renamed.
 void save_torch(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+
+// Append one torch.save archive at `file`'s current position and return its size in bytes (torch DCP data files
+// hold one per item): a tensor (copied to the CPU, contiguous), or a pickled Python value (`program`, a whole
+// pickle). `path` names the file in errors.
+uint64_t append_torch_tensor(std::FILE* file, const std::string& path, const at::Tensor& tensor);
+uint64_t append_torch_object(std::FILE* file, const std::string& path, const std::string& program);
 
 }  // namespace titan::checkpoint

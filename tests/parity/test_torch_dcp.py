@@ -1,0 +1,199 @@
+"""torch.distributed.checkpoint (DCP) both ways, against PyTorch's own DCP and torchtitan's CheckpointManager
+(v0.2.2, from the test venv): torchtitan's checkpoints (saved by 2 FSDP ranks) convert into titan bitwise, train
+on in titan from where they stopped (model, AdamW state, step, LR schedule) under other layouts, and titan's
+checkpoints export to DCP directories that torchtitan loads (2 ranks) with every tensor equal."""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
+
+HELPER = SOURCE_DIR / "tests" / "helpers" / "torchtitan_checkpoint.py"
+
+
+def torchtitan(*args):
+    return run([sys.executable, str(HELPER), *map(str, args)], env={"OMP_NUM_THREADS": "1"}, timeout=600)
+
+
+def dcp_tensors(directory):
+    """Every tensor of a DCP directory, read by PyTorch's own DCP loader (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=str(directory))
+    return state
+
+
+def dcp_train_state(directory):
+    """torchtitan's train state (pickled integers), read by PyTorch's DCP loader."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"train_state": {"step": 0, "ntokens_seen": 0}}
+    dcp.load(state, checkpoint_id=str(directory))
+    return state["train_state"]
+
+
+def as_numpy(t):
+    return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def titan_train(dump, steps, extra=(), np_=1):
+    mpi = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none",
+           "-np", str(np_)] if np_ > 1 else []
+    return run(mpi + [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+                      "--job.dump_folder", str(dump), "--training.seq_len", "16", "--training.local_batch_size", "2",
+                      "--training.steps", str(steps), "--checkpoint.enable", "--debug.seed", "0", *extra],
+               env={"OMP_NUM_THREADS": "1" if np_ > 1 else "2"})
+
+
+@pytest.fixture(scope="module")
+def torchtitan_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("torchtitan") / "run"
+    torchtitan("save", 2, base)
+    return base / "checkpoint"
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_torchtitan_checkpoints_convert_bitwise(torchtitan_run, tmp_path, step):
+    """step-2 is the full float32 training state of 2 FSDP ranks (every weight in two row chunks); step-3 is
+    torchtitan's model-only bfloat16 last save."""
+    source = torchtitan_run / f"step-{step}"
+    expected = dcp_tensors(source)
+    out = tmp_path / "titan"
+    run([binary("titan"), "convert", "--from", str(source), "--to", str(out), "--flavor", "debugmodel"])
+    meta, weights = read_checkpoint(out)
+    assert sorted(weights) == sorted("model." + k for k in expected if not k.startswith("optimizer."))
+    for key, value in expected.items():
+        if key.startswith("optimizer."):
+            continue
+        assert meta["tensors"]["model." + key]["dtype"] == str(value.dtype).removeprefix("torch.")
+        assert np.array_equal(weights["model." + key], as_numpy(value)), key
+    # A torch.save file of the same weights, read by torch.load.
+    pt = tmp_path / "weights.pt"
+    run([binary("titan"), "convert", "--from", str(source), "--to", str(pt), "--flavor", "debugmodel"])
+    loaded = torch.load(str(pt), weights_only=True)
+    for key, value in loaded.items():
+        assert torch.equal(value, expected[key]), key
+
+
+@pytest.mark.parametrize("ranks,layout", [(1, []), (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+                                          (2, ["--parallelism.tensor_parallel_degree", "2"])])
+def test_titan_resumes_a_torchtitan_checkpoint(torchtitan_run, tmp_path, ranks, layout):
+    """A torchtitan step-2 folder in titan's checkpoint folder is resumed: the weights exactly (lr 1e-30 keeps them
+    through step 3), AdamW's step counts and moments (step 3's second moment is at least beta2 times step 2's, which
+    a fresh optimizer state would not give), the step, token count and LR schedule position."""
+    dump = tmp_path / "run"
+    shutil.copytree(torchtitan_run / "step-2", dump / "checkpoint" / "step-2")
+    result = titan_train(dump, 3, ["--checkpoint.interval", "1", "--checkpoint.last_save_model_only", "false",
+                                   "--optimizer.lr", "1e-30", *layout], np_=ranks)
+    assert "Loaded torch DCP checkpoint" in result.stdout and "step 2: model, optimizer, LR schedule" in result.stdout
+    assert "the data loader starts from the beginning of the data" in result.stdout + result.stderr
+    before = dcp_tensors(torchtitan_run / "step-2")
+    meta, after = read_checkpoint(dump / "checkpoint" / "step-3")
+    assert meta["train_state"]["step"] == 3 and meta["lr_scheduler"]["completed"] == 3
+    saved = dcp_train_state(torchtitan_run / "step-2")
+    assert saved["step"] == 2
+    assert meta["train_state"]["tokens_seen"] == saved["ntokens_seen"] + 2 * 16 * (2 if layout and "data_parallel" in layout[0] else 1)
+    for key, value in before.items():
+        if key.startswith("optimizer."):
+            continue
+        assert np.array_equal(after["model." + key], value.numpy()), key
+        assert meta["optimizer"]["steps"][key] == 3.0, key
+        v2 = before[f"optimizer.state.{key}.exp_avg_sq"].numpy()
+        v3 = after[f"optimizer.exp_avg_sq.{key}"]
+        assert (v3 >= 0.95 * v2 * (1 - 1e-6)).all(), key
+        assert (v3 > 0).any()
+
+
+def test_initial_load_path_reads_torchtitans_model_only_save(torchtitan_run, tmp_path):
+    dump = tmp_path / "run"
+    result = titan_train(dump, 1, ["--checkpoint.initial_load_path", str(torchtitan_run / "step-3"),
+                                   "--checkpoint.interval", "1", "--optimizer.lr", "1e-30"])
+    assert "Loaded model weights from torch DCP checkpoint" in result.stdout
+    expected = dcp_tensors(torchtitan_run / "step-3")
+    _, after = read_checkpoint(dump / "checkpoint" / "step-1")
+    for key, value in expected.items():
+        assert np.array_equal(after["model." + key], value.float().numpy()), key
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_titan_checkpoint_exports_to_dcp_that_torchtitan_loads(tmp_path, world):
+    """titan's full checkpoint in torchtitan's layout: torchtitan's CheckpointManager loads it (its data loader
+    excluded) on 1 and 2 FSDP ranks and holds titan's weights, AdamW moments and steps bitwise, titan's step, token
+    count, LR schedule position and learning rate."""
+    dump = tmp_path / "titan"
+    titan_train(dump, 2, ["--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false",
+                          "--lr_scheduler.warmup_steps", "2"])
+    meta, saved = read_checkpoint(dump / "checkpoint" / "step-2")
+    base = tmp_path / "torchtitan"
+    run([binary("titan"), "convert", "--from", str(dump / "checkpoint" / "step-2"), "--to",
+         str(base / "checkpoint" / "step-2"), "--format", "dcp"])
+    out = tmp_path / "loaded.safetensors"
+    torchtitan("load", world, base, out)
+    loaded = load_file(str(out))
+    state = json.loads((tmp_path / "loaded.safetensors.json").read_text())
+    assert state["step"] == 2 and state["last_epoch"] == meta["lr_scheduler"]["completed"]
+    assert state["ntokens_seen"] == meta["train_state"]["tokens_seen"]
+    assert state["lr"] == pytest.approx(meta["optimizer_settings"]["lr"], rel=1e-12)
+    names = [k.removeprefix("model.") for k in saved if k.startswith("model.")]
+    for name in names:
+        assert np.array_equal(loaded[name].numpy(), saved["model." + name]), name
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert np.array_equal(loaded[f"optimizer.state.{name}.{moment}"].numpy(), saved[f"optimizer.{moment}.{name}"])
+        assert loaded[f"optimizer.state.{name}.step"].item() == meta["optimizer"]["steps"][name]
+    # A model-only export reads with PyTorch's plain dcp.load.
+    model_only = tmp_path / "model_only"
+    run([binary("titan"), "convert", "--from", str(dump / "checkpoint" / "step-2"), "--to", str(tmp_path / "m"),
+         "--format", "titan"])
+    run([binary("titan"), "convert", "--from", str(tmp_path / "m"), "--to", str(model_only), "--format", "dcp",
+         "--dtype", "bfloat16"])
+    plain = dcp_tensors(model_only)
+    assert sorted(plain) == sorted(names)
+    for name in names:
+        assert plain[name].dtype == torch.bfloat16
+        assert torch.equal(plain[name], torch.from_numpy(saved["model." + name]).to(torch.bfloat16)), name
+
+
+def test_damaged_dcp_directories_are_refused_by_name(torchtitan_run, tmp_path):
+    def convert(source, flavor="debugmodel"):
+        return run([binary("titan"), "convert", "--from", str(source), "--to", str(tmp_path / "out"), "--flavor", flavor],
+                   check=False)
+
+    result = convert(torchtitan_run / "step-3", "debugmodel_gqa")
+    assert result.returncode == 2 and '"layers.0.attention.wk.weight" has shape [256, 256]' in result.stderr, result.stderr
+    broken = tmp_path / "truncated"
+    shutil.copytree(torchtitan_run / "step-3", broken)
+    data = sorted(broken.glob("*.distcp"))[-1]
+    data.write_bytes(data.read_bytes()[:-100])
+    result = convert(broken)
+    assert result.returncode == 2 and data.name in result.stderr, result.stderr
+    missing = tmp_path / "missing"
+    shutil.copytree(torchtitan_run / "step-3", missing)
+    sorted(missing.glob("*.distcp"))[0].unlink()
+    result = convert(missing)
+    assert result.returncode == 2 and "cannot open" in result.stderr and "__0_0.distcp" in result.stderr, result.stderr
+    garbled = tmp_path / "garbled"
+    shutil.copytree(torchtitan_run / "step-3", garbled)
+    (garbled / ".metadata").write_bytes((garbled / ".metadata").read_bytes()[:200])
+    result = convert(garbled)
+    assert result.returncode == 2 and "truncated pickle" in result.stderr and ".metadata" in result.stderr, result.stderr
+    flipped = tmp_path / "flipped"
+    shutil.copytree(torchtitan_run / "step-3", flipped)
+    raw = bytearray((flipped / "__0_0.distcp").read_bytes())
+    raw[len(raw) // 2] ^= 0x20
+    (flipped / "__0_0.distcp").write_bytes(bytes(raw))
+    result = convert(flipped)
+    assert result.returncode == 2 and ("CRC-32" in result.stderr or "malformed" in result.stderr), result.stderr
+    assert not (tmp_path / "out").exists()
+    result = run([binary("titan"), "convert", "--from", str(torchtitan_run / "step-3"), "--to", str(tmp_path / "x")],
+                 check=False)
+    assert result.returncode == 2 and "pass --flavor" in result.stderr, result.stderr
