@@ -30,6 +30,8 @@ class ByteTokenizer : public titan::tokenizer::Tokenizer {
   int64_t vocab_size() const override { return 258; }
   std::optional<int32_t> token_to_id(std::string_view) const override { return std::nullopt; }
   std::string description() const override { return "bytes"; }
+  std::string source_path() const override { return ""; }
+  void save_hf_files(const std::string&) const override {}
 };
 
 // A document's text is its id k; it encodes to 1 + k % 13 tokens, token i being k * 16 + i. Every token names its
@@ -46,6 +48,8 @@ class IdTokenizer : public titan::tokenizer::Tokenizer {
   int64_t vocab_size() const override { return 1 << 30; }
   std::optional<int32_t> token_to_id(std::string_view) const override { return std::nullopt; }
   std::string description() const override { return "ids"; }
+  std::string source_path() const override { return ""; }
+  void save_hf_files(const std::string&) const override {}
 };
 
 void write_gzip(const std::string& path, const std::string& content) {

@@ -16,6 +16,7 @@
 #include "titan/components/checkpoint/torch_load.h"
 #include "titan/components/checkpoint/torch_save.h"
 #include "titan/components/checkpoint/torchtitan_checkpoint.h"
+#include "titan/components/tokenizer/tokenizer.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/llama3/hf_config.h"
 
@@ -26,7 +27,7 @@ namespace fs = std::filesystem;
 
 const char* kConvertUsage =
     "usage: titan convert --from PATH --to PATH [--format titan|hf|dcp|pt] [--flavor F] [--dtype float32|bfloat16|float16]\n"
-    "                     [--max-shard-mb N]\n"
+    "                     [--tokenizer PATH] [--max-shard-mb N]\n"
     "  --from: a titan checkpoint step directory (metadata.json), a torch DCP directory (.metadata: torchtitan's\n"
     "          checkpoints), a Hugging Face directory (config.json + safetensors), Meta's consolidated.00.pth or a\n"
     "          folder of consolidated.NN.pth model-parallel shards, or any torch.save state dict with titan's names.\n"
@@ -37,7 +38,9 @@ const char* kConvertUsage =
     "          checkpoint, titan from anything else.\n"
     "  --flavor: the model's shape where the source does not record it (torch DCP, .pth); titan checkpoints and\n"
     "          Hugging Face directories carry theirs, and a --flavor given is compared with it field by field.\n"
-    "  --dtype: of the written weights (default: as stored).\n";
+    "  --dtype: of the written weights (default: as stored).\n"
+    "  --tokenizer: for --format hf, the tokenizer whose files (tokenizer.json + tokenizer_config.json) go into the\n"
+    "          export; default: the one a titan checkpoint's run used, or an HF directory's own.\n";
 
 // What is read from the source: the weights under titan's names, and the training state where it has one.
 struct Source {
@@ -51,6 +54,7 @@ struct Source {
   std::map<std::string, double> optimizer_steps;
   int64_t step = 0, tokens_seen = 0, lr_completed = 0;
   nlohmann::json optimizer_settings;  // titan checkpoints from this version on
+  std::string tokenizer_path;         // the tokenizer the model was trained with, where the source records it
 };
 
 llama3::ModelArgs flavor_for(const std::string& flavor_name, const std::string& what) {
@@ -91,6 +95,7 @@ Source read_titan(const std::string& from, const std::string& flavor_name) {
     s.flavor_name = flavor_name.empty() ? meta.value("flavor", "") : flavor_name;
     s.args = flavor_for(s.flavor_name, from);
   }
+  s.tokenizer_path = meta.value("tokenizer", "");
   auto read = [&](const std::string& key) -> at::Tensor {
     if (!reader.contains(key)) return {};
     const auto& entry = reader.tensors().at(key);
@@ -137,6 +142,8 @@ Source read_hf(const std::string& from, const std::string& flavor_name) {
     s.args = llama3::flavor(flavor_name);
     s.args.max_seq_len = max_seq_len;
   }
+  for (const char* file : {"tokenizer.json", "tokenizer.model"})
+    if (s.tokenizer_path.empty() && fs::exists(fs::path(from) / file)) s.tokenizer_path = (fs::path(from) / file).string();
   auto weights = checkpoint::load_hf(from, s.args);
   take_weights(s, [&](const std::string& name) { return weights.count(name) ? weights.at(name) : at::Tensor(); });
   return s;
@@ -291,7 +298,7 @@ void write_dcp(const Source& s, const std::string& to) {
 }  // namespace
 
 int run_convert(const std::vector<std::string>& args) {
-  std::string from, to, flavor_name, dtype_name, format;
+  std::string from, to, flavor_name, dtype_name, format, tokenizer_path;
   int64_t max_shard_mb = 5000;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -306,6 +313,7 @@ int run_convert(const std::vector<std::string>& args) {
     else if (a == "--flavor") flavor_name = v;
     else if (a == "--dtype") dtype_name = v;
     else if (a == "--format") format = v;
+    else if (a == "--tokenizer") tokenizer_path = v;
     else if (a == "--max-shard-mb") max_shard_mb = std::stoll(v);
     else fail("unknown option ", quote(a), " for `titan convert`\n", kConvertUsage);
   }
@@ -348,7 +356,19 @@ int run_convert(const std::vector<std::string>& args) {
     std::cerr << "wrote torch.save file " << to << " (" << source.weights.size() << " tensors, "
               << checkpoint::dtype_string(source.stored) << ") from " << source.description << "\n";
   } else if (format == "hf") {
-    checkpoint::save_hf(to, source.args, source.weights, source.stored, max_shard_mb * 1000 * 1000);
+    // The tokenizer's files go with the model: --tokenizer, else the one the source records (a titan checkpoint's
+    // training run, an HF directory's own).
+    std::unique_ptr<tokenizer::Tokenizer> tok;
+    if (!tokenizer_path.empty()) {
+      tok = tokenizer::load(tokenizer_path);
+    } else if (!source.tokenizer_path.empty() && fs::exists(source.tokenizer_path)) {
+      tok = tokenizer::load(source.tokenizer_path);
+    } else {
+      std::cerr << "warning: no tokenizer files in the export"
+                << (source.tokenizer_path.empty() ? std::string() : " (the recorded tokenizer " + source.tokenizer_path + " no longer exists)")
+                << "; pass --tokenizer PATH (a tokenizer file or model.hf_assets_path) so that AutoTokenizer loads it\n";
+    }
+    checkpoint::save_hf(to, source.args, source.weights, source.stored, max_shard_mb * 1000 * 1000, tok.get());
     std::cerr << "wrote Hugging Face model " << to << " (" << source.flavor_name << ", "
               << checkpoint::dtype_string(source.stored) << ") from " << source.description << "\n";
   } else if (format == "dcp") {

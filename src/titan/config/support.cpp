@@ -16,7 +16,6 @@ SupportReport check_supported(const LoadedConfig& loaded) {
   for (auto [key, value, what] : {std::tuple{"parallelism.expert_parallel_degree", p.expert_parallel_degree, "expert parallelism"},
                                   std::tuple{"parallelism.expert_tensor_parallel_degree", p.expert_tensor_parallel_degree, "expert tensor parallelism"}})
     if (value > 1) not_yet(key, std::to_string(value), what);
-  if (c.checkpoint.enable && c.checkpoint.last_save_in_hf) not_yet("checkpoint.last_save_in_hf", "true", "saving in Hugging Face format");
   if (!c.model.converters.empty()) not_yet("model.converters", join(c.model.converters, ","), "model conversion (float8/MX)");
   if (c.model.name != "llama3")
     r.errors.push_back(cat("model.name = ", quote(c.model.name), " ", loaded.where("model.name"), ": only \"llama3\" is available"));

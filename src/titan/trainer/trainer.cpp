@@ -383,7 +383,8 @@ at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) 
 checkpoint::CheckpointedState Trainer::checkpoint_view() {
   train_state_.step = step_;
   train_state_.tokens_seen = tokens_seen_;
-  return checkpoint::CheckpointedState{parameters_, model_->args(), *optimizer_, *lr_scheduler_, *dataloader_, train_state_};
+  return checkpoint::CheckpointedState{parameters_,   model_->args(), *optimizer_,      *lr_scheduler_,
+                                       *dataloader_, train_state_,    tokenizer_.get()};
 }
 
 double Trainer::validate() {

@@ -192,7 +192,8 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
   const int rank = world->rank(), world_size = world->size();
   const int64_t step = state.train.step;
   const bool model_only = last && config_.last_save_model_only;
-  const bool async = config_.async_mode != "disabled";
+  const bool hf_export = model_only && config_.last_save_in_hf;
+  const bool async = config_.async_mode != "disabled" && !hf_export;  // the export reads the committed checkpoint
   const fs::path final_dir = fs::path(root_) / ("step-" + std::to_string(step));
   const fs::path partial_dir = fs::path(root_) / ("step-" + std::to_string(step) + ".partial");
   wait();  // the previous background write (and purge) must finish before a new save starts
@@ -239,6 +240,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
   }
   json global = metadata_header(step, model_only, world_size, loaded_.config.model.flavor);
   global["model"] = llama3::args_to_json(state.model_args);
+  if (state.tokenizer) global["tokenizer"] = fs::absolute(state.tokenizer->source_path()).string();
   if (!model_only) {
     global["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
     global["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};
@@ -260,6 +262,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
       std::vector<json> parts;
       for (const auto& t : parts_text) parts.push_back(json::parse(t));
       commit(partial_dir.string(), final_dir.string(), metadata_for(std::move(parts), global));
+      if (hf_export) export_hf_in_place(state, final_dir.string());
     }
     world->barrier();
     const double seconds = now_seconds() - start;
@@ -330,7 +333,8 @@ bool Checkpointer::load(CheckpointedState& state) {
         // titan writes every save as step-N.partial and renames it when complete: this one did not finish.
         log::warn("removing incomplete checkpoint ", path.string(), " (a save that did not finish)");
         fs::remove_all(path, ec);
-      } else if (step_of(path) && !fs::exists(path / "metadata.json") && !torch_dcp::is_checkpoint(path.string())) {
+      } else if (step_of(path) && !fs::exists(path / "metadata.json") && !torch_dcp::is_checkpoint(path.string()) &&
+                 !fs::exists(path / "config.json")) {  // config.json: a last_save_in_hf export, kept
         // Not something titan left (its saves become step-N only once complete): keep it, out of the way.
         fs::path aside = path.string() + ".quarantined";
         for (int k = 2; fs::exists(aside); ++k) aside = path.string() + ".quarantined" + std::to_string(k);
@@ -368,6 +372,30 @@ bool Checkpointer::load(CheckpointedState& state) {
   const std::string directory = (fs::path(root_) / ("step-" + std::to_string(*step))).string();
   if (!fs::exists(fs::path(directory) / "metadata.json")) return load_torch_dcp(state, directory, false);  // torchtitan's
   return load_directory(state, directory, false);
+}
+
+void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std::string& directory) {
+  const double start = now_seconds();
+  Reader reader(directory);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  at::ScalarType dtype = at::kFloat;
+  for (const auto& p : llama3::parameter_shapes(state.model_args)) {
+    const auto& entry = reader.tensors().at("model." + p.name);
+    at::Tensor full = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
+    reader.read_box("model." + p.name, std::vector<int64_t>(entry.shape.size(), 0), full);
+    dtype = entry.dtype;
+    tensors.emplace_back(p.name, full);
+  }
+  const std::string partial = directory + ".hf.partial";
+  fs::remove_all(partial);
+  save_hf(partial, state.model_args, tensors, dtype, int64_t{5} * 1000 * 1000 * 1000, state.tokenizer);
+  for (const auto& e : fs::directory_iterator(partial)) fsync_path(e.path().string(), false);
+  // The weights are safely in the export; the titan copy of them gives way (torchtitan's last_save_in_hf layout).
+  fs::remove_all(directory);
+  fs::rename(partial, directory);
+  fsync_path(fs::path(directory).parent_path().string(), true);
+  log::info(strprintf("Saved the last checkpoint as a Hugging Face model (checkpoint.last_save_in_hf): %s in %.2f s",
+                      directory.c_str(), now_seconds() - start));
 }
 
 void Checkpointer::load_hf_weights(CheckpointedState& state, const std::string& directory) {

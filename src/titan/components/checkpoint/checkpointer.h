@@ -13,6 +13,7 @@
 #include "titan/components/data/dataloader.h"
 #include "titan/components/lr_scheduler.h"
 #include "titan/components/optimizer.h"
+#include "titan/components/tokenizer/tokenizer.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/parallel_dims.h"
 #include "titan/distributed/sharded_parameter.h"
@@ -33,6 +34,7 @@ struct CheckpointedState {
   LRScheduler& lr_scheduler;
   data::DataLoader& dataloader;
   TrainState& train;
+  const tokenizer::Tokenizer* tokenizer = nullptr;  // recorded in metadata; its files go into Hugging Face exports
 };
 
 class Checkpointer {
@@ -47,7 +49,8 @@ class Checkpointer {
   bool load(CheckpointedState& state);
   // torchtitan's rule: every `interval` steps, the first step when enable_first_step_checkpoint, and the last.
   bool should_save(int64_t step, bool last) const;
-  // Collective. The last save is model-only in export_dtype when last_save_model_only.
+  // Collective. The last save is model-only in export_dtype when last_save_model_only, and with last_save_in_hf a
+  // Hugging Face directory (weights, config, the run's tokenizer) in place of the titan checkpoint.
   void save(CheckpointedState& state, bool last);
   // Waits for the background write (async_mode) and purge of old checkpoints. A background write that failed is an
   // error (UserError naming the checkpoint and the cause): a run must not go on, or end successfully, without the
@@ -65,6 +68,8 @@ class Checkpointer {
   void purge(int64_t newest_step);
   bool load_directory(CheckpointedState& state, const std::string& directory, bool weights_only);
   void load_hf_weights(CheckpointedState& state, const std::string& directory);
+  // Replaces the committed model-only checkpoint `directory` by a Hugging Face directory of the same weights.
+  void export_hf_in_place(const CheckpointedState& state, const std::string& directory);
   // torchtitan's checkpoints (torch DCP directories): weights, and unless weights_only the AdamW state, step,
   // token count and LR schedule (checkpointer_torch_dcp.cpp).
   bool load_torch_dcp(CheckpointedState& state, const std::string& directory, bool weights_only);

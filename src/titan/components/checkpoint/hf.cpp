@@ -32,7 +32,7 @@ void check_hf_config(const std::string& directory, const llama3::ModelArgs& args
 
 void save_hf(const std::string& directory, const llama3::ModelArgs& args,
              const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
-             int64_t max_shard_bytes) {
+             int64_t max_shard_bytes, const tokenizer::Tokenizer* tokenizer) {
   fs::create_directories(directory);
   for (const auto& e : fs::directory_iterator(directory))
     if (e.path().extension() == ".safetensors")
@@ -67,7 +67,20 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     write_file(directory + "/model.safetensors.index.json", index.dump(2) + "\n");
   }
-  write_file(directory + "/config.json", hf_config(args, dtype).dump(2) + "\n");
+  json config = hf_config(args, dtype);
+  if (tokenizer) {
+    if (tokenizer->vocab_size() > args.vocab_size)
+      fail("the tokenizer ", tokenizer->source_path(), " has ", tokenizer->vocab_size(), " ids, more than the model's ",
+           args.vocab_size, "; it is not this model's tokenizer");
+    tokenizer->save_hf_files(directory);
+    json generation = {{"_from_model_config", true}};
+    for (const auto& [key, id] : {std::pair{"bos_token_id", tokenizer->bos_id()}, std::pair{"eos_token_id", tokenizer->eos_id()}}) {
+      config[key] = id ? json(*id) : json(nullptr);
+      generation[key] = config[key];
+    }
+    write_file(directory + "/generation_config.json", generation.dump(2) + "\n");
+  }
+  write_file(directory + "/config.json", config.dump(2) + "\n");
 }
 
 struct HfReader::Impl {

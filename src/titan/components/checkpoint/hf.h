@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "titan/components/tokenizer/tokenizer.h"
 #include "titan/models/llama3/args.h"
 
 namespace titan::checkpoint {
@@ -23,10 +24,11 @@ void check_hf_config(const std::string& directory, const llama3::ModelArgs& args
 
 // Writes config.json and the weights (titan names -> HF names and layout) in `dtype`, in shards of at most
 // `max_shard_bytes` (one model.safetensors when everything fits), into `directory` (created; existing weight files
-// there are refused).
+// there are refused). With the run's tokenizer also its files, tokenizer_config.json, BOS/EOS ids in config.json
+// and generation_config.json, so that AutoTokenizer, pipeline("text-generation") and generate() work as is.
 void save_hf(const std::string& directory, const llama3::ModelArgs& args,
              const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
-             int64_t max_shard_bytes);
+             int64_t max_shard_bytes, const tokenizer::Tokenizer* tokenizer = nullptr);
 
 // Reads every weight of an HF directory, returned under titan names in titan's layout (CPU tensors, stored dtype).
 std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args);

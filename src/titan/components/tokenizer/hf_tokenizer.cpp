@@ -12,6 +12,7 @@
 #include "titan/components/tokenizer/byte_level.h"
 #include "titan/components/tokenizer/regex_splitter.h"
 #include "titan/components/tokenizer/string_map.h"
+#include "titan/components/tokenizer/hf_export.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/components/tokenizer/utf8.h"
 
@@ -156,6 +157,26 @@ class HfTokenizer : public Tokenizer {
       if (a.content == token) return a.id;
     if (auto it = vocab_.find(token); it != vocab_.end()) return it->second;
     return std::nullopt;
+  }
+
+  std::string source_path() const override { return path_; }
+
+  // The tokenizer.json as loaded, with its tokenizer_config.json (and special_tokens_map.json) when it has one.
+  void save_hf_files(const std::string& directory) const override {
+    namespace fs = std::filesystem;
+    const fs::path source = fs::path(path_).parent_path();
+    fs::copy_file(path_, fs::path(directory) / "tokenizer.json", fs::copy_options::overwrite_existing);
+    if (fs::exists(source / "tokenizer_config.json")) {
+      for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"})
+        if (fs::exists(source / name)) fs::copy_file(source / name, fs::path(directory) / name, fs::copy_options::overwrite_existing);
+      return;
+    }
+    auto name = [&](std::optional<int32_t> id) -> std::optional<std::string> {
+      if (!id) return std::nullopt;
+      if (auto it = added_by_id_.find(*id); it != added_by_id_.end()) return it->second.content;
+      return std::nullopt;
+    };
+    write_tokenizer_config(directory, name(bos_id_), name(eos_id_));
   }
 
   std::string description() const override {

@@ -2,8 +2,11 @@
 // the dummy prefix, byte fallback and unigram/BPE models behave exactly as in Python's `sentencepiece`.
 #include <sentencepiece_processor.h>
 
+#include <filesystem>
+
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/components/tokenizer/hf_export.h"
 #include "titan/components/tokenizer/tokenizer.h"
 
 namespace titan::tokenizer {
@@ -48,6 +51,19 @@ class SentencePieceTokenizer : public Tokenizer {
     const int id = processor_.PieceToId(token);
     if (id == processor_.unk_id() && token != processor_.IdToPiece(id)) return std::nullopt;
     return id;
+  }
+
+  std::string source_path() const override { return path_; }
+
+  // transformers' LlamaTokenizer (slow; its fast variant converts from it) reads the same model file.
+  void save_hf_files(const std::string& directory) const override {
+    std::filesystem::copy_file(path_, std::filesystem::path(directory) / "tokenizer.model",
+                               std::filesystem::copy_options::overwrite_existing);
+    auto name = [&](std::optional<int32_t> id) -> std::optional<std::string> {
+      if (!id) return std::nullopt;
+      return processor_.IdToPiece(*id);
+    };
+    write_tokenizer_config(directory, name(bos_id_), name(eos_id_), "LlamaTokenizer");
   }
 
   std::string description() const override {

@@ -8,7 +8,9 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/common/files.h"
 #include "titan/components/tokenizer/bpe_merge.h"
+#include "titan/components/tokenizer/hf_export.h"
 #include "titan/components/tokenizer/regex_splitter.h"
 #include "titan/components/tokenizer/string_map.h"
 #include "titan/components/tokenizer/tokenizer.h"
@@ -101,6 +103,7 @@ class TiktokenTokenizer : public Tokenizer {
       auto names = llama3_special_tokens();
       for (size_t i = 0; i < names.size(); ++i) add_special(names[i], num_base_ + static_cast<int32_t>(i));
     }
+    pattern_ = pattern;
     splitter_ = std::make_unique<RegexSplitter>(pattern, meta_.empty() ? path : meta_);
     for (const char* name : {"<|begin_of_text|>"})
       if (auto it = special_.find(name); it != special_.end()) bos_id_ = it->second;
@@ -141,6 +144,23 @@ class TiktokenTokenizer : public Tokenizer {
     return std::nullopt;
   }
 
+  std::string source_path() const override { return path_; }
+
+  void save_hf_files(const std::string& directory) const override {
+    auto rank_of = [&](std::string_view bytes) -> std::optional<int32_t> {
+      auto it = ranks_.find(bytes);
+      if (it == ranks_.end()) return std::nullopt;
+      return it->second;
+    };
+    const auto j = tiktoken_to_hf_json(id_to_bytes_, rank_of, pattern_, special_names_, bos_id_);
+    write_file((std::filesystem::path(directory) / "tokenizer.json").string(), j.dump() + "\n");
+    auto name = [&](std::optional<int32_t> id) -> std::optional<std::string> {
+      if (!id || !special_names_.count(*id)) return std::nullopt;
+      return special_names_.at(*id);
+    };
+    write_tokenizer_config(directory, name(bos_id_), name(eos_id_));
+  }
+
   std::string description() const override {
     return cat("tiktoken BPE ", path_, " (", num_base_, " ranks + ", special_.size(), " special tokens",
                meta_.empty() ? ", Llama 3 layout" : ", specials from " + meta_, ")");
@@ -174,7 +194,7 @@ class TiktokenTokenizer : public Tokenizer {
     for_each_symbol(symbols, [&](const Symbol& s) { ids.push_back(s.id); });
   }
 
-  std::string path_, meta_;
+  std::string path_, meta_, pattern_;
   RankMap ranks_;
   std::vector<std::string> id_to_bytes_;
   std::array<int32_t, 256> byte_rank_{};

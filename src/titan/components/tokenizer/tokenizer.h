@@ -25,6 +25,12 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   virtual std::optional<int32_t> token_to_id(std::string_view token) const = 0;
   virtual std::string description() const = 0;
+  // The file it was loaded from.
+  virtual std::string source_path() const = 0;
+  // Writes what transformers' AutoTokenizer.from_pretrained(directory) needs to give the same ids: the tokenizer
+  // file (tokenizer.json as loaded, one converted from tiktoken ranks, or the SentencePiece model) and
+  // tokenizer_config.json (BOS/EOS).
+  virtual void save_hf_files(const std::string& directory) const = 0;
 
   std::optional<int32_t> bos_id() const { return bos_id_; }
   std::optional<int32_t> eos_id() const { return eos_id_; }
