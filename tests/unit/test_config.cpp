@@ -173,12 +173,13 @@ TEST(Config, HelpListsEveryKeyWithDefault) {
 
 TEST(Config, UnsupportedFeaturesAreErrorsNotIgnored) {
   std::string e = error_of([] {
-    auto loaded = load_job_config({"--parallelism.expert_parallel_degree", "8", "--checkpoint.last_save_in_hf",
-                                   "--checkpoint.enable", "--metrics.enable_tensorboard"});
+    auto loaded = load_job_config({"--parallelism.expert_parallel_degree", "8", "--profiling.enable_profiling",
+                                   "--checkpoint.enable", "--metrics.enable_wandb"});
     titan::config::require_supported(loaded);
   });
   EXPECT_NE(e.find("parallelism.expert_parallel_degree = 8"), std::string::npos) << e;
-  EXPECT_NE(e.find("checkpoint.last_save_in_hf = true"), std::string::npos) << e;
+  EXPECT_NE(e.find("profiling.enable_profiling = true"), std::string::npos) << e;
+  EXPECT_NE(e.find("metrics.enable_wandb = true"), std::string::npos) << e;
   EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
   EXPECT_NE(e.find("--parallelism.expert_parallel_degree"), std::string::npos) << e;  // where it was set
   auto defaults = load_job_config({});

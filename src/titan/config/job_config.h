@@ -35,6 +35,7 @@ struct Metrics {
   std::string save_tb_folder = "tb";
   bool save_for_all_ranks = false;
   bool enable_wandb = false;
+  bool enable_jsonl = false;  // titan.cpp: {dump_folder}/metrics.jsonl, one record per logged step
 };
 
 struct Model {

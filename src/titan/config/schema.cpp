@@ -133,8 +133,10 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("enable_tensorboard", &c.metrics.enable_tensorboard, "write TensorBoard event files");
   b.add("disable_color_printing", &c.metrics.disable_color_printing, "print log lines without ANSI colors");
   b.add("save_tb_folder", &c.metrics.save_tb_folder, "folder under dump_folder for TensorBoard files");
-  b.add("save_for_all_ranks", &c.metrics.save_for_all_ranks, "write metrics files on every rank, not only rank 0 (single process: no effect)");
+  b.add("save_for_all_ranks", &c.metrics.save_for_all_ranks, "write metrics (TensorBoard, JSONL) on every rank into rank_R folders / metrics_rank_R.jsonl, not only rank 0");
   b.add("enable_wandb", &c.metrics.enable_wandb, "log metrics to Weights & Biases");
+  b.add("enable_jsonl", &c.metrics.enable_jsonl,
+        "titan.cpp: append every logged step's metrics (torchtitan's TensorBoard keys) to {dump_folder}/metrics.jsonl");
 
   b.in("model");
   b.add("name", &c.model.name, "model family to train");

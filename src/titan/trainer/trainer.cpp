@@ -13,6 +13,7 @@
 #include "titan/common/error.h"
 #include "titan/common/files.h"
 #include "titan/components/metrics/cuda_device.h"
+#include "titan/components/metrics/metric_logger.h"
 #include "titan/distributed/checking_communicator.h"
 #include "titan/models/llama3/memory_estimate.h"
 #include "titan/models/llama3/model_config.h"
@@ -197,6 +198,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     for (const auto& p : part.parameters) parameters_.push_back(p);
   distributed::initialize(parameters_, model_->init_specs(), seed);
   memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
+  metric_logger_ = std::make_unique<metrics::MetricLogger>(c.metrics, c.job.dump_folder, launch_.rank);
   log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s); peak memory so far %.2f GiB",
                       distributed::local_parameter_bytes(parameters_) / 1e6, static_cast<unsigned long long>(seed),
                       mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model", memory_->peak().peak_gib));
@@ -462,6 +464,11 @@ double Trainer::validate() {
                       with_thousands(static_cast<long long>(std::nearbyint(static_cast<double>(tokens) / elapsed /
                                                                           static_cast<double>(mesh_->dims().non_data_parallel_size())))).c_str(),
                       static_cast<long long>(batches), k.reset));
+  metric_logger_->log(step_, {{"validation_metrics/loss", loss},
+                              {"validation_metrics/throughput(tps)",
+                               static_cast<double>(tokens) / elapsed / static_cast<double>(mesh_->dims().non_data_parallel_size())},
+                              {"validation_metrics/memory/max_active(GiB)", mem.peak_gib},
+                              {"validation_metrics/memory/max_active(%)", mem.peak_pct}});
   return loss;
 }
 
@@ -482,6 +489,19 @@ void Trainer::log_step(const StepResult& r, double data_seconds) {
                       mem.peak_pct, k.blue, with_thousands(static_cast<long long>(std::nearbyint(tps))).c_str(), k.cyan,
                       with_thousands(tflops, 2).c_str(),
                       k.magenta, mfu, k.yellow, data_per_step, 100.0 * data_seconds / elapsed, k.reset));
+  // torchtitan's TensorBoard keys (its global_max_loss, the largest data-parallel rank's loss, is not computed here).
+  metric_logger_->log(step_, {{"loss_metrics/global_avg_loss", r.loss},
+                              {"grad_norm", r.grad_norm},
+                              {"throughput(tps)", tps},
+                              {"tflops", tflops},
+                              {"mfu(%)", mfu},
+                              {"time_metrics/end_to_end(s)", elapsed / static_cast<double>(std::max<int64_t>(1, steps_since_log_))},
+                              {"time_metrics/data_loading(s)", data_per_step},
+                              {"time_metrics/data_loading(%)", 100.0 * data_seconds / elapsed},
+                              {"memory/max_active(GiB)", mem.peak_gib},
+                              {"memory/max_active(%)", mem.peak_pct},
+                              {"n_tokens_seen", static_cast<double>(tokens_seen_)},
+                              {"lr", r.lr}});
   steps_since_log_ = 0;
   tokens_since_log_ = 0;
   data_seconds_since_log_ = 0;

@@ -8,6 +8,7 @@
 #include "titan/components/data/dataloader.h"
 #include "titan/components/lr_scheduler.h"
 #include "titan/components/metrics/memory.h"
+#include "titan/components/metrics/metric_logger.h"
 #include "titan/components/metrics/peak_flops.h"
 #include "titan/components/optimizer.h"
 #include "titan/components/tokenizer/tokenizer.h"
@@ -90,6 +91,7 @@ class Trainer {
   int64_t nonfinite_in_row_ = 0, nonfinite_total_ = 0;  // steps skipped for a NaN/inf loss or gradient norm
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;
+  std::unique_ptr<metrics::MetricLogger> metric_logger_;  // TensorBoard / JSONL
   metrics::PeakFlops peak_;
   std::optional<at::ScalarType> autocast_dtype_;
   double flops_per_token_ = 0;

@@ -1,0 +1,36 @@
+// Where the step metrics go besides the log line: TensorBoard event files (metrics.enable_tensorboard, under
+// {dump_folder}/{save_tb_folder}/{YYYYmmdd-HHMM}) and a JSONL file (metrics.enable_jsonl, {dump_folder}/
+// metrics.jsonl), from rank 0, or from every rank into its own rank_R folder / metrics_rank_R.jsonl with
+// metrics.save_for_all_ranks. Keys are torchtitan's ("loss_metrics/global_avg_loss", "throughput(tps)", ...).
+#pragma once
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "titan/components/metrics/tensorboard.h"
+#include "titan/config/job_config.h"
+
+namespace titan::metrics {
+
+using Scalars = std::vector<std::pair<std::string, double>>;
+
+class MetricLogger {
+ public:
+  MetricLogger(const config::Metrics& config, const std::string& dump_folder, int rank);
+  ~MetricLogger();
+  MetricLogger(const MetricLogger&) = delete;
+  MetricLogger& operator=(const MetricLogger&) = delete;
+
+  void log(int64_t step, const Scalars& scalars);
+  std::string tensorboard_path() const { return tensorboard_ ? tensorboard_->path() : std::string(); }
+
+ private:
+  int rank_;
+  std::unique_ptr<EventFileWriter> tensorboard_;
+  std::FILE* jsonl_ = nullptr;
+  std::string jsonl_path_;
+};
+
+}  // namespace titan::metrics
