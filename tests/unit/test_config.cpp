@@ -173,12 +173,12 @@ TEST(Config, HelpListsEveryKeyWithDefault) {
 
 TEST(Config, UnsupportedFeaturesAreErrorsNotIgnored) {
   std::string e = error_of([] {
-    auto loaded = load_job_config({"--parallelism.expert_parallel_degree", "8", "--profiling.enable_profiling",
+    auto loaded = load_job_config({"--parallelism.expert_parallel_degree", "8", "--training.enable_cpu_offload",
                                    "--checkpoint.enable", "--metrics.enable_wandb"});
     titan::config::require_supported(loaded);
   });
   EXPECT_NE(e.find("parallelism.expert_parallel_degree = 8"), std::string::npos) << e;
-  EXPECT_NE(e.find("profiling.enable_profiling = true"), std::string::npos) << e;
+  EXPECT_NE(e.find("training.enable_cpu_offload = true"), std::string::npos) << e;
   EXPECT_NE(e.find("metrics.enable_wandb = true"), std::string::npos) << e;
   EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
   EXPECT_NE(e.find("--parallelism.expert_parallel_degree"), std::string::npos) << e;  // where it was set

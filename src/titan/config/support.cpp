@@ -19,8 +19,6 @@ SupportReport check_supported(const LoadedConfig& loaded) {
   if (!c.model.converters.empty()) not_yet("model.converters", join(c.model.converters, ","), "model conversion (float8/MX)");
   if (c.model.name != "llama3")
     r.errors.push_back(cat("model.name = ", quote(c.model.name), " ", loaded.where("model.name"), ": only \"llama3\" is available"));
-  if (c.profiling.enable_profiling) not_yet("profiling.enable_profiling", "true", "profiling");
-  if (c.profiling.enable_memory_snapshot) not_yet("profiling.enable_memory_snapshot", "true", "memory snapshots");
   if (c.metrics.enable_wandb) not_yet("metrics.enable_wandb", "true", "Weights & Biases logging");
   if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
   if (c.memory_estimation.enable) not_yet("memory_estimation.enable", "true", "memory estimation");

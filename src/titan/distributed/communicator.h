@@ -2,12 +2,19 @@
 // NCCL for CUDA tensors, a trivial one for a single process). Every operation can run asynchronously and returns a
 // Work handle; operations on one communicator complete in the order they were issued on every rank.
 #pragma once
+#include <ATen/record_function.h>
 #include <ATen/ATen.h>
 
 #include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
+
+// A range named "titan::<collective>" in profiler traces (profiling.enable_profiling) around each communication call
+// and each wait for an asynchronous one.
+#define TITAN_COMM_RANGE(name)                                        \
+  at::RecordFunction titan_comm_range(at::RecordScope::USER_SCOPE);   \
+  if (titan_comm_range.isActive()) titan_comm_range.before("titan::" name)
 
 namespace titan::distributed {
 

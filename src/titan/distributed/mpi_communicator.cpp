@@ -96,6 +96,7 @@ class MpiWork final : public Work {
  public:
   explicit MpiWork(std::string what) : what_(std::move(what)) {}
   void wait() override {
+    TITAN_COMM_RANGE("wait");
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [&] { return done_; });
     if (error_) std::rethrow_exception(error_);
@@ -137,6 +138,7 @@ class MpiRequestWork final : public Work {
     return done_;
   }
   void wait() override {
+    TITAN_COMM_RANGE("wait");
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     auto pause = std::chrono::microseconds(10);
     // Polling with a growing pause: ranks oversubscribing few cores must not spin each other out.
@@ -287,6 +289,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   int64_t bytes_communicated() const override { return bytes_; }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op, bool async) override {
+    TITAN_COMM_RANGE("all_reduce");
     require_cpu_contiguous(tensor, "all_reduce");
     if (op == ReduceOp::Avg && !at::isFloatingType(tensor.scalar_type())) fail("all_reduce(avg) needs a floating-point tensor");
     at::Tensor t = tensor;
@@ -302,6 +305,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   }
 
   std::shared_ptr<Work> all_gather_into(at::Tensor& output, const at::Tensor& input, bool async) override {
+    TITAN_COMM_RANGE("all_gather_into");
     require_cpu_contiguous(output, "all_gather_into output");
     require_cpu_contiguous(input, "all_gather_into input");
     if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type())
@@ -317,6 +321,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   }
 
   std::shared_ptr<Work> reduce_scatter(at::Tensor& output, const at::Tensor& input, ReduceOp op, bool async) override {
+    TITAN_COMM_RANGE("reduce_scatter");
     require_cpu_contiguous(output, "reduce_scatter output");
     require_cpu_contiguous(input, "reduce_scatter input");
     if (input.numel() != output.numel() * size_ || output.scalar_type() != input.scalar_type())
@@ -334,6 +339,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   }
 
   std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input, bool async) override {
+    TITAN_COMM_RANGE("all_to_all");
     require_cpu_contiguous(output, "all_to_all output");
     require_cpu_contiguous(input, "all_to_all input");
     if (output.numel() != input.numel() || input.numel() % size_ != 0 || output.scalar_type() != input.scalar_type())
@@ -350,6 +356,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   }
 
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async) override {
+    TITAN_COMM_RANGE("broadcast");
     require_cpu_contiguous(tensor, "broadcast");
     at::Tensor t = tensor;
     if (rank_ == root) bytes_ += static_cast<int64_t>(t.nbytes());
@@ -364,6 +371,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   // (MPI_THREAD_MULTIPLE) so that a pipeline's sends and receives never queue behind, or block, the collectives of
   // other groups. wait() polls them and throws when they outlive the timeout.
   std::shared_ptr<Work> send(const at::Tensor& tensor, int destination, int tag, bool async) override {
+    TITAN_COMM_RANGE("send");
     require_cpu_contiguous(tensor, "send");
     bytes_ += static_cast<int64_t>(tensor.nbytes());
     auto work = std::make_shared<MpiRequestWork>(cat("send(to ", destination, ", tag ", tag, ") on ", name_), tensor, timeout_);
@@ -374,6 +382,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   }
 
   std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int tag, bool async) override {
+    TITAN_COMM_RANGE("recv");
     require_cpu_contiguous(tensor, "recv");
     auto work = std::make_shared<MpiRequestWork>(cat("recv(from ", source, ", tag ", tag, ") on ", name_), tensor, timeout_);
     check(MPI_Irecv(tensor.data_ptr(), count(tensor), mpi_type(tensor.scalar_type()), source, tag, comm_, work->request()),
@@ -383,6 +392,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   }
 
   std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool async) override {
+    TITAN_COMM_RANGE("send_recv");
     require_cpu_contiguous(send, "send_recv send");
     require_cpu_contiguous(recv, "send_recv recv");
     at::Tensor out = send, in = recv;
@@ -397,6 +407,7 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
   }
 
   void barrier() override {
+    TITAN_COMM_RANGE("barrier");
     run("barrier", [comm = comm_] { check(MPI_Barrier(comm), "MPI_Barrier"); }, false);
   }
 

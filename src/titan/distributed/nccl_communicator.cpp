@@ -62,7 +62,10 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 class NcclWork final : public Work {
  public:
   explicit NcclWork(std::string what) : what_(std::move(what)), started_(std::chrono::steady_clock::now()) {}
-  void wait() override { done_.block(at::cuda::getCurrentCUDAStream(device_)); }
+  void wait() override {
+    TITAN_COMM_RANGE("wait");
+    done_.block(at::cuda::getCurrentCUDAStream(device_));
+  }
   bool completed() override { return done_.query(); }
   at::cuda::CUDAEvent done_;
   c10::DeviceIndex device_ = 0;
@@ -92,12 +95,14 @@ class NcclCommunicator final : public Communicator {
   at::Device tensor_device() const override { return at::Device(at::kCUDA, device_); }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& t, ReduceOp op, bool async) override {
+    TITAN_COMM_RANGE("all_reduce");
     bytes_ += 2 * (size_ - 1) * static_cast<int64_t>(t.nbytes()) / std::max(size_, 1);  // ring volume
     return launch({t}, "all_reduce", async, [&](cudaStream_t s) {
       check(ncclAllReduce(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t.scalar_type()), nccl_op(op), comm_, s), "ncclAllReduce");
     });
   }
   std::shared_ptr<Work> all_gather_into(at::Tensor& out, const at::Tensor& in, bool async) override {
+    TITAN_COMM_RANGE("all_gather_into");
     if (out.numel() != in.numel() * size_) fail("all_gather_into: output must hold ", size_, " x ", in.numel(), " elements");
     bytes_ += static_cast<int64_t>(in.nbytes()) * (size_ - 1);
     return launch({out, in}, "all_gather", async, [&](cudaStream_t s) {
@@ -105,6 +110,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
   std::shared_ptr<Work> reduce_scatter(at::Tensor& out, const at::Tensor& in, ReduceOp op, bool async) override {
+    TITAN_COMM_RANGE("reduce_scatter");
     if (in.numel() != out.numel() * size_) fail("reduce_scatter: input must hold ", size_, " x ", out.numel(), " elements");
     bytes_ += static_cast<int64_t>(out.nbytes()) * (size_ - 1);
     return launch({out, in}, "reduce_scatter", async, [&](cudaStream_t s) {
@@ -113,6 +119,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
   std::shared_ptr<Work> all_to_all(at::Tensor& out, const at::Tensor& in, bool async) override {
+    TITAN_COMM_RANGE("all_to_all");
     if (out.numel() != in.numel() || in.numel() % size_ != 0) fail("all_to_all: input and output must hold ", size_, " equal blocks");
     bytes_ += static_cast<int64_t>(in.nbytes()) * (size_ - 1) / size_;
     return launch({out, in}, "all_to_all", async, [&](cudaStream_t s) {
@@ -129,23 +136,27 @@ class NcclCommunicator final : public Communicator {
     });
   }
   std::shared_ptr<Work> broadcast(at::Tensor& t, int root, bool async) override {
+    TITAN_COMM_RANGE("broadcast");
     if (rank_ == root) bytes_ += static_cast<int64_t>(t.nbytes());
     return launch({t}, "broadcast", async, [&](cudaStream_t s) {
       check(ncclBroadcast(t.data_ptr(), t.data_ptr(), t.numel(), nccl_type(t.scalar_type()), root, comm_, s), "ncclBroadcast");
     });
   }
   std::shared_ptr<Work> send(const at::Tensor& t, int destination, int, bool async) override {
+    TITAN_COMM_RANGE("send");
     bytes_ += static_cast<int64_t>(t.nbytes());
     return launch({t}, "send", async, [&](cudaStream_t s) {
       check(ncclSend(t.data_ptr(), t.numel(), nccl_type(t.scalar_type()), destination, comm_, s), "ncclSend");
     });
   }
   std::shared_ptr<Work> recv(at::Tensor& t, int source, int, bool async) override {
+    TITAN_COMM_RANGE("recv");
     return launch({t}, "recv", async, [&](cudaStream_t s) {
       check(ncclRecv(t.data_ptr(), t.numel(), nccl_type(t.scalar_type()), source, comm_, s), "ncclRecv");
     });
   }
   std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool async) override {
+    TITAN_COMM_RANGE("send_recv");
     bytes_ += static_cast<int64_t>(send.nbytes());
     return launch({send, recv}, "send_recv", async, [&](cudaStream_t s) {
       check(ncclGroupStart(), "ncclGroupStart");
@@ -155,6 +166,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
   void barrier() override {
+    TITAN_COMM_RANGE("barrier");
     c10::cuda::CUDAGuard guard(device_);
     at::Tensor one = at::ones({1}, at::TensorOptions().device(at::kCUDA, device_));
     all_reduce(one, ReduceOp::Sum, false);

@@ -199,6 +199,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   distributed::initialize(parameters_, model_->init_specs(), seed);
   memory_ = std::make_unique<metrics::MemoryMonitor>(device_);
   metric_logger_ = std::make_unique<metrics::MetricLogger>(c.metrics, c.job.dump_folder, launch_.rank);
+  profiler_ = std::make_unique<Profiler>(c.profiling, c.job.dump_folder, launch_.rank, device_.is_cuda());
   log::info(strprintf("Parameters on this rank: %.2f MB (initialised from seed %llu, %s); peak memory so far %.2f GiB",
                       distributed::local_parameter_bytes(parameters_) / 1e6, static_cast<unsigned long long>(seed),
                       mesh_->world()->size() > 1 ? "each rank its own pieces" : "whole model", memory_->peak().peak_gib));
@@ -557,7 +558,9 @@ int Trainer::train() {
     data_seconds_since_log_ += data_seconds;
     ++steps_since_log_;
     ++step_;
+    profiler_->step_begin(step_);
     StepResult r = train_step(microbatches);
+    profiler_->step_end(step_);
     tokens_seen_ += r.tokens * mesh_->dims().dp_degree();  // all ranks: the same after a change of layout
     tokens_since_log_ += r.tokens;
     if (r.skipped) {

@@ -11,6 +11,7 @@
 #include "titan/components/metrics/metric_logger.h"
 #include "titan/components/metrics/peak_flops.h"
 #include "titan/components/optimizer.h"
+#include "titan/components/profiling.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/context_parallel.h"
@@ -92,6 +93,7 @@ class Trainer {
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;
   std::unique_ptr<metrics::MetricLogger> metric_logger_;  // TensorBoard / JSONL
+  std::unique_ptr<Profiler> profiler_;
   metrics::PeakFlops peak_;
   std::optional<at::ScalarType> autocast_dtype_;
   double flops_per_token_ = 0;
