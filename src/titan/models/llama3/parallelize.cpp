@@ -47,9 +47,6 @@ void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& d
            ": context parallelism supports causal attention only so far; use attn_mask_type = \"causal\"");
   }
   if (dims.tp > 1) check_tensor_parallel(args, dims.tp, seq_lens);
-  if (dims.fsdp_enabled() && args.tie_word_embeddings)
-    fail("FSDP with tied embeddings (model.flavor 1B/3B) is not supported yet; train these flavors without "
-         "data_parallel_shard_degree > 1 (tensor parallelism works with them)");
 }
 
 std::vector<int64_t> ModuleRange::layers(const Transformer& model) const {
@@ -218,13 +215,23 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
     // would gather again (and the stage's gradients are reduced once per step anyway).
     const bool reshard = policy == "always" || (policy == "default" && dims.pp == 1);
     std::vector<distributed::FsdpUnitSpec> units;
-    if (part.contains(0)) units.push_back({"tok_embeddings", {model.tok_embeddings.get()}, reshard});
+    // Tied embeddings (Llama 3.2): the embedding's weight is the output projection's too, so embedding, norm and
+    // output form one unit, gathered from the embedding's forward until the embedding's backward (the tied weight's
+    // gradient sums both uses before it is reduced). A pipeline keeps them on one stage (plan_stages).
+    const bool tied = model.args().tie_word_embeddings && part.contains(0);
+    if (tied) {
+      if (!part.contains(n + 2)) fail("tied embeddings need the embedding and the output projection in one model part");
+      units.push_back({"tok_embeddings+norm+output", {model.tok_embeddings.get(), model.norm.get(), model.output.get()},
+                       policy == "always"});
+    } else if (part.contains(0)) {
+      units.push_back({"tok_embeddings", {model.tok_embeddings.get()}, reshard});
+    }
     for (int64_t i : part.layers(model))
       units.push_back({"layers." + std::to_string(i), {model.layers[static_cast<size_t>(i)].get()}, reshard});
     // As torchtitan: norm + output are needed again right at the start of backward, so by default they stay gathered.
     std::vector<nn::Unit*> tail;
-    if (part.contains(n + 1)) tail.push_back(model.norm.get());
-    if (part.contains(n + 2)) tail.push_back(model.output.get());
+    if (part.contains(n + 1) && !tied) tail.push_back(model.norm.get());
+    if (part.contains(n + 2) && !tied) tail.push_back(model.output.get());
     if (!tail.empty()) units.push_back({tail.size() == 2 ? "norm+output" : part.contains(n + 1) ? "norm" : "output", tail, policy == "always"});
     out.data_parallel = std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard_cp"), mesh.get("dp_replicate"), fsdp);
   } else {
