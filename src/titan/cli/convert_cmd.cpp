@@ -8,6 +8,7 @@
 
 #include "titan/cli/commands.h"
 #include "titan/common/error.h"
+#include "titan/common/progress.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/hf.h"
@@ -65,8 +66,11 @@ llama3::ModelArgs flavor_for(const std::string& flavor_name, const std::string& 
 // Every parameter from `get(name, shape)`, checked against the shape the arguments give.
 template <typename Get>
 void take_weights(Source& s, Get&& get) {
-  for (const auto& p : llama3::parameter_shapes(s.args)) {
+  const auto shapes = llama3::parameter_shapes(s.args);
+  Progress progress("reading " + s.description, static_cast<int64_t>(shapes.size()), "tensors");
+  for (const auto& p : shapes) {
     at::Tensor t = get(p.name);
+    progress.advance(1);
     if (!t.defined()) fail(s.description, ": no tensor ", quote(p.name), " (is it a ", s.flavor_name, " model?)");
     if (t.sizes().vec() != p.shape)
       fail(s.description, ": ", quote(p.name), " has shape ", t.sizes(), ", the model (", s.flavor_name, ") expects ",
@@ -144,8 +148,14 @@ Source read_hf(const std::string& from, const std::string& flavor_name) {
   }
   for (const char* file : {"tokenizer.json", "tokenizer.model"})
     if (s.tokenizer_path.empty() && fs::exists(fs::path(from) / file)) s.tokenizer_path = (fs::path(from) / file).string();
-  auto weights = checkpoint::load_hf(from, s.args);
-  take_weights(s, [&](const std::string& name) { return weights.count(name) ? weights.at(name) : at::Tensor(); });
+  checkpoint::HfReader reader(from, s.args);  // checks config.json against the arguments and every weight's shape
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& p : llama3::parameter_shapes(s.args)) shapes[p.name] = p.shape;
+  take_weights(s, [&](const std::string& name) {
+    at::Tensor t = at::empty(shapes.at(name), at::TensorOptions().dtype(reader.dtype(name)));
+    reader.read_box(name, std::vector<int64_t>(t.dim(), 0), t);
+    return t;
+  });
   return s;
 }
 
@@ -192,7 +202,15 @@ void write_titan(const Source& s, const std::string& to) {
   fs::remove_all(partial);
   fs::create_directories(partial);
   checkpoint::RankWriter writer(partial, 0);
-  for (const auto& [name, t] : s.weights) writer.add("model." + name, t, std::vector<int64_t>(t.dim(), 0), t.sizes().vec());
+  {
+    int64_t bytes = 0;
+    for (const auto& [name, t] : s.weights) bytes += static_cast<int64_t>(t.nbytes());
+    Progress progress("writing " + to, bytes, "bytes");
+    for (const auto& [name, t] : s.weights) {
+      writer.add("model." + name, t, std::vector<int64_t>(t.dim(), 0), t.sizes().vec());
+      progress.advance(static_cast<int64_t>(t.nbytes()));
+    }
+  }
   nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
   metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, s.flavor_name));
   metadata["model"] = llama3::args_to_json(s.args);

@@ -5,6 +5,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/files.h"
+#include "titan/common/progress.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/safetensors.h"
 #include "titan/models/llama3/hf_config.h"
@@ -57,11 +58,15 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
     total += bytes;
   }
   json weight_map = json::object();
+  Progress progress("writing " + directory, total, "bytes");
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string file = shards.size() == 1 ? "model.safetensors"
                                                 : strprintf("model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
     safetensors::save(directory + "/" + file, shards[i], {{"format", "pt"}});
-    for (const auto& [name, t] : shards[i]) weight_map[name] = file;
+    for (const auto& [name, t] : shards[i]) {
+      weight_map[name] = file;
+      progress.advance(static_cast<int64_t>(t.nbytes()));
+    }
   }
   if (shards.size() > 1) {
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};

@@ -11,6 +11,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/files.h"
+#include "titan/common/progress.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/pickle_writer.h"
 #include "titan/components/checkpoint/torch_load.h"
@@ -270,7 +271,11 @@ void write_checkpoint(const std::string& directory, const std::vector<TensorToWr
       object_at.push_back({data_name, position, n});
       position += n;
     }
+    int64_t bytes = 0;
+    for (const auto& t : tensors) bytes += static_cast<int64_t>(t.tensor.nbytes());
+    Progress progress("writing " + directory, bytes, "bytes");
     for (const auto& t : tensors) {
+      progress.advance(static_cast<int64_t>(t.tensor.nbytes()));
       shapes.push_back(t.tensor.sizes().vec());
       dtypes.push_back(t.tensor.scalar_type());
       dtype_name(t.tensor.scalar_type());  // refuses what DCP metadata cannot name before writing it

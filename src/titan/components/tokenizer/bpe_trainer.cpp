@@ -11,6 +11,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/files.h"
+#include "titan/common/progress.h"
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/regex_splitter.h"
 
@@ -94,7 +95,9 @@ BpeTrainerStats train_bpe(const std::function<void(const std::function<void(std:
 
   const int64_t target_merges = options.vocab_size - num_special - 256;
   std::vector<uint64_t> touched;
+  Progress progress("learning BPE merges", target_merges, "merges");
   while (stats.merges < target_merges && !heap.empty()) {
+    progress.set(stats.merges);
     auto [count, k] = heap.top();
     heap.pop();
     auto it = pair_count.find(k);
