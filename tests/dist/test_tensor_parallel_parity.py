@@ -142,8 +142,6 @@ def test_loss_parallel_on_and_off_give_the_same_loss(tmp_path):
     (8, degrees(8) + ["--model.flavor", "debugmodel_gqa"], ["n_kv_heads (key/value heads) = 4 does not divide by 8"]),
     (2, degrees(2) + ["--training.seq_len", "63"], ["training.seq_len = 63 does not divide by 2"]),
     (2, degrees(4), ["tensor_parallel_degree (4)", "must equal the number of processes (2)"]),
-    (2, degrees(2) + ["--model.flavor", "1B", "--parallelism.data_parallel_shard_degree", "2",
-                      "--parallelism.tensor_parallel_degree", "1"], ["FSDP with tied embeddings"]),
 ])
 def test_bad_degrees_are_clear_errors(tmp_path, np_, args, needles):
     cmd = mpirun(np_) + [binary("titan"), "train", "--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin",

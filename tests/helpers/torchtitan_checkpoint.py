@@ -110,7 +110,7 @@ def main(rank, world, mode, base, out, port):
             optimizers.step()
             schedulers.step()
             optimizers.zero_grad()
-            train.step, train.ntokens_seen = step, train.ntokens_seen + x.numel() * world
+            train.step, train.ntokens_seen = step, train.ntokens_seen + x.numel()  # this rank's, as torchtitan counts
             manager.save(curr_step=step, last_step=step == 3)
     dist.barrier()
     manager.close()

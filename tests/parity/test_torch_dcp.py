@@ -102,7 +102,8 @@ def test_titan_resumes_a_torchtitan_checkpoint(torchtitan_run, tmp_path, ranks, 
     assert meta["train_state"]["step"] == 3 and meta["lr_scheduler"]["completed"] == 3
     saved = dcp_train_state(torchtitan_run / "step-2")
     assert saved["step"] == 2
-    assert meta["train_state"]["tokens_seen"] == saved["ntokens_seen"] + 2 * 16 * (2 if layout and "data_parallel" in layout[0] else 1)
+    # torchtitan counts each of its 2 ranks' tokens, titan all ranks'.
+    assert meta["train_state"]["tokens_seen"] == 2 * saved["ntokens_seen"] + 2 * 16 * (2 if layout and "data_parallel" in layout[0] else 1)
     for key, value in before.items():
         if key.startswith("optimizer."):
             continue
@@ -197,3 +198,42 @@ def test_damaged_dcp_directories_are_refused_by_name(torchtitan_run, tmp_path):
     result = run([binary("titan"), "convert", "--from", str(torchtitan_run / "step-3"), "--to", str(tmp_path / "x")],
                  check=False)
     assert result.returncode == 2 and "pass --flavor" in result.stderr, result.stderr
+
+
+def test_single_process_dcp_with_strided_and_bf16_tensors_converts_bitwise(tmp_path):
+    """A DCP checkpoint saved by one process with plain torch.distributed.checkpoint.save: the debug model's shapes
+    with random values, some tensors stored transposed (non-contiguous chunks, strides honoured), some bfloat16."""
+    import torch.distributed.checkpoint as dcp
+
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    expected = {}
+    names = dcp_tensors_names()
+    for i, (name, shape) in enumerate(names):
+        value = torch.randn(*shape, generator=generator)
+        if i % 3 == 1 and len(shape) == 2:
+            value = value.t().contiguous().t()  # column-major storage, the same values
+        if i % 4 == 2:
+            value = value.to(torch.bfloat16)
+        state[name] = value
+        expected[name] = value.contiguous()
+    source = tmp_path / "dcp"
+    dcp.save(state, checkpoint_id=str(source))
+    out = tmp_path / "titan"
+    run([binary("titan"), "convert", "--from", str(source), "--to", str(out), "--flavor", "debugmodel"])
+    _, weights = read_checkpoint(out)
+    for name, value in expected.items():
+        assert np.array_equal(weights["model." + name], as_numpy(value)), name
+
+
+def dcp_tensors_names():
+    """torchtitan's debug model: its parameter names and shapes."""
+    names = [("tok_embeddings.weight", (2048, 256))]
+    for i in range(6):
+        p = f"layers.{i}."
+        names += [(p + "attention.wq.weight", (256, 256)), (p + "attention.wk.weight", (256, 256)),
+                  (p + "attention.wv.weight", (256, 256)), (p + "attention.wo.weight", (256, 256)),
+                  (p + "feed_forward.w1.weight", (768, 256)), (p + "feed_forward.w2.weight", (256, 768)),
+                  (p + "feed_forward.w3.weight", (768, 256)), (p + "attention_norm.weight", (256,)),
+                  (p + "ffn_norm.weight", (256,))]
+    return names + [("norm.weight", (256,)), ("output.weight", (2048, 256))]

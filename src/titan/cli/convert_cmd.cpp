@@ -364,6 +364,9 @@ int run_convert(const std::vector<std::string>& args) {
   }
   if (!dtype_name.empty()) {
     const at::ScalarType dtype = checkpoint::parse_dtype(dtype_name, "--dtype");
+    if (source.training_state && format == "dcp")
+      std::cerr << "warning: --dtype " << dtype_name << " casts the weights only; the AdamW state keeps its dtype, and a "
+                << "run resuming from this checkpoint trains in the weights' new dtype\n";
     for (auto& [name, t] : source.weights) t = t.to(dtype);
     source.stored = dtype;
   }

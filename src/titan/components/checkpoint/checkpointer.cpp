@@ -262,7 +262,21 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
       std::vector<json> parts;
       for (const auto& t : parts_text) parts.push_back(json::parse(t));
       commit(partial_dir.string(), final_dir.string(), metadata_for(std::move(parts), global));
-      if (hf_export) export_hf_in_place(state, final_dir.string());
+    }
+    if (hf_export) {
+      // Rank 0 converts; every rank learns whether it worked, so none waits for a rank that failed.
+      std::string error;
+      if (rank == 0) {
+        try {
+          export_hf_in_place(state, final_dir.string());
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      }
+      const std::string outcome = distributed::all_gather_strings(*world, error).front();
+      if (!outcome.empty())
+        fail("the last checkpoint ", final_dir.string(), " could not be written as a Hugging Face model (checkpoint.last_save_in_hf): ",
+             outcome, rank == 0 ? "" : " (on rank 0)");
     }
     world->barrier();
     const double seconds = now_seconds() - start;
@@ -370,7 +384,13 @@ bool Checkpointer::load(CheckpointedState& state) {
     return false;
   }
   const std::string directory = (fs::path(root_) / ("step-" + std::to_string(*step))).string();
-  if (!fs::exists(fs::path(directory) / "metadata.json")) return load_torch_dcp(state, directory, false);  // torchtitan's
+  if (!fs::exists(fs::path(directory) / "metadata.json")) {  // torchtitan's
+    if (!torch_dcp::has_training_state(directory))
+      fail("checkpoint ", directory, " is torchtitan's model-only save (no optimizer or train state): a run cannot resume "
+           "from it, and would start over from step 1 at every restart. Set checkpoint.initial_load_path to it to start "
+           "from its weights, and move it out of checkpoint.folder");
+    return load_torch_dcp(state, directory, false);
+  }
   return load_directory(state, directory, false);
 }
 
@@ -386,14 +406,17 @@ void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std:
     dtype = entry.dtype;
     tensors.emplace_back(p.name, full);
   }
-  const std::string partial = directory + ".hf.partial";
+  const std::string partial = directory + ".hf.partial", aside = directory + ".model-only";
   fs::remove_all(partial);
   save_hf(partial, state.model_args, tensors, dtype, int64_t{5} * 1000 * 1000 * 1000, state.tokenizer);
   for (const auto& e : fs::directory_iterator(partial)) fsync_path(e.path().string(), false);
-  // The weights are safely in the export; the titan copy of them gives way (torchtitan's last_save_in_hf layout).
-  fs::remove_all(directory);
+  // torchtitan's last_save_in_hf layout: the export takes step-N's place. The titan copy moves aside first and goes
+  // last, so a crash in between leaves the weights in step-N.model-only (a complete titan checkpoint).
+  fs::remove_all(aside);
+  fs::rename(directory, aside);
   fs::rename(partial, directory);
   fsync_path(fs::path(directory).parent_path().string(), true);
+  fs::remove_all(aside);
   log::info(strprintf("Saved the last checkpoint as a Hugging Face model (checkpoint.last_save_in_hf): %s in %.2f s",
                       directory.c_str(), now_seconds() - start));
 }

@@ -9,16 +9,6 @@
 
 namespace titan::checkpoint {
 
-namespace {
-
-int64_t integer_value(const torch_dcp::Reader& reader, const std::string& key) {
-  const pickle::Ptr v = reader.read_object(key);
-  if (!v->is(pickle::Value::Kind::integer) || v->integer < 0)
-    fail("torch DCP checkpoint ", reader.directory(), ": ", quote(key), " is ", v->describe(), ", expected a non-negative integer");
-  return v->integer;
-}
-
-}  // namespace
 
 bool Checkpointer::load_torch_dcp(CheckpointedState& state, const std::string& directory, bool weights_only) {
   const double start = now_seconds();
@@ -50,7 +40,13 @@ bool Checkpointer::load_torch_dcp(CheckpointedState& state, const std::string& d
       reader.read_box(p.name, p.layout.local_box().offsets, p.piece().detach());
     }
   }
-  const bool has_training_state = reader.objects().count(torchtitan::kStepKey) > 0;
+  const std::optional<int64_t> saved_step = reader.read_integer(torchtitan::kStepKey);
+  const bool has_training_state = saved_step.has_value();
+  if (!has_training_state && !weights_only)
+    for (const auto& [key, item] : reader.tensors())
+      if (starts_with(key, "optimizer."))
+        fail("torch DCP checkpoint ", directory, " has optimizer state but no ", torchtitan::kStepKey,
+             "; titan cannot tell which step it continues from. Load its weights only (checkpoint.initial_load_model_only = true)");
   if (weights_only || !has_training_state) {
     log::info("Loaded model weights from torch DCP checkpoint ", directory,
               has_training_state ? " (model only: training starts at step 1)"
@@ -77,12 +73,14 @@ bool Checkpointer::load_torch_dcp(CheckpointedState& state, const std::string& d
       opt[i].step.copy_(reader.read(step_key).reshape({}));
     }
   }
-  const int64_t step = integer_value(reader, torchtitan::kStepKey);
-  if (!excluded("lr_scheduler") && reader.objects().count(torchtitan::kLrEpochKey))
-    state.lr_scheduler.set_completed(integer_value(reader, torchtitan::kLrEpochKey));
+  const int64_t step = *saved_step;
+  if (!excluded("lr_scheduler"))
+    if (auto epoch = reader.read_integer(torchtitan::kLrEpochKey)) state.lr_scheduler.set_completed(*epoch);
   if (!excluded("train_state")) {
     state.train.step = step;
-    state.train.tokens_seen = reader.objects().count(torchtitan::kTokensKey) ? integer_value(reader, torchtitan::kTokensKey) : 0;
+    // torchtitan counts each rank's own tokens; titan counts all ranks': times its data-parallel world size.
+    const int64_t ranks = reader.read_integer(torchtitan::kDataWorldSizeKey).value_or(1);
+    state.train.tokens_seen = reader.read_integer(torchtitan::kTokensKey).value_or(0) * std::max<int64_t>(ranks, 1);
   }
   // torchtitan's data loader state is a pickled Python StatefulDataLoader: nothing titan's loader can continue from.
   log::warn("torch DCP checkpoint ", directory, ": the data loader starts from the beginning of the data (torchtitan's "

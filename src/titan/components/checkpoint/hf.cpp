@@ -34,6 +34,9 @@ void check_hf_config(const std::string& directory, const llama3::ModelArgs& args
 void save_hf(const std::string& directory, const llama3::ModelArgs& args,
              const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
              int64_t max_shard_bytes, const tokenizer::Tokenizer* tokenizer) {
+  if (tokenizer && tokenizer->vocab_size() > args.vocab_size)  // before anything is written
+    fail("the tokenizer ", tokenizer->source_path(), " has ", tokenizer->vocab_size(), " ids, more than the model's ",
+         args.vocab_size, "; it is not this model's tokenizer");
   fs::create_directories(directory);
   for (const auto& e : fs::directory_iterator(directory))
     if (e.path().extension() == ".safetensors")
@@ -74,9 +77,6 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
   }
   json config = hf_config(args, dtype);
   if (tokenizer) {
-    if (tokenizer->vocab_size() > args.vocab_size)
-      fail("the tokenizer ", tokenizer->source_path(), " has ", tokenizer->vocab_size(), " ids, more than the model's ",
-           args.vocab_size, "; it is not this model's tokenizer");
     tokenizer->save_hf_files(directory);
     json generation = {{"_from_model_config", true}};
     for (const auto& [key, id] : {std::pair{"bos_token_id", tokenizer->bos_id()}, std::pair{"eos_token_id", tokenizer->eos_id()}}) {

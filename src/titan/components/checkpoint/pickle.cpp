@@ -10,6 +10,27 @@ namespace titan::pickle {
 
 using Kind = Value::Kind;
 
+Value::~Value() {
+  // Take the children over and free the values no one else holds one level at a time, in a loop.
+  std::vector<Ptr> pending;
+  auto adopt = [&pending](Value& v) {
+    for (auto& item : v.items) pending.push_back(std::move(item));
+    for (auto& [k, x] : v.entries) {
+      pending.push_back(std::move(k));
+      pending.push_back(std::move(x));
+    }
+    if (v.state) pending.push_back(std::move(v.state));
+    v.items.clear();
+    v.entries.clear();
+  };
+  adopt(*this);
+  while (!pending.empty()) {
+    Ptr p = std::move(pending.back());
+    pending.pop_back();
+    if (p && p.use_count() == 1) adopt(const_cast<Value&>(*p));  // the last owner: empty it before it goes
+  }
+}
+
 Ptr Value::get(std::string_view key) const {
   if (kind != Kind::dict) return nullptr;
   for (const auto& [k, v] : entries)
@@ -274,6 +295,7 @@ class Reader {
         auto v = pop();
         auto& list = top();
         if (list->kind != Kind::list) malformed("APPEND to " + list->describe());
+        if (v == list) malformed("a list appended to itself");
         list->items.push_back(v);
         break;
       }
@@ -281,6 +303,8 @@ class Reader {
         auto items = pop_mark();
         auto& list = top();
         if (list->kind != Kind::list) malformed("APPENDS to " + list->describe());
+        for (const auto& item : items)
+          if (item == list) malformed("a list appended to itself");
         list->items.insert(list->items.end(), items.begin(), items.end());
         break;
       }
@@ -295,6 +319,7 @@ class Reader {
         auto value = pop(), key = pop();
         auto& dict = top();
         if (dict->kind != Kind::dict) malformed("SETITEM on " + dict->describe());
+        if (value == dict || key == dict) malformed("a dict put into itself");
         dict->entries.emplace_back(key, value);
         break;
       }
@@ -303,6 +328,8 @@ class Reader {
         if (items.size() % 2) malformed("SETITEMS with an odd number of values");
         auto& dict = top();
         if (dict->kind != Kind::dict) malformed("SETITEMS on " + dict->describe());
+        for (const auto& item : items)
+          if (item == dict) malformed("a dict put into itself");
         for (size_t i = 0; i < items.size(); i += 2) dict->entries.emplace_back(items[i], items[i + 1]);
         break;
       }
@@ -334,6 +361,7 @@ class Reader {
       case 'b': {
         auto state = pop();
         auto& target = top();
+        if (state == target) malformed("an object built from itself");
         target->state = state;  // an OrderedDict's attributes, or an object's __dict__ / __setstate__ argument
         break;
       }

@@ -28,6 +28,11 @@ struct Value {
   std::vector<std::pair<Ptr, Ptr>> entries;   // dict (and OrderedDict), in insertion order
   Ptr state;                                  // object: what BUILD set (a dict or a tuple), or null
 
+  Value() = default;
+  Value(const Value&) = delete;
+  Value& operator=(const Value&) = delete;
+  ~Value();  // frees nested values iteratively: a deeply nested pickle must not overflow the stack
+
   bool is(Kind k) const { return kind == k; }
   bool is_object(std::string_view module_name, std::string_view class_name) const {
     return kind == Kind::object && module == module_name && name == class_name;
@@ -37,8 +42,9 @@ struct Value {
   std::string describe() const;  // short, for error messages
 };
 
-// Reads one pickle. `where` names the source in errors ("<file>: malformed pickle (...)"). Nesting deeper than
-// `max_depth` or more than `max_values` values are refused, so hostile input cannot exhaust memory.
-Ptr load(std::string_view data, const std::string& where, size_t max_values = 50'000'000);
+// Reads one pickle. `where` names the source in errors ("<file>: malformed pickle (...)"). Every value needs at
+// least one opcode byte, so memory stays proportional to the input; more than `max_values` values are refused. A
+// container is never put into itself; nesting of any depth is freed without recursion.
+Ptr load(std::string_view data, const std::string& where, size_t max_values = 20'000'000);
 
 }  // namespace titan::pickle

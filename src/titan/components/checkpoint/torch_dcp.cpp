@@ -1,5 +1,6 @@
 #include "titan/components/checkpoint/torch_dcp.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -95,6 +96,11 @@ struct Parser {
 
 bool is_checkpoint(const std::string& directory) { return fs::is_regular_file(fs::path(directory) / ".metadata"); }
 
+bool has_training_state(const std::string& directory) {
+  Reader reader(directory);
+  return reader.objects().count("train_state.step") || reader.has_tensor("train_state.step");
+}
+
 Reader::Reader(const std::string& directory) : directory_(directory) {
   const std::string path = (fs::path(directory) / ".metadata").string();
   std::ifstream in(path, std::ios::binary);
@@ -145,6 +151,15 @@ Reader::Reader(const std::string& directory) : directory_(directory) {
     item.shape = p.ints(p.field(entry, "size"), "a tensor's size");
     const Ptr chunks = p.field(entry, "chunks");
     if (!chunks->is(Kind::list)) p.bad(cat(quote(fqn), ": chunks is not a list"));
+    // Every dimension and chunk box must lie inside the tensor and the chunks must tile it exactly: pairwise
+    // disjoint, with volumes adding up to the tensor's (a gap would leave elements unread).
+    constexpr __int128 kMaxElements = __int128{1} << 62;
+    __int128 total = 1;
+    for (int64_t d : item.shape) {
+      if (d < 0) p.bad(cat(quote(fqn), " has a negative dimension in its shape [", join_ints(item.shape), "]"));
+      total = std::min<__int128>(total * d, kMaxElements + 1);
+    }
+    if (total > kMaxElements) p.bad(cat(quote(fqn), " has more than 2^62 elements"));
     __int128 volume = 0;
     for (const auto& c : chunks->items) {
       Chunk chunk;
@@ -154,10 +169,11 @@ Reader::Reader(const std::string& directory) : directory_(directory) {
         p.bad(cat(quote(fqn), ": a chunk has another number of dimensions than the tensor"));
       __int128 chunk_volume = 1;
       for (size_t d = 0; d < item.shape.size(); ++d) {
-        if (chunk.offsets[d] < 0 || chunk.sizes[d] < 0 || chunk.offsets[d] + chunk.sizes[d] > item.shape[d])
+        if (chunk.offsets[d] < 0 || chunk.sizes[d] < 0 || chunk.offsets[d] > item.shape[d] ||
+            chunk.sizes[d] > item.shape[d] - chunk.offsets[d])
           p.bad(cat(quote(fqn), ": a chunk at [", join_ints(chunk.offsets), "] of sizes [", join_ints(chunk.sizes),
                     "] lies outside the tensor's shape [", join_ints(item.shape), "]"));
-        chunk_volume *= chunk.sizes[d];
+        chunk_volume *= chunk.sizes[d];  // each factor is at most its dimension: no overflow past the total
       }
       volume += chunk_volume;
       auto it = tensor_locations.find({fqn, chunk.offsets});
@@ -166,8 +182,16 @@ Reader::Reader(const std::string& directory) : directory_(directory) {
       chunk.where = it->second;
       item.chunks.push_back(chunk);
     }
-    __int128 total = 1;
-    for (int64_t d : item.shape) total *= d;
+    auto empty = [](const Chunk& c) { return std::find(c.sizes.begin(), c.sizes.end(), 0) != c.sizes.end(); };
+    for (size_t a = 0; a < item.chunks.size() && !item.shape.empty(); ++a)
+      for (size_t b = a + 1; b < item.chunks.size(); ++b) {
+        const Chunk &x = item.chunks[a], &y = item.chunks[b];
+        if (empty(x) || empty(y)) continue;  // FSDP's empty shards lie anywhere and hold nothing
+        bool overlap = true;
+        for (size_t d = 0; d < item.shape.size() && overlap; ++d)
+          overlap = x.offsets[d] < y.offsets[d] + y.sizes[d] && y.offsets[d] < x.offsets[d] + x.sizes[d];
+        if (overlap) p.bad(cat(quote(fqn), ": chunks at [", join_ints(x.offsets), "] and [", join_ints(y.offsets), "] overlap"));
+      }
     if (volume != total)
       p.bad(cat(quote(fqn), ": its chunks hold ", static_cast<int64_t>(volume), " elements, the tensor has ",
                 static_cast<int64_t>(total)));
@@ -226,6 +250,23 @@ pickle::Ptr Reader::read_object(const std::string& key) const {
   return load_torch_object((fs::path(directory_) / it->second.file).string(), it->second.offset, it->second.length);
 }
 
+std::optional<int64_t> Reader::read_integer(const std::string& key) const {
+  if (objects_.count(key)) {
+    const pickle::Ptr v = read_object(key);
+    if (!v->is(Kind::integer) || v->integer < 0)
+      fail("torch DCP checkpoint ", directory_, ": ", quote(key), " is ", v->describe(), ", expected a non-negative integer");
+    return v->integer;
+  }
+  if (has_tensor(key)) {
+    const at::Tensor t = read(key);
+    if (t.numel() != 1 || at::isFloatingType(t.scalar_type()) || t.item<int64_t>() < 0)
+      fail("torch DCP checkpoint ", directory_, ": ", quote(key), " is a tensor of shape ", t.sizes(), " and type ",
+           c10::toString(t.scalar_type()), ", expected one non-negative integer");
+    return t.item<int64_t>();
+  }
+  return std::nullopt;
+}
+
 namespace {
 
 void write_size(pickle::Writer& p, const std::vector<int64_t>& dims) {  // torch.Size(dims)
@@ -240,12 +281,6 @@ void write_string_tuple(pickle::Writer& p, const std::vector<std::string>& items
   p.mark();
   for (const auto& s : items) p.unicode(s);
   p.op('t');
-}
-
-std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> strides(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * std::max<int64_t>(shape[d], 1);
-  return strides;
 }
 
 }  // namespace
@@ -305,7 +340,8 @@ void write_checkpoint(const std::string& directory, const std::vector<TensorToWr
     p.mark();
     p.unicode("properties");
     p.new_object(kMetadataModule, "TensorProperties");
-    p.mark();  // its __setstate__ tuple: dtype, layout, requires_grad, memory format, pin_memory, strides
+    p.mark();  // its __setstate__ tuple: dtype, layout, requires_grad, memory format, pin_memory (the 5-tuple every
+               // PyTorch reads; newer ones add the strides, optional)
     p.global("torch", dtype_name(dtypes[i]));
     p.global("torch", "strided");
     p.boolean(false);
@@ -315,7 +351,6 @@ void write_checkpoint(const std::string& directory, const std::vector<TensorToWr
     p.op('t');
     p.op('R');
     p.boolean(false);
-    p.tuple_of_ints(contiguous_strides(shapes[i]));
     p.op('t');
     p.build();
     p.unicode("size");

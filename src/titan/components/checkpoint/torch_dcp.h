@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,8 @@ struct TensorItem {
 
 // True when `directory` holds a torch DCP checkpoint (its .metadata file).
 bool is_checkpoint(const std::string& directory);
+// True when it holds a training state to resume (torchtitan's train_state.step), not only model weights.
+bool has_training_state(const std::string& directory);
 
 class Reader {
  public:
@@ -45,6 +48,9 @@ class Reader {
   void read_box(const std::string& key, const std::vector<int64_t>& offsets, at::Tensor out) const;
   at::Tensor read(const std::string& key) const;  // the whole tensor, in its stored dtype, on the CPU
   pickle::Ptr read_object(const std::string& key) const;
+  // A non-negative integer stored as a pickled int or as a one-element tensor (older torchtitan versions saved
+  // train_state.step as an int32 tensor); nothing when the key is absent.
+  std::optional<int64_t> read_integer(const std::string& key) const;
 
  private:
   std::string directory_;

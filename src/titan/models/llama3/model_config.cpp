@@ -1,5 +1,6 @@
 #include "titan/models/llama3/model_config.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include "titan/common/error.h"
@@ -96,6 +97,9 @@ JobModel job_model(const config::LoadedConfig& loaded) {
   const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
   const ModelArgs hf = read_hf_config(path);
   ModelArgs args = apply_shape_keys(hf, loaded);
+  // The model keeps the context it was made for (max_position_embeddings) unless model.max_seq_len says otherwise,
+  // so that its Hugging Face export still advertises it.
+  if (!c.model.max_seq_len) args.max_seq_len = std::max(hf.max_seq_len, c.training.seq_len);
   const auto differences = computation_differences(hf, args);
   if (!differences.empty())
     fail("[model] keys ", join(keys, ", "), " change the model that ", path, " describes (config.json vs configured):\n  ",

@@ -19,7 +19,8 @@ struct JobModel {
 
 // Throws UserError naming the key (and where it was set) or the config.json field for shapes that do not fit
 // together or disagree with the Hugging Face weights the job loads. max_seq_len is model.max_seq_len when set
-// (at least training.seq_len), else training.seq_len, as torchtitan sets it.
+// (at least training.seq_len), else training.seq_len, as torchtitan sets it; a shape taken from config.json keeps
+// its max_position_embeddings when that is longer.
 JobModel job_model(const config::LoadedConfig& loaded);
 
 // The flavor with the [model] shape keys that are set applied (no Hugging Face config, max_seq_len as above).
