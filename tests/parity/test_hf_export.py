@@ -50,6 +50,20 @@ def check_export(directory, expected_ids, bos, eos, expected_text=lambda ids, te
     generate = pipeline("text-generation", model=model, tokenizer=tok)
     out = generate("ROMEO:", max_new_tokens=8, do_sample=False)[0]["generated_text"]
     assert out.startswith("ROMEO:") and len(out) > len("ROMEO:")
+    # generate() stops at EOS by the exported generation config: weights edited so that EOS always wins (blocks
+    # silenced, the residual stream's first feature 1 for every token and read only by EOS's output row).
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[eos, 0] = 10.0
+    prompt = tok("ROMEO:", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=10, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert generated.tolist() == [eos]
 
 
 def test_builtin_tokenizer_export(tmp_path):
