@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <map>
+#include <unordered_map>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
@@ -66,14 +67,27 @@ class Reader {
   Reader(std::string_view data, const std::string& where, size_t max_values)
       : data_(data), where_(where), max_values_(max_values) {}
 
+  // On any failure, and when the result would contain itself, every value made is emptied: values that refer to
+  // each other (through the memo) must not keep each other alive.
   Ptr run() {
-    while (true) {
-      const unsigned char op = byte();
-      if (op == '.') {
-        if (stack_.size() != 1 || !marks_.empty()) malformed("STOP with a stack other than one value");
-        return stack_.back();
+    try {
+      while (true) {
+        const unsigned char op = byte();
+        if (op == '.') {
+          if (stack_.size() != 1 || !marks_.empty()) malformed("STOP with a stack other than one value");
+          Ptr result = stack_.back();
+          if (contains_cycle(result)) malformed("a value that contains itself");
+          return result;
+        }
+        step(op);
       }
-      step(op);
+    } catch (...) {
+      for (auto& v : made_values_) {
+        v->items.clear();
+        v->entries.clear();
+        v->state.reset();
+      }
+      throw;
     }
   }
 
@@ -84,6 +98,41 @@ class Reader {
   std::vector<Mutable> stack_;
   std::vector<size_t> marks_;
   std::map<uint64_t, Mutable> memo_;
+  std::vector<Mutable> made_values_;  // every value, to break reference cycles on failure
+
+  // Whether some value reaches itself (iterative depth-first search; 1 = on the current path, 2 = done).
+  static bool contains_cycle(const Ptr& root) {
+    std::unordered_map<const Value*, int> mark;
+    std::vector<std::pair<const Value*, size_t>> path;  // value, index of the next child to visit
+    auto children = [](const Value* v, size_t i) -> const Value* {
+      if (i < v->items.size()) return v->items[i].get();
+      i -= v->items.size();
+      if (i < 2 * v->entries.size()) return (i % 2 ? v->entries[i / 2].second : v->entries[i / 2].first).get();
+      i -= 2 * v->entries.size();
+      if (i == 0 && v->state) return v->state.get();
+      return nullptr;
+    };
+    auto count = [](const Value* v) { return v->items.size() + 2 * v->entries.size() + (v->state ? 1 : 0); };
+    mark[root.get()] = 1;
+    path.emplace_back(root.get(), 0);
+    while (!path.empty()) {
+      auto& [v, next] = path.back();
+      if (next == count(v)) {
+        mark[v] = 2;
+        path.pop_back();
+        continue;
+      }
+      const Value* child = children(v, next++);
+      if (!child) continue;
+      int& m = mark[child];
+      if (m == 1) return true;
+      if (m == 0) {
+        m = 1;
+        path.emplace_back(child, 0);
+      }
+    }
+    return false;
+  }
 
   [[noreturn]] void malformed(const std::string& what) const { fail(where_, ": malformed pickle (", what, " at byte ", p_, ")"); }
 
@@ -91,6 +140,7 @@ class Reader {
     if (++made_ > max_values_) fail(where_, ": the pickle holds more than ", max_values_, " values; refused");
     auto v = std::make_shared<Value>();
     v->kind = kind;
+    made_values_.push_back(v);
     return v;
   }
   void need(size_t n) const {
