@@ -136,7 +136,7 @@ Source read_torch_dcp(const std::string& from, const std::string& flavor_name) {
 }
 
 Source read_hf(const std::string& from, const std::string& flavor_name) {
-  // The shape is config.json's; a --flavor is checked against it field by field (load_hf).
+  // The shape is config.json's; a --flavor is checked against it field by field (HfReader).
   Source s;
   s.description = "Hugging Face model " + from;
   s.args = llama3::read_hf_config((fs::path(from) / "config.json").string());

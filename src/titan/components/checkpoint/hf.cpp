@@ -162,15 +162,4 @@ at::ScalarType HfReader::dtype(const std::string& titan_name) const {
   return it->second.first->tensors().at(it->second.second).dtype;
 }
 
-std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args) {
-  HfReader reader(directory, args);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : llama3::parameter_shapes(args)) {
-    at::Tensor t = at::empty(p.shape, at::TensorOptions().dtype(reader.dtype(p.name)));
-    reader.read_box(p.name, std::vector<int64_t>(p.shape.size(), 0), t);
-    out[p.name] = t;
-  }
-  return out;
-}
-
 }  // namespace titan::checkpoint

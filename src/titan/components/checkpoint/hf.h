@@ -30,9 +30,6 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
              const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
              int64_t max_shard_bytes, const tokenizer::Tokenizer* tokenizer = nullptr);
 
-// Reads every weight of an HF directory, returned under titan names in titan's layout (CPU tensors, stored dtype).
-std::map<std::string, at::Tensor> load_hf(const std::string& directory, const llama3::ModelArgs& args);
-
 // Reads parts of the weights of an HF directory under titan names and layout, touching only the rows a box needs
 // (whole heads of wq/wk, whose rows HF permutes within each head): each rank of a sharded job reads its pieces.
 class HfReader {

@@ -9,6 +9,19 @@ namespace titan::llama3 {
 
 using json = nlohmann::json;
 
+namespace {
+
+// Llama 3.1 RoPE scaling's four parameters under LlamaConfig's names, or null when scaling is off.
+json rope_scaling_json(const RopeScaling& r) {
+  if (!r.enabled) return nullptr;
+  return {{"factor", r.factor},
+          {"low_freq_factor", r.low_freq_factor},
+          {"high_freq_factor", r.high_freq_factor},
+          {"original_max_position_embeddings", r.original_max_position_embeddings}};
+}
+
+}  // namespace
+
 json to_hf_config(const ModelArgs& args, const std::string& torch_dtype) {
   json c;
   c["architectures"] = {"LlamaForCausalLM"};
@@ -28,14 +41,8 @@ json to_hf_config(const ModelArgs& args, const std::string& torch_dtype) {
   c["attention_bias"] = false;
   c["mlp_bias"] = false;
   c["torch_dtype"] = torch_dtype;
-  if (args.rope_scaling.enabled)
-    c["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", args.rope_scaling.factor},
-                         {"low_freq_factor", args.rope_scaling.low_freq_factor},
-                         {"high_freq_factor", args.rope_scaling.high_freq_factor},
-                         {"original_max_position_embeddings", args.rope_scaling.original_max_position_embeddings}};
-  else
-    c["rope_scaling"] = nullptr;
+  c["rope_scaling"] = rope_scaling_json(args.rope_scaling);
+  if (args.rope_scaling.enabled) c["rope_scaling"]["rope_type"] = "llama3";
   return c;
 }
 
@@ -184,13 +191,7 @@ json args_to_json(const ModelArgs& a) {
             {"max_seq_len", a.max_seq_len},
             {"tie_word_embeddings", a.tie_word_embeddings},
             {"depth_init", a.depth_init}};
-  if (a.rope_scaling.enabled)
-    j["rope_scaling"] = {{"factor", a.rope_scaling.factor},
-                         {"low_freq_factor", a.rope_scaling.low_freq_factor},
-                         {"high_freq_factor", a.rope_scaling.high_freq_factor},
-                         {"original_max_position_embeddings", a.rope_scaling.original_max_position_embeddings}};
-  else
-    j["rope_scaling"] = nullptr;
+  j["rope_scaling"] = rope_scaling_json(a.rope_scaling);
   return j;
 }
 
