@@ -130,6 +130,7 @@ namespace {
 nn::Context slice_context(const nn::Context& context, int64_t batch, int64_t begin, int64_t count) {
   nn::Context out = context;
   if (out.attn_mask.defined() && out.attn_mask.size(0) == batch) out.attn_mask = out.attn_mask.narrow(0, begin, count);
+  if (out.documents.defined() && out.documents.size(0) == batch) out.documents = out.documents.narrow(0, begin, count);
   if (out.positions.defined() && out.positions.size(0) == batch) out.positions = out.positions.narrow(0, begin, count);
   return out;
 }

@@ -1,5 +1,7 @@
 #include "titan/nn/unit.h"
 
+#include "titan/kernels/fused_ops.h"
+
 namespace titan::nn {
 
 void Unit::add_wrapper(std::string name, Wrapper wrapper) { wrappers_.emplace_back(std::move(name), std::move(wrapper)); }
@@ -37,9 +39,13 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const ParameterOptions& options) : dim
 }
 
 at::Tensor RMSNorm::forward(const Inputs& inputs, const Context&) {
+  if (kernels::cpu_kernels_apply({inputs[0], weight})) return kernels::rms_norm(inputs[0], weight, eps_);
   return at::rms_norm(inputs[0], {dim_}, weight, eps_);
 }
 
-at::Tensor SwiGLU::forward(const Inputs& inputs, const Context&) { return at::silu(inputs[0]) * inputs[1]; }
+at::Tensor SwiGLU::forward(const Inputs& inputs, const Context&) {
+  if (kernels::cpu_kernels_apply({inputs[0], inputs[1]})) return kernels::swiglu(inputs[0], inputs[1]);
+  return at::silu(inputs[0]) * inputs[1];
+}
 
 }  // namespace titan::nn

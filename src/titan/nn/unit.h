@@ -17,6 +17,7 @@ struct Context {
   at::Tensor rope;       // complex64 (seq_len, head_dim / 2)
   at::Tensor positions;  // undefined, or int64 (batch or 1, seq_len) indices into the RoPE table
   at::Tensor attn_mask;  // undefined (causal), or bool (batch, 1, seq_len, seq_len): true where attention is allowed
+  at::Tensor documents;  // with attn_mask: int32 (batch, seq_len), each position's document index (the same mask)
 };
 
 class Unit : public torch::nn::Module {

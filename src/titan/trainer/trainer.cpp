@@ -25,6 +25,7 @@
 #include "titan/distributed/functional_collectives.h"
 #include "titan/distributed/grad_norm.h"
 #include "titan/distributed/mpi_runtime.h"
+#include "titan/kernels/fused_ops.h"
 #include "titan/nn/autocast.h"
 
 namespace titan {
@@ -88,6 +89,7 @@ bool rank_logs(int rank) {
 Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   const config::JobConfig& c = loaded_.config;
   config::require_supported(loaded_);
+  kernels::set_fused_enabled(c.training.fused_kernels);
   launch_ = distributed::detect_launch();
   log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));

@@ -4,6 +4,8 @@
 #include <map>
 #include <torch/nn/modules/container/modulelist.h>
 
+#include "titan/kernels/fused_ops.h"
+
 namespace titan::llama3 {
 
 at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling) {
@@ -51,6 +53,8 @@ Attention::Attention(const ModelArgs& args, const nn::ParameterOptions& options)
 at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
   const bool masked = context.attn_mask.defined();
+  if (kernels::cpu_kernels_apply({q, k, v}) && (!masked || context.documents.defined()))
+    return kernels::attention(q, k, v, masked ? context.documents : at::Tensor());
   return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
                                           /*dropout_p=*/0.0, /*is_causal=*/!masked,
                                           /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));
@@ -62,8 +66,14 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
   at::Tensor q = (*wq)(x, context).view({bs, seqlen, -1, head_dim_});
   at::Tensor k = (*wk)(x, context).view({bs, seqlen, -1, head_dim_});
   at::Tensor v = (*wv)(x, context).view({bs, seqlen, -1, head_dim_});
-  q = apply_rope(q, context.rope, context.positions).transpose(1, 2);
-  k = apply_rope(k, context.rope, context.positions).transpose(1, 2);
+  if (kernels::cpu_kernels_apply({q, k})) {
+    std::tie(q, k) = kernels::rope(q, k, context.rope, context.positions);
+  } else {
+    q = apply_rope(q, context.rope, context.positions);
+    k = apply_rope(k, context.rope, context.positions);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
   v = v.transpose(1, 2);
   // Heads come from the projections' widths, so a tensor-parallel rank sees its own heads only.
   at::Tensor out = inner_attention->call({q, k, v}, context);
@@ -166,9 +176,14 @@ void Transformer::to_device(const at::Device& device, std::optional<at::ScalarTy
   rope_ = rope_.to(device);
 }
 
+at::Tensor document_ids(const at::Tensor& document_positions) {
+  // A document starts where its position is 0.
+  return at::cumsum(document_positions.eq(0).to(at::kInt), 1, at::kInt);
+}
+
 at::Tensor block_causal_mask(const at::Tensor& document_positions) {
-  // A document starts where its position is 0; tokens see earlier tokens of their own document only.
-  at::Tensor doc = at::cumsum(document_positions.eq(0).to(at::kInt), 1);
+  // Tokens see earlier tokens of their own document only.
+  at::Tensor doc = document_ids(document_positions);
   const int64_t s = document_positions.size(1);
   at::Tensor same = doc.unsqueeze(2).eq(doc.unsqueeze(1));
   at::Tensor causal = at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(doc.device())).tril();
@@ -192,7 +207,10 @@ at::Tensor Transformer::forward_modules(const at::Tensor& input, int64_t begin, 
   TORCH_CHECK(0 <= begin && begin < end && end <= module_count(), "module range [", begin, ", ", end, ") outside 0..", module_count());
   nn::Context context;
   context.positions = positions;
-  if (document_positions.defined()) context.attn_mask = block_causal_mask(document_positions);
+  if (document_positions.defined()) {
+    context.attn_mask = block_causal_mask(document_positions);
+    context.documents = document_ids(document_positions);
+  }
   TORCH_CHECK(seq_len <= rope_.size(0), "sequence length ", seq_len, " exceeds the model's max_seq_len ", rope_.size(0));
   context.rope = rope_;
   const int64_t n = static_cast<int64_t>(layers.size());

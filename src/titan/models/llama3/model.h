@@ -53,6 +53,8 @@ class FeedForward : public nn::Unit {
 
 // The block-causal mask for document positions (batch, seq_len): bool (batch, 1, seq_len, seq_len).
 at::Tensor block_causal_mask(const at::Tensor& document_positions);
+// Each position's document index, int32 (batch, seq_len), from the positions within documents.
+at::Tensor document_ids(const at::Tensor& document_positions);
 
 class TransformerBlock : public nn::Unit {
  public:

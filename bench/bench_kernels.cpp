@@ -1,0 +1,129 @@
+// Micro-benchmark of titan's fused CPU kernels against the ATen operations they replace, in one process on the same
+// threads: time per call (median of repeats), achieved GFLOP/s for attention, and the ratio ATen / fused.
+// Never passes or fails on time.
+//
+// usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "titan/kernels/cpu_isa.h"
+#include "titan/kernels/fused_ops.h"
+#include "titan/models/llama3/args.h"
+#include "titan/models/llama3/model.h"
+
+namespace {
+
+int g_repeats = 5;
+
+double median_ms(const std::function<void()>& run) {
+  run();  // warm-up
+  std::vector<double> times;
+  for (int i = 0; i < g_repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
+
+void report(const std::string& what, double fused_ms, double aten_ms, double flops) {
+  std::printf("%-44s fused %8.2f ms", what.c_str(), fused_ms);
+  if (flops > 0) std::printf(" (%6.1f GFLOP/s)", flops / fused_ms / 1e6);
+  std::printf("   ATen %8.2f ms", aten_ms);
+  if (flops > 0) std::printf(" (%6.1f GFLOP/s)", flops / aten_ms / 1e6);
+  std::printf("   ATen/fused %5.2fx\n", aten_ms / fused_ms);
+}
+
+void attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int64_t s, int64_t d) {
+  auto opts = at::TensorOptions().dtype(dtype);
+  at::Tensor q = at::randn({b, s, h, d}, opts).transpose(1, 2), k = at::randn({b, s, hk, d}, opts).transpose(1, 2),
+             v = at::randn({b, s, hk, d}, opts).transpose(1, 2), grad = at::randn({b, h, s, d}, opts);
+  // Causal: half of the s x s scores; forward 2 matmuls, backward 5 (with the recomputed scores).
+  const double matmul = 2.0 * static_cast<double>(b * h) * static_cast<double>(s) * static_cast<double>(s) / 2 * static_cast<double>(d);
+  const std::string name = std::string(dtype == at::kFloat ? "fp32" : "bf16") + " attention b" + std::to_string(b) + " h" +
+                           std::to_string(h) + "/" + std::to_string(hk) + " s" + std::to_string(s) + " d" + std::to_string(d);
+  at::NoGradGuard no_grad;
+  const double fused_fwd = median_ms([&] { titan::kernels::attention(q, k, v, {}); });
+  const double aten_fwd = median_ms([&] {
+    at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true, std::nullopt, h != hk);
+  });
+  report(name + " fwd", fused_fwd, aten_fwd, 2 * matmul);
+  at::AutoGradMode grad_mode(true);
+  const double fused_all = median_ms([&] {
+    at::Tensor q1 = leaf(q), k1 = leaf(k), v1 = leaf(v);
+    titan::kernels::attention(q1, k1, v1, {}).backward(grad);
+  });
+  const double aten_all = median_ms([&] {
+    at::Tensor q1 = leaf(q), k1 = leaf(k), v1 = leaf(v);
+    at::scaled_dot_product_attention(q1, k1, v1, std::nullopt, 0.0, true, std::nullopt, h != hk).backward(grad);
+  });
+  report(name + " fwd+bwd", fused_all, aten_all, 7 * matmul);
+}
+
+void elementwise(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t hidden, int64_t heads, int64_t head_dim) {
+  auto opts = at::TensorOptions().dtype(dtype);
+  const std::string tag = std::string(dtype == at::kFloat ? "fp32 " : "bf16 ");
+  at::AutoGradMode grad_mode(true);
+  {
+    at::Tensor x = at::randn({tokens, dim}, opts), w = at::randn({dim}, opts), g = at::randn({tokens, dim}, opts);
+    const double fused = median_ms([&] { titan::kernels::rms_norm(leaf(x), leaf(w), 1e-5).backward(g); });
+    const double aten = median_ms([&] { at::rms_norm(leaf(x), {dim}, leaf(w), 1e-5).backward(g); });
+    report(tag + "RMSNorm fwd+bwd " + std::to_string(tokens) + "x" + std::to_string(dim), fused, aten, 0);
+  }
+  {
+    at::Tensor a = at::randn({tokens, hidden}, opts), u = at::randn({tokens, hidden}, opts), g = at::randn({tokens, hidden}, opts);
+    const double fused = median_ms([&] { titan::kernels::swiglu(leaf(a), leaf(u)).backward(g); });
+    const double aten = median_ms([&] { (at::silu(leaf(a)) * leaf(u)).backward(g); });
+    report(tag + "SwiGLU fwd+bwd " + std::to_string(tokens) + "x" + std::to_string(hidden), fused, aten, 0);
+  }
+  {
+    const auto table = titan::llama3::precompute_rope(head_dim, 4096, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+    at::Tensor q = at::randn({1, tokens, heads, head_dim}, opts), k = at::randn({1, tokens, heads, head_dim}, opts);
+    at::Tensor g = at::randn({1, tokens, heads, head_dim}, opts);
+    const double fused = median_ms([&] {
+      auto [a, b] = titan::kernels::rope(leaf(q), leaf(k), table, {});
+      (a * g).sum().add((b * g).sum()).backward();
+    });
+    const double aten = median_ms([&] {
+      at::Tensor a = titan::llama3::apply_rope(leaf(q), table, {}), b = titan::llama3::apply_rope(leaf(k), table, {});
+      (a * g).sum().add((b * g).sum()).backward();
+    });
+    report(tag + "RoPE q+k fwd+bwd (+ a product) " + std::to_string(tokens) + "x" + std::to_string(heads), fused, aten, 0);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int threads = 2;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--repeats")) g_repeats = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--isa")) titan::kernels::set_cpu_isa(argv[i + 1] == std::string("avx512") ? titan::kernels::Isa::avx512
+                                                                         : argv[i + 1] == std::string("avx2") ? titan::kernels::Isa::avx2
+                                                                                                                : titan::kernels::Isa::generic);
+  }
+  at::set_num_threads(threads);
+  at::manual_seed(0);
+  std::printf("titan fused CPU kernels (%s copy) against ATen, %d threads, median of %d\n",
+              titan::kernels::isa_name(titan::kernels::cpu_isa()).c_str(), threads, g_repeats);
+  for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    attention(dtype, 8, 16, 16, 512, 16);   // debug model, 8 x 512
+    attention(dtype, 4, 12, 4, 512, 64);    // 100M flavor, 4 x 512
+    attention(dtype, 1, 12, 4, 2048, 64);   // 100M flavor, 1 x 2048
+    attention(dtype, 1, 8, 2, 1024, 128);   // Llama 3 8B's head_dim
+    elementwise(dtype, 4096, 768, 2048, 12, 64);
+  }
+  return 0;
+}

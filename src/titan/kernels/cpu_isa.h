@@ -1,0 +1,18 @@
+// Which compiled copy of the CPU kernels runs (kernels/isa): chosen once from the CPU's features at run time, never
+// from the build machine's; TITAN_CPU_ISA=generic|avx2|avx512 picks a lower one (tests run every copy this way).
+#pragma once
+#include <string>
+
+namespace titan::kernels {
+
+enum class Isa { generic, avx2, avx512 };
+
+// The best copy this CPU runs (and this build has), or the one TITAN_CPU_ISA names.
+Isa cpu_isa();
+// Overrides the choice for this process (tests); fails with a clear error when the CPU lacks the instructions.
+void set_cpu_isa(Isa isa);
+// Whether this CPU can run `isa` and this build holds that copy.
+bool cpu_supports(Isa isa);
+std::string isa_name(Isa isa);
+
+}  // namespace titan::kernels

@@ -1,0 +1,293 @@
+#include "titan/kernels/fused_ops.h"
+
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+
+#include "titan/kernels/cpu_isa.h"
+#include "titan/kernels/isa/kernels.h"
+
+namespace titan::kernels {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<bool> g_fused{true};
+
+// Calls isa::<copy>::fn(args...) for the instruction set this CPU runs.
+#if defined(TITAN_X86_KERNELS)
+#define TITAN_ISA_CALL(fn, ...)                                     \
+  do {                                                              \
+    switch (cpu_isa()) {                                            \
+      case Isa::avx512: isa::avx512::fn(__VA_ARGS__); break;        \
+      case Isa::avx2: isa::avx2::fn(__VA_ARGS__); break;            \
+      case Isa::generic: isa::generic::fn(__VA_ARGS__); break;      \
+    }                                                               \
+  } while (0)
+#else
+#define TITAN_ISA_CALL(fn, ...) isa::generic::fn(__VA_ARGS__)
+#endif
+
+// A tensor's data as the kernels see it: float, or bf16 bits.
+template <typename T>
+T* data(const at::Tensor& t) {
+  if constexpr (std::is_same_v<std::remove_const_t<T>, float>) return t.data_ptr<float>();
+  else return reinterpret_cast<T*>(t.data_ptr<at::BFloat16>());
+}
+
+// Runs body.template operator()<T>() with T = float or uint16_t (bf16) after `dtype`.
+template <typename Body>
+void with_dtype(at::ScalarType dtype, Body&& body) {
+  if (dtype == at::kFloat) body.template operator()<float>();
+  else body.template operator()<uint16_t>();
+}
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// Element strides of a (batch, heads, seq, head_dim) tensor in the kernels' (batch, seq, head) order.
+void strides_bsh(const at::Tensor& t, int64_t* out) {
+  out[0] = t.stride(0);
+  out[1] = t.stride(2);
+  out[2] = t.stride(1);
+}
+
+// (batch, heads, seq, head_dim) view of a new (batch, seq, heads, head_dim) tensor.
+at::Tensor new_bhsd(const at::Tensor& like, int64_t heads) {
+  return at::empty({like.size(0), like.size(2), heads, like.size(3)}, like.options()).transpose(1, 2);
+}
+
+class Attention : public torch::autograd::Function<Attention> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const at::Tensor& documents) {
+    const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+    isa::AttentionShape s = shape(q, k, v, documents);
+    at::Tensor out = new_bhsd(q, s.heads);
+    at::Tensor lse = at::empty({s.batch, s.heads, s.seq}, q.options().dtype(at::kFloat));
+    strides_bsh(out, s.out_stride);
+    const int64_t blocks = (s.seq + isa::kAttentionBlock - 1) / isa::kAttentionBlock;
+    with_dtype(q.scalar_type(), [&]<typename T>() {
+      const T *qp = data<const T>(q), *kp = data<const T>(k), *vp = data<const T>(v);
+      T* op = data<T>(out);
+      float* lp = lse.data_ptr<float>();
+      at::parallel_for(0, s.batch * s.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+        TITAN_ISA_CALL(attention_forward, s, qp, kp, vp, op, lp, begin, end);
+      });
+    });
+    ctx->save_for_backward({q, k, v, out, lse, documents});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &documents = saved[5];
+    const at::Tensor grad_out = last_dim_contiguous(grads[0].to(q.scalar_type()));
+    isa::AttentionShape s = shape(q, k, v, documents);
+    strides_bsh(out, s.out_stride);
+    strides_bsh(grad_out, s.grad_out_stride);
+    at::Tensor grad_q = new_bhsd(q, s.heads), grad_k = new_bhsd(k, s.kv_heads), grad_v = new_bhsd(v, s.kv_heads);
+    strides_bsh(grad_q, s.grad_q_stride);
+    strides_bsh(grad_k, s.grad_k_stride);
+    strides_bsh(grad_v, s.grad_v_stride);
+    with_dtype(q.scalar_type(), [&]<typename T>() {
+      const T *qp = data<const T>(q), *kp = data<const T>(k), *vp = data<const T>(v), *op = data<const T>(out),
+              *gp = data<const T>(grad_out);
+      T *gq = data<T>(grad_q), *gk = data<T>(grad_k), *gv = data<T>(grad_v);
+      const float* lp = lse.data_ptr<float>();
+      at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+        TITAN_ISA_CALL(attention_backward, s, qp, kp, vp, op, gp, lp, gq, gk, gv, begin, end);
+      });
+    });
+    return {grad_q, grad_k, grad_v, at::Tensor()};
+  }
+
+ private:
+  static isa::AttentionShape shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) {
+    isa::AttentionShape s;
+    s.batch = q.size(0);
+    s.heads = q.size(1);
+    s.kv_heads = k.size(1);
+    s.seq = q.size(2);
+    s.head_dim = q.size(3);
+    s.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)));
+    strides_bsh(q, s.q_stride);
+    strides_bsh(k, s.k_stride);
+    strides_bsh(v, s.v_stride);
+    s.documents = documents.numel() > 0 ? documents.data_ptr<int32_t>() : nullptr;
+    return s;
+  }
+};
+
+class RmsNorm : public torch::autograd::Function<RmsNorm> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
+    const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+    const isa::RowsShape s{x.numel() / x.size(-1), x.size(-1)};
+    at::Tensor y = at::empty_like(x);
+    at::Tensor inv_rms = at::empty({s.rows}, x.options().dtype(at::kFloat));
+    with_dtype(x.scalar_type(), [&]<typename T>() {
+      const T *xp = data<const T>(x), *wp = data<const T>(weight);
+      T* yp = data<T>(y);
+      float* ip = inv_rms.data_ptr<float>();
+      at::parallel_for(0, s.rows, 16, [&](int64_t begin, int64_t end) {
+        TITAN_ISA_CALL(rms_norm_forward, s, xp, wp, static_cast<float>(eps), yp, ip, begin, end);
+      });
+    });
+    ctx->save_for_backward({x, weight, inv_rms});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &inv_rms = saved[2];
+    const at::Tensor grad_y = grads[0].to(x.scalar_type()).contiguous();
+    const isa::RowsShape s{x.numel() / x.size(-1), x.size(-1)};
+    at::Tensor grad_x = at::empty_like(x);
+    // Each thread sums its rows' weight gradients into its own row; the rows are added at the end.
+    at::Tensor partial = at::zeros({at::get_num_threads(), s.dim}, x.options().dtype(at::kFloat));
+    with_dtype(x.scalar_type(), [&]<typename T>() {
+      const T *xp = data<const T>(x), *wp = data<const T>(weight), *gp = data<const T>(grad_y);
+      T* dx = data<T>(grad_x);
+      const float* ip = inv_rms.data_ptr<float>();
+      float* pp = partial.data_ptr<float>();
+      at::parallel_for(0, s.rows, 16, [&](int64_t begin, int64_t end) {
+        float* mine = pp + at::get_thread_num() * s.dim;
+        TITAN_ISA_CALL(rms_norm_backward, s, xp, wp, ip, gp, dx, mine, begin, end);
+      });
+    });
+    return {grad_x, partial.sum(0).to(weight.scalar_type()), at::Tensor()};
+  }
+};
+
+class SwiGlu : public torch::autograd::Function<SwiGlu> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_in, const at::Tensor& up_in) {
+    const at::Tensor gate = gate_in.contiguous(), up = up_in.contiguous();
+    at::Tensor out = at::empty_like(gate);
+    with_dtype(gate.scalar_type(), [&]<typename T>() {
+      const T *gp = data<const T>(gate), *up_p = data<const T>(up);
+      T* op = data<T>(out);
+      at::parallel_for(0, gate.numel(), 4096, [&](int64_t begin, int64_t end) {
+        TITAN_ISA_CALL(swiglu_forward, gp, up_p, op, begin, end);
+      });
+    });
+    ctx->save_for_backward({gate, up});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &gate = saved[0], &up = saved[1];
+    const at::Tensor grad = grads[0].to(gate.scalar_type()).contiguous();
+    at::Tensor grad_gate = at::empty_like(gate), grad_up = at::empty_like(up);
+    with_dtype(gate.scalar_type(), [&]<typename T>() {
+      const T *gp = data<const T>(gate), *up_p = data<const T>(up), *dp = data<const T>(grad);
+      T *dg = data<T>(grad_gate), *du = data<T>(grad_up);
+      at::parallel_for(0, gate.numel(), 4096, [&](int64_t begin, int64_t end) {
+        TITAN_ISA_CALL(swiglu_backward, gp, up_p, dp, dg, du, begin, end);
+      });
+    });
+    return {grad_gate, grad_up};
+  }
+};
+
+// Rotates q and k (batch, seq, heads, head_dim) by the table's angles, or back (inverse) for the gradient.
+at::Tensor rotate(const at::Tensor& x_in, const at::Tensor& table, const at::Tensor& rows, bool inverse) {
+  const at::Tensor x = last_dim_contiguous(x_in);
+  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2), x.size(3)}, x.options());
+  isa::RopeShape s;
+  s.batch = x.size(0);
+  s.seq = x.size(1);
+  s.heads = x.size(2);
+  s.head_dim = x.size(3);
+  for (int i = 0; i < 3; ++i) s.in_stride[i] = x.stride(i), s.out_stride[i] = out.stride(i);
+  s.inverse = inverse;
+  const float* tp = table.data_ptr<float>();
+  const int64_t* rp = rows.numel() > 0 ? rows.data_ptr<int64_t>() : nullptr;
+  with_dtype(x.scalar_type(), [&]<typename T>() {
+    const T* xp = data<const T>(x);
+    T* op = data<T>(out);
+    at::parallel_for(0, s.batch * s.seq * s.heads, 64, [&](int64_t begin, int64_t end) {
+      TITAN_ISA_CALL(rope, s, tp, rp, xp, op, begin, end);
+    });
+  });
+  return out;
+}
+
+class Rope : public torch::autograd::Function<Rope> {
+ public:
+  // table: float (positions, head_dim / 2, 2); rows: int64 (batch, seq) table rows, or empty.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
+                               const at::Tensor& rows) {
+    ctx->save_for_backward({table, rows});
+    return {rotate(q, table, rows, false), rotate(k, table, rows, false)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {rotate(grads[0], saved[0], saved[1], true), rotate(grads[1], saved[0], saved[1], true), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+bool fused_enabled() { return g_fused.load(); }
+void set_fused_enabled(bool enabled) { g_fused = enabled; }
+
+bool cpu_kernels_apply(std::initializer_list<at::Tensor> tensors) {
+  if (!fused_enabled() || tensors.size() == 0 || !tensors.begin()->defined()) return false;
+  const at::ScalarType dtype = tensors.begin()->scalar_type();
+  if (dtype != at::kFloat && dtype != at::kBFloat16) return false;
+  for (const auto& t : tensors)
+    if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != dtype || t.numel() == 0) return false;
+  return true;
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(2) && q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0,
+              "fused attention: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not fit");
+  // Autograd functions take no undefined tensors: "no documents" is an empty one.
+  at::Tensor docs = at::empty({0}, at::kInt);
+  if (documents.defined()) {
+    TORCH_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) && documents.size(1) == q.size(2),
+                "fused attention: documents ", documents.sizes(), " for q ", q.sizes());
+    docs = documents.to(at::kInt).contiguous();
+  }
+  return Attention::apply(q, k, v, docs);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "fused RMSNorm: weight ", weight.sizes(), " for input ",
+              x.sizes());
+  return RmsNorm::apply(x, weight, eps);
+}
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes(), "fused SwiGLU: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+  return SwiGlu::apply(gate, up);
+}
+
+std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
+                                       const at::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(3) % 2 == 0 && q.size(3) == k.size(3) && q.sizes().slice(0, 2) == k.sizes().slice(0, 2),
+              "fused RoPE: q ", q.sizes(), " and k ", k.sizes(), " do not fit");
+  TORCH_CHECK(table.dim() == 2 && table.size(1) * 2 == q.size(3) && table.scalar_type() == at::kComplexFloat,
+              "fused RoPE: table ", table.sizes(), " for head_dim ", q.size(3));
+  const at::Tensor pairs = at::view_as_real(table.is_contiguous() ? table : table.contiguous());
+  at::Tensor rows = at::empty({0}, at::kLong);  // empty: the sequence index (autograd functions take no undefined tensors)
+  if (positions.defined()) {
+    rows = positions.to(at::kLong).expand({q.size(0), q.size(1)}).contiguous();
+    const auto [lo, hi] = at::aminmax(rows);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < table.size(0), "fused RoPE: positions outside 0..",
+                table.size(0) - 1);
+  } else {
+    TORCH_CHECK(q.size(1) <= table.size(0), "fused RoPE: sequence length ", q.size(1), " exceeds the table's ", table.size(0));
+  }
+  auto out = Rope::apply(q, k, pairs, rows);
+  return {out[0], out[1]};
+}
+
+}  // namespace titan::kernels

@@ -1,0 +1,595 @@
+// Causal / block-causal attention with an online softmax (the flash-attention algorithm) in float32, forward and
+// backward, for one instruction set. Queries are taken in blocks of 64 rows against blocks of 64 keys; scores are
+// computed against a transposed key block so that the innermost loops run along contiguous keys (or head_dim) and
+// vectorise. Head dims 16, 32, 64 and 128 get their own instantiations (constant loop bounds); others run the
+// general one.
+#include "titan/kernels/isa/kernels.h"
+#include "titan/kernels/isa/scalar_math.h"
+
+namespace titan::kernels::isa::TITAN_ISA {
+namespace {
+
+constexpr int64_t kBlock = kAttentionBlock;  // queries per block and keys per block
+
+struct Range {
+  int64_t begin = 0, end = 0;
+};
+
+// The keys query rows [i0, i0 + rows) may see: up to the last row (causal), from the first row's document on.
+Range visible_keys(const AttentionShape& a, const int32_t* documents, int64_t i0, int64_t rows) {
+  Range r{0, i0 + rows};
+  if (documents) {
+    const int32_t first = documents[i0];
+    int64_t lo = 0, hi = i0;  // first position whose document is >= the first row's (documents are non-decreasing)
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (documents[mid] < first) lo = mid + 1;
+      else hi = mid;
+    }
+    r.begin = lo;
+  }
+  return r;
+}
+
+template <typename T>
+const T* row(const T* base, const int64_t* stride, int64_t b, int64_t s, int64_t h) {
+  return base + b * stride[0] + s * stride[1] + h * stride[2];
+}
+template <typename T>
+T* row(T* base, const int64_t* stride, int64_t b, int64_t s, int64_t h) {
+  return base + b * stride[0] + s * stride[1] + h * stride[2];
+}
+
+// Scratch blocks of one work range, allocated once per call.
+struct Scratch {
+  explicit Scratch(int64_t floats) : data(new float[static_cast<size_t>(floats)]()) {}
+  ~Scratch() { delete[] data; }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float* data;
+};
+
+// key_t (D x kBlock): keys of block [j0, j0 + cols) transposed, zero past cols; values (kBlock x D) likewise.
+template <int64_t kD, typename T>
+void load_key_block(const AttentionShape& a, const T* k, const int64_t* stride, int64_t b, int64_t hk, int64_t j0,
+                    int64_t cols, float* key_t, float* rows_out) {
+  const int64_t D = kD ? kD : a.head_dim;
+  for (int64_t c = 0; c < kBlock; ++c) {
+    if (c < cols) {
+      const T* src = row(k, stride, b, j0 + c, hk);
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = to_float(src[d]);
+        if (key_t) key_t[d * kBlock + c] = v;
+        if (rows_out) rows_out[c * D + d] = v;
+      }
+    } else {
+      for (int64_t d = 0; d < D; ++d) {
+        if (key_t) key_t[d * kBlock + c] = 0.0f;
+        if (rows_out) rows_out[c * D + d] = 0.0f;
+      }
+    }
+  }
+}
+
+// scores[c] = sum_d q[d] * key_t[d][c] for the kBlock keys of a block.
+template <int64_t kD>
+inline void row_scores(const float* q, const float* key_t, int64_t D_runtime, float* scores) {
+  const int64_t D = kD ? kD : D_runtime;
+  float acc[kBlock];
+  for (int64_t c = 0; c < kBlock; ++c) acc[c] = 0.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float qd = q[d];
+    const float* kt = key_t + d * kBlock;
+    for (int64_t c = 0; c < kBlock; ++c) acc[c] += qd * kt[c];
+  }
+  for (int64_t c = 0; c < kBlock; ++c) scores[c] = acc[c];
+}
+
+// Sets scores[c] to -inf where key j0 + c is not visible from query i.
+inline void mask_scores(const int32_t* documents, int64_t i, int64_t j0, int64_t cols, float* scores) {
+  const int64_t limit = i - j0 + 1 < cols ? i - j0 + 1 : cols;  // keys past the query are hidden (causal)
+  for (int64_t c = 0; c < kBlock; ++c) scores[c] = c < limit ? scores[c] : kNegInf;
+  if (documents && documents[j0] != documents[i]) {  // only a block that starts in an earlier document needs this
+    const int32_t doc = documents[i];
+    for (int64_t c = 0; c < limit; ++c) scores[c] = documents[j0 + c] == doc ? scores[c] : kNegInf;
+  }
+}
+
+// The largest of the kBlock scores and `init`.
+inline float block_max(const float* scores, float init) {
+  float part[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) part[l] = init;
+  for (int64_t c = 0; c < kBlock; c += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] = scores[c + l] > part[l] ? scores[c + l] : part[l];
+  float m = init;
+  for (int64_t l = 0; l < kLanes; ++l) m = part[l] > m ? part[l] : m;
+  return m;
+}
+
+// scores[c] = e^(scores[c] - shift); returns their sum.
+inline float exp_block(float* scores, float shift) {
+  for (int64_t c = 0; c < kBlock; ++c) scores[c] = exp_approx(scores[c] - shift);
+  float part[kLanes] = {};
+  for (int64_t c = 0; c < kBlock; c += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += scores[c + l];
+  return sum_lanes(part);
+}
+
+template <int64_t kD, typename T>
+void forward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, T* out, float* lse, int64_t begin,
+                  int64_t end) {
+  const int64_t D = kD ? kD : a.head_dim, S = a.seq, H = a.heads, group = a.heads / a.kv_heads;
+  const int64_t blocks = (S + kBlock - 1) / kBlock;
+  Scratch scratch(kBlock * D * 4 + kBlock * 4);
+  float* qs = scratch.data;            // kBlock x D, scaled queries
+  float* key_t = qs + kBlock * D;      // D x kBlock
+  float* values = key_t + kBlock * D;  // kBlock x D
+  float* acc = values + kBlock * D;    // kBlock x D, unnormalised outputs
+  float* row_max = acc + kBlock * D;   // kBlock
+  float* row_sum = row_max + kBlock;   // kBlock
+  float* scores = row_sum + kBlock;    // kBlock
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / (H * blocks), h = (item / blocks) % H, qb = item % blocks, hk = h / group;
+    const int64_t i0 = qb * kBlock, rows = S - i0 < kBlock ? S - i0 : kBlock;
+    const int32_t* documents = a.documents ? a.documents + b * S : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = row(q, a.q_stride, b, i0 + r, h);
+      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(src[d]) * a.scale;
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.0f;
+    }
+    const Range keys = visible_keys(a, documents, i0, rows);
+    for (int64_t j0 = keys.begin / kBlock * kBlock; j0 < keys.end; j0 += kBlock) {
+      const int64_t cols = keys.end - j0 < kBlock ? keys.end - j0 : kBlock;
+      load_key_block<kD>(a, k, a.k_stride, b, hk, j0, cols, key_t, nullptr);
+      load_key_block<kD>(a, v, a.v_stride, b, hk, j0, cols, nullptr, values);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        row_scores<kD>(qs + r * D, key_t, D, scores);
+        mask_scores(documents, i, j0, cols, scores);
+        const float m = block_max(scores, row_max[r]);
+        if (m == kNegInf) continue;  // nothing visible yet in this row
+        const float rescale = exp_approx(row_max[r] - m);
+        const float sum = exp_block(scores, m);
+        row_max[r] = m;
+        row_sum[r] = row_sum[r] * rescale + sum;
+        // The row's output stays in registers over the block's keys (a constant head_dim).
+        float o[kD ? kD : 1];
+        float* orow = kD ? o : acc + r * D;
+        if (kD)
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d];
+        for (int64_t d = 0; d < D; ++d) orow[d] *= rescale;
+        for (int64_t c = 0; c < cols; ++c) {
+          const float p = scores[c];
+          const float* vr = values + c * D;
+          for (int64_t d = 0; d < D; ++d) orow[d] += p * vr[d];
+        }
+        if (kD)
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] = o[d];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / row_sum[r];
+      T* dst = row(out, a.out_stride, b, i0 + r, h);
+      for (int64_t d = 0; d < D; ++d) store(dst + d, acc[r * D + d] * inv);
+      lse[(b * H + h) * S + i0 + r] = row_max[r] + __builtin_logf(row_sum[r]);
+    }
+  }
+}
+
+template <int64_t kD, typename T>
+void backward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, const T* out, const T* grad_out,
+                   const float* lse, T* grad_q, T* grad_k, T* grad_v, int64_t begin, int64_t end) {
+  const int64_t D = kD ? kD : a.head_dim, S = a.seq, H = a.heads, HK = a.kv_heads, group = a.heads / a.kv_heads;
+  const int64_t blocks = (S + kBlock - 1) / kBlock;
+  Scratch scratch(S * D * 3 + kBlock * D * 6 + kBlock * kBlock * 2 + kBlock * 4 + D);
+  float* dk_acc = scratch.data;          // S x D
+  float* dv_acc = dk_acc + S * D;        // S x D
+  float* dq_acc = dv_acc + S * D;        // S x D
+  float* qs = dq_acc + S * D;            // kBlock x D, scaled queries
+  float* dout = qs + kBlock * D;         // kBlock x D
+  float* key_t = dout + kBlock * D;      // D x kBlock
+  float* value_t = key_t + kBlock * D;   // D x kBlock
+  float* keys = value_t + kBlock * D;    // kBlock x D
+  float* dq_row = keys + kBlock * D;     // kBlock x D (spare row buffer)
+  float* probs = dq_row + kBlock * D;    // kBlock x kBlock
+  float* dscores = probs + kBlock * kBlock;  // kBlock x kBlock
+  float* delta = dscores + kBlock * kBlock;  // kBlock
+  float* row_lse = delta + kBlock;           // kBlock
+  float* tmp = row_lse + kBlock;             // kBlock
+  float* tmp_row = tmp + kBlock;             // D
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / HK, hk = item % HK;
+    const int32_t* documents = a.documents ? a.documents + b * S : nullptr;
+    for (int64_t x = 0; x < S * D; ++x) dk_acc[x] = 0.0f, dv_acc[x] = 0.0f;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t x = 0; x < S * D; ++x) dq_acc[x] = 0.0f;
+      for (int64_t qb = 0; qb < blocks; ++qb) {
+        const int64_t i0 = qb * kBlock, rows = S - i0 < kBlock ? S - i0 : kBlock;
+        for (int64_t r = 0; r < rows; ++r) {
+          const T* qsrc = row(q, a.q_stride, b, i0 + r, h);
+          const T* gsrc = row(grad_out, a.grad_out_stride, b, i0 + r, h);
+          const T* osrc = row(out, a.out_stride, b, i0 + r, h);
+          for (int64_t d = 0; d < D; ++d) {
+            qs[r * D + d] = to_float(qsrc[d]) * a.scale;
+            dout[r * D + d] = to_float(gsrc[d]);
+            tmp_row[d] = to_float(osrc[d]);
+          }
+          delta[r] = dot(dout + r * D, tmp_row, D);
+          row_lse[r] = lse[(b * H + h) * S + i0 + r];
+        }
+        const Range visible = visible_keys(a, documents, i0, rows);
+        for (int64_t j0 = visible.begin / kBlock * kBlock; j0 < visible.end; j0 += kBlock) {
+          const int64_t cols = visible.end - j0 < kBlock ? visible.end - j0 : kBlock;
+          load_key_block<kD>(a, k, a.k_stride, b, hk, j0, cols, key_t, keys);
+          load_key_block<kD>(a, v, a.v_stride, b, hk, j0, cols, value_t, nullptr);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = i0 + r;
+            float* p = probs + r * kBlock;
+            float* ds = dscores + r * kBlock;
+            row_scores<kD>(qs + r * D, key_t, D, p);
+            mask_scores(documents, i, j0, cols, p);
+            const float l = row_lse[r];
+            for (int64_t c = 0; c < kBlock; ++c) p[c] = exp_approx(p[c] - l);  // masked: exactly 0
+            row_scores<kD>(dout + r * D, value_t, D, tmp);  // dP = dO V^T
+            const float dl = delta[r];
+            for (int64_t c = 0; c < kBlock; ++c) ds[c] = p[c] * (tmp[c] - dl);
+            // dQ_i += scale * sum_c dS_ic K_c
+            float reg[kD ? kD : 1];
+            float* dq = kD ? reg : dq_acc + i * D;
+            if (kD)
+              for (int64_t d = 0; d < D; ++d) reg[d] = dq_acc[i * D + d];
+            for (int64_t c = 0; c < cols; ++c) {
+              const float w = ds[c] * a.scale;
+              const float* kr = keys + c * D;
+              for (int64_t d = 0; d < D; ++d) dq[d] += w * kr[d];
+            }
+            if (kD)
+              for (int64_t d = 0; d < D; ++d) dq_acc[i * D + d] = reg[d];
+          }
+          for (int64_t r = rows; r < kBlock; ++r)
+            for (int64_t c = 0; c < kBlock; ++c) probs[r * kBlock + c] = 0.0f, dscores[r * kBlock + c] = 0.0f;
+          // dK_c += sum_r dS_rc Qs_r;  dV_c += sum_r P_rc dO_r
+          for (int64_t c = 0; c < cols; ++c) {
+            float reg_k[kD ? kD : 1], reg_v[kD ? kD : 1];
+            float* dk = kD ? reg_k : dk_acc + (j0 + c) * D;
+            float* dv = kD ? reg_v : dv_acc + (j0 + c) * D;
+            if (kD)
+              for (int64_t d = 0; d < D; ++d) reg_k[d] = dk_acc[(j0 + c) * D + d], reg_v[d] = dv_acc[(j0 + c) * D + d];
+            for (int64_t r = 0; r < rows; ++r) {
+              const float w = dscores[r * kBlock + c], pw = probs[r * kBlock + c];
+              const float* qr = qs + r * D;
+              const float* gr = dout + r * D;
+              for (int64_t d = 0; d < D; ++d) {
+                dk[d] += w * qr[d];
+                dv[d] += pw * gr[d];
+              }
+            }
+            if (kD)
+              for (int64_t d = 0; d < D; ++d) dk_acc[(j0 + c) * D + d] = reg_k[d], dv_acc[(j0 + c) * D + d] = reg_v[d];
+          }
+        }
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        T* dst = row(grad_q, a.grad_q_stride, b, i, h);
+        for (int64_t d = 0; d < D; ++d) store(dst + d, dq_acc[i * D + d]);
+      }
+    }
+    for (int64_t j = 0; j < S; ++j) {
+      T* dk = row(grad_k, a.grad_k_stride, b, j, hk);
+      T* dv = row(grad_v, a.grad_v_stride, b, j, hk);
+      for (int64_t d = 0; d < D; ++d) store(dk + d, dk_acc[j * D + d]), store(dv + d, dv_acc[j * D + d]);
+    }
+  }
+}
+
+// The vectorised forms for head dims that are multiples of 16: a row's 64 scores are four Vec16 registers and its
+// output or gradient rows kD / 16 registers, so nothing of the inner loops goes through memory.
+constexpr int64_t kKeyVecs = kBlock / kVec;
+
+// Rows handled together, so that each key (or value) vector loaded serves several rows: as many as the registers
+// hold (AVX-512 has 32 of 64 bytes; the narrower copies run one row at a time).
+#ifdef TITAN_ISA_WIDE_REGISTERS
+constexpr int64_t kScoreRows = 4;
+constexpr int64_t kAccumulatorVecs = 16;
+#else
+constexpr int64_t kScoreRows = 1;
+constexpr int64_t kAccumulatorVecs = 4;
+#endif
+
+// s[r][x]: the scores of rows q[r * kD ..] (r < R) against the 64 keys of key_t.
+// (Accumulated in locals: the compiler cannot keep the output in registers while it may alias the inputs.)
+template <int64_t kD, int64_t R>
+__attribute__((always_inline)) inline void scores_rows(const float* q, const float* key_t, Vec16 (*s)[kKeyVecs]) {
+  Vec16 acc[R][kKeyVecs];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = splat(0.0f);
+  for (int64_t d = 0; d < kD; ++d) {
+    Vec16 kt[kKeyVecs];
+    for (int64_t x = 0; x < kKeyVecs; ++x) kt[x] = load16(key_t + d * kBlock + x * kVec);
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec16 qd = splat(q[r * kD + d]);
+      for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] += qd * kt[x];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < kKeyVecs; ++x) s[r][x] = acc[r][x];
+}
+
+// out[r] += sum over c in [begin, end) of weights[r * out_stride + c * sum_stride] * rows[c] for R rows of kD values
+// (out rows kD apart), kept in registers over the sum.
+template <int64_t kD, int64_t R>
+__attribute__((always_inline)) inline void accumulate_rows(const float* weights, int64_t out_stride, int64_t sum_stride, int64_t begin, int64_t end,
+                            const float* rows, float* out) {
+  constexpr int64_t NV = kD / kVec;
+  Vec16 o[R][NV];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < NV; ++x) o[r][x] = load16(out + r * kD + x * kVec);
+  for (int64_t c = begin; c < end; ++c) {
+    Vec16 v[NV];
+    for (int64_t x = 0; x < NV; ++x) v[x] = load16(rows + c * kD + x * kVec);
+    for (int64_t r = 0; r < R; ++r) {
+      const Vec16 w = splat(weights[r * out_stride + c * sum_stride]);
+      for (int64_t x = 0; x < NV; ++x) o[r][x] += w * v[x];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < NV; ++x) store16(out + r * kD + x * kVec, o[r][x]);
+}
+
+// For rows [r, r + n) of a block: the end of the keys any of them sees (weights past a row's own end are zero).
+inline int64_t longest(const int64_t* last, int64_t n) {
+  int64_t m = 0;
+  for (int64_t r = 0; r < n; ++r) m = last[r] > m ? last[r] : m;
+  return m;
+}
+
+template <int64_t kD>
+constexpr int64_t accumulate_rows_at_once() {
+  constexpr int64_t n = kAccumulatorVecs / (kD / kVec);
+  return n < 1 ? 1 : (n > 4 ? 4 : n);
+}
+
+// Hides keys after query i (causal) and, when the block starts in another document, keys of other documents.
+inline void mask_vec(const int32_t* documents, int64_t i, int64_t j0, Vec16* s) {
+  if (j0 + kBlock - 1 > i) {
+    Int16 index;
+    for (int l = 0; l < 16; ++l) index[l] = l;
+    for (int64_t x = 0; x < kKeyVecs; ++x) {
+      const Int16 key = index + static_cast<int32_t>(j0 + x * kVec);
+      s[x] = key <= static_cast<int32_t>(i) ? s[x] : splat(kNegInf);
+    }
+  }
+  if (documents && documents[j0] != documents[i]) {
+    float buffer[kBlock];
+    for (int64_t x = 0; x < kKeyVecs; ++x) store16(buffer + x * kVec, s[x]);
+    const int64_t limit = i - j0 + 1 < kBlock ? i - j0 + 1 : kBlock;
+    for (int64_t c = 0; c < limit; ++c)
+      if (documents[j0 + c] != documents[i]) buffer[c] = kNegInf;
+    for (int64_t x = 0; x < kKeyVecs; ++x) s[x] = load16(buffer + x * kVec);
+  }
+}
+
+template <int64_t kD, typename T>
+void forward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, T* out, float* lse, int64_t begin,
+                 int64_t end) {
+  constexpr int64_t D = kD, NV = kD / kVec;
+  const int64_t S = a.seq, H = a.heads, group = a.heads / a.kv_heads;
+  const int64_t blocks = (S + kBlock - 1) / kBlock;
+  Scratch scratch((kBlock + kScoreRows) * D + kBlock * D * 3 + kBlock * kBlock + kBlock * 3);
+  float* qs = scratch.data;                        // kBlock (+ kScoreRows spare) x D, scaled queries
+  float* key_t = qs + (kBlock + kScoreRows) * D;   // D x kBlock
+  float* values = key_t + kBlock * D;              // kBlock x D
+  float* acc = values + kBlock * D;                // kBlock x D, unnormalised outputs
+  float* probs = acc + kBlock * D;                 // kBlock x kBlock
+  float* row_max = probs + kBlock * kBlock;        // kBlock
+  float* row_sum = row_max + kBlock;               // kBlock
+  float* rescale = row_sum + kBlock;               // kBlock
+  int64_t last[kBlock];                            // per row: keys of the block it sees
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / (H * blocks), h = (item / blocks) % H, qb = item % blocks, hk = h / group;
+    const int64_t i0 = qb * kBlock, rows = S - i0 < kBlock ? S - i0 : kBlock;
+    const int32_t* documents = a.documents ? a.documents + b * S : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* src = row(q, a.q_stride, b, i0 + r, h);
+      for (int64_t d = 0; d < D; ++d) qs[r * D + d] = to_float(src[d]) * a.scale;
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.0f;
+    }
+    const Range keys = visible_keys(a, documents, i0, rows);
+    for (int64_t j0 = keys.begin / kBlock * kBlock; j0 < keys.end; j0 += kBlock) {
+      const int64_t cols = keys.end - j0 < kBlock ? keys.end - j0 : kBlock;
+      load_key_block<kD>(a, k, a.k_stride, b, hk, j0, cols, key_t, nullptr);
+      load_key_block<kD>(a, v, a.v_stride, b, hk, j0, cols, nullptr, values);
+      // Scores and softmax, kScoreRows rows at a time (rows past the block's end are computed and ignored).
+      for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+        Vec16 s[kScoreRows][kKeyVecs];
+        scores_rows<kD, kScoreRows>(qs + r0 * D, key_t, s);
+        for (int64_t rr = 0; rr < kScoreRows && r0 + rr < rows; ++rr) {
+          const int64_t r = r0 + rr, i = i0 + r;
+          float* p = probs + r * kBlock;
+          last[r] = i - j0 + 1 < cols ? i - j0 + 1 : cols;
+          mask_vec(documents, i, j0, s[rr]);
+          Vec16 mv = splat(row_max[r]);
+          for (int64_t x = 0; x < kKeyVecs; ++x) mv = vmax(mv, s[rr][x]);
+          const float m = hmax(mv);
+          if (m == kNegInf) {  // nothing visible yet in this row
+            for (int64_t c = 0; c < kBlock; ++c) p[c] = 0.0f;
+            rescale[r] = 1.0f;
+            continue;
+          }
+          rescale[r] = exp_approx(row_max[r] - m);
+          Vec16 sum = splat(0.0f);
+          for (int64_t x = 0; x < kKeyVecs; ++x) {
+            const Vec16 e = exp16(s[rr][x] - m);
+            sum += e;
+            store16(p + x * kVec, e);
+          }
+          row_max[r] = m;
+          row_sum[r] = row_sum[r] * rescale[r] + hsum(sum);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t x = 0; x < NV; ++x) store16(acc + r * D + x * kVec, load16(acc + r * D + x * kVec) * rescale[r]);
+      constexpr int64_t R = accumulate_rows_at_once<kD>();
+      int64_t r = 0;
+      for (; r + R <= rows; r += R)
+        accumulate_rows<kD, R>(probs + r * kBlock, kBlock, 1, 0, longest(last + r, R), values, acc + r * D);
+      for (; r < rows; ++r) accumulate_rows<kD, 1>(probs + r * kBlock, kBlock, 1, 0, last[r], values, acc + r * D);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / row_sum[r];
+      T* dst = row(out, a.out_stride, b, i0 + r, h);
+      for (int64_t d = 0; d < D; ++d) store(dst + d, acc[r * D + d] * inv);
+      lse[(b * H + h) * S + i0 + r] = row_max[r] + __builtin_logf(row_sum[r]);
+    }
+  }
+}
+
+template <int64_t kD, typename T>
+void backward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, const T* out, const T* grad_out,
+                  const float* lse, T* grad_q, T* grad_k, T* grad_v, int64_t begin, int64_t end) {
+  constexpr int64_t D = kD, NV = kD / kVec;
+  const int64_t S = a.seq, H = a.heads, HK = a.kv_heads, group = a.heads / a.kv_heads;
+  const int64_t blocks = (S + kBlock - 1) / kBlock;
+  Scratch scratch(S * D * 3 + (kBlock + kScoreRows) * D * 2 + kBlock * D * 3 + kBlock * kBlock * 2 + kBlock * 2);
+  float* dk_acc = scratch.data;                     // S x D
+  float* dv_acc = dk_acc + S * D;                   // S x D
+  float* dq_acc = dv_acc + S * D;                   // S x D, unscaled
+  float* qs = dq_acc + S * D;                       // kBlock (+ kScoreRows spare) x D, scaled queries
+  float* dout = qs + (kBlock + kScoreRows) * D;     // kBlock (+ kScoreRows spare) x D
+  int64_t last[kBlock];                             // per row: keys of the block it sees
+  float* key_t = dout + (kBlock + kScoreRows) * D;  // D x kBlock
+  float* value_t = key_t + kBlock * D;       // D x kBlock
+  float* keys = value_t + kBlock * D;        // kBlock x D
+  float* probs = keys + kBlock * D;          // kBlock x kBlock
+  float* dscores = probs + kBlock * kBlock;  // kBlock x kBlock
+  float* delta = dscores + kBlock * kBlock;  // kBlock
+  float* row_lse = delta + kBlock;           // kBlock
+  const Vec16 zero = splat(0.0f);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / HK, hk = item % HK;
+    const int32_t* documents = a.documents ? a.documents + b * S : nullptr;
+    for (int64_t x = 0; x < S * D; ++x) dk_acc[x] = 0.0f, dv_acc[x] = 0.0f;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t x = 0; x < S * D; ++x) dq_acc[x] = 0.0f;
+      for (int64_t qb = 0; qb < blocks; ++qb) {
+        const int64_t i0 = qb * kBlock, rows = S - i0 < kBlock ? S - i0 : kBlock;
+        for (int64_t r = 0; r < rows; ++r) {
+          const T* qsrc = row(q, a.q_stride, b, i0 + r, h);
+          const T* gsrc = row(grad_out, a.grad_out_stride, b, i0 + r, h);
+          const T* osrc = row(out, a.out_stride, b, i0 + r, h);
+          float o[D];
+          for (int64_t d = 0; d < D; ++d) {
+            qs[r * D + d] = to_float(qsrc[d]) * a.scale;
+            dout[r * D + d] = to_float(gsrc[d]);
+            o[d] = to_float(osrc[d]);
+          }
+          Vec16 dot_v = zero;
+          for (int64_t x = 0; x < NV; ++x) dot_v += load16(dout + r * D + x * kVec) * load16(o + x * kVec);
+          delta[r] = hsum(dot_v);
+          row_lse[r] = lse[(b * H + h) * S + i0 + r];
+        }
+        for (int64_t x = rows * kBlock; x < kBlock * kBlock; ++x) probs[x] = 0.0f, dscores[x] = 0.0f;
+        const Range visible = visible_keys(a, documents, i0, rows);
+        for (int64_t j0 = visible.begin / kBlock * kBlock; j0 < visible.end; j0 += kBlock) {
+          const int64_t cols = visible.end - j0 < kBlock ? visible.end - j0 : kBlock;
+          load_key_block<kD>(a, k, a.k_stride, b, hk, j0, cols, key_t, keys);
+          load_key_block<kD>(a, v, a.v_stride, b, hk, j0, cols, value_t, nullptr);
+          for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+            Vec16 p[kScoreRows][kKeyVecs], dp[kScoreRows][kKeyVecs];
+            scores_rows<kD, kScoreRows>(qs + r0 * D, key_t, p);
+            scores_rows<kD, kScoreRows>(dout + r0 * D, value_t, dp);  // dP = dO V^T
+            for (int64_t rr = 0; rr < kScoreRows && r0 + rr < rows; ++rr) {
+              const int64_t r = r0 + rr, i = i0 + r;
+              last[r] = i - j0 + 1 < cols ? i - j0 + 1 : cols;
+              mask_vec(documents, i, j0, p[rr]);
+              const float l = row_lse[r], dl = delta[r];
+              for (int64_t x = 0; x < kKeyVecs; ++x) {
+                const Vec16 e = exp16(p[rr][x] - l);  // masked: exactly 0
+                store16(probs + r * kBlock + x * kVec, e);
+                store16(dscores + r * kBlock + x * kVec, e * (dp[rr][x] - dl));
+              }
+            }
+          }
+          // dQ_i += sum_c dS_ic K_c (scaled when stored)
+          constexpr int64_t R = accumulate_rows_at_once<kD>();
+          int64_t r = 0;
+          for (; r + R <= rows; r += R)
+            accumulate_rows<kD, R>(dscores + r * kBlock, kBlock, 1, 0, longest(last + r, R), keys, dq_acc + (i0 + r) * D);
+          for (; r < rows; ++r) accumulate_rows<kD, 1>(dscores + r * kBlock, kBlock, 1, 0, last[r], keys, dq_acc + (i0 + r) * D);
+          // dK_c += sum_r dS_rc Qs_r and dV_c += sum_r P_rc dO_r over the rows that see key c (from row j0 + c - i0 on)
+          int64_t c = 0;
+          for (; c + R <= cols; c += R) {
+            const int64_t first = j0 + c - i0 > 0 ? j0 + c - i0 : 0;
+            accumulate_rows<kD, R>(dscores + c, 1, kBlock, first, rows, qs, dk_acc + (j0 + c) * D);
+            accumulate_rows<kD, R>(probs + c, 1, kBlock, first, rows, dout, dv_acc + (j0 + c) * D);
+          }
+          for (; c < cols; ++c) {
+            const int64_t first = j0 + c - i0 > 0 ? j0 + c - i0 : 0;
+            accumulate_rows<kD, 1>(dscores + c, 1, kBlock, first, rows, qs, dk_acc + (j0 + c) * D);
+            accumulate_rows<kD, 1>(probs + c, 1, kBlock, first, rows, dout, dv_acc + (j0 + c) * D);
+          }
+        }
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        T* dst = row(grad_q, a.grad_q_stride, b, i, h);
+        for (int64_t d = 0; d < D; ++d) store(dst + d, dq_acc[i * D + d] * a.scale);
+      }
+    }
+    for (int64_t j = 0; j < S; ++j) {
+      T* dk = row(grad_k, a.grad_k_stride, b, j, hk);
+      T* dv = row(grad_v, a.grad_v_stride, b, j, hk);
+      for (int64_t d = 0; d < D; ++d) store(dk + d, dk_acc[j * D + d]), store(dv + d, dv_acc[j * D + d]);
+    }
+  }
+}
+
+template <typename T>
+void forward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* v, T* out, float* lse, int64_t begin,
+                      int64_t end) {
+  switch (a.head_dim) {
+    case 16: return forward_vec<16>(a, q, k, v, out, lse, begin, end);
+    case 32: return forward_vec<32>(a, q, k, v, out, lse, begin, end);
+    case 64: return forward_vec<64>(a, q, k, v, out, lse, begin, end);
+    case 128: return forward_vec<128>(a, q, k, v, out, lse, begin, end);
+    default: return forward_impl<0>(a, q, k, v, out, lse, begin, end);
+  }
+}
+
+template <typename T>
+void backward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* v, const T* out, const T* grad_out,
+                       const float* lse, T* grad_q, T* grad_k, T* grad_v, int64_t begin, int64_t end) {
+  switch (a.head_dim) {
+    case 16: return backward_vec<16>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+    case 32: return backward_vec<32>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+    case 64: return backward_vec<64>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+    case 128: return backward_vec<128>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+    default: return backward_impl<0>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+  }
+}
+
+}  // namespace
+
+void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v, float* out, float* lse,
+                       int64_t begin, int64_t end) {
+  forward_dispatch(s, q, k, v, out, lse, begin, end);
+}
+void attention_forward(const AttentionShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+                       float* lse, int64_t begin, int64_t end) {
+  forward_dispatch(s, q, k, v, out, lse, begin, end);
+}
+void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v, const float* out,
+                        const float* grad_out, const float* lse, float* grad_q, float* grad_k, float* grad_v,
+                        int64_t begin, int64_t end) {
+  backward_dispatch(s, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+}
+void attention_backward(const AttentionShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                        const uint16_t* out, const uint16_t* grad_out, const float* lse, uint16_t* grad_q,
+                        uint16_t* grad_k, uint16_t* grad_v, int64_t begin, int64_t end) {
+  backward_dispatch(s, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+}
+
+}  // namespace titan::kernels::isa::TITAN_ISA

@@ -1,0 +1,194 @@
+// titan's fused CPU kernels (kernels/fused_ops.h) against the unfused ATen compositions they replace, computed in
+// float64 from the same inputs: values and gradients, float32 and bfloat16, odd sizes, strided inputs, and every
+// compiled instruction-set copy this CPU runs.
+#include <gtest/gtest.h>
+
+#include "titan/kernels/cpu_isa.h"
+#include "titan/kernels/fused_ops.h"
+#include "titan/models/llama3/args.h"
+#include "titan/models/llama3/model.h"
+
+namespace {
+
+using titan::kernels::Isa;
+
+std::vector<Isa> runnable_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512})
+    if (titan::kernels::cpu_supports(isa)) out.push_back(isa);
+  return out;
+}
+
+// Largest |a - b| relative to the largest |b| (a scale-free error for tensors of any magnitude).
+double relative_error(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = std::max(1e-12, b.abs().max().item<double>());
+  return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>() / scale;
+}
+
+// Tolerances: float32 kernels against float64; bf16 kernels round each result to 8 bits of mantissa.
+double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 2e-6 : 1.6e-2; }
+
+struct IsaGuard {
+  explicit IsaGuard(Isa isa) : previous(titan::kernels::cpu_isa()) { titan::kernels::set_cpu_isa(isa); }
+  ~IsaGuard() { titan::kernels::set_cpu_isa(previous); }
+  Isa previous;
+};
+
+at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
+
+// Checks fused attention on q (b, h, s, d) against SDPA in float64.
+void check_attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int64_t s, int64_t d, bool documents) {
+  SCOPED_TRACE(testing::Message() << "dtype " << dtype << " b " << b << " h " << h << " kv " << hk << " s " << s
+                                  << " d " << d << (documents ? " block-causal" : " causal"));
+  auto opts = at::TensorOptions().dtype(dtype);
+  // Layout as in the model: (b, s, h, d) projections viewed as (b, h, s, d); k carries an extra slice so that its
+  // strides differ from v's.
+  at::Tensor q = at::randn({b, s, h, d}, opts).transpose(1, 2);
+  at::Tensor k = at::randn({b, s, hk, d + 8}, opts).narrow(3, 4, d).transpose(1, 2);
+  at::Tensor v = at::randn({b, s, hk, d}, opts).transpose(1, 2);
+  at::Tensor grad = at::randn({b, h, s, d}, opts);
+  at::Tensor docs, mask;
+  if (documents) {
+    at::Tensor positions = at::zeros({b, s}, at::kLong);
+    for (int64_t r = 0; r < b; ++r) {  // documents of different lengths per row, starting mid-document
+      int64_t p = 3 + r;
+      for (int64_t t = 0; t < s; ++t, ++p) {
+        if (t == 20 + 7 * r || t == 70 || t == s - 2) p = 0;
+        positions[r][t] = p;
+      }
+    }
+    docs = titan::llama3::document_ids(positions);
+    mask = titan::llama3::block_causal_mask(positions);
+  }
+  at::Tensor q1 = leaf(q), k1 = leaf(k), v1 = leaf(v);
+  at::Tensor out = titan::kernels::attention(q1, k1, v1, docs);
+  out.backward(grad);
+  at::Tensor q2 = leaf(q.to(at::kDouble)), k2 = leaf(k.to(at::kDouble)), v2 = leaf(v.to(at::kDouble));
+  at::Tensor ref = at::scaled_dot_product_attention(q2, k2, v2, documents ? std::optional<at::Tensor>(mask) : std::nullopt, 0.0,
+                                                    !documents, std::nullopt, h != hk);
+  ref.backward(grad.to(at::kDouble));
+  EXPECT_EQ(out.scalar_type(), dtype);
+  EXPECT_EQ(out.sizes(), ref.sizes());
+  EXPECT_LT(relative_error(out, ref), tolerance(dtype));
+  EXPECT_LT(relative_error(q1.grad(), q2.grad()), tolerance(dtype));
+  EXPECT_LT(relative_error(k1.grad(), k2.grad()), tolerance(dtype));
+  EXPECT_LT(relative_error(v1.grad(), v2.grad()), tolerance(dtype));
+}
+
+TEST(FusedKernels, AttentionMatchesScaledDotProductAttention) {
+  at::manual_seed(0);
+  for (Isa isa : runnable_isas()) {
+    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
+    IsaGuard guard(isa);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      check_attention(dtype, 2, 4, 4, 67, 16, false);
+      check_attention(dtype, 2, 4, 2, 130, 64, false);  // grouped-query, three blocks, a partial last one
+      check_attention(dtype, 1, 2, 1, 65, 128, false);
+      check_attention(dtype, 2, 3, 3, 33, 24, false);   // a head_dim without its own instantiation
+      check_attention(dtype, 2, 4, 2, 130, 16, true);
+      check_attention(dtype, 2, 2, 2, 96, 64, true);
+    }
+  }
+}
+
+TEST(FusedKernels, RmsNormMatchesAten) {
+  at::manual_seed(1);
+  for (Isa isa : runnable_isas()) {
+    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
+    IsaGuard guard(isa);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      for (int64_t dim : {256, 77}) {
+        SCOPED_TRACE(testing::Message() << dtype << " dim " << dim);
+        // A strided input (every other row of a larger tensor).
+        at::Tensor x = at::randn({3, 2 * 9, dim}, at::TensorOptions().dtype(dtype)).slice(1, 0, 18, 2) * 3;
+        at::Tensor w = at::randn({dim}, at::TensorOptions().dtype(dtype));
+        at::Tensor grad = at::randn({3, 9, dim}, at::TensorOptions().dtype(dtype));
+        at::Tensor x1 = leaf(x), w1 = leaf(w);
+        at::Tensor y = titan::kernels::rms_norm(x1, w1, 1e-5);
+        y.backward(grad);
+        at::Tensor x2 = leaf(x.to(at::kDouble)), w2 = leaf(w.to(at::kDouble));
+        at::Tensor ref = at::rms_norm(x2, {dim}, w2, 1e-5);
+        ref.backward(grad.to(at::kDouble));
+        EXPECT_EQ(y.scalar_type(), dtype);
+        EXPECT_LT(relative_error(y, ref), tolerance(dtype));
+        EXPECT_LT(relative_error(x1.grad(), x2.grad()), tolerance(dtype));
+        // The weight's gradient sums over all rows: one bf16 rounding of the float32 sum.
+        EXPECT_LT(relative_error(w1.grad(), w2.grad()), tolerance(dtype));
+      }
+    }
+  }
+}
+
+TEST(FusedKernels, SwiGluMatchesAten) {
+  at::manual_seed(2);
+  for (Isa isa : runnable_isas()) {
+    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
+    IsaGuard guard(isa);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(testing::Message() << dtype);
+      at::Tensor gate = at::randn({5, 7, 131}, at::TensorOptions().dtype(dtype)) * 4;
+      at::Tensor up = at::randn({5, 131, 7}, at::TensorOptions().dtype(dtype)).transpose(1, 2);  // not contiguous
+      at::Tensor grad = at::randn({5, 7, 131}, at::TensorOptions().dtype(dtype));
+      at::Tensor g1 = leaf(gate), u1 = leaf(up);
+      at::Tensor y = titan::kernels::swiglu(g1, u1);
+      y.backward(grad);
+      at::Tensor g2 = leaf(gate.to(at::kDouble)), u2 = leaf(up.to(at::kDouble));
+      at::Tensor ref = at::silu(g2) * u2;
+      ref.backward(grad.to(at::kDouble));
+      EXPECT_LT(relative_error(y, ref), tolerance(dtype));
+      EXPECT_LT(relative_error(g1.grad(), g2.grad()), tolerance(dtype));
+      EXPECT_LT(relative_error(u1.grad(), u2.grad()), tolerance(dtype));
+    }
+  }
+}
+
+TEST(FusedKernels, RopeMatchesComplexRotation) {
+  at::manual_seed(3);
+  const auto table = titan::llama3::precompute_rope(32, 300, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+  for (Isa isa : runnable_isas()) {
+    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
+    IsaGuard guard(isa);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      for (bool with_positions : {false, true}) {
+        SCOPED_TRACE(testing::Message() << dtype << (with_positions ? " positions" : " sequence order"));
+        auto opts = at::TensorOptions().dtype(dtype);
+        at::Tensor q = at::randn({2, 37, 4 * 32}, opts).view({2, 37, 4, 32});
+        at::Tensor k = at::randn({2, 37, 3 * 32 + 5}, opts).narrow(2, 5, 2 * 32).view({2, 37, 2, 32});  // strided rows
+        at::Tensor positions = with_positions ? at::randint(0, 300, {2, 37}, at::kLong) : at::Tensor();
+        at::Tensor gq = at::randn({2, 37, 4, 32}, opts), gk = at::randn({2, 37, 2, 32}, opts);
+        at::Tensor q1 = leaf(q), k1 = leaf(k);
+        auto [rq, rk] = titan::kernels::rope(q1, k1, table, positions);
+        (rq * gq).sum().add((rk * gk).sum()).backward();
+        at::Tensor q2 = leaf(q.to(at::kDouble)), k2 = leaf(k.to(at::kDouble));
+        // The reference: the model's complex-multiplication path, in float64.
+        auto rotate = [&](const at::Tensor& x) {
+          const auto b = x.size(0), s = x.size(1), h = x.size(2), d = x.size(3);
+          at::Tensor xc = at::view_as_complex(x.reshape({b, s, h, d / 2, 2}));
+          at::Tensor t = table.to(at::kComplexDouble);
+          t = positions.defined() ? t.index_select(0, positions.reshape({-1})).view({b, s, 1, d / 2})
+                                  : t.narrow(0, 0, s).view({1, s, 1, d / 2});
+          return at::view_as_real(xc * t).flatten(3);
+        };
+        at::Tensor fq = rotate(q2), fk = rotate(k2);
+        (fq * gq.to(at::kDouble)).sum().add((fk * gk.to(at::kDouble)).sum()).backward();
+        EXPECT_LT(relative_error(rq, fq), tolerance(dtype));
+        EXPECT_LT(relative_error(rk, fk), tolerance(dtype));
+        EXPECT_LT(relative_error(q1.grad(), q2.grad()), tolerance(dtype));
+        EXPECT_LT(relative_error(k1.grad(), k2.grad()), tolerance(dtype));
+      }
+    }
+  }
+}
+
+TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {
+  auto x = at::randn({2, 3});
+  EXPECT_TRUE(titan::kernels::cpu_kernels_apply({x, x}));
+  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x, x.to(at::kBFloat16)}));  // mixed dtypes
+  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x.to(at::kDouble)}));
+  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x, at::Tensor()}));
+  titan::kernels::set_fused_enabled(false);
+  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x}));
+  titan::kernels::set_fused_enabled(true);
+}
+
+}  // namespace
