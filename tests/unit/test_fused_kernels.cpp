@@ -37,7 +37,9 @@ struct IsaGuard {
 at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
 
 // Checks fused attention on q (b, h, s, d) against SDPA in float64.
-void check_attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int64_t s, int64_t d, bool documents) {
+// `slack` widens the float32 tolerance for long sums (rounding grows with the square root of their length).
+void check_attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int64_t s, int64_t d, bool documents,
+                     double slack = 1) {
   SCOPED_TRACE(testing::Message() << "dtype " << dtype << " b " << b << " h " << h << " kv " << hk << " s " << s
                                   << " d " << d << (documents ? " block-causal" : " causal"));
   auto opts = at::TensorOptions().dtype(dtype);
@@ -69,10 +71,11 @@ void check_attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int
   ref.backward(grad.to(at::kDouble));
   EXPECT_EQ(out.scalar_type(), dtype);
   EXPECT_EQ(out.sizes(), ref.sizes());
-  EXPECT_LT(relative_error(out, ref), tolerance(dtype));
-  EXPECT_LT(relative_error(q1.grad(), q2.grad()), tolerance(dtype));
-  EXPECT_LT(relative_error(k1.grad(), k2.grad()), tolerance(dtype));
-  EXPECT_LT(relative_error(v1.grad(), v2.grad()), tolerance(dtype));
+  const double tol = dtype == at::kFloat ? tolerance(dtype) * slack : tolerance(dtype);
+  EXPECT_LT(relative_error(out, ref), tol);
+  EXPECT_LT(relative_error(q1.grad(), q2.grad()), tol);
+  EXPECT_LT(relative_error(k1.grad(), k2.grad()), tol);
+  EXPECT_LT(relative_error(v1.grad(), v2.grad()), tol);
 }
 
 TEST(FusedKernels, AttentionMatchesScaledDotProductAttention) {
@@ -89,6 +92,12 @@ TEST(FusedKernels, AttentionMatchesScaledDotProductAttention) {
       check_attention(dtype, 2, 2, 2, 96, 64, true);
     }
   }
+}
+
+TEST(FusedKernels, AttentionLongSequence) {
+  // The 100M flavor's heads at 2048 positions (32 blocks), on the copy this CPU runs best.
+  at::manual_seed(4);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) check_attention(dtype, 1, 12, 4, 2048, 64, false, /*slack=*/4);
 }
 
 TEST(FusedKernels, RmsNormMatchesAten) {

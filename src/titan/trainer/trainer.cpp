@@ -252,7 +252,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     }
   }
   const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
-  peak_ = metrics::peak_flops(device_, compute_dtype);
+  peak_ = metrics::peak_flops(device_, compute_dtype, /*may_cache=*/launch_.local_world_size == 1);
   log::info(memory_->describe(), "; ", peak_.derivation);
 }
 
@@ -343,7 +343,7 @@ void Trainer::check_memory(const llama3::ModelArgs& args, const distributed::Par
   const bool autocast = llama3::computes_under_autocast(c, dims);
   const double runtime = device_.is_cuda() ? 0.0 : static_cast<double>(metrics::current_rss_bytes());
   const auto estimate = llama3::estimate_training_memory(args, c, dims, autocast, runtime, llama3::Execution::titan,
-                                                         mesh_->coordinate("pp"));
+                                                         mesh_->coordinate("pp"), c.training.fused_kernels && !device_.is_cuda());
   const auto available = metrics::available_memory(device_, launch_.local_world_size);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   log::info("Memory estimate for this rank: ", estimate.describe(), strprintf(" of %.2f GiB available (", available.bytes / gib),

@@ -3,11 +3,17 @@
 #include <ATen/Parallel.h>
 
 #include <chrono>
+#include <ctime>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+#include <torch/version.h>
+
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/strings.h"
 #include "titan/components/metrics/cuda_device.h"
 
@@ -57,6 +63,61 @@ double measure_clock_hz() {
   return best;
 }
 
+// Best rate of n x n x n matmuls in `dtype` on this process's threads over about a second.
+double measure_matmul_flops(at::ScalarType dtype, int64_t& n_used) {
+  at::NoGradGuard no_grad;
+  const int64_t n = 1024;
+  n_used = n;
+  at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype), c = at::empty({n, n}, a.options());
+  at::mm_out(c, a, b);  // warm-up: thread pool, kernel selection, page faults
+  double best = 0, spent = 0;
+  for (int i = 0; i < 50 && (i < 3 || spent < 1.0); ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    at::mm_out(c, a, b);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    spent += seconds;
+    best = std::max(best, 2.0 * static_cast<double>(n * n * n) / seconds);
+  }
+  return best;
+}
+
+std::filesystem::path cache_file() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::filesystem::path(xdg) / "titan" / "peak_flops.json";
+  if (const char* home = std::getenv("HOME"); home && *home) return std::filesystem::path(home) / ".cache" / "titan" / "peak_flops.json";
+  return {};
+}
+
+// The instruction-rate bound: vector width x FMA units x clock x cores (what a vendor's datasheet would quote).
+double instruction_rate_bound(at::ScalarType compute_dtype, std::string& how) {
+  const std::string flags = cpuinfo_field("flags");
+  const std::string vendor = cpuinfo_field("vendor_id");
+  const int family = std::atoi(cpuinfo_field("cpu family").c_str());
+  const bool avx512 = has_flag(flags, "avx512f"), avx2 = has_flag(flags, "avx2"), fma = has_flag(flags, "fma");
+  // AMD Zen 4 (family 0x19) executes 512-bit instructions on 256-bit units.
+  int vector_bits = avx512 ? 512 : avx2 ? 256 : 128;
+  if (avx512 && vendor == "AuthenticAMD" && family == 0x19) vector_bits = 256;
+  const int fma_units = 2;
+  double per_cycle = (vector_bits / 32.0) * (fma ? 2.0 : 1.0) * fma_units;
+  std::string precision = "fp32";
+  if (compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf) {
+    if (has_flag(flags, "amx_bf16")) {
+      per_cycle = 1024.0;  // one AMX tile multiply unit: 512 bf16 multiply-adds per cycle
+      precision = "bf16 via AMX";
+    } else if (has_flag(flags, "avx512_bf16") || has_flag(flags, "avx_vnni")) {
+      per_cycle *= 2;  // dot-product instructions process two bf16 pairs per fp32 lane
+      precision = "bf16 dot products";
+    } else {
+      precision = "bf16 computed at the fp32 rate";
+    }
+  }
+  const int cores = at::get_num_threads();
+  std::string clock_how;
+  const double hz = cpu_clock_hz(clock_how);
+  how = cat(cores, " cores x ", strprintf("%.2f", hz / 1e9), " GHz (", clock_how, ") x ", per_cycle, " FLOP/cycle (",
+            vector_bits, "-bit vectors, ", fma ? "FMA" : "no FMA", ", ", fma_units, " units, ", precision, ")");
+  return cores * hz * per_cycle;
+}
+
 }  // namespace
 
 double cpu_clock_hz(std::string& how) {
@@ -89,7 +150,7 @@ double gpu_peak_flops_by_name(const std::string& name) {
   return 0;
 }
 
-PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype) {
+PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype, bool may_cache) {
   PeakFlops out;
   if (const char* env = std::getenv("TITAN_PEAK_FLOPS")) {
     out.flops = std::atof(env);
@@ -107,35 +168,50 @@ PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype) {
     }
     return out;
   }
-  const std::string flags = cpuinfo_field("flags");
-  const std::string vendor = cpuinfo_field("vendor_id");
-  const int family = std::atoi(cpuinfo_field("cpu family").c_str());
-  const bool avx512 = has_flag(flags, "avx512f"), avx2 = has_flag(flags, "avx2"), fma = has_flag(flags, "fma");
-  // AMD Zen 4 (family 0x19) executes 512-bit instructions on 256-bit units.
-  int vector_bits = avx512 ? 512 : avx2 ? 256 : 128;
-  if (avx512 && vendor == "AuthenticAMD" && family == 0x19) vector_bits = 256;
-  const int fma_units = 2;
-  double per_cycle = (vector_bits / 32.0) * (fma ? 2.0 : 1.0) * fma_units;
-  std::string precision = "fp32";
-  if (compute_dtype == at::kBFloat16 || compute_dtype == at::kHalf) {
-    if (has_flag(flags, "amx_bf16")) {
-      per_cycle = 1024.0;  // one AMX tile multiply unit: 512 bf16 multiply-adds per cycle
-      precision = "bf16 via AMX";
-    } else if (has_flag(flags, "avx512_bf16") || has_flag(flags, "avx_vnni")) {
-      per_cycle *= 2;  // dot-product instructions process two bf16 pairs per fp32 lane
-      precision = "bf16 dot products";
-    } else {
-      precision = "bf16 computed at the fp32 rate";
+  // CPU: the measured rate of a large matmul in the compute dtype, cached per machine, thread count and LibTorch
+  // version (about a second to measure), as the attainable peak; the instruction-rate bound is printed beside it.
+  std::string bound_how;
+  const double bound = instruction_rate_bound(compute_dtype, bound_how);
+  const std::string dtype_name = compute_dtype == at::kBFloat16 ? "bf16" : compute_dtype == at::kHalf ? "fp16" : "fp32";
+  const std::string key = cat(cpuinfo_field("model name"), " | ", at::get_num_threads(), " threads | ", dtype_name, " | LibTorch ",
+                              TORCH_VERSION);
+  const std::filesystem::path path = may_cache ? cache_file() : std::filesystem::path();
+  nlohmann::json cache = nlohmann::json::object();
+  if (!path.empty() && std::filesystem::exists(path)) {
+    try {
+      std::ifstream in(path);
+      cache = nlohmann::json::parse(in);
+      if (!cache.is_object()) cache = nlohmann::json::object();
+    } catch (const std::exception&) {
+      cache = nlohmann::json::object();  // a damaged cache is measured again and rewritten
     }
   }
-  const int cores = at::get_num_threads();
-  std::string clock_how;
-  const double hz = cpu_clock_hz(clock_how);
-  out.flops = cores * hz * per_cycle;
-  out.derivation = cat("CPU peak ", strprintf("%.1f", out.flops / 1e9), " GFLOP/s = ", cores, " cores x ",
-                       strprintf("%.2f", hz / 1e9), " GHz (", clock_how, ") x ", per_cycle, " FLOP/cycle (",
-                       vector_bits, "-bit vectors, ", fma ? "FMA" : "no FMA", ", ", fma_units, " units, ", precision,
-                       "); override with TITAN_PEAK_FLOPS");
+  std::string how;
+  if (cache.contains(key) && cache[key].is_object() && cache[key].value("flops", 0.0) > 0) {
+    out.flops = cache[key]["flops"].get<double>();
+    how = cat("measured ", cache[key].value("measured", std::string("earlier")), ", cached in ", path.string(), "; delete it to measure again");
+  } else {
+    int64_t n = 0;
+    out.flops = measure_matmul_flops(compute_dtype, n);
+    const std::time_t now = std::time(nullptr);
+    char when[32];
+    std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+    how = cat("measured now: ", dtype_name, " ", n, "x", n, " matmuls on ", at::get_num_threads(), " threads",
+              may_cache ? "" : " beside the other ranks on this machine, not cached");
+    if (!path.empty()) {
+      try {
+        cache[key] = {{"flops", out.flops}, {"measured", std::string(when)}, {"matmul_size", n}};
+        std::filesystem::create_directories(path.parent_path());
+        write_file(path.string(), cache.dump(1) + "\n");  // through a temporary and a rename: concurrent runs never see half a file
+        how += cat(", cached in ", path.string());
+      } catch (const std::exception& e) {
+        how += cat(" (not cached: ", e.what(), ")");
+      }
+    }
+  }
+  out.derivation = cat("CPU peak ", strprintf("%.1f", out.flops / 1e9), " GFLOP/s (", dtype_name, " matmul rate, ", how,
+                       "); instruction-rate bound ", strprintf("%.1f", bound / 1e9), " GFLOP/s = ", bound_how,
+                       "; override with TITAN_PEAK_FLOPS");
   return out;
 }
 

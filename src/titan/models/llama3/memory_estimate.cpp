@@ -24,24 +24,31 @@ std::string human(double bytes) {
 // residual stream in the parameter dtype `r` (block input, both norms' normalised outputs, the attention residual);
 // under autocast the compute-dtype (`c`) copies of the normalised inputs that wq/wk/wv and w1/w3 save; RoPE's
 // float32 view of q and k; q, k, v, the attention output and its contiguous copy in `c`, and the log-sum-exp per
-// head; the feed-forward's w1 and w3 outputs, the SiLU output and the product (4 x hidden in `c`).
+// head; the feed-forward's w1 and w3 outputs, the SiLU output and the product (4 x hidden in `c`). titan's fused CPU
+// kernels (`fused`) keep neither RoPE's float32 view, nor a second copy of the attention output, nor the SiLU output.
 struct BlockActivations {
   double full = 0;         // no checkpointing
   double op_saved = 0;     // what op-level checkpointing (norms and SwiGLU gating recomputed) does not keep
   double input_only = 0;   // a checkpointed block keeps its input only
+  double backward_buffers = 0;  // what a block's backward allocates beside what it saved (the fused kernels' is smaller)
 };
 
-BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp) {
+BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp, bool fused) {
   const double d = static_cast<double>(a.dim), k = static_cast<double>(a.kv_heads() * a.head_dim()),
                h = static_cast<double>(a.ffn_hidden_dim()), heads = static_cast<double>(a.n_heads);
   const double t = static_cast<double>(tp);
   double sharded = 4 * d * r + (d + k) * 4 + (d + 2 * k) * c + 2 * d * c + 4 * h * c + heads * 4;
   double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
   if (autocast) sharded += 5 * d * c;
+  // Fused kernels: no float32 RoPE view, one attention output, no SiLU output; and under autocast the norms'
+  // float32 outputs die as soon as the linears have their bf16 copies (measured: docs/metrics.md).
+  // (Under tensor parallelism the measured peak keeps them: 0.83x without them at TP 2.)
+  if (fused) sharded -= (d + k) * 4 + d * c + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
   if (tp > 1) gathered = 2 * d * c;
   BlockActivations out;
   out.full = sharded / t + gathered;
-  out.op_saved = (h * c + (autocast ? 2 * d * r : 0)) / t;
+  out.op_saved = fused ? 0.0 : (h * c + (autocast ? 2 * d * r : 0)) / t;  // fused: nothing left that op-level AC drops
+  out.backward_buffers = fused ? out.full / 2 : out.full;
   out.input_only = d * r / t;
   return out;
 }
@@ -73,7 +80,7 @@ std::string MemoryEstimate::describe() const {
 
 MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
-                                        Execution execution, int64_t pipeline_rank) {
+                                        Execution execution, int64_t pipeline_rank, bool fused_cpu_kernels) {
   const auto& training = config.training;
   const auto& parallelism = config.parallelism;
   const double p_bytes = bytes_of(training.dtype);
@@ -170,7 +177,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
   // computes it in the gathered weights' dtype.
   const double r = fsdp && execution == Execution::torchtitan ? c : p_bytes;
-  const BlockActivations block = block_activations(a, r, c, autocast, dims.tp);
+  const BlockActivations block = block_activations(a, r, c, autocast, dims.tp, fused_cpu_kernels && execution == Execution::titan);
   const auto& ac = config.activation_checkpoint;
   double per_token = 0, recompute = 0;
   if (ac.mode == "full") {
@@ -197,7 +204,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   e.terms.push_back({"activations", tokens * (per_token * static_cast<double>(in_flight) * stage_share + recompute)});
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).
-  e.terms.push_back({"backward buffers", layers_here > 0 ? tokens * block.full : 0});
+  e.terms.push_back({"backward buffers", layers_here > 0 ? tokens * block.backward_buffers : 0});
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
