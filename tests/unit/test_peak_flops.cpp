@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "test_util.h"
 #include "titan/components/metrics/peak_flops.h"
 
@@ -49,6 +51,17 @@ TEST(PeakFlops, CpuPeakIsAMeasuredMatmulRateCachedPerMachine) {
   const auto again = titan::metrics::peak_flops(at::Device(at::kCPU), at::kFloat);
   EXPECT_NE(again.derivation.find("measured now"), std::string::npos) << again.derivation;
   EXPECT_NE(titan::metrics::peak_flops(at::Device(at::kCPU), at::kFloat).derivation.find("cached in"), std::string::npos);
+  // So is valid JSON with fields of the wrong type.
+  nlohmann::json edited;
+  std::ifstream(file) >> edited;
+  for (auto& [key, entry] : edited.items()) entry["flops"] = "fast", entry["measured"] = 7;
+  std::ofstream(file) << edited.dump();
+  const auto retyped = titan::metrics::peak_flops(at::Device(at::kCPU), at::kFloat);
+  EXPECT_GT(retyped.flops, 1e8);
+  EXPECT_NE(retyped.derivation.find("measured now"), std::string::npos) << retyped.derivation;
+  // Caching can be turned off (several ranks on one machine): measured, and said not to be cached.
+  const auto uncached = titan::metrics::peak_flops(at::Device(at::kCPU), at::kFloat, /*may_cache=*/false);
+  EXPECT_NE(uncached.derivation.find("not cached"), std::string::npos) << uncached.derivation;
 }
 
 TEST(PeakFlops, EnvironmentOverrides) {

@@ -121,7 +121,7 @@ struct Training {
   // titan.cpp: a step whose loss or gradient norm is not finite is skipped (no update) instead of stopping the run,
   // up to this many in a row; 0 = stop at the first.
   int64_t skip_nonfinite_steps = 0;
-  // titan.cpp: fused kernels (kernels/fused_ops.h, kernels/fused_cross_entropy.h); false = plain ATen compositions.
+  // titan.cpp: fused CPU kernels (kernels/fused_ops.h); false = plain ATen compositions.
   bool fused_kernels = true;
 };
 

@@ -230,8 +230,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   at_least(b.add("skip_nonfinite_steps", &c.training.skip_nonfinite_steps,
                  "skip steps whose loss or gradient norm is NaN/inf (no update), up to this many in a row; 0 = stop at the first (titan.cpp)"), 0);
   b.add("fused_kernels", &c.training.fused_kernels,
-        "titan's fused CPU kernels (attention, RMSNorm, SwiGLU, RoPE) and the chunked output projection + cross-entropy; "
-        "false composes ATen ops instead (titan.cpp)");
+        "titan's fused CPU kernels (attention, RMSNorm, SwiGLU, RoPE); false composes ATen ops instead (titan.cpp)");
 
   b.in("parallelism");
   at_least(b.add("data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree,

@@ -177,7 +177,8 @@ PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype, boo
                               TORCH_VERSION);
   const std::filesystem::path path = may_cache ? cache_file() : std::filesystem::path();
   nlohmann::json cache = nlohmann::json::object();
-  if (!path.empty() && std::filesystem::exists(path)) {
+  std::error_code exists_error;
+  if (!path.empty() && std::filesystem::exists(path, exists_error)) {
     try {
       std::ifstream in(path);
       cache = nlohmann::json::parse(in);
@@ -186,10 +187,15 @@ PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype, boo
       cache = nlohmann::json::object();  // a damaged cache is measured again and rewritten
     }
   }
+  // An entry with fields of the wrong type counts as absent (measured again and rewritten).
+  const auto it = cache.find(key);
+  const bool cached = it != cache.end() && it->is_object() && it->contains("flops") && (*it)["flops"].is_number() &&
+                      (*it)["flops"].get<double>() > 0;
   std::string how;
-  if (cache.contains(key) && cache[key].is_object() && cache[key].value("flops", 0.0) > 0) {
-    out.flops = cache[key]["flops"].get<double>();
-    how = cat("measured ", cache[key].value("measured", std::string("earlier")), ", cached in ", path.string(), "; delete it to measure again");
+  if (cached) {
+    out.flops = (*it)["flops"].get<double>();
+    const std::string when = it->contains("measured") && (*it)["measured"].is_string() ? (*it)["measured"].get<std::string>() : "earlier";
+    how = cat("measured ", when, ", cached in ", path.string(), "; delete it to measure again");
   } else {
     int64_t n = 0;
     out.flops = measure_matmul_flops(compute_dtype, n);

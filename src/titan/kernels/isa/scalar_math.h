@@ -33,7 +33,8 @@ inline void store(uint16_t* p, float v) {
 
 // e^x within ~2 ulp for x in [-87, 88], exactly 0 below -87 (masked scores are -inf), NaN for NaN.
 inline float exp_approx(float x) {
-  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // (NaN is clamped to 0 here so that the conversion to int below is defined; the result is NaN again at the end.)
+  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : (x != x ? 0.0f : x));
   // n = round(x / ln 2) through the 1.5 * 2^23 rounding constant; r = x - n ln 2 in two parts.
   const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
   const float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
@@ -82,6 +83,7 @@ inline Vec16 exp16(Vec16 x) {
   const Vec16 lo = splat(-87.0f), hi = splat(88.0f);
   Vec16 clamped = x < lo ? lo : x;
   clamped = clamped > hi ? hi : clamped;
+  clamped = x != x ? splat(0.0f) : clamped;  // NaN: a defined conversion to int below; the result is NaN again
   const Vec16 n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
   const Vec16 r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;
   Vec16 p = splat(1.0f / 720.0f);
