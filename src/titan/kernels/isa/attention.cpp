@@ -72,9 +72,7 @@ void load_key_block(const AttentionShape& a, const T* k, const int64_t* stride, 
 }
 
 // scores[c] = sum_d q[d] * key_t[d][c] for the kBlock keys of a block.
-template <int64_t kD>
-inline void row_scores(const float* q, const float* key_t, int64_t D_runtime, float* scores) {
-  const int64_t D = kD ? kD : D_runtime;
+inline void row_scores(const float* q, const float* key_t, int64_t D, float* scores) {
   float acc[kBlock];
   for (int64_t c = 0; c < kBlock; ++c) acc[c] = 0.0f;
   for (int64_t d = 0; d < D; ++d) {
@@ -115,10 +113,11 @@ inline float exp_block(float* scores, float shift) {
   return sum_lanes(part);
 }
 
-template <int64_t kD, typename T>
+// The general forms, for any head_dim (those without a vectorised instantiation below).
+template <typename T>
 void forward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, T* out, float* lse, int64_t begin,
                   int64_t end) {
-  const int64_t D = kD ? kD : a.head_dim, S = a.seq, H = a.heads, group = a.heads / a.kv_heads;
+  const int64_t D = a.head_dim, S = a.seq, H = a.heads, group = a.heads / a.kv_heads;
   const int64_t blocks = (S + kBlock - 1) / kBlock;
   Scratch scratch(kBlock * D * 4 + kBlock * 4);
   float* qs = scratch.data;            // kBlock x D, scaled queries
@@ -142,11 +141,11 @@ void forward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, T
     const Range keys = visible_keys(a, documents, i0, rows);
     for (int64_t j0 = keys.begin / kBlock * kBlock; j0 < keys.end; j0 += kBlock) {
       const int64_t cols = keys.end - j0 < kBlock ? keys.end - j0 : kBlock;
-      load_key_block<kD>(a, k, a.k_stride, b, hk, j0, cols, key_t, nullptr);
-      load_key_block<kD>(a, v, a.v_stride, b, hk, j0, cols, nullptr, values);
+      load_key_block<0>(a, k, a.k_stride, b, hk, j0, cols, key_t, nullptr);
+      load_key_block<0>(a, v, a.v_stride, b, hk, j0, cols, nullptr, values);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = i0 + r;
-        row_scores<kD>(qs + r * D, key_t, D, scores);
+        row_scores(qs + r * D, key_t, D, scores);
         mask_scores(documents, i, j0, cols, scores);
         const float m = block_max(scores, row_max[r]);
         if (m == kNegInf) continue;  // nothing visible yet in this row
@@ -154,19 +153,13 @@ void forward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, T
         const float sum = exp_block(scores, m);
         row_max[r] = m;
         row_sum[r] = row_sum[r] * rescale + sum;
-        // The row's output stays in registers over the block's keys (a constant head_dim).
-        float o[kD ? kD : 1];
-        float* orow = kD ? o : acc + r * D;
-        if (kD)
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d];
+        float* orow = acc + r * D;
         for (int64_t d = 0; d < D; ++d) orow[d] *= rescale;
         for (int64_t c = 0; c < cols; ++c) {
           const float p = scores[c];
           const float* vr = values + c * D;
           for (int64_t d = 0; d < D; ++d) orow[d] += p * vr[d];
         }
-        if (kD)
-          for (int64_t d = 0; d < D; ++d) acc[r * D + d] = o[d];
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -178,10 +171,10 @@ void forward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, T
   }
 }
 
-template <int64_t kD, typename T>
+template <typename T>
 void backward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, const T* out, const T* grad_out,
                    const float* lse, T* grad_q, T* grad_k, T* grad_v, int64_t begin, int64_t end) {
-  const int64_t D = kD ? kD : a.head_dim, S = a.seq, H = a.heads, HK = a.kv_heads, group = a.heads / a.kv_heads;
+  const int64_t D = a.head_dim, S = a.seq, H = a.heads, HK = a.kv_heads, group = a.heads / a.kv_heads;
   const int64_t blocks = (S + kBlock - 1) / kBlock;
   Scratch scratch(S * D * 3 + kBlock * D * 6 + kBlock * kBlock * 2 + kBlock * 4 + D);
   float* dk_acc = scratch.data;          // S x D
@@ -222,41 +215,33 @@ void backward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, 
         const Range visible = visible_keys(a, documents, i0, rows);
         for (int64_t j0 = visible.begin / kBlock * kBlock; j0 < visible.end; j0 += kBlock) {
           const int64_t cols = visible.end - j0 < kBlock ? visible.end - j0 : kBlock;
-          load_key_block<kD>(a, k, a.k_stride, b, hk, j0, cols, key_t, keys);
-          load_key_block<kD>(a, v, a.v_stride, b, hk, j0, cols, value_t, nullptr);
+          load_key_block<0>(a, k, a.k_stride, b, hk, j0, cols, key_t, keys);
+          load_key_block<0>(a, v, a.v_stride, b, hk, j0, cols, value_t, nullptr);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t i = i0 + r;
             float* p = probs + r * kBlock;
             float* ds = dscores + r * kBlock;
-            row_scores<kD>(qs + r * D, key_t, D, p);
+            row_scores(qs + r * D, key_t, D, p);
             mask_scores(documents, i, j0, cols, p);
             const float l = row_lse[r];
             for (int64_t c = 0; c < kBlock; ++c) p[c] = exp_approx(p[c] - l);  // masked: exactly 0
-            row_scores<kD>(dout + r * D, value_t, D, tmp);  // dP = dO V^T
+            row_scores(dout + r * D, value_t, D, tmp);  // dP = dO V^T
             const float dl = delta[r];
             for (int64_t c = 0; c < kBlock; ++c) ds[c] = p[c] * (tmp[c] - dl);
             // dQ_i += scale * sum_c dS_ic K_c
-            float reg[kD ? kD : 1];
-            float* dq = kD ? reg : dq_acc + i * D;
-            if (kD)
-              for (int64_t d = 0; d < D; ++d) reg[d] = dq_acc[i * D + d];
+            float* dq = dq_acc + i * D;
             for (int64_t c = 0; c < cols; ++c) {
               const float w = ds[c] * a.scale;
               const float* kr = keys + c * D;
               for (int64_t d = 0; d < D; ++d) dq[d] += w * kr[d];
             }
-            if (kD)
-              for (int64_t d = 0; d < D; ++d) dq_acc[i * D + d] = reg[d];
           }
           for (int64_t r = rows; r < kBlock; ++r)
             for (int64_t c = 0; c < kBlock; ++c) probs[r * kBlock + c] = 0.0f, dscores[r * kBlock + c] = 0.0f;
           // dK_c += sum_r dS_rc Qs_r;  dV_c += sum_r P_rc dO_r
           for (int64_t c = 0; c < cols; ++c) {
-            float reg_k[kD ? kD : 1], reg_v[kD ? kD : 1];
-            float* dk = kD ? reg_k : dk_acc + (j0 + c) * D;
-            float* dv = kD ? reg_v : dv_acc + (j0 + c) * D;
-            if (kD)
-              for (int64_t d = 0; d < D; ++d) reg_k[d] = dk_acc[(j0 + c) * D + d], reg_v[d] = dv_acc[(j0 + c) * D + d];
+            float* dk = dk_acc + (j0 + c) * D;
+            float* dv = dv_acc + (j0 + c) * D;
             for (int64_t r = 0; r < rows; ++r) {
               const float w = dscores[r * kBlock + c], pw = probs[r * kBlock + c];
               const float* qr = qs + r * D;
@@ -266,8 +251,6 @@ void backward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, 
                 dv[d] += pw * gr[d];
               }
             }
-            if (kD)
-              for (int64_t d = 0; d < D; ++d) dk_acc[(j0 + c) * D + d] = reg_k[d], dv_acc[(j0 + c) * D + d] = reg_v[d];
           }
         }
       }
@@ -555,7 +538,7 @@ void forward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* 
     case 32: return forward_vec<32>(a, q, k, v, out, lse, begin, end);
     case 64: return forward_vec<64>(a, q, k, v, out, lse, begin, end);
     case 128: return forward_vec<128>(a, q, k, v, out, lse, begin, end);
-    default: return forward_impl<0>(a, q, k, v, out, lse, begin, end);
+    default: return forward_impl(a, q, k, v, out, lse, begin, end);
   }
 }
 
@@ -567,7 +550,7 @@ void backward_dispatch(const AttentionShape& a, const T* q, const T* k, const T*
     case 32: return backward_vec<32>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
     case 64: return backward_vec<64>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
     case 128: return backward_vec<128>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
-    default: return backward_impl<0>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+    default: return backward_impl(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
   }
 }
 
