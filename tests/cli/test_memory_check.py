@@ -50,6 +50,8 @@ FUSED = {
     "fused: debug op-level AC, seq 1024": (1, ["--training.seq_len", "1024", "--activation_checkpoint.selective_ac_option", "op"]),
     "fused: 100M no AC, 2 x 1024": (1, MODEL_100M[2:]),
     "fused: 100M TP 2": (2, MODEL_100M[2:] + NO_FSDP + ["--parallelism.tensor_parallel_degree", "2"]),
+    "fused: Llama 3 vocabulary, 2 x 1024": (1, ["--model.vocab_size", "128256", "--training.local_batch_size", "2",
+                                                "--training.seq_len", "1024", "--activation_checkpoint.mode", "none"]),
 }
 
 
@@ -124,3 +126,20 @@ def test_a_job_that_cannot_fit_is_refused_before_allocating(tmp_path):
                   "--debug.skip_memory_check"], env=small)
     assert "starting anyway (debug.skip_memory_check)" in result.stdout + result.stderr
     assert "Training completed: 1 steps" in result.stdout
+
+
+def test_the_fused_loss_saves_more_than_the_float32_logits(tmp_path):
+    """Llama 3's 128,256-token vocabulary on the debug model's blocks, 2 x 1024 tokens: the fused output projection
+    and loss never holds the logits of the whole batch, so the peak drops by more than their float32 size. The switch
+    turns the other fused kernels off too; their share is what it saves at a small vocabulary."""
+    shape = ["--training.local_batch_size", "2", "--training.seq_len", "1024", "--activation_checkpoint.mode", "none"]
+    peak = {}
+    for vocab in (128256, 2048):
+        for fused in ("true", "false"):
+            runs = measure(tmp_path / f"{vocab}-{fused}", 1, shape + ["--model.vocab_size", str(vocab), "--training.fused_kernels", fused])
+            peak[vocab, fused] = runs[0][2]
+    saved = (peak[128256, "false"] - peak[128256, "true"]) - (peak[2048, "false"] - peak[2048, "true"])
+    logits = 2 * 1024 * 128256 * 4 / 2**30
+    print(f"peaks {peak}; the fused loss saves {saved:.2f} GiB against {logits:.2f} GiB of float32 logits")
+    assert saved >= logits, peak
+

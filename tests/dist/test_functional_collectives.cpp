@@ -112,3 +112,28 @@ TEST(LossParallel, VocabularyShardedCrossEntropyMatchesTheWholeLogits) {
   // Ignored tokens get no gradient.
   EXPECT_EQ(local.grad()[0][1].abs().sum().item<float>(), 0.0f);
 }
+
+// The fused projection and loss over this rank's rows of the output weight: the loss of the whole projection,
+// this rank's rows of its weight gradient, and a partial input gradient whose sum over ranks is the whole one.
+// 1,500 tokens make two chunks, each with its own reductions.
+TEST(LossParallel, FusedProjectionOverVocabularyShardsMatchesTheWholeProjection) {
+  auto group = comm();
+  const int n = group->size();
+  const int64_t vocab = 40L * n, dim = 12, tokens = 1500;
+  at::Tensor x = global({tokens, dim}, 7);
+  at::Tensor weight = global({vocab, dim}, 8) * 0.4;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  at::Tensor labels = at::randint(0, vocab, {tokens}, gen, at::kLong);
+  labels.narrow(0, 100, 30).fill_(-100);
+  at::Tensor x_full = x.clone().requires_grad_(true), w_full = weight.clone().requires_grad_(true);
+  at::Tensor reference = at::cross_entropy_loss(at::linear(x_full, w_full), labels, {}, at::Reduction::Sum, -100);
+  reference.backward();
+  at::Tensor x_local = x.clone().requires_grad_(true), w_local = my_chunk(weight, 0).requires_grad_(true);
+  at::Tensor loss = linear_cross_entropy_sum(x_local, w_local, labels, group->rank() * 40, group, -100);
+  EXPECT_NEAR(loss.item<double>(), reference.item<double>(), 1e-5 * reference.item<double>());
+  (loss * 0.5).backward();
+  EXPECT_TRUE(at::allclose(w_local.grad(), my_chunk(w_full.grad(), 0) * 0.5, 1e-5, 1e-6));
+  at::Tensor summed = x_local.grad().clone();
+  group->all_reduce(summed, ReduceOp::Sum);
+  EXPECT_TRUE(at::allclose(summed, x_full.grad() * 0.5, 1e-5, 1e-6));
+}

@@ -3,10 +3,12 @@
 // compiled instruction-set copy this CPU runs.
 #include <gtest/gtest.h>
 
+#include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/llama3/model.h"
+#include "titan/nn/autocast.h"
 
 namespace {
 
@@ -187,6 +189,104 @@ TEST(FusedKernels, RopeMatchesComplexRotation) {
       }
     }
   }
+}
+
+// The fused output projection and cross-entropy (chunked, the gradients computed in forward) against the
+// projection followed by ATen's cross-entropy in float64: loss, d x and d weight, with ignored tokens, chunks of
+// unequal sizes (2,100 tokens), an odd vocabulary, and autocast's bf16 projection from float32 inputs.
+TEST(FusedKernels, LinearCrossEntropyMatchesProjectionThenCrossEntropy) {
+  at::manual_seed(4);
+  const int64_t tokens = 2100, dim = 24, vocab = 517;
+  for (Isa isa : runnable_isas()) {
+    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
+    IsaGuard guard(isa);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(testing::Message() << dtype);
+      at::Tensor x = at::randn({3, tokens / 3, dim}).to(dtype), w = (at::randn({vocab, dim}) * 0.5).to(dtype);
+      at::Tensor labels = at::randint(0, vocab, {3, tokens / 3}, at::kLong);
+      labels.index_put_({at::randint(0, 3, {40}, at::kLong), at::randint(0, tokens / 3, {40}, at::kLong)}, -100);
+      at::Tensor x1 = leaf(x), w1 = leaf(w);
+      at::Tensor loss = titan::distributed::linear_cross_entropy_sum(x1, w1, labels, 0, nullptr, -100);
+      EXPECT_EQ(loss.scalar_type(), at::kFloat);
+      (loss * 0.25).backward();
+      at::Tensor x2 = leaf(x.to(at::kDouble)), w2 = leaf(w.to(at::kDouble));
+      at::Tensor ref = at::cross_entropy_loss(at::linear(x2, w2).flatten(0, 1), labels.flatten(), {}, at::Reduction::Sum, -100);
+      (ref * 0.25).backward();
+      // bf16: the logits are rounded to bf16 before the softmax, as the unfused bf16 path rounds them.
+      const double tol = dtype == at::kFloat ? 2e-6 : 1e-2;
+      EXPECT_LT(std::abs(loss.item<double>() - ref.item<double>()) / ref.item<double>(), tol);
+      EXPECT_LT(relative_error(x1.grad(), x2.grad()), dtype == at::kFloat ? 2e-6 : 3e-2);
+      EXPECT_LT(relative_error(w1.grad(), w2.grad()), dtype == at::kFloat ? 2e-6 : 3e-2);
+      EXPECT_EQ(x1.grad().scalar_type(), dtype);
+      EXPECT_EQ(w1.grad().scalar_type(), dtype);
+      // Ignored tokens get no input gradient.
+      const at::Tensor ignored = labels.eq(-100);
+      EXPECT_EQ(x1.grad().index({ignored}).abs().sum().item<double>(), 0.0);
+    }
+  }
+  // Without gradients (validation) only the loss is computed; under autocast the projection runs in bf16 from
+  // float32 inputs, and the float32 weight gets a float32 gradient.
+  at::Tensor x = at::randn({700, 16}), w = at::randn({300, 16}) * 0.3;
+  at::Tensor labels = at::randint(0, 300, {700}, at::kLong);
+  const double ref = at::cross_entropy_loss(at::linear(x.to(at::kDouble), w.to(at::kDouble)), labels, {}, at::Reduction::Sum).item<double>();
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_NEAR(titan::distributed::linear_cross_entropy_sum(leaf(x), leaf(w), labels, 0, nullptr, -100).item<double>(), ref, 2e-6 * ref);
+  }
+  at::Tensor w1 = leaf(w);
+  at::Tensor loss;
+  {
+    titan::nn::AutocastRegion autocast(titan::nn::AutocastState::enabled_for(at::kCPU, at::kBFloat16));
+    loss = titan::distributed::linear_cross_entropy_sum(x, w1, labels, 0, nullptr, -100);
+  }
+  EXPECT_NEAR(loss.item<double>(), ref, 1e-2 * ref);
+  loss.backward();
+  EXPECT_EQ(w1.grad().scalar_type(), at::kFloat);
+}
+
+// The two cross-entropy passes on their own against float64: statistics of each row and the in-place gradient,
+// for labels here, elsewhere (-1) and rows of -inf.
+// The ATen form (other devices) runs with the switch off.
+TEST(FusedKernels, CrossEntropyRowsMatchFloat64) {
+  at::manual_seed(5);
+  std::vector<std::string> variants;
+  for (Isa isa : runnable_isas()) variants.push_back(titan::kernels::isa_name(isa));
+  variants.push_back("aten");
+  for (const auto& variant : variants) {
+    SCOPED_TRACE("variant " + variant);
+    const Isa isa = variant == "aten" ? Isa::generic : runnable_isas()[&variant - variants.data()];
+    IsaGuard guard(isa);
+    titan::kernels::set_fused_enabled(variant != "aten");
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(testing::Message() << dtype);
+      at::Tensor logits = (at::randn({9, 1003}) * 4).to(dtype);
+      logits[3].fill_(-INFINITY);
+      at::Tensor labels = at::randint(0, 1003, {9}, at::kLong);
+      labels[2] = -1;
+      labels[3] = -1;
+      const at::Tensor x = logits.to(at::kDouble);
+      auto stats = titan::kernels::cross_entropy_row_stats(logits, labels);
+      at::Tensor max = std::get<0>(x.max(1));
+      max[3] = 0;
+      EXPECT_TRUE(at::allclose(stats.max.to(at::kDouble), max));
+      EXPECT_LT(relative_error(stats.sum_exp, (x - max.unsqueeze(1)).exp().sum(1)), 2e-6);
+      for (int64_t r = 0; r < 9; ++r)
+        EXPECT_EQ(stats.target[r].item<double>(), r == 2 || r == 3 ? 0.0 : x[r][labels[r].item<int64_t>()].item<double>());
+      at::Tensor lse = (stats.sum_exp.log() + stats.max).contiguous();
+      at::Tensor scale = at::ones({9});
+      scale[5] = 0;
+      at::Tensor grad = logits.clone();
+      titan::kernels::cross_entropy_row_grad_(grad, labels, lse, scale);
+      at::Tensor ref = (x - lse.to(at::kDouble).unsqueeze(1)).exp();
+      for (int64_t r = 0; r < 9; ++r)
+        if (labels[r].item<int64_t>() >= 0) ref[r][labels[r].item<int64_t>()] -= 1;
+      ref.mul_(scale.to(at::kDouble).unsqueeze(1));
+      EXPECT_LT(relative_error(grad.narrow(0, 0, 3), ref.narrow(0, 0, 3)), tolerance(dtype));
+      EXPECT_LT(relative_error(grad.narrow(0, 4, 5), ref.narrow(0, 4, 5)), tolerance(dtype));
+      EXPECT_EQ(grad[5].abs().sum().item<double>(), 0.0);
+    }
+  }
+  titan::kernels::set_fused_enabled(true);
 }
 
 TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {

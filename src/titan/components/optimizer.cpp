@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "titan/common/error.h"
+#include "titan/common/strings.h"
 
 namespace titan {
 
@@ -26,7 +27,11 @@ void AdamW::init_state() {
   }
 }
 
-void AdamW::step() {
+void AdamW::step() { step(at::Tensor()); }
+
+void AdamW::step(const at::Tensor& skip) {
+  if (skip.defined() && !skips_on_device())
+    fail("internal: optimizer.implementation = ", quote(implementation_), " cannot skip a step on the device");
   at::NoGradGuard no_grad;
   init_state();
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
@@ -41,13 +46,20 @@ void AdamW::step() {
   if (params.empty()) return;
 
   if (implementation_ == "fused") {
-    at::_foreach_add_(steps, 1);
+    // found_inf: the kernel leaves everything as it was; the step count is not advanced either.
+    std::optional<at::Tensor> found_inf;
+    if (skip.defined()) {
+      found_inf = skip.to(params[0].device(), at::kFloat).reshape({});
+      at::_foreach_add_(steps, 1 - *found_inf);
+    } else {
+      at::_foreach_add_(steps, 1);
+    }
     if (decoupled_)
       at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr_, beta1_, beta2_,
-                        weight_decay_, eps_, /*amsgrad=*/false, /*maximize=*/false);
+                        weight_decay_, eps_, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
     else
       at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr_, beta1_, beta2_,
-                       weight_decay_, eps_, /*amsgrad=*/false, /*maximize=*/false);
+                       weight_decay_, eps_, /*amsgrad=*/false, /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
     return;
   }
 

@@ -17,6 +17,10 @@ class AdamW {
 
   void zero_grad();
   void step();
+  // The fused kernel can skip a step on the device: step(skip) applies nothing (not even the step count) where
+  // `skip` (a float32 scalar on the parameters' device) is 1, without the host reading it.
+  bool skips_on_device() const { return implementation_ == "fused"; }
+  void step(const at::Tensor& skip);
   void set_lr(double lr) { lr_ = lr; }
   double lr() const { return lr_; }
 

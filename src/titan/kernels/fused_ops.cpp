@@ -290,4 +290,60 @@ std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
   return {out[0], out[1]};
 }
 
+CrossEntropyRowStats cross_entropy_row_stats(const at::Tensor& logits, const at::Tensor& local_label) {
+  TORCH_CHECK(logits.dim() == 2 && local_label.dim() == 1 && local_label.size(0) == logits.size(0) &&
+                  local_label.scalar_type() == at::kLong,
+              "cross-entropy rows: logits ", logits.sizes(), " and labels ", local_label.sizes(), " do not fit");
+  TORCH_CHECK(logits.size(1) > 0, "cross-entropy rows: no vocabulary columns");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  if (!cpu_kernels_apply({logits})) {
+    // ATen ops on other devices: one float32 temporary of the chunk, worked on in place.
+    const at::Tensor here = local_label.ge(0);
+    const at::Tensor column = at::where(here, local_label, at::zeros_like(local_label)).unsqueeze(1);
+    const at::Tensor gathered = logits.gather(1, column).squeeze(1).to(at::kFloat);
+    const at::Tensor target = at::where(here, gathered, at::zeros_like(gathered));
+    at::Tensor max = std::get<0>(logits.max(1)).to(at::kFloat);
+    max = at::where(max.isneginf(), at::zeros_like(max), max);  // a row of -inf sums to 0 without NaN
+    const at::Tensor sum_exp = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).sub_(max.unsqueeze(1)).exp_().sum(1);
+    return {max.contiguous(), sum_exp.contiguous(), target.contiguous()};
+  }
+  const at::Tensor x = logits.contiguous(), labels = local_label.contiguous();
+  auto f32 = x.options().dtype(at::kFloat);
+  CrossEntropyRowStats out{at::empty({rows}, f32), at::empty({rows}, f32), at::empty({rows}, f32)};
+  with_dtype(x.scalar_type(), [&]<typename T>() {
+    const T* xp = data<const T>(x);
+    const int64_t* lp = labels.data_ptr<int64_t>();
+    float *mp = out.max.data_ptr<float>(), *sp = out.sum_exp.data_ptr<float>(), *tp = out.target.data_ptr<float>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      TITAN_ISA_CALL(cross_entropy_stats, vocab, xp, lp, mp, sp, tp, begin, end);
+    });
+  });
+  return out;
+}
+
+void cross_entropy_row_grad_(const at::Tensor& logits, const at::Tensor& local_label, const at::Tensor& lse,
+                             const at::Tensor& scale) {
+  TORCH_CHECK(logits.dim() == 2 && local_label.size(0) == logits.size(0) && lse.size(0) == logits.size(0) &&
+                  scale.size(0) == logits.size(0) && lse.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat,
+              "cross-entropy rows: gradient arguments do not fit logits ", logits.sizes());
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  if (!cpu_kernels_apply({logits}) || !logits.is_contiguous()) {
+    at::Tensor grad = logits.to(at::kFloat).sub_(lse.unsqueeze(1)).exp_();  // float32 logits: in place
+    const at::Tensor here = local_label.ge(0);
+    grad.scatter_add_(1, at::where(here, local_label, at::zeros_like(local_label)).unsqueeze(1), here.to(at::kFloat).neg().unsqueeze(1));
+    grad.mul_(scale.unsqueeze(1));
+    logits.copy_(grad);
+    return;
+  }
+  const at::Tensor labels = local_label.contiguous(), l = lse.contiguous(), sc = scale.contiguous();
+  with_dtype(logits.scalar_type(), [&]<typename T>() {
+    T* xp = data<T>(logits);
+    const int64_t* lp = labels.data_ptr<int64_t>();
+    const float *lsep = l.data_ptr<float>(), *scp = sc.data_ptr<float>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      TITAN_ISA_CALL(cross_entropy_grad, vocab, xp, lp, lsep, scp, begin, end);
+    });
+  });
+}
+
 }  // namespace titan::kernels

@@ -33,4 +33,16 @@ at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
                                        const at::Tensor& positions);
 
+// The two passes of a cross-entropy over a (rows, vocab) chunk of logits (float32 or bf16, any device; the CPU
+// kernels when they apply, ATen ops otherwise). local_label (int64, rows): each row's label column in these logits,
+// or -1 where the label lies elsewhere or the token is ignored.
+struct CrossEntropyRowStats {
+  at::Tensor max, sum_exp, target;  // float32 (rows): the row maximum, sum exp(x - max), x[label] (0 without one)
+};
+CrossEntropyRowStats cross_entropy_row_stats(const at::Tensor& logits, const at::Tensor& local_label);
+// Overwrites the logits with (softmax with log-sum-exp `lse` - one_hot(label)) * scale, both float32 (rows): the
+// gradient of the summed loss when scale is 1 for counted tokens and 0 for ignored ones.
+void cross_entropy_row_grad_(const at::Tensor& logits, const at::Tensor& local_label, const at::Tensor& lse,
+                             const at::Tensor& scale);
+
 }  // namespace titan::kernels

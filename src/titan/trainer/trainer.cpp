@@ -1,5 +1,6 @@
 #include "titan/trainer/trainer.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -119,12 +120,15 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     comm = distributed::maybe_checking(launch_.world_size > 1
                                            ? distributed::make_nccl_world(launch_, bootstrap, launch_.local_rank)
                                            : distributed::make_local_communicator());
+    control_ = bootstrap;  // MPI on host memory: the per-step control reduction waits for no GPU work
   } else {
     comm = distributed::world(launch_);
   }
   comm->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));  // groups created from it inherit it
   mesh_ = std::make_unique<distributed::DeviceMesh>(dims, comm);
+  if (!control_) control_ = comm;
   mesh_->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));
+  if (control_ != comm) control_->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));
   log::info("Parallelism: ", dims.describe(), " launched by ", launch_.launcher, "; ", comm->backend(), " communication");
 
   // Determinism and seeding.
@@ -264,17 +268,52 @@ std::vector<data::Batch> Trainer::next_microbatches() {
   return out;
 }
 
+Trainer::Control Trainer::exchange_control(bool exhausted, int64_t valid_tokens, int signal, bool save_failed) {
+  // Sums over all ranks: ranks out of data, failed background saves, valid label tokens, and for each stop signal
+  // the ranks it reached. The ranks of one data-parallel replica (its TP, CP and PP ranks) hold the same batch, so
+  // the world's token sum is the replicas' sum times their size.
+  std::vector<int64_t> values = {exhausted ? 1 : 0, save_failed ? 1 : 0, valid_tokens};
+  for (int s : kStopSignals) values.push_back(signal == s ? 1 : 0);
+  if (control_->size() > 1) {
+    at::Tensor t = at::tensor(values, at::kLong).to(control_->tensor_device());
+    control_->all_reduce(t, distributed::ReduceOp::Sum);
+    ++control_reductions_;
+    t = read_host_tensor(t);
+    for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<int64_t>(i)].item<int64_t>();
+    values[2] /= mesh_->dims().non_data_parallel_size();
+  }
+  Control out;
+  out.exhausted = values[0] > 0;
+  out.save_failed = values[1] > 0;
+  out.valid_tokens = values[2];
+  // The highest-numbered signal that reached any rank, the same on all.
+  for (size_t i = 0; i < std::size(kStopSignals); ++i)
+    if (values[3 + i] > 0) out.signal = std::max(out.signal, kStopSignals[i]);
+  return out;
+}
+
+int64_t Trainer::local_valid_tokens(const std::vector<data::Batch>& microbatches) {
+  int64_t valid = 0;
+  for (const auto& mb : microbatches) valid += count_valid_tokens(mb.labels);  // host tensors: no device read
+  return valid;
+}
+
 StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
-  StepResult result;
-  result.lr = optimizer_->lr();
+  at::Tensor valid = at::full({1}, local_valid_tokens(microbatches), at::kLong).to(device_);
+  mesh_->get("dp")->all_reduce(valid, distributed::ReduceOp::Sum);
+  DeviceStep pending = launch_step(microbatches, read_host_tensor(valid).item<int64_t>());
+  if (pending.settled) return *pending.settled;
+  ++reads_at_once_;
+  return settle(pending);
+}
+
+Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microbatches, int64_t global_valid_count) {
+  DeviceStep out;
+  out.step = step_;
+  out.lr = optimizer_->lr();
   optimizer_->zero_grad();
   // The loss is divided by the number of valid tokens in the whole global batch (all micro-batches, all ranks),
   // so every token weighs the same however the batch is split.
-  int64_t valid = 0;
-  for (const auto& mb : microbatches) valid += count_valid_tokens(mb.labels);
-  at::Tensor valid_tensor = at::full({1}, valid, at::kLong).to(device_);
-  mesh_->get("dp")->all_reduce(valid_tensor, distributed::ReduceOp::Sum);
-  const int64_t global_valid_count = valid_tensor.cpu().item<int64_t>();
   if (global_valid_count == 0) fail("a training step has no valid label tokens");
   const double global_valid = static_cast<double>(global_valid_count);
 
@@ -284,14 +323,14 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
     double sum = 0;
     for (const auto& mb : microbatches) {
       sum += pipeline_->train(mb.inputs, mb.labels, block_causal_ ? mb.positions : at::Tensor(), global_valid, step_);
-      result.tokens += mb.labels.numel();
+      out.tokens += mb.labels.numel();
     }
     loss_total.fill_(sum);
   } else {
     auto& part = whole_.front();
     for (size_t m = 0; m < microbatches.size(); ++m) {
       const auto& mb = microbatches[m];
-      at::Tensor inputs = mb.inputs.to(device_), labels = mb.labels.to(device_);
+      at::Tensor inputs = to_device(mb.inputs), labels = to_device(mb.labels);
       if (cp_) {
         // This rank's chunks of every sequence; the loss sums its tokens, divided by the global count.
         inputs = cp_->shard(inputs, 1);
@@ -302,30 +341,101 @@ StepResult Trainer::train_step(const std::vector<data::Batch>& microbatches) {
         // Autocast for the forward pass and loss (torchtitan: single-device and DDP runs compute in
         // training.mixed_precision_param through autocast).
         nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-        at::Tensor logits = forward(inputs, mb);
-        loss = part.loss(logits, labels) / global_valid;
+        loss = part.loss_sum(forward(inputs, mb, part.fused_loss ? labels : at::Tensor()), labels) / global_valid;
       }
       part.data_parallel->before_backward(m + 1 == microbatches.size());
       loss.backward();
       part.data_parallel->after_backward();
       loss_total += loss.detach();
-      result.tokens += mb.labels.numel();  // per device, divided by cp x tp x pp in the log as torchtitan
+      out.tokens += mb.labels.numel();  // per device, divided by cp x tp x pp in the log as torchtitan
     }
   }
   finish_gradients();
   at::Tensor norm = distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
   mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);
   if (pipeline_) mesh_->get("pp")->all_reduce(loss_total, distributed::ReduceOp::Sum);  // from the last stage's ranks
-  result.loss = loss_total.item<double>();
-  result.grad_norm = norm.item<double>();
-  // Both are global (the same on every rank), so every rank takes the same decision.
-  result.skipped = !std::isfinite(result.loss) || !std::isfinite(result.grad_norm);
-  if (result.skipped) optimizer_->zero_grad();  // no update from this step; the schedule still advances
-  else optimizer_->step();
+  // Loss, gradient norm and whether either is not finite, on the device; both are global (the same on every rank),
+  // so every rank takes the same decision.
+  at::Tensor values = at::stack({loss_total.reshape({}).to(at::kDouble), norm.reshape({}).to(at::kDouble)});
+  const at::Tensor nonfinite = values.isfinite().all().logical_not();
+  out.values = at::cat({values, nonfinite.to(at::kDouble).reshape({1})});
+  if (!device_.is_cpu()) {
+    // Copied to pinned host memory behind the step's work, with an event to wait on when they are read: a
+    // blocking copy would wait for everything queued by then (the next step's forward and backward too).
+    out.host_values = at::empty({3}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+    out.host_values.copy_(out.values, /*non_blocking=*/true);
+    out.ready = std::make_shared<c10::Event>(device_.type());
+    out.ready->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+  }
+  // The step before this one is settled now, before this step's update: its values were computed long ago, so
+  // reading them waits for nothing that is still running.
+  settle_pending();
+  if (optimizer_->skips_on_device()) {
+    // No update where the step was not finite, decided on the device; the host learns of it later (settle).
+    optimizer_->step(nonfinite.to(at::kFloat));
+  } else {
+    ++reads_at_once_;
+    out.settled = settle(out);
+    if (out.settled->skipped) optimizer_->zero_grad();  // no update from this step; the schedule still advances
+    else optimizer_->step();
+  }
   lr_scheduler_->step();
   optimizer_->set_lr(lr_scheduler_->current_lr());
   if (pipeline_ && loaded_.config.debug.pipeline_timeline) write_pipeline_timeline();
-  return result;
+  return out;
+}
+
+StepResult Trainer::settle(const DeviceStep& pending) {
+  at::Tensor v;
+  if (pending.ready) {
+    pending.ready->synchronize();  // the step's own work only
+    v = pending.host_values;
+  } else {
+    v = read_host_tensor(pending.values);
+  }
+  StepResult r;
+  r.loss = v[0].item<double>();
+  r.grad_norm = v[1].item<double>();
+  r.skipped = v[2].item<double>() != 0;
+  r.lr = pending.lr;
+  r.tokens = pending.tokens;
+  if (!r.skipped) {
+    nonfinite_in_row_ = 0;
+    return r;
+  }
+  // A non-finite loss or gradient norm: nothing was applied, and the last checkpoint is untouched.
+  ++nonfinite_in_row_;
+  ++nonfinite_total_;
+  const int64_t allowed = loaded_.config.training.skip_nonfinite_steps;
+  const std::string what = cat("step ", pending.step, ": the loss is ", r.loss, " and the gradient norm ", r.grad_norm);
+  if (allowed == 0)
+    fail(what, "; stopping without applying the step (the last checkpoint is untouched). training.skip_nonfinite_steps = N "
+         "skips up to N such steps in a row instead");
+  if (nonfinite_in_row_ > allowed)
+    fail(what, "; ", nonfinite_in_row_, " steps in a row were not finite (training.skip_nonfinite_steps = ", allowed,
+         "); stopping (the last checkpoint is untouched)");
+  log::warn(what, "; step skipped without an update (", nonfinite_in_row_, " in a row, ", nonfinite_total_,
+            " in this run; training.skip_nonfinite_steps = ", allowed, ")");
+  return r;
+}
+
+std::optional<StepResult> Trainer::settle_pending() {
+  if (!unsettled_) return std::nullopt;
+  DeviceStep pending = std::move(*unsettled_);
+  unsettled_.reset();
+  ++(pending.step < step_ ? reads_a_step_later_ : reads_at_once_);
+  return settle(pending);
+}
+
+at::Tensor Trainer::to_device(const at::Tensor& t) {
+  // From pinned memory without waiting: a pageable copy waits for all the work queued on the device before it.
+  if (device_.is_cpu()) return t;
+  return t.pin_memory().to(device_, /*non_blocking=*/true);
+}
+
+at::Tensor Trainer::read_host_tensor(const at::Tensor& t) {
+  if (!t.device().is_cpu()) ++device_reads_;
+  return t.cpu();
 }
 
 void Trainer::finish_gradients() {
@@ -373,16 +483,16 @@ void Trainer::write_pipeline_timeline() {
   pipeline_->runner().clear_timeline();
 }
 
-at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch) {
+at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch, const at::Tensor& labels) {
   // Block-causal attention takes each token's position in its document from the loader; under context parallelism
   // RoPE takes the global positions of this rank's chunks.
   if (cp_) {
     const int64_t seq_len = batch.inputs.size(1);
     if (seq_len > model_->args().max_seq_len)
       fail("sequence length ", seq_len, " exceeds the model's max_seq_len ", model_->args().max_seq_len, " (training.seq_len)");
-    return model_->forward(inputs, cp_->positions(seq_len, device_));
+    return model_->forward(inputs, cp_->positions(seq_len, device_), {}, labels);
   }
-  return block_causal_ ? model_->forward(inputs, {}, batch.positions.to(device_)) : model_->forward(inputs);
+  return model_->forward(inputs, {}, block_causal_ ? to_device(batch.positions) : at::Tensor(), labels);
 }
 
 checkpoint::CheckpointedState Trainer::checkpoint_view() {
@@ -443,8 +553,9 @@ double Trainer::validate() {
         inputs = cp_->shard(inputs, 1);
         labels = cp_->shard(labels, 1);
       }
-      at::Tensor logits = forward(inputs, batch);
-      at::Tensor part_sum = whole_.front().loss(logits, labels).to(at::kDouble).reshape({1});
+      const auto& part = whole_.front();
+      at::Tensor out = forward(inputs, batch, part.fused_loss ? labels : at::Tensor());
+      at::Tensor part_sum = part.loss_sum(out, labels).to(at::kDouble).reshape({1});
       if (cp_) cp_->group()->all_reduce(part_sum, distributed::ReduceOp::Sum);
       sum = part_sum.item<double>();
     }
@@ -538,6 +649,8 @@ int Trainer::train() {
   int exit_code = 0;
   while (step_ < c.training.steps) {
     const double data_start = now_seconds();
+    // The position before this step's batches: a stop decided below saves the previous step with it.
+    auto position_before = dataloader_->reported_position();
     std::vector<data::Batch> microbatches;
     bool exhausted = false;
     try {
@@ -546,92 +659,101 @@ int Trainer::train() {
       log::warn("data: ", e.what());
       exhausted = true;
     }
-    if (mesh_->world()->size() > 1) {
-      // Lanes run out at different steps; every rank stops when any rank has no more data.
-      at::Tensor flag = at::full({1}, static_cast<int64_t>(exhausted), at::kLong).to(device_);
-      mesh_->world()->all_reduce(flag, distributed::ReduceOp::Max);
-      exhausted = flag.cpu().item<int64_t>() != 0;
-    }
-    if (exhausted) {
-      log::warn("stopping after step ", step_, " of ", c.training.steps, ": the data ran out");
-      break;
-    }
     const double data_seconds = now_seconds() - data_start;
-    data_seconds_since_log_ += data_seconds;
-    ++steps_since_log_;
-    ++step_;
-    profiler_->step_begin(step_);
-    StepResult r = train_step(microbatches);
-    profiler_->step_end(step_);
-    tokens_seen_ += r.tokens * mesh_->dims().dp_degree();  // all ranks: the same after a change of layout
-    tokens_since_log_ += r.tokens;
-    if (r.skipped) {
-      // A non-finite loss or gradient norm: nothing was applied, and the last checkpoint is untouched.
-      ++nonfinite_in_row_;
-      ++nonfinite_total_;
-      const int64_t allowed = c.training.skip_nonfinite_steps;
-      const std::string what = cat("step ", step_, ": the loss is ", r.loss, " and the gradient norm ", r.grad_norm);
-      if (allowed == 0)
-        fail(what, "; stopping without applying the step (the last checkpoint is untouched). training.skip_nonfinite_steps = N "
-             "skips up to N such steps in a row instead");
-      if (nonfinite_in_row_ > allowed)
-        fail(what, "; ", nonfinite_in_row_, " steps in a row were not finite (training.skip_nonfinite_steps = ", allowed,
-             "); stopping (the last checkpoint is untouched)");
-      log::warn(what, "; step skipped without an update (", nonfinite_in_row_, " in a row, ", nonfinite_total_,
-                " in this run; training.skip_nonfinite_steps = ", allowed, ")");
-    } else {
-      nonfinite_in_row_ = 0;
-    }
-    // After the first step this process ran (start-up and first collectives done; on a resumed run too) a tighter
-    // timeout catches a dead or hung rank.
-    if (step_ == first_step + 1) {
-      mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
-      if (pipeline_) pipeline_->runner().set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
-    }
-    if (step_ == 1 || step_ % c.metrics.log_freq == 0) log_step(r, data_seconds_since_log_);
-    if (checkpointer_ && c.checkpoint.enable && checkpointer_->should_save(step_, step_ == c.training.steps)) {
-      auto view = checkpoint_view();
-      checkpointer_->save(view, step_ == c.training.steps);
-      time_last_log_ = now_seconds();  // saving time does not count against training throughput
-    }
-    if (c.validation.enable && (step_ == 1 || step_ % c.validation.freq == 0)) {
-      validate();
-      time_last_log_ = now_seconds();  // validation time does not count against training throughput
-    }
-    int sig = g_stop_signal.load();
-    // A background checkpoint write that failed on any rank stops the run here: training on would end "successfully"
-    // without the checkpoint that was asked for.
+    // One control reduction per step, on the host where the launcher gives one: whether any rank ran out of data
+    // (lanes run out at different steps), the step's valid label tokens, and what reached any rank since the last
+    // step (a stop signal, a failed background checkpoint write), so that every rank takes the same decision.
     const bool save_failed_here = checkpointer_ && !checkpointer_->background_failure().empty();
-    bool save_failed = save_failed_here;
-    if (mesh_->world()->size() > 1) {
-      // Every rank stops after the same step, whichever rank the signal (or the failed save) reached.
-      at::Tensor flag = at::tensor({static_cast<int64_t>(sig), static_cast<int64_t>(save_failed)}, at::kLong).to(device_);
-      mesh_->world()->all_reduce(flag, distributed::ReduceOp::Max);
-      flag = flag.cpu();
-      sig = static_cast<int>(flag[0].item<int64_t>());
-      save_failed = flag[1].item<int64_t>() != 0;
-    }
-    if (save_failed) {
+    const Control control = exchange_control(exhausted, exhausted ? 0 : local_valid_tokens(microbatches), g_stop_signal.load(),
+                                             save_failed_here);
+    if (control.save_failed) {
       checkpointer_->abandon_background();
       if (save_failed_here) checkpointer_->wait();  // throws with the cause
       fail("stopping after step ", step_, ": another rank's asynchronous checkpoint write failed (its error says why); the "
            "previous complete checkpoint is untouched");
     }
-    if (sig) {
-      // Every rank got here after the same step: save it (collective) unless this step was just saved, so that a
-      // preempted or requeued job resumes where it stopped.
-      if (checkpointer_ && c.checkpoint.enable && !checkpointer_->should_save(step_, step_ == c.training.steps)) {
+    if (control.signal) {
+      // Every rank stops after the same step, whichever rank the signal reached, and saves it (collective) unless it
+      // was just saved, with the data position before the batches just fetched, so that a preempted or requeued job
+      // resumes where it stopped.
+      const int sig = control.signal;
+      settle_pending();
+      const bool save = checkpointer_ && c.checkpoint.enable && step_ > first_step &&
+                        !checkpointer_->should_save(step_, step_ == c.training.steps);
+      if (save) {
+        dataloader_->rewind_reported_position(std::move(position_before));
         auto view = checkpoint_view();
         checkpointer_->save(view, /*last=*/false);
       }
       if (checkpointer_) checkpointer_->wait();
+      const bool saved_here = checkpointer_ && c.checkpoint.enable && step_ > first_step;
       log::warn("received ", signal_name(sig), ": stopped cleanly after step ", step_, " of ", c.training.steps,
-                checkpointer_ && c.checkpoint.enable ? cat("; checkpoint step-", step_, " is complete") : std::string(),
-                " (exit code ", 128 + sig, ")");
+                saved_here ? cat("; checkpoint step-", step_, " is complete") : std::string(), " (exit code ", 128 + sig, ")");
       exit_code = 128 + sig;
       break;
     }
+    if (control.exhausted) {
+      log::warn("stopping after step ", step_, " of ", c.training.steps, ": the data ran out");
+      break;
+    }
+    data_seconds_since_log_ += data_seconds;
+    ++steps_since_log_;
+    ++step_;
+    profiler_->step_begin(step_);
+    DeviceStep launched = launch_step(microbatches, control.valid_tokens);
+    profiler_->step_end(step_);
+    tokens_seen_ += launched.tokens * mesh_->dims().dp_degree();  // all ranks: the same after a change of layout
+    tokens_since_log_ += launched.tokens;
+    // After the first step this process ran (start-up and first collectives done; on a resumed run too) a tighter
+    // timeout catches a dead or hung rank.
+    if (step_ == first_step + 1) {
+      mesh_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
+      if (control_ != mesh_->world()) control_->set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
+      if (pipeline_) pipeline_->runner().set_timeout(std::chrono::seconds(c.comm.train_timeout_seconds));
+    }
+    const bool log_now = step_ == 1 || step_ % c.metrics.log_freq == 0;
+    const bool save_now = checkpointer_ && c.checkpoint.enable && checkpointer_->should_save(step_, step_ == c.training.steps);
+    const bool validate_now = c.validation.enable && (step_ == 1 || step_ % c.validation.freq == 0);
+    // The step's loss and gradient norm stay on the device until a log line, a checkpoint or the end needs them (or
+    // the next step's update, before which a non-finite step must be known): no per-step wait for the device.
+    std::optional<StepResult> r = launched.settled;
+    if (!r) unsettled_ = std::move(launched);
+    if (log_now || save_now || validate_now || step_ == c.training.steps) {
+      if (!r) r = settle_pending();
+    }
+    if (log_now) log_step(*r, data_seconds_since_log_);
+    if (save_now) {
+      auto view = checkpoint_view();
+      checkpointer_->save(view, step_ == c.training.steps);
+      time_last_log_ = now_seconds();  // saving time does not count against training throughput
+    }
+    if (validate_now) {
+      validate();
+      time_last_log_ = now_seconds();  // validation time does not count against training throughput
+    }
   }
+  settle_pending();  // a step left unread when the loop stopped early
+  if (exit_code == 0 && step_ == c.training.steps && step_ > first_step) {
+    // The last step's background checkpoint write may have failed on another rank: every rank learns of it (a
+    // stop signal this late changes nothing: the run is complete).
+    std::string failure;
+    if (checkpointer_) {
+      try {
+        checkpointer_->wait();  // the last write finished (or failed) before the ranks compare
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+    }
+    if (exchange_control(false, 0, 0, !failure.empty()).save_failed) {
+      if (!failure.empty()) fail(failure);
+      fail("step ", step_, ": another rank's asynchronous checkpoint write failed (its error says why); the previous "
+           "complete checkpoint is untouched");
+    }
+  }
+  log::info("Step results read on the host: ", reads_at_once_, " right after their step (log lines, checkpoints, validation, the "
+            "last step), ", reads_a_step_later_, " one step later (before the next update, waiting for no running work); ",
+            control_reductions_, " control reduction(s) over ", control_->size(), " rank(s) on ",
+            control_->tensor_device().is_cpu() ? "host memory" : "the device", "; ", device_reads_, " read(s) of device memory");
   if (checkpointer_) checkpointer_->wait();
   if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
   const double steps = static_cast<double>(step_ - first_step);  // run by this process

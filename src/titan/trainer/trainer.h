@@ -1,7 +1,10 @@
 // Trainer: builds tokenizer, model, activation checkpointing, optimizer, schedule and data from a JobConfig and
 // runs torchtitan's training loop (gradient accumulation, loss over global valid tokens, clipping, metrics).
 #pragma once
+#include <c10/core/Event.h>
+
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "titan/components/checkpoint/checkpointer.h"
@@ -40,7 +43,8 @@ class Trainer {
   // Returns the process exit code.
   int train();
 
-  // One optimizer step over the given micro-batches (exposed for tests and tools).
+  // One optimizer step over the given micro-batches, its results read at once (exposed for tests and tools; the
+  // loop reads them only when it needs them).
   StepResult train_step(const std::vector<data::Batch>& microbatches);
   std::vector<data::Batch> next_microbatches();
   // Runs validation now (validation.steps batches, or one pass when -1) and logs it; returns the global mean
@@ -65,11 +69,36 @@ class Trainer {
   llama3::Pipeline* pipeline() { return pipeline_.get(); }
 
  private:
+  // A step launched on the device: its loss, gradient norm and non-finite flag stay there until settle() reads
+  // them (with the fused optimizer, which skips a non-finite step on the device, that can wait).
+  struct DeviceStep {
+    int64_t step = 0, tokens = 0;
+    double lr = 0;
+    at::Tensor values;                  // float64 (3): loss, gradient norm, 1 where either is not finite
+    at::Tensor host_values;             // on a GPU: their pinned host copy, complete once `ready` has passed
+    std::shared_ptr<c10::Event> ready;
+    std::optional<StepResult> settled;  // already read (an optimizer that decides on the host)
+  };
+  DeviceStep launch_step(const std::vector<data::Batch>& microbatches, int64_t global_valid_tokens);
+  // Reads a step's values and keeps the count of non-finite steps; throws UserError when they stop the run.
+  StepResult settle(const DeviceStep& step);
+  std::optional<StepResult> settle_pending();  // the launched step not read yet, if any
+  at::Tensor read_host_tensor(const at::Tensor& t);  // t on the host (counted when it was on a device)
+  at::Tensor to_device(const at::Tensor& t);         // a batch tensor to the device without waiting for it
+  static int64_t local_valid_tokens(const std::vector<data::Batch>& microbatches);
+  struct Control {
+    bool exhausted = false, save_failed = false;
+    int signal = 0;            // the stop signal that reached some rank, or 0
+    int64_t valid_tokens = 0;  // valid label tokens of the step's global batch
+  };
+  // The one control reduction of a step (on the host where the launcher gives an MPI world); every rank gets the same.
+  Control exchange_control(bool exhausted, int64_t valid_tokens, int signal, bool save_failed);
   void log_step(const StepResult& result, double data_seconds);
   void finish_gradients();  // every part's data-parallel and tensor-parallel gradient reductions
   void check_memory(const llama3::ModelArgs& args, const distributed::ParallelDims& dims);
   void write_pipeline_timeline();
-  at::Tensor forward(const at::Tensor& inputs, const data::Batch& batch);  // logits, device inputs
+  // Logits of device inputs, or the summed loss when `labels` are given (the fused output projection and loss).
+  at::Tensor forward(const at::Tensor& inputs, const data::Batch& batch, const at::Tensor& labels = {});
 
   config::LoadedConfig loaded_;
   at::Device device_{at::kCPU};
@@ -90,6 +119,9 @@ class Trainer {
   checkpoint::CheckpointedState checkpoint_view();
   bool block_causal_ = false;
   int64_t nonfinite_in_row_ = 0, nonfinite_total_ = 0;  // steps skipped for a NaN/inf loss or gradient norm
+  std::optional<DeviceStep> unsettled_;                   // the last launched step, until read
+  std::shared_ptr<distributed::Communicator> control_;     // the per-step control reduction's ranks (all of them)
+  int64_t reads_at_once_ = 0, reads_a_step_later_ = 0, control_reductions_ = 0, device_reads_ = 0;
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;
   std::unique_ptr<metrics::MetricLogger> metric_logger_;  // TensorBoard / JSONL

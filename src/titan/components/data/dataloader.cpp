@@ -295,7 +295,13 @@ void DataLoader::stop_worker() {
   worker_error_ = nullptr;
 }
 
+void DataLoader::rewind_reported_position(std::vector<LaneState> position) {
+  served_state_ = std::move(position);
+  rewound_ = true;
+}
+
 Batch DataLoader::next() {
+  if (rewound_) fail("internal: the data loader's reported position was rewound for a final save; it serves no more batches");
   const double start = now_seconds();
   Batch batch;
   if (options_.prefetch_batches <= 0) {

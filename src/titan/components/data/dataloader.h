@@ -83,6 +83,11 @@ class DataLoader {
   // unconsumed one, skipping what any old lane consumed and finishing its partly packed document. A changed
   // stream seed takes effect after the last document any old lane had reached.
   void load_state_dict(const std::vector<std::string>& rank_states);
+  // The position state_dict() reports (after the last batch handed out), and a way to report an earlier one again:
+  // a run that fetched the next step's batches and then stops without training on them saves the position before
+  // them. The stream does not go back, so next() refuses to run after rewind_reported_position().
+  std::vector<LaneState> reported_position() const { return served_state_; }
+  void rewind_reported_position(std::vector<LaneState> position);
 
   int64_t lanes() const { return lane_count_; }
   double wait_seconds() const { return wait_seconds_; }
@@ -102,6 +107,7 @@ class DataLoader {
   int64_t lane_count_ = 1;
   std::vector<std::unique_ptr<Lane>> lanes_;  // this rank's lanes
   std::vector<LaneState> served_state_;       // after the last batch handed out
+  bool rewound_ = false;                      // rewind_reported_position() was called
   std::shared_ptr<std::atomic<uint64_t>> malformed_;
   double wait_seconds_ = 0;
 

@@ -36,6 +36,11 @@ struct RopeShape {
   bool inverse = false;                             // rotate by -angle (the backward)
 };
 
+// Cross-entropy over rows of `vocab` contiguous logits (row r at logits + r * vocab); local_label[r] is the
+// label's column in these logits, or -1 when it lies in another vocabulary shard or the token is ignored.
+// stats: row_max, row_sum_exp = sum exp(x - row_max), row_target = x[label] (0 without one).
+// grad: x <- (exp(x - row_lse) - [column == label]) * row_scale, in place.
+
 #define TITAN_KERNELS_DECLARE(ns)                                                                                       \
   namespace ns {                                                                                                       \
   void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v, float* out,          \
@@ -67,6 +72,14 @@ struct RopeShape {
             int64_t begin, int64_t end);                                                                               \
   void rope(const RopeShape& s, const float* table, const int64_t* position_of_row, const uint16_t* in,               \
             uint16_t* out, int64_t begin, int64_t end);                                                                \
+  void cross_entropy_stats(int64_t vocab, const float* logits, const int64_t* local_label, float* row_max,            \
+                           float* row_sum_exp, float* row_target, int64_t begin, int64_t end);                         \
+  void cross_entropy_stats(int64_t vocab, const uint16_t* logits, const int64_t* local_label, float* row_max,         \
+                           float* row_sum_exp, float* row_target, int64_t begin, int64_t end);                         \
+  void cross_entropy_grad(int64_t vocab, float* logits, const int64_t* local_label, const float* row_lse,             \
+                          const float* row_scale, int64_t begin, int64_t end);                                         \
+  void cross_entropy_grad(int64_t vocab, uint16_t* logits, const int64_t* local_label, const float* row_lse,          \
+                          const float* row_scale, int64_t begin, int64_t end);                                         \
   }
 
 TITAN_KERNELS_DECLARE(generic)

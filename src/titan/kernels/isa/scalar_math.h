@@ -66,6 +66,26 @@ inline Vec16 load16(const float* p) {
   return v;
 }
 inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof v); }
+// 16 bf16 values (bit patterns) widened to float, and float rounded to bf16 as store() does.
+typedef uint16_t Half16 __attribute__((vector_size(32)));
+typedef uint32_t Uint16x __attribute__((vector_size(64)));
+inline Vec16 load16(const uint16_t* p) {
+  Half16 h;
+  std::memcpy(&h, p, sizeof h);
+  const Uint16x bits = __builtin_convertvector(h, Uint16x) << 16;
+  Vec16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline void store16(uint16_t* p, Vec16 v) {
+  Uint16x bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const Uint16x rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const Uint16x quiet = (bits >> 16) | 0x40u;
+  const Uint16x out = (bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+  const Half16 h = __builtin_convertvector(out, Half16);
+  std::memcpy(p, &h, sizeof h);
+}
 inline Vec16 splat(float x) { return Vec16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline Vec16 vmax(Vec16 a, Vec16 b) { return a > b ? a : b; }
 inline float hmax(Vec16 v) {

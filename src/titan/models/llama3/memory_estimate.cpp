@@ -7,6 +7,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/schedule.h"
 
 namespace titan::llama3 {
@@ -30,7 +31,7 @@ struct BlockActivations {
   double full = 0;         // no checkpointing
   double op_saved = 0;     // what op-level checkpointing (norms and SwiGLU gating recomputed) does not keep
   double input_only = 0;   // a checkpointed block keeps its input only
-  double backward_buffers = 0;  // what a block's backward allocates beside what it saved (the fused kernels' is smaller)
+  double backward_buffers = 0;  // what a block's backward allocates beside what it saved
 };
 
 BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp, bool fused) {
@@ -48,7 +49,10 @@ BlockActivations block_activations(const ModelArgs& a, double r, double c, bool 
   BlockActivations out;
   out.full = sharded / t + gathered;
   out.op_saved = fused ? 0.0 : (h * c + (autocast ? 2 * d * r : 0)) / t;  // fused: nothing left that op-level AC drops
-  out.backward_buffers = fused ? out.full / 2 : out.full;
+  // The fused kernels' backward allocates less beside what they saved, but with the loss fused (no logits held
+  // through the blocks' backward) the measured peak of the fused path sits in the blocks' backward: about what
+  // the block saved (debug model, full AC, 4 x 2048: 0.66x with half of it).
+  out.backward_buffers = out.full;
   out.input_only = d * r / t;
   return out;
 }
@@ -208,7 +212,21 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
-  if (holds_last) e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12)});
+  const bool fused_loss = execution == Execution::titan && training.fused_kernels && (dims.tp == 1 || !parallelism.disable_loss_parallel);
+  if (holds_last && fused_loss) {
+    // The fused projection and loss: one chunk's logits in the compute dtype, the weight-gradient product of a
+    // chunk before it is added in float32 (bf16 only), and, kept from forward to backward, d loss / d x and the
+    // float32 weight gradient, which backward casts to the compute dtype.
+    const double chunk = static_cast<double>(
+        distributed::linear_cross_entropy_chunk(static_cast<int64_t>(tokens), static_cast<int64_t>(vocab_here)));
+    // Off the CPU kernels (other devices, or kernels that do not apply) the two passes are ATen ops with a float32
+    // temporary of the chunk.
+    const double aten_temporary = fused_cpu_kernels ? 0 : chunk * vocab_here * 4;
+    e.terms.push_back({"logits (fused loss, chunked)", chunk * vocab_here * c + aten_temporary + vocab_here * d * (c == 4 ? 0 : c) +
+                                                           tokens * d * c + vocab_here * d * (4 + c)});
+  } else if (holds_last) {
+    e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12)});
+  }
   e.terms.push_back({"rope table", static_cast<double>(training.seq_len) * static_cast<double>(a.head_dim() / 2) * 8});
   e.terms.push_back({"runtime", runtime_bytes});
   return e;

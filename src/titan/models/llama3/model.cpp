@@ -4,6 +4,8 @@
 #include <map>
 #include <torch/nn/modules/container/modulelist.h>
 
+#include "titan/components/loss.h"
+#include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/fused_ops.h"
 
 namespace titan::llama3 {
@@ -113,8 +115,10 @@ OutputProjection::OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* 
   if (!tied_) own_weight_ = register_parameter("weight", nn::new_parameter({vocab_size, dim}, options));
 }
 
-at::Tensor OutputProjection::forward(const Inputs& inputs, const nn::Context&) {
-  return at::linear(inputs[0], tied_ ? *tied_ : own_weight_);
+at::Tensor OutputProjection::forward(const Inputs& inputs, const nn::Context& context) {
+  if (context.labels.defined())
+    return distributed::linear_cross_entropy_sum(inputs[0], weight(), context.labels, 0, nullptr, kIgnoreIndex);
+  return at::linear(inputs[0], weight());
 }
 
 Transformer::Transformer(const ModelArgs& args, const nn::ParameterOptions& options) : args_(args) {
@@ -190,8 +194,9 @@ at::Tensor block_causal_mask(const at::Tensor& document_positions) {
   return same.logical_and(causal).unsqueeze(1);
 }
 
-at::Tensor Transformer::forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& document_positions) {
-  return forward_modules(tokens, 0, module_count(), tokens.size(1), positions, document_positions);
+at::Tensor Transformer::forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& document_positions,
+                                const at::Tensor& labels) {
+  return forward_modules(tokens, 0, module_count(), tokens.size(1), positions, document_positions, labels);
 }
 
 std::vector<std::string> Transformer::module_names() const {
@@ -203,7 +208,8 @@ std::vector<std::string> Transformer::module_names() const {
 }
 
 at::Tensor Transformer::forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
-                                        const at::Tensor& positions, const at::Tensor& document_positions) {
+                                        const at::Tensor& positions, const at::Tensor& document_positions,
+                                        const at::Tensor& labels) {
   TORCH_CHECK(0 <= begin && begin < end && end <= module_count(), "module range [", begin, ", ", end, ") outside 0..", module_count());
   nn::Context context;
   context.positions = positions;
@@ -219,7 +225,10 @@ at::Tensor Transformer::forward_modules(const at::Tensor& input, int64_t begin, 
     if (i == 0) h = (*tok_embeddings)(h, context);
     else if (i <= n) h = (*layers[static_cast<size_t>(i - 1)])(h, context);
     else if (i == n + 1) h = (*norm)(h, context);
-    else h = (*output)(h, context);
+    else {
+      context.labels = labels;
+      h = (*output)(h, context);
+    }
   }
   return h;
 }

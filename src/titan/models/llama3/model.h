@@ -96,12 +96,16 @@ class Transformer : public torch::nn::Module {
   // tokens: int64 (batch, seq) -> logits (batch, seq, vocab). positions: optional int64 (batch or 1, seq).
   // document_positions (batch, seq_len): each token's index in its document; when given, attention is
   // block-causal (model.attn_mask_type = "block_causal").
-  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {}, const at::Tensor& document_positions = {});
+  // labels (batch, seq): the forward returns the summed cross-entropy against them (float32 scalar, ignoring
+  // labels of -100) from the fused output projection and loss, and no logits exist for the whole batch.
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {}, const at::Tensor& document_positions = {},
+                     const at::Tensor& labels = {});
   // The modules [begin, end) of the forward order tok_embeddings, layers.0 .. layers.{n-1}, norm, output (indices
   // 0 .. n_layers + 2) on `input`: tokens when begin is 0, else the hidden state the module before produced. A
   // pipeline stage runs its part this way; `seq_len` is the whole sequence's length (the input may be a shard).
+  // `labels`, when the range ends with the output: the loss instead of the logits, as forward().
   at::Tensor forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len, const at::Tensor& positions = {},
-                             const at::Tensor& document_positions = {});
+                             const at::Tensor& document_positions = {}, const at::Tensor& labels = {});
   int64_t module_count() const { return static_cast<int64_t>(layers.size()) + 3; }
   // The forward-order names: "tok_embeddings", "layers.0", ..., "norm", "output".
   std::vector<std::string> module_names() const;

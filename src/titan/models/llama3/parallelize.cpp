@@ -10,6 +10,7 @@
 #include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/zero_bubble.h"
 #include "titan/distributed/tensor_parallel.h"
+#include "titan/kernels/fused_ops.h"
 
 namespace titan::llama3 {
 
@@ -154,6 +155,7 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
   for (auto& param : distributed::describe_parameters(model))
     if (part.contains(module_of(param.name, n))) out.parameters.push_back(param);
   out.loss = [](const at::Tensor& logits, const at::Tensor& labels) { return cross_entropy_sum(logits, labels); };
+  out.fused_loss = kernels::fused_enabled() && (dims.tp == 1 || !p.disable_loss_parallel);
 
   check_parallelism(model.args(), dims, config);
   if (dims.cp > 1) {
@@ -182,6 +184,14 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
       out.loss = [vocab_begin, group](const at::Tensor& logits, const at::Tensor& labels) {
         return distributed::vocab_parallel_cross_entropy_sum(logits, labels, vocab_begin, group, kIgnoreIndex);
       };
+      // The fused projection and loss over this rank's vocabulary rows, combined across the group.
+      if (part.contains(n + 2))
+        model.output->add_innermost_wrapper("loss_parallel", [output = model.output.get(), vocab_begin, group](
+                                                                 const nn::Unit::Inputs& in, const nn::Context& context,
+                                                                 const nn::Unit::Next& next) {
+          if (!context.labels.defined()) return next(in, context);
+          return distributed::linear_cross_entropy_sum(in[0], output->weight(), context.labels, vocab_begin, group, kIgnoreIndex);
+        });
     }
     out.description.push_back(cat("Tensor parallelism over ", dims.tp, " ranks with sequence parallelism; ",
                                   loss_parallel ? "loss parallel (vocabulary-sharded logits)" : "logits gathered for the loss",

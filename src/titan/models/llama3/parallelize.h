@@ -38,6 +38,11 @@ struct ParallelModel {
   std::vector<distributed::ShardedParameter> parameters;  // what the optimizer, clipping and checkpoints work on
   std::unique_ptr<distributed::DataParallel> data_parallel;
   LossFunction loss;
+  // The fused output projection and loss (training.fused_kernels, unless TP gathers the logits): the model's forward
+  // takes the labels and returns the summed loss itself (Transformer::forward), and `loss` is not used.
+  bool fused_loss = false;
+  // The summed loss of a forward's result: that result under the fused loss, else `loss` of its logits.
+  at::Tensor loss_sum(const at::Tensor& output, const at::Tensor& labels) const { return fused_loss ? output : loss(output, labels); }
   std::vector<std::string> description;  // one line per parallelism, for the start-up log
   std::shared_ptr<distributed::Communicator> tp_group;  // null without tensor parallelism
 

@@ -143,11 +143,14 @@ Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, cons
     parts_.push_back(parallelize(model, mesh, config, options, plan_.ranges[static_cast<size_t>(stage)], plan_.split_backward));
     stage_of_part_.push_back(stage);
     const ModuleRange range = plan_.ranges[static_cast<size_t>(stage)];
-    runner_stages.push_back({stage, [this, range](const at::Tensor& input, int m) {
+    // The last stage's forward returns the loss itself under the fused output projection and loss.
+    const bool fused_loss = parts_.back().fused_loss && range.end == model.module_count();
+    runner_stages.push_back({stage, [this, range, fused_loss](const at::Tensor& input, int m) {
                                nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
                                const auto idx = static_cast<size_t>(m);
                                return model_.forward_modules(range.begin == 0 ? tokens_[idx] : input, range.begin, range.end, seq_len_,
-                                                             rope_positions_, positions_.empty() ? at::Tensor() : positions_[idx]);
+                                                             rope_positions_, positions_.empty() ? at::Tensor() : positions_[idx],
+                                                             fused_loss ? labels_[idx] : at::Tensor());
                              }});
   }
   runner_ = std::make_unique<distributed::pipeline::PipelineRunner>(schedule, std::move(runner_stages), mesh.get("pp"), device_);
@@ -175,9 +178,9 @@ double Pipeline::train(const at::Tensor& tokens, const at::Tensor& labels, const
   set_batch(tokens, labels, document_positions, microbatch_size_);
   const ParallelModel& last = parts_.back();  // only used on the rank holding the last stage, whose part is its last
   const double sum = runner_->train(
-      [&](const at::Tensor& logits, int m) {
+      [&](const at::Tensor& output, int m) {
         nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-        return last.loss(logits, labels_[static_cast<size_t>(m)]) / global_valid;
+        return last.loss_sum(output, labels_[static_cast<size_t>(m)]) / global_valid;
       },
       step);
   return sum;
@@ -187,9 +190,9 @@ double Pipeline::evaluate(const at::Tensor& tokens, const at::Tensor& labels, co
   set_batch(tokens, labels, document_positions, microbatch_size_);
   const ParallelModel& last = parts_.back();
   return runner_->evaluate(
-      [&](const at::Tensor& logits, int m) {
+      [&](const at::Tensor& output, int m) {
         nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-        return last.loss(logits, labels_[static_cast<size_t>(m)]);
+        return last.loss_sum(output, labels_[static_cast<size_t>(m)]);
       },
       static_cast<int>(tokens_.size()));
 }
