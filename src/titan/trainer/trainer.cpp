@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -736,16 +737,16 @@ int Trainer::train() {
   if (exit_code == 0 && step_ == c.training.steps && step_ > first_step) {
     // The last step's background checkpoint write may have failed on another rank: every rank learns of it (a
     // stop signal this late changes nothing: the run is complete).
-    std::string failure;
+    std::exception_ptr failure;
     if (checkpointer_) {
       try {
         checkpointer_->wait();  // the last write finished (or failed) before the ranks compare
-      } catch (const std::exception& e) {
-        failure = e.what();
+      } catch (...) {
+        failure = std::current_exception();
       }
     }
-    if (exchange_control(false, 0, 0, !failure.empty()).save_failed) {
-      if (!failure.empty()) fail(failure);
+    if (exchange_control(false, 0, 0, failure != nullptr).save_failed) {
+      if (failure) std::rethrow_exception(failure);  // as the loop's check throws it: the write's own error
       fail("step ", step_, ": another rank's asynchronous checkpoint write failed (its error says why); the previous "
            "complete checkpoint is untouched");
     }
