@@ -2,13 +2,14 @@
 // threads: time per call (median of repeats), achieved GFLOP/s for attention, and the ratio ATen / fused.
 // Never passes or fails on time.
 //
-// usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512]
+// usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512|avx512bf16]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -103,6 +104,14 @@ void elementwise(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t hidd
   }
 }
 
+titan::kernels::Isa isa_named(const std::string& name) {
+  using titan::kernels::Isa;
+  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512, Isa::avx512bf16})
+    if (titan::kernels::isa_name(isa) == name) return isa;
+  std::fprintf(stderr, "--isa %s: expected generic, avx2, avx512 or avx512bf16\n", name.c_str());
+  std::exit(2);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -110,9 +119,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) g_repeats = std::atoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--isa")) titan::kernels::set_cpu_isa(argv[i + 1] == std::string("avx512") ? titan::kernels::Isa::avx512
-                                                                         : argv[i + 1] == std::string("avx2") ? titan::kernels::Isa::avx2
-                                                                                                                : titan::kernels::Isa::generic);
+    else if (!std::strcmp(argv[i], "--isa")) titan::kernels::set_cpu_isa(isa_named(argv[i + 1]));
   }
   at::set_num_threads(threads);
   at::manual_seed(0);

@@ -16,7 +16,7 @@ using titan::kernels::Isa;
 
 std::vector<Isa> runnable_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512})
+  for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512, Isa::avx512bf16})
     if (titan::kernels::cpu_supports(isa)) out.push_back(isa);
   return out;
 }

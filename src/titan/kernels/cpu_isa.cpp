@@ -15,10 +15,12 @@ Isa parse(const std::string& name) {
   if (name == "generic") return Isa::generic;
   if (name == "avx2") return Isa::avx2;
   if (name == "avx512") return Isa::avx512;
-  fail("TITAN_CPU_ISA = ", quote(name), " is not a kernel instruction set; expected generic, avx2 or avx512");
+  if (name == "avx512bf16") return Isa::avx512bf16;
+  fail("TITAN_CPU_ISA = ", quote(name), " is not a kernel instruction set; expected generic, avx2, avx512 or avx512bf16");
 }
 
 Isa best() {
+  if (cpu_supports(Isa::avx512bf16)) return Isa::avx512bf16;
   if (cpu_supports(Isa::avx512)) return Isa::avx512;
   if (cpu_supports(Isa::avx2)) return Isa::avx2;
   return Isa::generic;
@@ -32,8 +34,10 @@ bool cpu_supports(Isa isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (isa == Isa::avx2) return avx2;
-  return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == Isa::avx512) return avx512;
+  return avx512 && __builtin_cpu_supports("avx512bf16");
 #else
   return false;
 #endif
@@ -41,6 +45,7 @@ bool cpu_supports(Isa isa) {
 
 std::string isa_name(Isa isa) {
   switch (isa) {
+    case Isa::avx512bf16: return "avx512bf16";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     case Isa::generic: break;

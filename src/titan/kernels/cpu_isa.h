@@ -1,11 +1,12 @@
 // Which compiled copy of the CPU kernels runs (kernels/isa): chosen once from the CPU's features at run time, never
-// from the build machine's; TITAN_CPU_ISA=generic|avx2|avx512 picks a lower one (tests run every copy this way).
+// from the build machine's; TITAN_CPU_ISA=generic|avx2|avx512|avx512bf16 picks a lower one (tests run every copy this
+// way). avx512bf16 is the AVX-512 copy whose bf16 attention runs on the CPU's bf16 dot-product instruction.
 #pragma once
 #include <string>
 
 namespace titan::kernels {
 
-enum class Isa { generic, avx2, avx512 };
+enum class Isa { generic, avx2, avx512, avx512bf16 };
 
 // The best copy this CPU runs (and this build has), or the one TITAN_CPU_ISA names.
 Isa cpu_isa();

@@ -21,6 +21,7 @@ std::atomic<bool> g_fused{true};
 #define TITAN_ISA_CALL(fn, ...)                                     \
   do {                                                              \
     switch (cpu_isa()) {                                            \
+      case Isa::avx512bf16: isa::avx512bf16::fn(__VA_ARGS__); break;\
       case Isa::avx512: isa::avx512::fn(__VA_ARGS__); break;        \
       case Isa::avx2: isa::avx2::fn(__VA_ARGS__); break;            \
       case Isa::generic: isa::generic::fn(__VA_ARGS__); break;      \

@@ -2,9 +2,15 @@
 // backward, for one instruction set. Queries are taken in blocks of 64 rows against blocks of 64 keys; scores are
 // computed against a transposed key block so that the innermost loops run along contiguous keys (or head_dim) and
 // vectorise. Head dims 16, 32, 64 and 128 get their own instantiations (constant loop bounds); others run the
-// general one.
+// general one. The copy built with AVX-512 BF16 runs bf16 inputs on the bf16 dot-product instruction instead (below).
 #include "titan/kernels/isa/kernels.h"
 #include "titan/kernels/isa/scalar_math.h"
+
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace titan::kernels::isa::TITAN_ISA {
 namespace {
@@ -40,13 +46,14 @@ T* row(T* base, const int64_t* stride, int64_t b, int64_t s, int64_t h) {
   return base + b * stride[0] + s * stride[1] + h * stride[2];
 }
 
-// Scratch blocks of one work range, allocated once per call.
+// Scratch blocks of one work range, allocated (zeroed) once per call.
+template <typename E = float>
 struct Scratch {
-  explicit Scratch(int64_t floats) : data(new float[static_cast<size_t>(floats)]()) {}
+  explicit Scratch(int64_t count) : data(new E[static_cast<size_t>(count)]()) {}
   ~Scratch() { delete[] data; }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
-  float* data;
+  E* data;
 };
 
 // key_t (D x kBlock): keys of block [j0, j0 + cols) transposed, zero past cols; values (kBlock x D) likewise.
@@ -119,7 +126,7 @@ void forward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, T
                   int64_t end) {
   const int64_t D = a.head_dim, S = a.seq, H = a.heads, group = a.heads / a.kv_heads;
   const int64_t blocks = (S + kBlock - 1) / kBlock;
-  Scratch scratch(kBlock * D * 4 + kBlock * 4);
+  Scratch<> scratch(kBlock * D * 4 + kBlock * 4);
   float* qs = scratch.data;            // kBlock x D, scaled queries
   float* key_t = qs + kBlock * D;      // D x kBlock
   float* values = key_t + kBlock * D;  // kBlock x D
@@ -176,7 +183,7 @@ void backward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, 
                    const float* lse, T* grad_q, T* grad_k, T* grad_v, int64_t begin, int64_t end) {
   const int64_t D = a.head_dim, S = a.seq, H = a.heads, HK = a.kv_heads, group = a.heads / a.kv_heads;
   const int64_t blocks = (S + kBlock - 1) / kBlock;
-  Scratch scratch(S * D * 3 + kBlock * D * 6 + kBlock * kBlock * 2 + kBlock * 4 + D);
+  Scratch<> scratch(S * D * 3 + kBlock * D * 6 + kBlock * kBlock * 2 + kBlock * 4 + D);
   float* dk_acc = scratch.data;          // S x D
   float* dv_acc = dk_acc + S * D;        // S x D
   float* dq_acc = dv_acc + S * D;        // S x D
@@ -360,7 +367,7 @@ void forward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, T*
   constexpr int64_t D = kD, NV = kD / kVec;
   const int64_t S = a.seq, H = a.heads, group = a.heads / a.kv_heads;
   const int64_t blocks = (S + kBlock - 1) / kBlock;
-  Scratch scratch((kBlock + kScoreRows) * D + kBlock * D * 3 + kBlock * kBlock + kBlock * 3);
+  Scratch<> scratch((kBlock + kScoreRows) * D + kBlock * D * 3 + kBlock * kBlock + kBlock * 3);
   float* qs = scratch.data;                        // kBlock (+ kScoreRows spare) x D, scaled queries
   float* key_t = qs + (kBlock + kScoreRows) * D;   // D x kBlock
   float* values = key_t + kBlock * D;              // kBlock x D
@@ -437,7 +444,7 @@ void backward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, c
   constexpr int64_t D = kD, NV = kD / kVec;
   const int64_t S = a.seq, H = a.heads, HK = a.kv_heads, group = a.heads / a.kv_heads;
   const int64_t blocks = (S + kBlock - 1) / kBlock;
-  Scratch scratch(S * D * 3 + (kBlock + kScoreRows) * D * 2 + kBlock * D * 3 + kBlock * kBlock * 2 + kBlock * 2);
+  Scratch<> scratch(S * D * 3 + (kBlock + kScoreRows) * D * 2 + kBlock * D * 3 + kBlock * kBlock * 2 + kBlock * 2);
   float* dk_acc = scratch.data;                     // S x D
   float* dv_acc = dk_acc + S * D;                   // S x D
   float* dq_acc = dv_acc + S * D;                   // S x D, unscaled
@@ -530,9 +537,326 @@ void backward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, c
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 inputs on the CPU's bf16 dot-product instruction (vdpbf16ps: each of 16 float lanes adds the two products of
+// a pair of bf16 values), for head dims that are multiples of 16. The products are exact and summed in float; the
+// probabilities (and in backward dS) are rounded to bf16 for the product that follows, as GPU flash attention does.
+// Operands live as uint32 words, each a pair of bf16 values (low half first), in three layouts:
+//   rows:         a row's own values, read as kD / 2 pairs along head_dim (the broadcast side of a score);
+//   transposed:   t[p * kBlock + c] = row c's pair p, the block's 64 rows side by side (the other side of a score);
+//   interleaved:  w[rp * kD + d] = (row 2rp, row 2rp + 1) at column d (for sums over rows into head_dim lanes).
+static_assert(kScoreRows % 2 == 0, "rows are paired for the interleaved layout");
+
+inline uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16; }
+inline __m512bh words(const uint32_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh splat_word(uint32_t w) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(w)); }
+// 16 floats rounded to bf16 (to nearest even) in the low halves of 16 words.
+inline Uint16x bf16_words(Vec16 v) {
+  const __m256bh rounded = _mm512_cvtneps_pbh((__m512)v);
+  Half16 h;
+  std::memcpy(&h, &rounded, sizeof h);
+  return __builtin_convertvector(h, Uint16x);
+}
+
+// Rows [j0, j0 + kBlock) of `src` (one head of a (batch, seq, head) strided tensor) in the transposed layout, zero
+// past the sequence.
+template <int64_t kD>
+void transpose_block(const AttentionShape& a, const uint16_t* src, const int64_t* stride, int64_t b, int64_t h,
+                     int64_t j0, uint32_t* out) {
+  for (int64_t c = 0; c < kBlock; ++c) {
+    const uint16_t* r = j0 + c < a.seq ? row(src, stride, b, j0 + c, h) : nullptr;
+    for (int64_t p = 0; p < kD / 2; ++p) out[p * kBlock + c] = r ? bf16_pair(r[2 * p], r[2 * p + 1]) : 0u;
+  }
+}
+
+// The same rows in the interleaved layout, zero past the sequence.
+template <int64_t kD>
+void interleave_block(const AttentionShape& a, const uint16_t* src, const int64_t* stride, int64_t b, int64_t h,
+                      int64_t j0, uint32_t* out) {
+  for (int64_t rp = 0; rp < kBlock / 2; ++rp) {
+    const int64_t j = j0 + 2 * rp;
+    const uint16_t* r0 = j < a.seq ? row(src, stride, b, j, h) : nullptr;
+    const uint16_t* r1 = j + 1 < a.seq ? row(src, stride, b, j + 1, h) : nullptr;
+    for (int64_t d = 0; d < kD; ++d) out[rp * kD + d] = bf16_pair(r0 ? r0[d] : 0, r1 ? r1[d] : 0);
+  }
+}
+
+// s[r][x] = scale * (row r of `rows` . the 64 rows of the transposed block t), for R rows kD / 2 words apart.
+template <int64_t kD, int64_t R>
+__attribute__((always_inline)) inline void scores_dot(const uint32_t* rows, const uint32_t* t, float scale,
+                                                      Vec16 (*s)[kKeyVecs]) {
+  constexpr int64_t P = kD / 2;
+  __m512 acc[R][kKeyVecs];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh kt[kKeyVecs];
+    for (int64_t x = 0; x < kKeyVecs; ++x) kt[x] = words(t + p * kBlock + x * kVec);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh w = splat_word(rows[r * P + p]);
+      for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], w, kt[x]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < kKeyVecs; ++x) s[r][x] = (Vec16)acc[r][x] * scale;
+}
+
+// out[r] += sum over pairs [begin, end) of the bf16 pair weights[r * out_stride + pair * pair_stride] times the
+// interleaved rows' pair `pair`, for R outputs of kD floats kD apart, kept in registers over the sum.
+template <int64_t kD, int64_t R>
+__attribute__((always_inline)) inline void accumulate_dot(const uint32_t* weights, int64_t out_stride,
+                                                          int64_t pair_stride, int64_t begin, int64_t end,
+                                                          const uint32_t* rows, float* out) {
+  constexpr int64_t NV = kD / kVec;
+  __m512 o[R][NV];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_loadu_ps(out + r * kD + x * kVec);
+  for (int64_t pp = begin; pp < end; ++pp) {
+    __m512bh v[NV];
+    for (int64_t x = 0; x < NV; ++x) v[x] = words(rows + pp * kD + x * kVec);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh w = splat_word(weights[r * out_stride + pp * pair_stride]);
+      for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_dpbf16_ps(o[r][x], w, v[x]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t x = 0; x < NV; ++x) _mm512_storeu_ps(out + r * kD + x * kVec, o[r][x]);
+}
+
+// One row's 64 values as 32 bf16 pairs along the row.
+inline void store_row_pairs(uint32_t* out, const Vec16* s) {
+  for (int64_t x = 0; x < kKeyVecs; x += 2)
+    _mm512_storeu_si512(out + x * kVec / 2, (__m512i)_mm512_cvtne2ps_pbh((__m512)s[x + 1], (__m512)s[x]));
+}
+
+// Two rows' 64 values interleaved: word c = (lo[c], hi[c]).
+inline void store_interleaved(uint32_t* out, const Vec16* lo, const Vec16* hi) {
+  for (int64_t x = 0; x < kKeyVecs; ++x) {
+    const Uint16x w = bf16_words(lo[x]) | bf16_words(hi[x]) << 16;
+    std::memcpy(out + x * kVec, &w, sizeof w);
+  }
+}
+
+// The pairs that hold n rows (or keys): n / 2 rounded up.
+inline int64_t pairs_of(int64_t n) { return (n + 1) / 2; }
+
+template <int64_t kD>
+void forward_dot(const AttentionShape& a, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+                 float* lse, int64_t begin, int64_t end) {
+  constexpr int64_t D = kD, NV = kD / kVec, P = kD / 2, HB = kBlock / 2;
+  const int64_t S = a.seq, H = a.heads, group = a.heads / a.kv_heads;
+  const int64_t blocks = (S + kBlock - 1) / kBlock;
+  // Every key block transposed and every value block interleaved, for one (batch, kv head) at a time: consecutive
+  // items share them, so they are prepared once as the query blocks first reach them.
+  Scratch<uint32_t> scratch_words(blocks * kBlock * P * 2 + (kBlock + kScoreRows) * P + kBlock * HB);
+  uint32_t* key_t = scratch_words.data;                  // blocks x (P x kBlock)
+  uint32_t* value_i = key_t + blocks * kBlock * P;       // blocks x (HB x D)
+  uint32_t* qrows = value_i + blocks * kBlock * P;       // (kBlock + kScoreRows spare) x P
+  uint32_t* probs = qrows + (kBlock + kScoreRows) * P;   // kBlock x HB: the block's probabilities in bf16
+  Scratch<> scratch(kBlock * D + kBlock * 3);
+  float* acc = scratch.data;            // kBlock x D, unnormalised outputs
+  float* row_max = acc + kBlock * D;    // kBlock
+  float* row_sum = row_max + kBlock;    // kBlock
+  float* rescale = row_sum + kBlock;    // kBlock
+  int64_t last[kBlock];                 // per row: keys of the block it sees
+  int64_t cached_b = -1, cached_hk = -1, prepared = 0;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / (H * blocks), h = (item / blocks) % H, qb = item % blocks, hk = h / group;
+    const int64_t i0 = qb * kBlock, rows = S - i0 < kBlock ? S - i0 : kBlock;
+    const int32_t* documents = a.documents ? a.documents + b * S : nullptr;
+    if (b != cached_b || hk != cached_hk) cached_b = b, cached_hk = hk, prepared = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(qrows + r * P, row(q, a.q_stride, b, i0 + r, h), D * sizeof(uint16_t));
+      for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+      row_max[r] = kNegInf;
+      row_sum[r] = 0.0f;
+    }
+    const Range keys = visible_keys(a, documents, i0, rows);
+    for (int64_t j0 = keys.begin / kBlock * kBlock; j0 < keys.end; j0 += kBlock) {
+      const int64_t cols = keys.end - j0 < kBlock ? keys.end - j0 : kBlock, jb = j0 / kBlock;
+      for (; prepared <= jb; ++prepared) {
+        transpose_block<kD>(a, k, a.k_stride, b, hk, prepared * kBlock, key_t + prepared * kBlock * P);
+        interleave_block<kD>(a, v, a.v_stride, b, hk, prepared * kBlock, value_i + prepared * kBlock * P);
+      }
+      // Scores and softmax, kScoreRows rows at a time (rows past the block's end are computed and ignored).
+      for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+        Vec16 s[kScoreRows][kKeyVecs];
+        scores_dot<kD, kScoreRows>(qrows + r0 * P, key_t + jb * kBlock * P, a.scale, s);
+        for (int64_t rr = 0; rr < kScoreRows && r0 + rr < rows; ++rr) {
+          const int64_t r = r0 + rr, i = i0 + r;
+          last[r] = i - j0 + 1 < cols ? i - j0 + 1 : cols;
+          mask_vec(documents, i, j0, s[rr]);
+          Vec16 mv = splat(row_max[r]);
+          for (int64_t x = 0; x < kKeyVecs; ++x) mv = vmax(mv, s[rr][x]);
+          const float m = hmax(mv);
+          if (m == kNegInf) {  // nothing visible yet in this row
+            for (int64_t c = 0; c < HB; ++c) probs[r * HB + c] = 0u;
+            rescale[r] = 1.0f;
+            continue;
+          }
+          rescale[r] = exp_approx(row_max[r] - m);
+          Vec16 e[kKeyVecs], sum = splat(0.0f);
+          for (int64_t x = 0; x < kKeyVecs; ++x) {
+            e[x] = exp16(s[rr][x] - m);
+            sum += e[x];
+          }
+          store_row_pairs(probs + r * HB, e);
+          row_max[r] = m;
+          row_sum[r] = row_sum[r] * rescale[r] + hsum(sum);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t x = 0; x < NV; ++x) store16(acc + r * D + x * kVec, load16(acc + r * D + x * kVec) * rescale[r]);
+      const uint32_t* values = value_i + jb * kBlock * P;
+      constexpr int64_t R = accumulate_rows_at_once<kD>();
+      int64_t r = 0;
+      for (; r + R <= rows; r += R)
+        accumulate_dot<kD, R>(probs + r * HB, HB, 1, 0, pairs_of(longest(last + r, R)), values, acc + r * D);
+      for (; r < rows; ++r) accumulate_dot<kD, 1>(probs + r * HB, HB, 1, 0, pairs_of(last[r]), values, acc + r * D);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / row_sum[r];
+      uint16_t* dst = row(out, a.out_stride, b, i0 + r, h);
+      for (int64_t x = 0; x < NV; ++x) store16(dst + x * kVec, load16(acc + r * D + x * kVec) * inv);
+      lse[(b * H + h) * S + i0 + r] = row_max[r] + __builtin_logf(row_sum[r]);
+    }
+  }
+}
+
+template <int64_t kD>
+void backward_dot(const AttentionShape& a, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                  const uint16_t* out, const uint16_t* grad_out, const float* lse, uint16_t* grad_q, uint16_t* grad_k,
+                  uint16_t* grad_v, int64_t begin, int64_t end) {
+  constexpr int64_t D = kD, NV = kD / kVec, P = kD / 2, HB = kBlock / 2;
+  const int64_t S = a.seq, H = a.heads, HK = a.kv_heads, group = a.heads / a.kv_heads;
+  const int64_t blocks = (S + kBlock - 1) / kBlock, block_words = kBlock * P;
+  Scratch<uint32_t> scratch_words(blocks * block_words * 3 + (kBlock + kScoreRows) * P * 2 + block_words * 2 +
+                                  kBlock * HB * 3);
+  uint32_t* key_t = scratch_words.data;                  // blocks x (P x kBlock): keys for the scores
+  uint32_t* key_i = key_t + blocks * block_words;        // blocks x (HB x D): keys for dQ
+  uint32_t* value_t = key_i + blocks * block_words;      // blocks x (P x kBlock): values for dP
+  uint32_t* qrows = value_t + blocks * block_words;      // (kBlock + kScoreRows spare) x P
+  uint32_t* drows = qrows + (kBlock + kScoreRows) * P;   // the same for dO
+  uint32_t* q_i = drows + (kBlock + kScoreRows) * P;     // HB x D: queries for dK
+  uint32_t* d_i = q_i + block_words;                     // HB x D: dO for dV
+  uint32_t* ds_rows = d_i + block_words;                 // kBlock x HB: dS along keys, for dQ
+  uint32_t* ds_i = ds_rows + kBlock * HB;                // HB x kBlock: dS interleaved over rows, for dK
+  uint32_t* p_i = ds_i + kBlock * HB;                    // HB x kBlock: P interleaved over rows, for dV
+  Scratch<> scratch(S * D * 3 + kBlock * 2);
+  float* dk_acc = scratch.data;      // S x D, unscaled
+  float* dv_acc = dk_acc + S * D;    // S x D
+  float* dq_acc = dv_acc + S * D;    // S x D, unscaled
+  float* delta = dq_acc + S * D;     // kBlock
+  float* row_lse = delta + kBlock;   // kBlock
+  int64_t last[kBlock];              // per row: keys of the block it sees
+  const Vec16 zero = splat(0.0f);
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / HK, hk = item % HK;
+    const int32_t* documents = a.documents ? a.documents + b * S : nullptr;
+    for (int64_t jb = 0; jb < blocks; ++jb) {
+      transpose_block<kD>(a, k, a.k_stride, b, hk, jb * kBlock, key_t + jb * block_words);
+      interleave_block<kD>(a, k, a.k_stride, b, hk, jb * kBlock, key_i + jb * block_words);
+      transpose_block<kD>(a, v, a.v_stride, b, hk, jb * kBlock, value_t + jb * block_words);
+    }
+    for (int64_t x = 0; x < S * D; ++x) dk_acc[x] = 0.0f, dv_acc[x] = 0.0f;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t x = 0; x < S * D; ++x) dq_acc[x] = 0.0f;
+      for (int64_t qb = 0; qb < blocks; ++qb) {
+        const int64_t i0 = qb * kBlock, rows = S - i0 < kBlock ? S - i0 : kBlock;
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint16_t* gsrc = row(grad_out, a.grad_out_stride, b, i0 + r, h);
+          const uint16_t* osrc = row(out, a.out_stride, b, i0 + r, h);
+          std::memcpy(qrows + r * P, row(q, a.q_stride, b, i0 + r, h), D * sizeof(uint16_t));
+          std::memcpy(drows + r * P, gsrc, D * sizeof(uint16_t));
+          Vec16 dot_v = zero;
+          for (int64_t x = 0; x < NV; ++x) dot_v += load16(gsrc + x * kVec) * load16(osrc + x * kVec);
+          delta[r] = hsum(dot_v);
+          row_lse[r] = lse[(b * H + h) * S + i0 + r];
+        }
+        interleave_block<kD>(a, q, a.q_stride, b, h, i0, q_i);
+        interleave_block<kD>(a, grad_out, a.grad_out_stride, b, h, i0, d_i);
+        const Range visible = visible_keys(a, documents, i0, rows);
+        for (int64_t j0 = visible.begin / kBlock * kBlock; j0 < visible.end; j0 += kBlock) {
+          const int64_t cols = visible.end - j0 < kBlock ? visible.end - j0 : kBlock, jb = j0 / kBlock;
+          // P and dS, kScoreRows rows at a time; rows past the block's end get zeros.
+          for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+            Vec16 p[kScoreRows][kKeyVecs], dp[kScoreRows][kKeyVecs];
+            scores_dot<kD, kScoreRows>(qrows + r0 * P, key_t + jb * block_words, a.scale, p);
+            scores_dot<kD, kScoreRows>(drows + r0 * P, value_t + jb * block_words, 1.0f, dp);  // dP = dO V^T
+            for (int64_t rr = 0; rr < kScoreRows; ++rr) {
+              const int64_t r = r0 + rr, i = i0 + r;
+              if (r < rows) {
+                last[r] = i - j0 + 1 < cols ? i - j0 + 1 : cols;
+                mask_vec(documents, i, j0, p[rr]);
+                const float l = row_lse[r], dl = delta[r];
+                for (int64_t x = 0; x < kKeyVecs; ++x) {
+                  p[rr][x] = exp16(p[rr][x] - l);  // masked: exactly 0
+                  dp[rr][x] = p[rr][x] * (dp[rr][x] - dl);
+                }
+              } else {
+                for (int64_t x = 0; x < kKeyVecs; ++x) p[rr][x] = zero, dp[rr][x] = zero;
+              }
+              store_row_pairs(ds_rows + r * HB, dp[rr]);
+            }
+            for (int64_t rr = 0; rr < kScoreRows; rr += 2) {
+              store_interleaved(ds_i + (r0 + rr) / 2 * kBlock, dp[rr], dp[rr + 1]);
+              store_interleaved(p_i + (r0 + rr) / 2 * kBlock, p[rr], p[rr + 1]);
+            }
+          }
+          // dQ_i += sum_c dS_ic K_c (scaled when stored)
+          const uint32_t* keys = key_i + jb * block_words;
+          constexpr int64_t R = accumulate_rows_at_once<kD>();
+          int64_t r = 0;
+          for (; r + R <= rows; r += R)
+            accumulate_dot<kD, R>(ds_rows + r * HB, HB, 1, 0, pairs_of(longest(last + r, R)), keys, dq_acc + (i0 + r) * D);
+          for (; r < rows; ++r)
+            accumulate_dot<kD, 1>(ds_rows + r * HB, HB, 1, 0, pairs_of(last[r]), keys, dq_acc + (i0 + r) * D);
+          // dK_c += sum_r dS_rc Q_r (scaled when stored) and dV_c += sum_r P_rc dO_r over the row pairs holding a row
+          // that sees key c (from row j0 + c - i0 on)
+          int64_t c = 0;
+          for (; c + R <= cols; c += R) {
+            const int64_t first = (j0 + c - i0 > 0 ? j0 + c - i0 : 0) / 2;
+            accumulate_dot<kD, R>(ds_i + c, 1, kBlock, first, pairs_of(rows), q_i, dk_acc + (j0 + c) * D);
+            accumulate_dot<kD, R>(p_i + c, 1, kBlock, first, pairs_of(rows), d_i, dv_acc + (j0 + c) * D);
+          }
+          for (; c < cols; ++c) {
+            const int64_t first = (j0 + c - i0 > 0 ? j0 + c - i0 : 0) / 2;
+            accumulate_dot<kD, 1>(ds_i + c, 1, kBlock, first, pairs_of(rows), q_i, dk_acc + (j0 + c) * D);
+            accumulate_dot<kD, 1>(p_i + c, 1, kBlock, first, pairs_of(rows), d_i, dv_acc + (j0 + c) * D);
+          }
+        }
+      }
+      for (int64_t i = 0; i < S; ++i) {
+        uint16_t* dst = row(grad_q, a.grad_q_stride, b, i, h);
+        for (int64_t x = 0; x < NV; ++x) store16(dst + x * kVec, load16(dq_acc + i * D + x * kVec) * a.scale);
+      }
+    }
+    for (int64_t j = 0; j < S; ++j) {
+      uint16_t* dk = row(grad_k, a.grad_k_stride, b, j, hk);
+      uint16_t* dv = row(grad_v, a.grad_v_stride, b, j, hk);
+      for (int64_t x = 0; x < NV; ++x) {
+        store16(dk + x * kVec, load16(dk_acc + j * D + x * kVec) * a.scale);
+        store16(dv + x * kVec, load16(dv_acc + j * D + x * kVec));
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 template <typename T>
 void forward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* v, T* out, float* lse, int64_t begin,
                       int64_t end) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    switch (a.head_dim) {
+      case 16: return forward_dot<16>(a, q, k, v, out, lse, begin, end);
+      case 32: return forward_dot<32>(a, q, k, v, out, lse, begin, end);
+      case 64: return forward_dot<64>(a, q, k, v, out, lse, begin, end);
+      case 128: return forward_dot<128>(a, q, k, v, out, lse, begin, end);
+      default: break;
+    }
+  }
+#endif
   switch (a.head_dim) {
     case 16: return forward_vec<16>(a, q, k, v, out, lse, begin, end);
     case 32: return forward_vec<32>(a, q, k, v, out, lse, begin, end);
@@ -545,6 +869,17 @@ void forward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* 
 template <typename T>
 void backward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* v, const T* out, const T* grad_out,
                        const float* lse, T* grad_q, T* grad_k, T* grad_v, int64_t begin, int64_t end) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    switch (a.head_dim) {
+      case 16: return backward_dot<16>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+      case 32: return backward_dot<32>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+      case 64: return backward_dot<64>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+      case 128: return backward_dot<128>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+      default: break;
+    }
+  }
+#endif
   switch (a.head_dim) {
     case 16: return backward_vec<16>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
     case 32: return backward_vec<32>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);

@@ -1,7 +1,7 @@
-// The raw CPU kernels behind titan's fused operations, compiled once per instruction set (generic, AVX2, AVX-512;
-// see CMakeLists.txt) into namespaces of those names and chosen at run time (kernels/cpu_isa.h). They see plain
-// pointers and strides only: no LibTorch types, so that nothing inline is shared between the differently compiled
-// copies. bf16 values travel as uint16_t bit patterns.
+// The raw CPU kernels behind titan's fused operations, compiled once per instruction set (generic, AVX2, AVX-512,
+// AVX-512 with bf16 dot products; see CMakeLists.txt) into namespaces of those names and chosen at run time
+// (kernels/cpu_isa.h). They see plain pointers and strides only: no LibTorch types, so that nothing inline is shared
+// between the differently compiled copies. bf16 values travel as uint16_t bit patterns.
 #pragma once
 #include <cstdint>
 
@@ -85,5 +85,6 @@ struct RopeShape {
 TITAN_KERNELS_DECLARE(generic)
 TITAN_KERNELS_DECLARE(avx2)
 TITAN_KERNELS_DECLARE(avx512)
+TITAN_KERNELS_DECLARE(avx512bf16)
 
 }  // namespace titan::kernels::isa
