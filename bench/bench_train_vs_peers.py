@@ -189,6 +189,10 @@ def profile_split(config, steps, threads):
     print(f"titan's time split, {config}, one profiled step ({whole / 1e3:.0f} ms of op time):")
     for cat, t in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {cat:24} {t / 1e3:9.1f} ms  {100 * t / whole:5.1f}%")
+    print("  the largest ops by self time:")
+    for name, t in sorted(self_time.items(), key=lambda kv: -kv[1])[:15]:
+        short = name if len(name) <= 60 else "..." + name[-57:]
+        print(f"    {short:60} {t / 1e3:9.1f} ms  {100 * t / whole:5.1f}%  ({category(name)})")
 
 
 def main():

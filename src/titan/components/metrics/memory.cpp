@@ -2,9 +2,13 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <fstream>
 #include <utility>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
@@ -54,6 +58,21 @@ AvailableMemory available_memory(const at::Device& device, int local_ranks) {
     break;
   }
   return {spare / ranks + mine, local_ranks > 1 ? cat(source, " shared by ", local_ranks, " ranks on this machine") : source};
+}
+
+std::string keep_freed_host_memory() {
+#if defined(__GLIBC__)
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos)
+    return "host allocator: glibc malloc as GLIBC_TUNABLES sets it";
+  constexpr int kMmapThreshold = 32 << 20;  // glibc's largest
+  if (mallopt(M_MMAP_THRESHOLD, kMmapThreshold) != 1 || mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) != 1)
+    return "host allocator: glibc malloc with its defaults (mallopt refused the settings)";
+  return "host allocator: glibc malloc keeps freed memory for reuse (blocks up to 32 MiB from the heap, no trimming; "
+         "GLIBC_TUNABLES=glibc.malloc.* chooses otherwise)";
+#else
+  return "host allocator: the C library's malloc with its defaults";
+#endif
 }
 
 int64_t current_rss_bytes() { return status_kib("VmRSS") * 1024; }

@@ -36,6 +36,12 @@ struct AvailableMemory {
 };
 AvailableMemory available_memory(const at::Device& device, int local_ranks);
 
+// CPU training: makes glibc's malloc keep freed memory for reuse instead of handing it back to the kernel after each
+// large free (blocks up to 32 MiB from the heap, no trimming), so that a step's activations do not page-fault and
+// get zeroed again every step. Left alone when GLIBC_TUNABLES sets any glibc.malloc tunable, or without glibc.
+// Returns what was done, for the log.
+std::string keep_freed_host_memory();
+
 // Current and peak resident set size of this process in bytes (Linux /proc).
 int64_t current_rss_bytes();
 int64_t peak_rss_bytes();
