@@ -92,6 +92,9 @@ TEST(FusedKernels, AttentionMatchesScaledDotProductAttention) {
       check_attention(dtype, 2, 3, 3, 33, 24, false);   // a head_dim without its own instantiation
       check_attention(dtype, 2, 4, 2, 130, 16, true);
       check_attention(dtype, 2, 2, 2, 96, 64, true);
+      check_attention(dtype, 1, 8, 2, 100, 32, true);   // head_dim 32, groups of 4 query heads, documents
+      check_attention(dtype, 2, 2, 1, 37, 64, false);   // shorter than one block (odd rows)
+      check_attention(dtype, 1, 4, 4, 5, 16, false);
     }
   }
 }

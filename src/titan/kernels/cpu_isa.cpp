@@ -37,7 +37,11 @@ bool cpu_supports(Isa isa) {
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (isa == Isa::avx512) return avx512;
+#if defined(TITAN_AVX512BF16_KERNELS)
   return avx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;  // this build has no avx512bf16 copy (the compiler lacks -mavx512bf16)
+#endif
 #else
   return false;
 #endif

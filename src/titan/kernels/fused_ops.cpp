@@ -17,11 +17,18 @@ using torch::autograd::variable_list;
 std::atomic<bool> g_fused{true};
 
 // Calls isa::<copy>::fn(args...) for the instruction set this CPU runs.
+#if defined(TITAN_AVX512BF16_KERNELS)
+#define TITAN_ISA_CALL_AVX512BF16(fn, ...) \
+  case Isa::avx512bf16: isa::avx512bf16::fn(__VA_ARGS__); break;
+#else
+#define TITAN_ISA_CALL_AVX512BF16(fn, ...) \
+  case Isa::avx512bf16: break;  /* never chosen: cpu_supports() says no */
+#endif
 #if defined(TITAN_X86_KERNELS)
 #define TITAN_ISA_CALL(fn, ...)                                     \
   do {                                                              \
     switch (cpu_isa()) {                                            \
-      case Isa::avx512bf16: isa::avx512bf16::fn(__VA_ARGS__); break;\
+      TITAN_ISA_CALL_AVX512BF16(fn, __VA_ARGS__)                    \
       case Isa::avx512: isa::avx512::fn(__VA_ARGS__); break;        \
       case Isa::avx2: isa::avx2::fn(__VA_ARGS__); break;            \
       case Isa::generic: isa::generic::fn(__VA_ARGS__); break;      \

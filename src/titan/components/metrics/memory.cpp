@@ -62,6 +62,9 @@ AvailableMemory available_memory(const at::Device& device, int local_ranks) {
 
 std::string keep_freed_host_memory() {
 #if defined(__GLIBC__)
+  // Another malloc put in front of glibc's (jemalloc, tcmalloc, mimalloc) has its own settings.
+  if (const char* preload = std::getenv("LD_PRELOAD"); preload && std::string(preload).find("malloc") != std::string::npos)
+    return cat("host allocator: the one LD_PRELOAD names (", preload, ")");
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   if (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos)
     return "host allocator: glibc malloc as GLIBC_TUNABLES sets it";

@@ -38,7 +38,8 @@ AvailableMemory available_memory(const at::Device& device, int local_ranks);
 
 // CPU training: makes glibc's malloc keep freed memory for reuse instead of handing it back to the kernel after each
 // large free (blocks up to 32 MiB from the heap, no trimming), so that a step's activations do not page-fault and
-// get zeroed again every step. Left alone when GLIBC_TUNABLES sets any glibc.malloc tunable, or without glibc.
+// get zeroed again every step (blocks of 32 MiB and more are still mapped and unmapped each time). Left alone when
+// GLIBC_TUNABLES sets any glibc.malloc tunable, when LD_PRELOAD names another malloc, or without glibc.
 // Returns what was done, for the log.
 std::string keep_freed_host_memory();
 

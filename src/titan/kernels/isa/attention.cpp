@@ -539,8 +539,9 @@ void backward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, c
 
 #if defined(__AVX512BF16__)
 // bf16 inputs on the CPU's bf16 dot-product instruction (vdpbf16ps: each of 16 float lanes adds the two products of
-// a pair of bf16 values), for head dims that are multiples of 16. The products are exact and summed in float; the
-// probabilities (and in backward dS) are rounded to bf16 for the product that follows, as GPU flash attention does.
+// a pair of bf16 values), for head dims that are multiples of 16. The products are exact and summed in float (the
+// instruction flushes denormal inputs and results to zero); the probabilities (and in backward dS) are rounded to
+// bf16 for the product that follows, as GPU flash attention does.
 // Operands live as uint32 words, each a pair of bf16 values (low half first), in three layouts:
 //   rows:         a row's own values, read as kD / 2 pairs along head_dim (the broadcast side of a score);
 //   transposed:   t[p * kBlock + c] = row c's pair p, the block's 64 rows side by side (the other side of a score);
