@@ -288,40 +288,54 @@ constexpr int64_t kScoreRows = 1;
 constexpr int64_t kAccumulatorVecs = 4;
 #endif
 
-// s[r][x]: the scores of rows q[r * kD ..] (r < R) against the 64 keys of key_t.
+// How the inner products multiply and add. FloatFma: one float of a row times a vector of 16 floats per step.
+struct FloatFma {
+  using Word = float;
+  using Operand = Vec16;
+  static constexpr int64_t kPerWord = 1;  // a row's values per word
+  static Vec16 load(const float* p) { return load16(p); }
+  static Vec16 broadcast(float w) { return splat(w); }
+  static Vec16 madd(Vec16 acc, Vec16 w, Vec16 v) { return acc + w * v; }
+};
+
+// s[r][x] = scale * (row r of `rows` . the 64 keys of key_t), for R rows kD / kPerWord words apart; key_t holds the
+// block's 64 keys side by side, one word of each per step.
 // (Accumulated in locals: the compiler cannot keep the output in registers while it may alias the inputs.)
-template <int64_t kD, int64_t R>
-__attribute__((always_inline)) inline void scores_rows(const float* q, const float* key_t, Vec16 (*s)[kKeyVecs]) {
+template <typename Ops, int64_t kD, int64_t R>
+__attribute__((always_inline)) inline void scores_rows(const typename Ops::Word* rows, const typename Ops::Word* key_t,
+                                                       float scale, Vec16 (*s)[kKeyVecs]) {
+  constexpr int64_t kSteps = kD / Ops::kPerWord;
   Vec16 acc[R][kKeyVecs];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = splat(0.0f);
-  for (int64_t d = 0; d < kD; ++d) {
-    Vec16 kt[kKeyVecs];
-    for (int64_t x = 0; x < kKeyVecs; ++x) kt[x] = load16(key_t + d * kBlock + x * kVec);
+  for (int64_t step = 0; step < kSteps; ++step) {
+    typename Ops::Operand kt[kKeyVecs];
+    for (int64_t x = 0; x < kKeyVecs; ++x) kt[x] = Ops::load(key_t + step * kBlock + x * kVec);
     for (int64_t r = 0; r < R; ++r) {
-      const Vec16 qd = splat(q[r * kD + d]);
-      for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] += qd * kt[x];
+      const typename Ops::Operand w = Ops::broadcast(rows[r * kSteps + step]);
+      for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = Ops::madd(acc[r][x], w, kt[x]);
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < kKeyVecs; ++x) s[r][x] = acc[r][x];
+    for (int64_t x = 0; x < kKeyVecs; ++x) s[r][x] = scale == 1.0f ? acc[r][x] : acc[r][x] * scale;
 }
 
-// out[r] += sum over c in [begin, end) of weights[r * out_stride + c * sum_stride] * rows[c] for R rows of kD values
-// (out rows kD apart), kept in registers over the sum.
-template <int64_t kD, int64_t R>
-__attribute__((always_inline)) inline void accumulate_rows(const float* weights, int64_t out_stride, int64_t sum_stride, int64_t begin, int64_t end,
-                            const float* rows, float* out) {
+// out[r] += sum over c in [begin, end) of the word weights[r * out_stride + c * sum_stride] times the word row c of
+// `rows` (kD words each), for R outputs of kD floats kD apart, kept in registers over the sum.
+template <typename Ops, int64_t kD, int64_t R>
+__attribute__((always_inline)) inline void accumulate_rows(const typename Ops::Word* weights, int64_t out_stride,
+                                                           int64_t sum_stride, int64_t begin, int64_t end,
+                                                           const typename Ops::Word* rows, float* out) {
   constexpr int64_t NV = kD / kVec;
   Vec16 o[R][NV];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t x = 0; x < NV; ++x) o[r][x] = load16(out + r * kD + x * kVec);
   for (int64_t c = begin; c < end; ++c) {
-    Vec16 v[NV];
-    for (int64_t x = 0; x < NV; ++x) v[x] = load16(rows + c * kD + x * kVec);
+    typename Ops::Operand v[NV];
+    for (int64_t x = 0; x < NV; ++x) v[x] = Ops::load(rows + c * kD + x * kVec);
     for (int64_t r = 0; r < R; ++r) {
-      const Vec16 w = splat(weights[r * out_stride + c * sum_stride]);
-      for (int64_t x = 0; x < NV; ++x) o[r][x] += w * v[x];
+      const typename Ops::Operand w = Ops::broadcast(weights[r * out_stride + c * sum_stride]);
+      for (int64_t x = 0; x < NV; ++x) o[r][x] = Ops::madd(o[r][x], w, v[x]);
     }
   }
   for (int64_t r = 0; r < R; ++r)
@@ -396,7 +410,7 @@ void forward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, T*
       // Scores and softmax, kScoreRows rows at a time (rows past the block's end are computed and ignored).
       for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
         Vec16 s[kScoreRows][kKeyVecs];
-        scores_rows<kD, kScoreRows>(qs + r0 * D, key_t, s);
+        scores_rows<FloatFma, kD, kScoreRows>(qs + r0 * D, key_t, 1.0f, s);
         for (int64_t rr = 0; rr < kScoreRows && r0 + rr < rows; ++rr) {
           const int64_t r = r0 + rr, i = i0 + r;
           float* p = probs + r * kBlock;
@@ -426,8 +440,8 @@ void forward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, T*
       constexpr int64_t R = accumulate_rows_at_once<kD>();
       int64_t r = 0;
       for (; r + R <= rows; r += R)
-        accumulate_rows<kD, R>(probs + r * kBlock, kBlock, 1, 0, longest(last + r, R), values, acc + r * D);
-      for (; r < rows; ++r) accumulate_rows<kD, 1>(probs + r * kBlock, kBlock, 1, 0, last[r], values, acc + r * D);
+        accumulate_rows<FloatFma, kD, R>(probs + r * kBlock, kBlock, 1, 0, longest(last + r, R), values, acc + r * D);
+      for (; r < rows; ++r) accumulate_rows<FloatFma, kD, 1>(probs + r * kBlock, kBlock, 1, 0, last[r], values, acc + r * D);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.0f / row_sum[r];
@@ -490,8 +504,8 @@ void backward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, c
           load_key_block<kD>(a, v, a.v_stride, b, hk, j0, cols, value_t, nullptr);
           for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
             Vec16 p[kScoreRows][kKeyVecs], dp[kScoreRows][kKeyVecs];
-            scores_rows<kD, kScoreRows>(qs + r0 * D, key_t, p);
-            scores_rows<kD, kScoreRows>(dout + r0 * D, value_t, dp);  // dP = dO V^T
+            scores_rows<FloatFma, kD, kScoreRows>(qs + r0 * D, key_t, 1.0f, p);
+            scores_rows<FloatFma, kD, kScoreRows>(dout + r0 * D, value_t, 1.0f, dp);  // dP = dO V^T
             for (int64_t rr = 0; rr < kScoreRows && r0 + rr < rows; ++rr) {
               const int64_t r = r0 + rr, i = i0 + r;
               last[r] = i - j0 + 1 < cols ? i - j0 + 1 : cols;
@@ -508,19 +522,19 @@ void backward_vec(const AttentionShape& a, const T* q, const T* k, const T* v, c
           constexpr int64_t R = accumulate_rows_at_once<kD>();
           int64_t r = 0;
           for (; r + R <= rows; r += R)
-            accumulate_rows<kD, R>(dscores + r * kBlock, kBlock, 1, 0, longest(last + r, R), keys, dq_acc + (i0 + r) * D);
-          for (; r < rows; ++r) accumulate_rows<kD, 1>(dscores + r * kBlock, kBlock, 1, 0, last[r], keys, dq_acc + (i0 + r) * D);
+            accumulate_rows<FloatFma, kD, R>(dscores + r * kBlock, kBlock, 1, 0, longest(last + r, R), keys, dq_acc + (i0 + r) * D);
+          for (; r < rows; ++r) accumulate_rows<FloatFma, kD, 1>(dscores + r * kBlock, kBlock, 1, 0, last[r], keys, dq_acc + (i0 + r) * D);
           // dK_c += sum_r dS_rc Qs_r and dV_c += sum_r P_rc dO_r over the rows that see key c (from row j0 + c - i0 on)
           int64_t c = 0;
           for (; c + R <= cols; c += R) {
             const int64_t first = j0 + c - i0 > 0 ? j0 + c - i0 : 0;
-            accumulate_rows<kD, R>(dscores + c, 1, kBlock, first, rows, qs, dk_acc + (j0 + c) * D);
-            accumulate_rows<kD, R>(probs + c, 1, kBlock, first, rows, dout, dv_acc + (j0 + c) * D);
+            accumulate_rows<FloatFma, kD, R>(dscores + c, 1, kBlock, first, rows, qs, dk_acc + (j0 + c) * D);
+            accumulate_rows<FloatFma, kD, R>(probs + c, 1, kBlock, first, rows, dout, dv_acc + (j0 + c) * D);
           }
           for (; c < cols; ++c) {
             const int64_t first = j0 + c - i0 > 0 ? j0 + c - i0 : 0;
-            accumulate_rows<kD, 1>(dscores + c, 1, kBlock, first, rows, qs, dk_acc + (j0 + c) * D);
-            accumulate_rows<kD, 1>(probs + c, 1, kBlock, first, rows, dout, dv_acc + (j0 + c) * D);
+            accumulate_rows<FloatFma, kD, 1>(dscores + c, 1, kBlock, first, rows, qs, dk_acc + (j0 + c) * D);
+            accumulate_rows<FloatFma, kD, 1>(probs + c, 1, kBlock, first, rows, dout, dv_acc + (j0 + c) * D);
           }
         }
       }
@@ -582,47 +596,15 @@ void interleave_block(const AttentionShape& a, const uint16_t* src, const int64_
   }
 }
 
-// s[r][x] = scale * (row r of `rows` . the 64 rows of the transposed block t), for R rows kD / 2 words apart.
-template <int64_t kD, int64_t R>
-__attribute__((always_inline)) inline void scores_dot(const uint32_t* rows, const uint32_t* t, float scale,
-                                                      Vec16 (*s)[kKeyVecs]) {
-  constexpr int64_t P = kD / 2;
-  __m512 acc[R][kKeyVecs];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < P; ++p) {
-    __m512bh kt[kKeyVecs];
-    for (int64_t x = 0; x < kKeyVecs; ++x) kt[x] = words(t + p * kBlock + x * kVec);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512bh w = splat_word(rows[r * P + p]);
-      for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], w, kt[x]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < kKeyVecs; ++x) s[r][x] = (Vec16)acc[r][x] * scale;
-}
-
-// out[r] += sum over pairs [begin, end) of the bf16 pair weights[r * out_stride + pair * pair_stride] times the
-// interleaved rows' pair `pair`, for R outputs of kD floats kD apart, kept in registers over the sum.
-template <int64_t kD, int64_t R>
-__attribute__((always_inline)) inline void accumulate_dot(const uint32_t* weights, int64_t out_stride,
-                                                          int64_t pair_stride, int64_t begin, int64_t end,
-                                                          const uint32_t* rows, float* out) {
-  constexpr int64_t NV = kD / kVec;
-  __m512 o[R][NV];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_loadu_ps(out + r * kD + x * kVec);
-  for (int64_t pp = begin; pp < end; ++pp) {
-    __m512bh v[NV];
-    for (int64_t x = 0; x < NV; ++x) v[x] = words(rows + pp * kD + x * kVec);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512bh w = splat_word(weights[r * out_stride + pp * pair_stride]);
-      for (int64_t x = 0; x < NV; ++x) o[r][x] = _mm512_dpbf16_ps(o[r][x], w, v[x]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < NV; ++x) _mm512_storeu_ps(out + r * kD + x * kVec, o[r][x]);
-}
+// Bf16Dot: a word of two bf16 values of a row times a vector of 16 such pairs per step (vdpbf16ps).
+struct Bf16Dot {
+  using Word = uint32_t;
+  using Operand = __m512bh;
+  static constexpr int64_t kPerWord = 2;
+  static __m512bh load(const uint32_t* p) { return words(p); }
+  static __m512bh broadcast(uint32_t w) { return splat_word(w); }
+  static Vec16 madd(Vec16 acc, __m512bh w, __m512bh v) { return (Vec16)_mm512_dpbf16_ps((__m512)acc, w, v); }
+};
 
 // One row's 64 values as 32 bf16 pairs along the row.
 inline void store_row_pairs(uint32_t* out, const Vec16* s) {
@@ -682,7 +664,7 @@ void forward_dot(const AttentionShape& a, const uint16_t* q, const uint16_t* k, 
       // Scores and softmax, kScoreRows rows at a time (rows past the block's end are computed and ignored).
       for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
         Vec16 s[kScoreRows][kKeyVecs];
-        scores_dot<kD, kScoreRows>(qrows + r0 * P, key_t + jb * kBlock * P, a.scale, s);
+        scores_rows<Bf16Dot, kD, kScoreRows>(qrows + r0 * P, key_t + jb * kBlock * P, a.scale, s);
         for (int64_t rr = 0; rr < kScoreRows && r0 + rr < rows; ++rr) {
           const int64_t r = r0 + rr, i = i0 + r;
           last[r] = i - j0 + 1 < cols ? i - j0 + 1 : cols;
@@ -712,8 +694,8 @@ void forward_dot(const AttentionShape& a, const uint16_t* q, const uint16_t* k, 
       constexpr int64_t R = accumulate_rows_at_once<kD>();
       int64_t r = 0;
       for (; r + R <= rows; r += R)
-        accumulate_dot<kD, R>(probs + r * HB, HB, 1, 0, pairs_of(longest(last + r, R)), values, acc + r * D);
-      for (; r < rows; ++r) accumulate_dot<kD, 1>(probs + r * HB, HB, 1, 0, pairs_of(last[r]), values, acc + r * D);
+        accumulate_rows<Bf16Dot, kD, R>(probs + r * HB, HB, 1, 0, pairs_of(longest(last + r, R)), values, acc + r * D);
+      for (; r < rows; ++r) accumulate_rows<Bf16Dot, kD, 1>(probs + r * HB, HB, 1, 0, pairs_of(last[r]), values, acc + r * D);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.0f / row_sum[r];
@@ -782,8 +764,8 @@ void backward_dot(const AttentionShape& a, const uint16_t* q, const uint16_t* k,
           // P and dS, kScoreRows rows at a time; rows past the block's end get zeros.
           for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
             Vec16 p[kScoreRows][kKeyVecs], dp[kScoreRows][kKeyVecs];
-            scores_dot<kD, kScoreRows>(qrows + r0 * P, key_t + jb * block_words, a.scale, p);
-            scores_dot<kD, kScoreRows>(drows + r0 * P, value_t + jb * block_words, 1.0f, dp);  // dP = dO V^T
+            scores_rows<Bf16Dot, kD, kScoreRows>(qrows + r0 * P, key_t + jb * block_words, a.scale, p);
+            scores_rows<Bf16Dot, kD, kScoreRows>(drows + r0 * P, value_t + jb * block_words, 1.0f, dp);  // dP = dO V^T
             for (int64_t rr = 0; rr < kScoreRows; ++rr) {
               const int64_t r = r0 + rr, i = i0 + r;
               if (r < rows) {
@@ -809,21 +791,21 @@ void backward_dot(const AttentionShape& a, const uint16_t* q, const uint16_t* k,
           constexpr int64_t R = accumulate_rows_at_once<kD>();
           int64_t r = 0;
           for (; r + R <= rows; r += R)
-            accumulate_dot<kD, R>(ds_rows + r * HB, HB, 1, 0, pairs_of(longest(last + r, R)), keys, dq_acc + (i0 + r) * D);
+            accumulate_rows<Bf16Dot, kD, R>(ds_rows + r * HB, HB, 1, 0, pairs_of(longest(last + r, R)), keys, dq_acc + (i0 + r) * D);
           for (; r < rows; ++r)
-            accumulate_dot<kD, 1>(ds_rows + r * HB, HB, 1, 0, pairs_of(last[r]), keys, dq_acc + (i0 + r) * D);
+            accumulate_rows<Bf16Dot, kD, 1>(ds_rows + r * HB, HB, 1, 0, pairs_of(last[r]), keys, dq_acc + (i0 + r) * D);
           // dK_c += sum_r dS_rc Q_r (scaled when stored) and dV_c += sum_r P_rc dO_r over the row pairs holding a row
           // that sees key c (from row j0 + c - i0 on)
           int64_t c = 0;
           for (; c + R <= cols; c += R) {
             const int64_t first = (j0 + c - i0 > 0 ? j0 + c - i0 : 0) / 2;
-            accumulate_dot<kD, R>(ds_i + c, 1, kBlock, first, pairs_of(rows), q_i, dk_acc + (j0 + c) * D);
-            accumulate_dot<kD, R>(p_i + c, 1, kBlock, first, pairs_of(rows), d_i, dv_acc + (j0 + c) * D);
+            accumulate_rows<Bf16Dot, kD, R>(ds_i + c, 1, kBlock, first, pairs_of(rows), q_i, dk_acc + (j0 + c) * D);
+            accumulate_rows<Bf16Dot, kD, R>(p_i + c, 1, kBlock, first, pairs_of(rows), d_i, dv_acc + (j0 + c) * D);
           }
           for (; c < cols; ++c) {
             const int64_t first = (j0 + c - i0 > 0 ? j0 + c - i0 : 0) / 2;
-            accumulate_dot<kD, 1>(ds_i + c, 1, kBlock, first, pairs_of(rows), q_i, dk_acc + (j0 + c) * D);
-            accumulate_dot<kD, 1>(p_i + c, 1, kBlock, first, pairs_of(rows), d_i, dv_acc + (j0 + c) * D);
+            accumulate_rows<Bf16Dot, kD, 1>(ds_i + c, 1, kBlock, first, pairs_of(rows), q_i, dk_acc + (j0 + c) * D);
+            accumulate_rows<Bf16Dot, kD, 1>(p_i + c, 1, kBlock, first, pairs_of(rows), d_i, dv_acc + (j0 + c) * D);
           }
         }
       }
