@@ -124,7 +124,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     control_ = bootstrap;  // MPI on host memory: the per-step control reduction waits for no GPU work
   } else {
     comm = distributed::world(launch_);
-    host_allocator_ = metrics::keep_freed_host_memory();
+    log::info(metrics::keep_freed_host_memory());
   }
   comm->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));  // groups created from it inherit it
   mesh_ = std::make_unique<distributed::DeviceMesh>(dims, comm);
@@ -260,7 +260,6 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   const at::ScalarType compute_dtype = autocast_dtype_.value_or(param_dtype);
   peak_ = metrics::peak_flops(device_, compute_dtype, /*may_cache=*/launch_.local_world_size == 1);
   log::info(memory_->describe(), "; ", peak_.derivation);
-  if (!host_allocator_.empty()) log::info(host_allocator_);
 }
 
 Trainer::~Trainer() = default;

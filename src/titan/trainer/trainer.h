@@ -121,7 +121,6 @@ class Trainer {
   int64_t nonfinite_in_row_ = 0, nonfinite_total_ = 0;  // steps skipped for a NaN/inf loss or gradient norm
   std::optional<DeviceStep> unsettled_;                   // the last launched step, until read
   std::shared_ptr<distributed::Communicator> control_;     // the per-step control reduction's ranks (all of them)
-  std::string host_allocator_;  // what keep_freed_host_memory() did (CPU training), for the start-up log
   int64_t reads_at_once_ = 0, reads_a_step_later_ = 0, control_reductions_ = 0, device_reads_ = 0;
   int64_t steps_since_log_ = 0;
   std::unique_ptr<metrics::MemoryMonitor> memory_;
