@@ -38,6 +38,10 @@ int64_t parse_count(const std::string& flag, const std::string& value) {
 nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   nlohmann::ordered_json memory = nlohmann::ordered_json::object();
   for (const auto& t : p.memory.terms) memory[t.name] = t.bytes;
+  // Terms of the loss and of the blocks' backward are not held at once: allocated_bytes counts the larger group.
+  nlohmann::ordered_json apart = {{"loss", nlohmann::ordered_json::array()}, {"blocks_backward", nlohmann::ordered_json::array()}};
+  for (const auto& t : p.memory.terms)
+    if (t.phase != llama3::Phase::step) apart[t.phase == llama3::Phase::loss ? "loss" : "blocks_backward"].push_back(t.name);
   nlohmann::ordered_json time = nlohmann::ordered_json::object();
   for (const auto& t : p.time.terms) time[t.name] = {{"seconds", t.seconds}, {"total_seconds", t.total}, {"detail", t.detail}};
   nlohmann::ordered_json stages = nlohmann::ordered_json::array();
@@ -45,7 +49,7 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
   return {{"layout", p.layout},
           {"degrees", {{"dp_replicate", p.dims.dp_replicate}, {"dp_shard", p.dims.dp_shard}, {"cp", p.dims.cp}, {"tp", p.dims.tp}, {"pp", p.dims.pp}}},
           {"world_size", p.dims.world_size},
-          {"memory", {{"terms", memory}, {"allocated_bytes", p.memory.total()}, {"reserved_bytes", p.reserved_bytes},
+          {"memory", {{"terms", memory}, {"held_apart", apart}, {"allocated_bytes", p.memory.total()}, {"reserved_bytes", p.reserved_bytes},
                       {"device_bytes", p.device_bytes}, {"device_capacity_bytes", cluster.memory_bytes}, {"fits", p.fits},
                       {"pipeline_ranks", stages}}},
           {"time", {{"terms", time}, {"bubble_fraction", p.time.bubble_fraction}, {"step_seconds", p.time.step_seconds}}},
@@ -58,8 +62,14 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
 void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   std::cout << "layout: " << p.layout << " (" << p.dims.world_size << " ranks)\n"
             << "memory per rank" << (p.dims.pp > 1 ? " (the busiest pipeline stage)" : "") << ":\n";
-  for (const auto& t : p.memory.terms)
-    if (t.bytes > 0) std::cout << strprintf("  %-18s %9.2f GiB\n", t.name.c_str(), gib(t.bytes));
+  bool apart = false;
+  for (const auto& t : p.memory.terms) {
+    if (t.bytes <= 0) continue;
+    const char* when = t.phase == llama3::Phase::loss ? " (loss)" : t.phase == llama3::Phase::blocks_backward ? " (backward)" : "";
+    apart = apart || *when;
+    std::cout << strprintf("  %-18s %9.2f GiB%s\n", t.name.c_str(), gib(t.bytes), when);
+  }
+  if (apart) std::cout << "  (the loss's and the backward's terms are not held at once: allocated counts the larger)\n";
   std::cout << strprintf("  %-18s %9.2f GiB\n", "allocated", gib(p.memory.total()))
             << strprintf("  %-18s %9.2f GiB (allocator blocks and rounding)\n", "reserved", gib(p.reserved_bytes))
             << strprintf("  %-18s %9.2f GiB of %.2f GiB (%s): %s\n", "with context", gib(p.device_bytes), gib(cluster.memory_bytes),

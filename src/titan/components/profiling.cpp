@@ -14,6 +14,7 @@
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/metrics/allocation_tracker.h"
+#include "titan/components/metrics/host_block_cache.h"
 #include "titan/components/metrics/memory.h"
 
 namespace titan {
@@ -116,6 +117,15 @@ void Profiler::save_memory_snapshot(int64_t step) {
                               {"bytes_in_use", metrics::cpu_bytes_in_use()},
                               {"peak_bytes_in_use", metrics::cpu_peak_bytes()},
                               {"peak_rss_bytes", metrics::peak_rss_bytes()}};
+  const auto cache = metrics::host_block_cache_stats();
+  if (cache.maps > 0)
+    j["host_block_cache"] = {{"what", "LibTorch's blocks of 1 MiB and more (titan's host block cache)"},
+                             {"live_bytes", cache.live_bytes},
+                             {"cached_bytes", cache.cached_bytes},
+                             {"peak_live_bytes", cache.peak_live_bytes},
+                             {"maps", cache.maps},
+                             {"reuses", cache.reuses},
+                             {"unmaps", cache.unmaps}};
   write_file(path, j.dump(2) + "\n");
   log::info("Memory figures saved to ", path);
 }

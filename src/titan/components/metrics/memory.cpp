@@ -13,6 +13,7 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/metrics/cuda_device.h"
+#include "titan/components/metrics/host_block_cache.h"
 
 namespace titan::metrics {
 namespace {
@@ -61,21 +62,23 @@ AvailableMemory available_memory(const at::Device& device, int local_ranks) {
 }
 
 std::string keep_freed_host_memory() {
-#if defined(__GLIBC__)
   // Another malloc put in front of glibc's (jemalloc, tcmalloc, mimalloc) has its own settings.
   if (const char* preload = std::getenv("LD_PRELOAD"); preload && std::string(preload).find("malloc") != std::string::npos)
     return cat("host allocator: the one LD_PRELOAD names (", preload, ")");
+  if (const char* choice = std::getenv("TITAN_HOST_ALLOCATOR"); choice && std::string(choice) == "malloc")
+    return "host allocator: the C library's malloc with its defaults (TITAN_HOST_ALLOCATOR=malloc)";
+  std::string small = "the C library's malloc";
+#if defined(__GLIBC__)
   const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos)
-    return "host allocator: glibc malloc as GLIBC_TUNABLES sets it";
-  constexpr int kMmapThreshold = 32 << 20;  // glibc's largest
-  if (mallopt(M_MMAP_THRESHOLD, kMmapThreshold) != 1 || mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) != 1)
-    return "host allocator: glibc malloc with its defaults (mallopt refused the settings)";
-  return "host allocator: glibc malloc keeps freed memory for reuse (blocks up to 32 MiB from the heap, no trimming; "
-         "GLIBC_TUNABLES=glibc.malloc.* chooses otherwise)";
-#else
-  return "host allocator: the C library's malloc with its defaults";
+  if (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos) {
+    small = "glibc malloc as GLIBC_TUNABLES sets it";
+  } else if (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) == 1) {
+    small = "glibc malloc, no trimming";
+  }
 #endif
+  install_host_block_cache();
+  return cat("host allocator: blocks of 1 MiB and more mapped in size classes and kept for reuse, smaller ones from ",
+             small, " (TITAN_HOST_ALLOCATOR=malloc leaves LibTorch's allocator alone)");
 }
 
 int64_t current_rss_bytes() { return status_kib("VmRSS") * 1024; }

@@ -36,11 +36,11 @@ struct AvailableMemory {
 };
 AvailableMemory available_memory(const at::Device& device, int local_ranks);
 
-// CPU training: makes glibc's malloc keep freed memory for reuse instead of handing it back to the kernel after each
-// large free (blocks up to 32 MiB from the heap, no trimming), so that a step's activations do not page-fault and
-// get zeroed again every step (blocks of 32 MiB and more are still mapped and unmapped each time). Left alone when
-// GLIBC_TUNABLES sets any glibc.malloc tunable, when LD_PRELOAD names another malloc, or without glibc.
-// Returns what was done, for the log.
+// CPU training: installs the host block cache (host_block_cache.h) as LibTorch's CPU allocator, so that a step's
+// large tensors reuse the blocks the previous step freed instead of page-faulting them in again, and tells glibc's
+// malloc, which serves the smaller ones, not to trim its heap. Leaves everything alone when LD_PRELOAD names another
+// malloc or TITAN_HOST_ALLOCATOR=malloc; leaves glibc's settings alone when GLIBC_TUNABLES sets a glibc.malloc
+// tunable. Returns what was done, for the log.
 std::string keep_freed_host_memory();
 
 // Current and peak resident set size of this process in bytes (Linux /proc).

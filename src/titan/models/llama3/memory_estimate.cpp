@@ -70,15 +70,21 @@ double compute_dtype_bytes(const config::JobConfig& config, const distributed::P
 }
 
 double MemoryEstimate::total() const {
-  double sum = 0;
-  for (const auto& term : terms) sum += term.bytes;
-  return sum;
+  double step = 0, loss = 0, backward = 0;
+  for (const auto& term : terms)
+    (term.phase == Phase::loss ? loss : term.phase == Phase::blocks_backward ? backward : step) += term.bytes;
+  return step + std::max(loss, backward);
 }
 
 std::string MemoryEstimate::describe() const {
-  std::string out;
-  for (const auto& term : terms)
-    if (term.bytes > 0) out += cat(out.empty() ? "" : ", ", term.name, " ", human(term.bytes));
+  std::string out, loss, backward;
+  for (const auto& term : terms) {
+    if (term.bytes <= 0) continue;
+    std::string& list = term.phase == Phase::loss ? loss : term.phase == Phase::blocks_backward ? backward : out;
+    list += cat(list.empty() ? "" : ", ", term.name, " ", human(term.bytes));
+  }
+  if (!loss.empty() && !backward.empty()) out += cat(", and the larger of the loss's (", loss, ") and the backward's (", backward, ")");
+  else if (!loss.empty() || !backward.empty()) out += cat(", ", loss, backward);
   return out + cat(": ", human(total()));
 }
 
@@ -205,10 +211,16 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   if (holds_last) per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
   // Under a multi-stage schedule `in_flight` counts (stage, micro-batch) pairs, each holding one stage's layers.
   const double stage_share = 1.0 / static_cast<double>(stages_per_rank);
-  e.terms.push_back({"activations", tokens * (per_token * static_cast<double>(in_flight) * stage_share + recompute)});
+  // titan's own execution: the loss's logits are freed before the blocks' backward, where a checkpointed block is
+  // recomputed and its gradients flow, so the peak holds the larger of the two (`titan plan --as torchtitan` keeps
+  // the sum its published figures were compared with).
+  const bool phased = execution == Execution::titan;
+  const Phase backward_phase = phased ? Phase::blocks_backward : Phase::step;
+  e.terms.push_back({"activations", tokens * per_token * static_cast<double>(in_flight) * stage_share});
+  e.terms.push_back({"recomputed block", layers_here > 0 ? tokens * recompute : 0, backward_phase});
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).
-  e.terms.push_back({"backward buffers", layers_here > 0 ? tokens * block.backward_buffers : 0});
+  e.terms.push_back({"backward buffers", layers_here > 0 ? tokens * block.backward_buffers : 0, backward_phase});
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
@@ -225,7 +237,8 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
     e.terms.push_back({"logits (fused loss, chunked)", chunk * vocab_here * c + aten_temporary + vocab_here * d * (c == 4 ? 0 : c) +
                                                            tokens * d * c + vocab_here * d * (4 + c)});
   } else if (holds_last) {
-    e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12)});
+    e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12),
+                       phased ? Phase::loss : Phase::step});
   }
   e.terms.push_back({"rope table", static_cast<double>(training.seq_len) * static_cast<double>(a.head_dim() / 2) * 8});
   e.terms.push_back({"runtime", runtime_bytes});

@@ -13,15 +13,21 @@
 
 namespace titan::llama3 {
 
+// When a term is held: through the whole step, or only while the loss runs (the unfused logits), or only while the
+// blocks run backward (a recomputed block, the gradients flowing through a block). The loss is done and its logits
+// freed before the blocks' backward starts, so the peak holds the larger of the last two, not both.
+enum class Phase { step, loss, blocks_backward };
+
 struct MemoryTerm {
   std::string name;  // "parameters", "activations", ...
   double bytes = 0;
+  Phase phase = Phase::step;
 };
 
 struct MemoryEstimate {
   std::vector<MemoryTerm> terms;  // this rank's peak, term by term (the rank with the most layers under PP)
-  double total() const;
-  std::string describe() const;  // "parameters 24.7 MB, gradients ..., total 1.23 GiB"
+  double total() const;           // the whole-step terms plus the larger of the loss's and the blocks' backward's
+  std::string describe() const;   // "parameters 24.7 MiB, ..., runtime ..., and the larger of ...: 1.23 GiB"
 };
 
 // Whose execution the estimate describes: titan's own (the start-up check, `titan plan`), or torchtitan's as of its

@@ -1,0 +1,182 @@
+#include "titan/components/metrics/host_block_cache.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/Exception.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <bit>
+#include <mutex>
+#include <map>
+#include <unordered_map>
+#include <vector>
+
+namespace titan::metrics {
+namespace {
+
+constexpr size_t kLarge = size_t{1} << 20;
+
+// Sizes rounded up to a sixteenth of their power of two: at most 1/16 more, and a few classes per octave so that a
+// request finds a block freed by a slightly different size.
+size_t size_class(size_t n) {
+  const size_t step = std::bit_floor(n) / 16;
+  return (n + step - 1) / step * step;
+}
+
+struct State {
+  std::mutex mutex;
+  std::unordered_map<void*, size_t> live;               // block -> its class size
+  std::map<size_t, std::vector<void*>> free;  // class size -> blocks held for reuse
+  HostBlockCacheStats stats;
+};
+
+// Never destroyed: tensors freed during static destruction still find it.
+State& state() {
+  static auto* s = new State;
+  return *s;
+}
+
+void unmap(void* block, size_t size) { munmap(block, size); }
+
+// Hands every held block back to the kernel (under the lock).
+std::vector<std::pair<void*, size_t>> take_all_cached(State& s) {
+  std::vector<std::pair<void*, size_t>> out;
+  for (auto& [size, blocks] : s.free)
+    for (void* b : blocks) out.emplace_back(b, size);
+  s.free.clear();
+  s.stats.cached_bytes = 0;
+  s.stats.unmaps += static_cast<int64_t>(out.size());
+  return out;
+}
+
+void* map_block(size_t size) {
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+void free_large(void* block) {
+  State& s = state();
+  size_t size = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.live.find(block);
+    if (it == s.live.end()) return;
+    size = it->second;
+    s.live.erase(it);
+    s.stats.live_bytes -= static_cast<int64_t>(size);
+    s.free[size].push_back(block);
+    s.stats.cached_bytes += static_cast<int64_t>(size);
+  }
+}
+
+// raw_deallocate's deleter: the block may be either kind.
+void free_any(void* block) {
+  if (!block) return;
+  {
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.live.count(block)) {
+      c10::free_cpu(block);
+      return;
+    }
+  }
+  free_large(block);
+}
+
+class HostBlockCache final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    if (n < kLarge) {
+      void* p = c10::alloc_cpu(n);
+      return {p, p, &c10::free_cpu, c10::Device(c10::DeviceType::CPU)};
+    }
+    const size_t size = size_class(n);
+    State& s = state();
+    void* block = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      // The smallest held block of this class or up to a quarter larger.
+      for (auto it = s.free.lower_bound(size); it != s.free.end() && it->first <= size + size / 4; ++it) {
+        if (it->second.empty()) continue;
+        block = it->second.back();
+        it->second.pop_back();
+        s.stats.cached_bytes -= static_cast<int64_t>(it->first);
+        ++s.stats.reuses;
+        note_live(s, block, it->first);
+        break;
+      }
+    }
+    if (!block) {
+      // Mapping more would take live and held blocks together above a quarter over the most ever live: the largest
+      // held blocks go back first (a class the step needs again is mapped and faulted in again then).
+      std::vector<std::pair<void*, size_t>> evicted;
+      {
+        std::lock_guard<std::mutex> lock(s.mutex);
+        const int64_t want = s.stats.live_bytes + static_cast<int64_t>(size);
+        const int64_t limit = std::max(s.stats.peak_live_bytes, want) / 4 * 5;
+        while (s.stats.cached_bytes > 0 && want + s.stats.cached_bytes > limit) {
+          auto it = std::prev(s.free.end());
+          if (it->second.empty()) {
+            s.free.erase(it);
+            continue;
+          }
+          evicted.emplace_back(it->second.back(), it->first);
+          it->second.pop_back();
+          s.stats.cached_bytes -= static_cast<int64_t>(it->first);
+          ++s.stats.unmaps;
+        }
+      }
+      for (auto& [b, bytes] : evicted) unmap(b, bytes);
+      block = map_block(size);
+      if (!block) {
+        // Out of address space or memory: give back what is held for other sizes, then try once more.
+        std::vector<std::pair<void*, size_t>> held;
+        {
+          std::lock_guard<std::mutex> lock(s.mutex);
+          held = take_all_cached(s);
+        }
+        for (auto& [b, bytes] : held) unmap(b, bytes);
+        block = map_block(size);
+      }
+      TORCH_CHECK_WITH(OutOfMemoryError, block, "titan host block cache: could not map ", size, " bytes for a ", n,
+                       "-byte CPU tensor (mmap failed; the blocks held for reuse were given back first)");
+      std::lock_guard<std::mutex> lock(s.mutex);
+      ++s.stats.maps;
+      note_live(s, block, size);
+    }
+    return {block, block, &free_large, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &free_any; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+ private:
+  static void note_live(State& s, void* block, size_t size) {
+    s.live.emplace(block, size);
+    s.stats.live_bytes += static_cast<int64_t>(size);
+    s.stats.peak_live_bytes = std::max(s.stats.peak_live_bytes, s.stats.live_bytes);
+  }
+};
+
+}  // namespace
+
+c10::Allocator* host_block_cache() {
+  static HostBlockCache allocator;
+  return &allocator;
+}
+
+void install_host_block_cache() {
+  static std::once_flag once;
+  // Below the allocation tracker's priority, so that the tracker, installed later, counts through it.
+  std::call_once(once, [] { c10::SetCPUAllocator(host_block_cache(), /*priority=*/50); });
+}
+
+HostBlockCacheStats host_block_cache_stats() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  return s.stats;
+}
+
+}  // namespace titan::metrics
