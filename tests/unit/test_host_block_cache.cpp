@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <c10/core/Allocator.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -66,10 +67,12 @@ TEST(HostBlockCache, MappedMemoryStaysWithinAQuarterAboveThePeakOfLiveBlocksWhen
   };
   const auto start = host_block_cache_stats();
   // Phase after phase of blocks of another size, each phase freed before the next: without eviction the cache would
-  // hold every phase's blocks (6 x 40 MiB); with it, what is mapped stays near one phase's worth.
+  // hold every phase's blocks; with it, what is mapped stays near one phase's worth. A phase is at least the peak
+  // so far (other tests in this process may have used the cache), so that the second phase must evict.
+  const size_t per_phase = std::max<size_t>(40, static_cast<size_t>(start.peak_live_bytes) / kMiB + 1);
   for (size_t mib : {8, 5, 13, 3, 21, 2}) {
     std::vector<c10::DataPtr> phase;
-    for (size_t i = 0; i < 40 / mib; ++i) {
+    for (size_t i = 0; i < per_phase / mib + 1; ++i) {
       phase.push_back(cache->allocate(mib * kMiB));
       std::memset(phase.back().get(), 1, mib * kMiB);
       const auto s = host_block_cache_stats();

@@ -41,7 +41,7 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
   // Terms of the loss and of the blocks' backward are not held at once: allocated_bytes counts the larger group.
   nlohmann::ordered_json apart = {{"loss", nlohmann::ordered_json::array()}, {"blocks_backward", nlohmann::ordered_json::array()}};
   for (const auto& t : p.memory.terms)
-    if (t.phase != llama3::Phase::step) apart[t.phase == llama3::Phase::loss ? "loss" : "blocks_backward"].push_back(t.name);
+    if (t.phase != llama3::Phase::step && t.bytes > 0) apart[t.phase == llama3::Phase::loss ? "loss" : "blocks_backward"].push_back(t.name);
   nlohmann::ordered_json time = nlohmann::ordered_json::object();
   for (const auto& t : p.time.terms) time[t.name] = {{"seconds", t.seconds}, {"total_seconds", t.total}, {"detail", t.detail}};
   nlohmann::ordered_json stages = nlohmann::ordered_json::array();

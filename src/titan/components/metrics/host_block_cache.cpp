@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <limits>
 #include <mutex>
 #include <map>
 #include <unordered_map>
@@ -20,6 +21,7 @@ constexpr size_t kLarge = size_t{1} << 20;
 // Sizes rounded up to a sixteenth of their power of two: at most 1/16 more, and a few classes per octave so that a
 // request finds a block freed by a slightly different size.
 size_t size_class(size_t n) {
+  if (n > std::numeric_limits<size_t>::max() / 2) return n;  // no such block can be mapped; mmap reports it
   const size_t step = std::bit_floor(n) / 16;
   return (n + step - 1) / step * step;
 }
@@ -148,6 +150,8 @@ class HostBlockCache final : public c10::Allocator {
     return {block, block, &free_large, c10::Device(c10::DeviceType::CPU)};
   }
 
+  // allocate() gives small blocks free_cpu and large ones free_large (no lookup on the many small frees); a raw
+  // pointer may be either, so raw_deallocate looks it up.
   c10::DeleterFnPtr raw_deleter() const override { return &free_any; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
@@ -163,14 +167,17 @@ class HostBlockCache final : public c10::Allocator {
 }  // namespace
 
 c10::Allocator* host_block_cache() {
-  static HostBlockCache allocator;
-  return &allocator;
+  // Never destroyed: c10 keeps a pointer to it, and tensors may be allocated and freed during static destruction.
+  static auto* allocator = new HostBlockCache;
+  return allocator;
 }
 
-void install_host_block_cache() {
+bool install_host_block_cache() {
   static std::once_flag once;
-  // Below the allocation tracker's priority, so that the tracker, installed later, counts through it.
+  // c10 keeps an allocator of higher priority: the allocation tracker (priority 100), when it was installed first,
+  // stays in front and the cache is not used. Installed after the cache, the tracker wraps it.
   std::call_once(once, [] { c10::SetCPUAllocator(host_block_cache(), /*priority=*/50); });
+  return c10::GetCPUAllocator() == host_block_cache();
 }
 
 HostBlockCacheStats host_block_cache_stats() {

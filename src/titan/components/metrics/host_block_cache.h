@@ -3,10 +3,10 @@
 //
 // A training step allocates and frees the same tensor sizes in the same order every step. Blocks of 1 MiB and more
 // are mapped from the kernel in size classes (sizes rounded up by at most 1/16), and a freed block is kept for the
-// next request of its class, or of a class up to a quarter smaller, instead of being unmapped. When a request finds
+// next request of its class, or of a class up to a fifth smaller, instead of being unmapped. When a request finds
 // no held block and mapping a new one would take the blocks live and held together more than a quarter above the
 // most that was ever live at once, the largest held blocks are unmapped first: the memory the cache maps stays within
-// 1.25x the peak of the live large tensors. Smaller blocks go to LibTorch's own allocation (the C library's malloc).
+// about 1.25x the peak of the live large blocks (two threads that miss at once may both map). Smaller blocks go to LibTorch's own allocation (the C library's malloc).
 //
 // Why not glibc's heap alone: with large blocks on the heap (glibc's defaults after the first step, or
 // M_MMAP_THRESHOLD raised) the blocks saved for backward leave holes that later requests of other sizes cannot use,
@@ -24,8 +24,9 @@ namespace titan::metrics {
 // The cache (one per process), whether installed or not.
 c10::Allocator* host_block_cache();
 
-// Makes the cache LibTorch's CPU allocator (idempotent). Tensors allocated before keep their original deleters.
-void install_host_block_cache();
+// Makes the cache LibTorch's CPU allocator (idempotent); false when an allocator of higher priority (titan's
+// allocation tracker) was installed before. Tensors allocated before keep their original deleters.
+bool install_host_block_cache();
 
 struct HostBlockCacheStats {
   int64_t live_bytes = 0;       // large blocks in tensors now

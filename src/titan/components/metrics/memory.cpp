@@ -65,18 +65,23 @@ std::string keep_freed_host_memory() {
   // Another malloc put in front of glibc's (jemalloc, tcmalloc, mimalloc) has its own settings.
   if (const char* preload = std::getenv("LD_PRELOAD"); preload && std::string(preload).find("malloc") != std::string::npos)
     return cat("host allocator: the one LD_PRELOAD names (", preload, ")");
-  if (const char* choice = std::getenv("TITAN_HOST_ALLOCATOR"); choice && std::string(choice) == "malloc")
-    return "host allocator: the C library's malloc with its defaults (TITAN_HOST_ALLOCATOR=malloc)";
+  if (const char* choice = std::getenv("TITAN_HOST_ALLOCATOR"); choice && *choice) {
+    const std::string value = choice;
+    if (value == "malloc") return "host allocator: the C library's malloc with its defaults (TITAN_HOST_ALLOCATOR=malloc)";
+    if (value != "cache") fail("TITAN_HOST_ALLOCATOR=", quote(value), ": expected \"cache\" (the default) or \"malloc\"");
+  }
   std::string small = "the C library's malloc";
 #if defined(__GLIBC__)
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   if (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos) {
     small = "glibc malloc as GLIBC_TUNABLES sets it";
   } else if (mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max()) == 1) {
-    small = "glibc malloc, no trimming";
+    small = "glibc malloc (no trimming, blocks up to 32 MiB from its heap)";
   }
 #endif
-  install_host_block_cache();
+  if (!install_host_block_cache())
+    return cat("host allocator: LibTorch's allocation tracker was installed first, so large blocks are not cached; "
+               "smaller ones from ", small);
   return cat("host allocator: blocks of 1 MiB and more mapped in size classes and kept for reuse, smaller ones from ",
              small, " (TITAN_HOST_ALLOCATOR=malloc leaves LibTorch's allocator alone)");
 }

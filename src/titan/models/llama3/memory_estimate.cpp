@@ -211,10 +211,15 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   if (holds_last) per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
   // Under a multi-stage schedule `in_flight` counts (stage, micro-batch) pairs, each holding one stage's layers.
   const double stage_share = 1.0 / static_cast<double>(stages_per_rank);
-  // titan's own execution: the loss's logits are freed before the blocks' backward, where a checkpointed block is
-  // recomputed and its gradients flow, so the peak holds the larger of the two (`titan plan --as torchtitan` keeps
-  // the sum its published figures were compared with).
-  const bool phased = execution == Execution::titan;
+  // titan's own execution: a micro-batch's loss is done and its logits freed before the blocks' backward, where a
+  // checkpointed block is recomputed and its gradients flow, so the peak holds the larger of the two (`titan plan
+  // --as torchtitan` keeps the sum its published figures were compared with).
+  // GPipe and LoopedBFS run every forward (and loss) of a step before any backward: the last stage holds the other
+  // micro-batches' loss graphs while its blocks run backward, so there the sum stays.
+  const bool all_forwards_first =
+      pipelined && (distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).name == "GPipe" ||
+                    distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).name == "LoopedBFS");
+  const bool phased = execution == Execution::titan && !all_forwards_first;
   const Phase backward_phase = phased ? Phase::blocks_backward : Phase::step;
   e.terms.push_back({"activations", tokens * per_token * static_cast<double>(in_flight) * stage_share});
   e.terms.push_back({"recomputed block", layers_here > 0 ? tokens * recompute : 0, backward_phase});
