@@ -57,33 +57,25 @@ void* map_block(size_t size) {
   return p == MAP_FAILED ? nullptr : p;
 }
 
-void free_large(void* block) {
+// Keeps a large block for reuse; false when `block` is not one of the cache's large blocks.
+bool hold_for_reuse(void* block) {
   State& s = state();
-  size_t size = 0;
-  {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    auto it = s.live.find(block);
-    if (it == s.live.end()) return;
-    size = it->second;
-    s.live.erase(it);
-    s.stats.live_bytes -= static_cast<int64_t>(size);
-    s.free[size].push_back(block);
-    s.stats.cached_bytes += static_cast<int64_t>(size);
-  }
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.live.find(block);
+  if (it == s.live.end()) return false;
+  const size_t size = it->second;
+  s.live.erase(it);
+  s.stats.live_bytes -= static_cast<int64_t>(size);
+  s.free[size].push_back(block);
+  s.stats.cached_bytes += static_cast<int64_t>(size);
+  return true;
 }
+
+void free_large(void* block) { hold_for_reuse(block); }
 
 // raw_deallocate's deleter: the block may be either kind.
 void free_any(void* block) {
-  if (!block) return;
-  {
-    State& s = state();
-    std::lock_guard<std::mutex> lock(s.mutex);
-    if (!s.live.count(block)) {
-      c10::free_cpu(block);
-      return;
-    }
-  }
-  free_large(block);
+  if (block && !hold_for_reuse(block)) c10::free_cpu(block);
 }
 
 class HostBlockCache final : public c10::Allocator {

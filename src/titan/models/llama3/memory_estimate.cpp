@@ -107,10 +107,9 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   for (const auto& p : parameter_shapes(a))
     if (p.name.rfind("layers.0.", 0) == 0) per_layer += static_cast<double>(p.numel());
   const bool pipelined = dims.pp > 1;
-  int64_t stages_per_rank = 1;
-  if (pipelined) {
-    stages_per_rank = distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).single_stage ? 1 : 2;
-  }
+  const distributed::pipeline::ScheduleTraits schedule =
+      pipelined ? distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule) : distributed::pipeline::ScheduleTraits{};
+  const int64_t stages_per_rank = pipelined && !schedule.single_stage ? 2 : 1;
   const int64_t stages = dims.pp * stages_per_rank;
   const int64_t units = a.n_layers + 2;  // the embedding and the output count as one layer each
   const int64_t per_stage = (units + stages - 1) / stages;
@@ -118,9 +117,8 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // 0 holds the first, the last rank the last, or rank 0 both on a V-shaped schedule); else the busiest rank's.
   bool holds_first = true, holds_last = true;
   if (pipelined && pipeline_rank >= 0) {
-    const bool v_shape = distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).v_shape;
     holds_first = pipeline_rank == 0;
-    holds_last = v_shape ? pipeline_rank == 0 : pipeline_rank == dims.pp - 1;
+    holds_last = schedule.v_shape ? pipeline_rank == 0 : pipeline_rank == dims.pp - 1;
   }
   int64_t layers_here = a.n_layers;
   if (pipelined) {
@@ -216,9 +214,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // --as torchtitan` keeps the sum its published figures were compared with).
   // GPipe and LoopedBFS run every forward (and loss) of a step before any backward: the last stage holds the other
   // micro-batches' loss graphs while its blocks run backward, so there the sum stays.
-  const bool all_forwards_first =
-      pipelined && (distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).name == "GPipe" ||
-                    distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule).name == "LoopedBFS");
+  const bool all_forwards_first = pipelined && (schedule.name == "GPipe" || schedule.name == "LoopedBFS");
   const bool phased = execution == Execution::titan && !all_forwards_first;
   const Phase backward_phase = phased ? Phase::blocks_backward : Phase::step;
   e.terms.push_back({"activations", tokens * per_token * static_cast<double>(in_flight) * stage_share});
