@@ -67,6 +67,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next,
                              const std::vector<at::Tensor>& parameters) {
   if (!at::GradMode::is_enabled()) return next(inputs, context);
+  nn::cast_weights_ahead(parameters);  // the forward below runs without gradients
   auto closure = c10::make_intrusive<Closure>();
   closure->next = next;
   closure->context = context;

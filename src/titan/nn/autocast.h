@@ -2,8 +2,11 @@
 // forward's state when activation checkpointing recomputes in backward (autocast is thread-local and off by then).
 #pragma once
 #include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
 
+#include <atomic>
 #include <optional>
+#include <vector>
 
 namespace titan::nn {
 
@@ -35,8 +38,50 @@ struct AutocastState {
   }
 };
 
+// Keeps autocast's low-precision copies of the weights over a whole training step (every micro-batch's forward
+// and backward, activation-checkpoint recomputation included), so each weight is cast once per step; the copies
+// are dropped when the scope ends, before the optimizer changes the weights. Does nothing when `enabled` is false.
+class StepWeightCasts {
+ public:
+  explicit StepWeightCasts(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+    at::autocast::increment_nesting();
+    held().fetch_add(1);
+  }
+  ~StepWeightCasts() {
+    if (!enabled_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    held().fetch_sub(1);
+  }
+  StepWeightCasts(const StepWeightCasts&) = delete;
+  StepWeightCasts& operator=(const StepWeightCasts&) = delete;
+
+  // Whether some thread holds a step's casts (autograd may recompute on another thread, on GPUs).
+  static bool active() { return held().load() > 0; }
+
+ private:
+  static std::atomic<int>& held() {
+    static std::atomic<int> count{0};
+    return count;
+  }
+  bool enabled_;
+};
+
+// Casts `parameters` into autocast's cache now, with gradient tracking, while a step's casts are held. Called
+// before a forward that runs without gradients (activation checkpointing): a copy cached there would carry no
+// autograd history, and its recomputation in backward, reusing it, would leave the weights without gradients.
+inline void cast_weights_ahead(const std::vector<at::Tensor>& parameters) {
+  if (!StepWeightCasts::active() || !at::GradMode::is_enabled() || !at::autocast::is_autocast_cache_enabled()) return;
+  for (const auto& p : parameters) {
+    const auto device = p.device().type();
+    if (!p.defined() || p.scalar_type() != at::kFloat || !p.requires_grad() || !at::autocast::is_autocast_enabled(device)) continue;
+    at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), p, device);
+  }
+}
+
 // Enters `inner` and restores the outer state on exit. Autocast caches low-precision copies of weights until the
-// outermost region ends; the nesting bookkeeping here clears them, so no copy outlives an optimizer step.
+// outermost region ends; the nesting bookkeeping here clears them, so no copy outlives an optimizer step. While a
+// StepWeightCasts is held the copies stay until it ends.
 class AutocastRegion {
  public:
   explicit AutocastRegion(const AutocastState& inner) : outer_(AutocastState::current()) {
@@ -45,7 +90,7 @@ class AutocastRegion {
     if (active_) at::autocast::increment_nesting();
   }
   ~AutocastRegion() {
-    if (active_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    if (active_ && at::autocast::decrement_nesting() == 0 && !StepWeightCasts::active()) at::autocast::clear_cache();
     outer_.apply();
   }
   AutocastRegion(const AutocastRegion&) = delete;

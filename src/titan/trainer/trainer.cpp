@@ -86,6 +86,17 @@ bool rank_logs(int rank) {
   return false;
 }
 
+// TITAN_WEIGHT_CASTS: "step" (the default) keeps autocast's weight copies over the whole step; "forward" drops them
+// after each micro-batch's forward, so backward's recomputation casts again (LibTorch's own behaviour).
+bool weight_casts_per_step() {
+  const char* env = std::getenv("TITAN_WEIGHT_CASTS");
+  if (!env || !*env) return true;
+  const std::string value = env;
+  if (value == "step") return true;
+  if (value == "forward") return false;
+  fail("TITAN_WEIGHT_CASTS=", quote(value), ": expected \"step\" (the default: each weight cast once per step) or \"forward\"");
+}
+
 }  // namespace
 
 Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
@@ -215,8 +226,12 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     log::info("Mixed precision training is handled by FSDP (", c.training.mixed_precision_param, " compute, ",
               c.training.mixed_precision_reduce, " gradient reduction)");
   } else {
-    log::info(autocast_dtype_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters)"
-                              : cat("Training in ", c.training.dtype, " without autocast"));
+    weight_casts_per_step_ = weight_casts_per_step();
+    log::info(!autocast_dtype_ ? cat("Training in ", c.training.dtype, " without autocast")
+              : weight_casts_per_step_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters; each "
+                                         "weight cast once per step)"
+                                       : "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters; weights "
+                                         "cast in every forward and recomputation: TITAN_WEIGHT_CASTS=forward)");
   }
 
   optimizer_ = std::make_unique<AdamW>(distributed::local_tensors(parameters_), c.optimizer);
@@ -320,6 +335,9 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
   const double global_valid = static_cast<double>(global_valid_count);
 
   at::Tensor loss_total = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  // Autocast's bfloat16 copies of the weights live until every micro-batch's backward is done, before the update.
+  std::optional<nn::StepWeightCasts> casts;
+  casts.emplace(autocast_dtype_.has_value() && weight_casts_per_step_);
   if (pipeline_) {
     // The schedule runs each local batch's micro-batches through the stages; gradients are reduced once at the end.
     double sum = 0;
@@ -352,6 +370,7 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
       out.tokens += mb.labels.numel();  // per device, divided by cp x tp x pp in the log as torchtitan
     }
   }
+  casts.reset();
   finish_gradients();
   at::Tensor norm = distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
   mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);

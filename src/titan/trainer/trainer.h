@@ -128,6 +128,7 @@ class Trainer {
   std::unique_ptr<Profiler> profiler_;
   metrics::PeakFlops peak_;
   std::optional<at::ScalarType> autocast_dtype_;
+  bool weight_casts_per_step_ = true;  // autocast's weight copies kept over the step (TITAN_WEIGHT_CASTS)
   double flops_per_token_ = 0;
   int64_t grad_accum_steps_ = 1;
   int64_t step_ = 0;
