@@ -28,14 +28,14 @@ def mpirun(np):
     return [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(np)]
 
 
-def probe(tmp_path, name, np, extra, dp=1, local_batch=4):
+def probe(tmp_path, name, np, extra, dp=1, local_batch=4, env=None):
     out = tmp_path / name
     validation = ["--probe.validate", "--validation.enable", "--validation.dataset", "fortunes", "--validation.seq_len", "32",
                   "--validation.local_batch_size", str(8 // dp), "--validation.steps", "2"]
     cmd = ([] if np == 1 else mpirun(np)) + [binary("titan_train_probe"), "--probe.out", str(out),
                                              "--job.dump_folder", str(tmp_path / name / "dump"), *COMMON,
                                              "--training.local_batch_size", str(local_batch), *validation, *extra]
-    run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    run(cmd, env={"OMP_NUM_THREADS": "1", **(env or {})}, timeout=900)
     return (json.loads((out / "metrics.json").read_text()), load_file(str(out / "final.safetensors")), tmp_path / name / "dump")
 
 
@@ -155,6 +155,20 @@ def test_matches_single_process(tmp_path, reference, case):
     info = meta["pipeline"]
     print(f"{case}: worst relative loss difference {worst:.2e}; {info['stages']} stages, measured bubble on rank 0 "
           f"{100 * info['measured_bubble']:.1f}% (unit-time {100 * info['simulated_bubble']:.1f}%)")
+
+
+@pytest.mark.parametrize("case", ["pp2_ZBVZeroBubble_ac_full", "pp2_tp2_1F1B_ac_full"])
+def test_weights_cast_once_per_step_train_as_libtorchs_autocast(tmp_path, case):
+    """bfloat16 autocast with every block checkpointed, through the zero-bubble schedule's deferred weight gradients
+    and through TP: holding autocast's weight copies over the step (the default) gives bit for bit the losses and
+    gradient norms of LibTorch's own behaviour, which casts again in every forward and recomputation."""
+    layout = {"pp2_ZBVZeroBubble_ac_full": (2, pp(2, "ZBVZeroBubble")), "pp2_tp2_1F1B_ac_full": (4, pp(2, "1F1B", tp=2))}[case]
+    extra = layout[1] + ["--activation_checkpoint.mode", "full", "--training.mixed_precision_param", "bfloat16"]
+    once, _, _ = probe(tmp_path, "step", layout[0], extra, env={"TITAN_WEIGHT_CASTS": "step"})
+    every, _, _ = probe(tmp_path, "forward", layout[0], extra, env={"TITAN_WEIGHT_CASTS": "forward"})
+    assert len(once["steps"]) == STEPS
+    for mine, ref in zip(once["steps"], every["steps"]):
+        assert (mine["loss"], mine["grad_norm"]) == (ref["loss"], ref["grad_norm"]), (case, mine, ref)
 
 
 def test_1f1b_keeps_p_microbatches_in_flight_where_gpipe_keeps_m(tmp_path):
