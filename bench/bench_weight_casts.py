@@ -6,7 +6,8 @@ the forward ends: every micro-batch's forward casts every weight again, and acti
 more in backward. titan keeps the copies over the whole step (TITAN_WEIGHT_CASTS=step, the default); the peer here
 is the same binary with TITAN_WEIGHT_CASTS=forward (LibTorch's behaviour), run interleaved, fresh process each.
 Prints tokens/s (median of the steps after the first, median over repeats) and peak memory per layout, and the
-ratio. The losses must agree bit for bit; the script says so when they do not. Never passes or fails on time.
+ratio. The printed losses (every step of the last repeat, as the log rounds them) should agree; the script says
+so when they do not (tests/unit/test_trainer.cpp checks them bit for bit). Never passes or fails on time.
 
 usage: bench/bench_weight_casts.py [--flavor 100M] [--seq 512] [--repeats 2] [--steps 5]
 """

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "test_util.h"
@@ -90,14 +91,21 @@ TEST(Trainer, ActivationCheckpointingUnderAutocastKeepsLossesAcrossSteps) {
 
 namespace {
 
-// Sets an environment variable for one scope.
+// Sets an environment variable for one scope, then restores what was there.
 class ScopedEnv {
  public:
-  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
+  }
 
  private:
   const char* name_;
+  std::optional<std::string> old_;
 };
 
 struct StepCasts {
@@ -114,7 +122,18 @@ StepCasts train_counting_casts(const std::vector<std::string>& extra, int steps)
   static std::unordered_map<const c10::TensorImpl*, int64_t>* counts = nullptr;
   std::unordered_map<const c10::TensorImpl*, int64_t> casts;
   for (const auto& p : trainer.parameters()) casts[p.local.unsafeGetTensorImpl()] = 0;
-  auto handle = at::addGlobalCallback(at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+  // Stops counting and removes the observer however this function ends.
+  struct Observer {
+    at::CallbackHandle handle;
+    ~Observer() {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        counts = nullptr;
+      }
+      at::removeCallback(handle);
+    }
+  } observer{};
+  observer.handle = at::addGlobalCallback(at::RecordFunctionCallback([](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
                                         if (std::string_view(fn.name()) != "aten::_to_copy") return nullptr;
                                         const auto inputs = fn.inputs();
                                         if (inputs.empty() || !inputs[0].isTensor()) return nullptr;
@@ -140,7 +159,6 @@ StepCasts train_counting_casts(const std::vector<std::string>& extra, int steps)
     std::lock_guard<std::mutex> lock(mutex);
     counts = nullptr;
   }
-  at::removeCallback(handle);
   for (const auto& [impl, n] : casts) {
     out.most_casts_of_one_weight = std::max(out.most_casts_of_one_weight, n);
     out.weights_cast += n > 0;
@@ -155,17 +173,20 @@ TEST(Trainer, EachWeightIsCastOncePerStepUnderAutocast) {
   // and both recomputations (TITAN_WEIGHT_CASTS=forward); titan's default keeps the copies over the step. The
   // losses and gradient norms are the same bit for bit either way, and the same as without checkpointing.
   if (!std::filesystem::exists("/usr/share/games/fortunes")) GTEST_SKIP() << "fortunes package not installed";
-  const std::vector<std::string> job = {"--training.steps", "3", "--debug.seed", "5", "--optimizer.lr", "3e-3",
+  const std::vector<std::string> job = {"--training.steps", "3", "--debug.seed", "5", "--optimizer.lr", "3e-3", "--debug.deterministic",
                                         "--training.global_batch_size", "4", "--activation_checkpoint.mode", "full"};
-  const StepCasts once = train_counting_casts(job, 3);
-  StepCasts every_use;
+  std::vector<std::string> no_ac = job;
+  no_ac.back() = "none";
+  StepCasts once, every_use, plain;
+  {
+    ScopedEnv env("TITAN_WEIGHT_CASTS", "step");
+    once = train_counting_casts(job, 3);
+    plain = train_counting_casts(no_ac, 3);
+  }
   {
     ScopedEnv env("TITAN_WEIGHT_CASTS", "forward");
     every_use = train_counting_casts(job, 3);
   }
-  std::vector<std::string> no_ac = job;
-  no_ac.back() = "none";
-  const StepCasts plain = train_counting_casts(no_ac, 3);
 
   EXPECT_GE(once.weights_cast, 6 * 7 + 1) << "the debug model: six blocks of seven matrices, and the output";
   EXPECT_EQ(once.most_casts_of_one_weight, 1);

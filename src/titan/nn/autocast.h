@@ -56,7 +56,8 @@ class StepWeightCasts {
   StepWeightCasts(const StepWeightCasts&) = delete;
   StepWeightCasts& operator=(const StepWeightCasts&) = delete;
 
-  // Whether some thread holds a step's casts (autograd may recompute on another thread, on GPUs).
+  // Whether some thread holds a step's casts (autograd may recompute on another thread, on GPUs). While one does,
+  // no autocast region on any thread clears the cache: titan runs no autocast work beside the training step.
   static bool active() { return held().load() > 0; }
 
  private:
@@ -67,14 +68,17 @@ class StepWeightCasts {
   bool enabled_;
 };
 
-// Casts `parameters` into autocast's cache now, with gradient tracking, while a step's casts are held. Called
-// before a forward that runs without gradients (activation checkpointing): a copy cached there would carry no
-// autograd history, and its recomputation in backward, reusing it, would leave the weights without gradients.
+// Casts the matrices among `parameters` (what autocast's lower-precision ops, linear and matmul, take) into
+// autocast's cache now, with gradient tracking, while a step's casts are held. Called before a forward that runs
+// without gradients (activation checkpointing). A safeguard for LibTorch releases before pytorch/pytorch#165068
+// (late 2025), which cached a copy made without gradients as it was: the recomputation in backward, reusing it,
+// would leave the weights without gradients. Later releases make every cached copy with gradient tracking.
 inline void cast_weights_ahead(const std::vector<at::Tensor>& parameters) {
   if (!StepWeightCasts::active() || !at::GradMode::is_enabled() || !at::autocast::is_autocast_cache_enabled()) return;
   for (const auto& p : parameters) {
+    if (!p.defined() || p.dim() < 2 || p.scalar_type() != at::kFloat || !p.requires_grad()) continue;
     const auto device = p.device().type();
-    if (!p.defined() || p.scalar_type() != at::kFloat || !p.requires_grad() || !at::autocast::is_autocast_enabled(device)) continue;
+    if (!at::autocast::is_autocast_enabled(device)) continue;
     at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), p, device);
   }
 }

@@ -103,6 +103,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   const config::JobConfig& c = loaded_.config;
   config::require_supported(loaded_);
   kernels::set_fused_enabled(c.training.fused_kernels);
+  weight_casts_per_step_ = weight_casts_per_step();  // checked on every layout, before anything is built
   launch_ = distributed::detect_launch();
   log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
@@ -226,7 +227,6 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     log::info("Mixed precision training is handled by FSDP (", c.training.mixed_precision_param, " compute, ",
               c.training.mixed_precision_reduce, " gradient reduction)");
   } else {
-    weight_casts_per_step_ = weight_casts_per_step();
     log::info(!autocast_dtype_ ? cat("Training in ", c.training.dtype, " without autocast")
               : weight_casts_per_step_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters; each "
                                          "weight cast once per step)"
