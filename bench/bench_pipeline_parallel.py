@@ -47,8 +47,9 @@ def run(args, pp=1, schedule="1F1B"):
 
 
 def analytic_mb_sent(args, pp, local):
-    """Rank 0's bytes per step: each of its stages sends every micro-batch's activation (batch 1 x seq x dim floats,
-    plus a 64-byte shape header) forward unless it is the last stage, and its input gradient back unless it is the
+    """Rank 0's bytes per step: each of its stages sends every micro-batch's activation (batch 1 x seq x dim floats;
+    a 64-byte shape header goes with the first activation on each channel only, counted here as if with every one,
+    0.06 KB per micro-batch) forward unless it is the last stage, and its input gradient back unless it is the
     first. Rank 0 holds stage 0 and, looped, stages p, 2p, ...; in the V it holds stage 0 and the last."""
     m = args.local_batch
     activation = args.seq_len * DIM * 4

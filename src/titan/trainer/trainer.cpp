@@ -340,12 +340,12 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
   casts.emplace(autocast_dtype_.has_value() && weight_casts_per_step_);
   if (pipeline_) {
     // The schedule runs each local batch's micro-batches through the stages; gradients are reduced once at the end.
-    double sum = 0;
+    at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (const auto& mb : microbatches) {
       sum += pipeline_->train(mb.inputs, mb.labels, block_causal_ ? mb.positions : at::Tensor(), global_valid, step_);
       out.tokens += mb.labels.numel();
     }
-    loss_total.fill_(sum);
+    loss_total.copy_(sum.reshape({1}));  // float64 sum rounded once, on the device
   } else {
     auto& part = whole_.front();
     for (size_t m = 0; m < microbatches.size(); ++m) {
@@ -563,8 +563,7 @@ double Trainer::validate() {
     dp->all_reduce(valid, distributed::ReduceOp::Sum);
     double sum = 0;
     if (pipeline_) {
-      at::Tensor pp_sum = at::full({1}, pipeline_->evaluate(batch.inputs, batch.labels, block_causal_ ? batch.positions : at::Tensor()),
-                                   at::TensorOptions().dtype(at::kDouble)).to(device_);
+      at::Tensor pp_sum = pipeline_->evaluate(batch.inputs, batch.labels, block_causal_ ? batch.positions : at::Tensor()).reshape({1});
       mesh_->get("pp")->all_reduce(pp_sum, distributed::ReduceOp::Sum);  // from the last stage's ranks
       if (cp_) cp_->group()->all_reduce(pp_sum, distributed::ReduceOp::Sum);   // each CP rank has its chunks' share
       sum = pp_sum.cpu().item<double>();
@@ -789,9 +788,12 @@ int Trainer::train() {
   if (pipeline_ && pipeline_->runner().steps() > 0) {
     const auto& r = pipeline_->runner();
     log::info(strprintf("Pipeline on this rank: measured bubble %.1f%% (schedule's unit-time bubble %.1f%%), %.2f MB sent to "
-                        "neighbouring stages per step, at most %d micro-batches in flight",
+                        "neighbouring stages per step, at most %d micro-batches in flight; %lld activation shape header(s) read "
+                        "back from the device over %lld pass(es) of the schedule (the first activation of a shape on "
+                        "each channel, and every one in validation), no loss read back within a pass",
                         100.0 * r.bubble(), 100.0 * r.schedule().simulate().bubble,
-                        static_cast<double>(r.bytes_sent()) / static_cast<double>(r.steps()) * static_cast<double>(grad_accum_steps_) / 1e6, r.max_in_flight()));
+                        static_cast<double>(r.bytes_sent()) / static_cast<double>(r.steps()) * static_cast<double>(grad_accum_steps_) / 1e6, r.max_in_flight(),
+                        static_cast<long long>(r.header_reads()), static_cast<long long>(r.steps())));
   }
   if (cp_ && steps > 0)
     log::info(strprintf("Context-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting for keys and "

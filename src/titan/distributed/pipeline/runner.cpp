@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <deque>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -42,6 +43,9 @@ struct PipelineRunner::Channel {
   std::shared_ptr<Communicator> comm;  // a two-rank communicator; null when both stages live on this rank
   int peer = 0;                        // the other rank within `comm`
   std::deque<at::Tensor> local;        // both stages here: what was sent and not yet received
+  // Activations only: the dtype and shape the first message since activation_shapes_may_change() announced in its
+  // header. Both ends keep it; later messages carry no header, so the receiver reads nothing back from the device.
+  std::optional<std::pair<at::ScalarType, std::vector<int64_t>>> shape;
 };
 
 struct PipelineRunner::Slot {
@@ -113,7 +117,7 @@ void PipelineRunner::wait(const std::shared_ptr<Work>& work, const std::string& 
 }
 
 void PipelineRunner::post_receives(const std::vector<Action>& actions, size_t from) {
-  // Only gradients: an activation's receive needs its header first, and posting the next header before it would
+  // Only gradients: an activation's receive may need its header first, and posting the next header before it would
   // break the order of the activations' channel.
   const int last = schedule_.stages() - 1;
   std::set<int> held;  // stages with a receive that cannot be posted yet: later ones must wait for it (channel order)
@@ -148,12 +152,15 @@ at::Tensor PipelineRunner::receive_activation(int stage, int microbatch, double&
   const std::string what = cat("stage ", stage, " receiving micro-batch ", microbatch, "'s activation from stage ", stage - 1,
                                " (pipeline rank ", peer, ")");
   if (!c.comm) return take_local(c, what);
-  at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions().dtype(at::kLong).device(device_));
-  wait(c.comm->recv(header, c.peer, 0, /*async=*/true), what, waited);
-  const at::Tensor h_cpu = header.cpu();
-  const auto* h = h_cpu.data_ptr<int64_t>();
-  std::vector<int64_t> shape(h + 2, h + 2 + h[1]);
-  at::Tensor buffer = at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(h[0])).device(device_));
+  if (!c.shape) {
+    at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions().dtype(at::kLong).device(device_));
+    wait(c.comm->recv(header, c.peer, 0, /*async=*/true), what, waited);
+    const at::Tensor h_cpu = header.cpu();  // the one read back from the device per channel and shape
+    ++header_reads_;
+    const auto* h = h_cpu.data_ptr<int64_t>();
+    c.shape.emplace(static_cast<at::ScalarType>(h[0]), std::vector<int64_t>(h + 2, h + 2 + h[1]));
+  }
+  at::Tensor buffer = at::empty(c.shape->second, at::TensorOptions().dtype(c.shape->first).device(device_));
   wait(c.comm->recv(buffer, c.peer, 0, /*async=*/true), what, waited);
   return buffer;
 }
@@ -177,14 +184,24 @@ at::Tensor PipelineRunner::receive_gradient(int stage, int microbatch, double& w
 }
 
 void PipelineRunner::send_activation(int stage, int microbatch, const at::Tensor& output) {
-  (void)microbatch;
   Channel& c = activations_[static_cast<size_t>(stage)];
   if (!c.comm) {
     c.local.push_back(output.detach().clone());
     return;
   }
   at::Tensor data = output.detach().contiguous();
+  if (c.shape) {
+    // The receiver expects this shape without a header: a different one would be a message of another size.
+    if (c.shape->first != data.scalar_type() || c.shape->second != data.sizes().vec())
+      fail("internal: stage ", stage, "'s activation of micro-batch ", microbatch, " is ", data.scalar_type(), " ", data.sizes(),
+           " where this batch's earlier ones were ", c.shape->first, " ", at::IntArrayRef(c.shape->second),
+           " (PipelineRunner::activation_shapes_may_change was not called)");
+    sends_.emplace_back(c.comm->send(data, c.peer, 0, /*async=*/true), data);
+    bytes_sent_ += static_cast<int64_t>(data.nbytes());
+    return;
+  }
   if (data.dim() > kHeaderLength - 2) fail("internal: a pipeline activation has more than ", kHeaderLength - 2, " dimensions");
+  c.shape.emplace(data.scalar_type(), data.sizes().vec());
   at::Tensor header = at::zeros({kHeaderLength}, at::kLong);
   auto* h = header.data_ptr<int64_t>();
   h[0] = static_cast<int64_t>(data.scalar_type());
@@ -214,12 +231,18 @@ void PipelineRunner::finish_sends() {
   sends_.clear();
 }
 
-double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
+void PipelineRunner::activation_shapes_may_change() {
+  for (auto& c : activations_) c.shape.reset();
+}
+
+at::Tensor PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
   const int rank = group_->rank();
   const int last = schedule_.stages() - 1;
   const auto& actions = schedule_.actions(rank);
   const double step_start = now_seconds();
-  double loss_sum = 0, compute = 0;
+  // Summed where the losses are (in float64), never read back here: the trainer reads the step's loss when it needs it.
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  double compute = 0;
   int in_flight = 0;
   for (size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
@@ -239,7 +262,7 @@ double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
       at::Tensor out = stage.forward(s.input, a.microbatch);
       if (a.stage == last) {
         s.output = loss_fn(out, a.microbatch);
-        loss_sum += s.output.detach().to(at::kDouble).item<double>();
+        loss_sum += s.output.detach().to(at::kDouble).reshape({});
         computed = now_seconds();
       } else {
         s.output = out;
@@ -281,21 +304,29 @@ double PipelineRunner::train(const StageLoss& loss_fn, int64_t step) {
   return loss_sum;
 }
 
-double PipelineRunner::evaluate(const StageLoss& loss_fn, int microbatches) {
+at::Tensor PipelineRunner::evaluate(const StageLoss& loss_fn, int microbatches) {
   at::NoGradGuard no_grad;
   const int last = schedule_.stages() - 1;
-  double loss_sum = 0, waited = 0;
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  double waited = 0;
   // Stage by stage, every micro-batch through the lower stage first: no rank can wait on itself.
+  // Validation is rare: every activation carries its header, whatever its shape.
   for (auto& [index, stage] : stages_) {
     for (int m = 0; m < microbatches; ++m) {
+      if (index > 0) activations_[static_cast<size_t>(index - 1)].shape.reset();
       at::Tensor input = index > 0 ? receive_activation(index, m, waited) : at::Tensor();
       at::Tensor out = stage.forward(input, m);
-      if (index == last) loss_sum += loss_fn(out, m).to(at::kDouble).item<double>();
-      else send_activation(index, m, out);
+      if (index == last) {
+        loss_sum += loss_fn(out, m).to(at::kDouble).reshape({});
+      } else {
+        activations_[static_cast<size_t>(index)].shape.reset();
+        send_activation(index, m, out);
+      }
     }
   }
   finish_sends();
   slots_.clear();
+  activation_shapes_may_change();  // training announces its shapes again
   return loss_sum;
 }
 

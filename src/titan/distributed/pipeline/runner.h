@@ -42,10 +42,17 @@ class PipelineRunner {
   ~PipelineRunner();
 
   // One pass of the schedule over its micro-batches with gradients; returns the sum of the losses computed on this
-  // rank (zero without the last stage). `step` labels the timeline.
-  double train(const StageLoss& loss, int64_t step);
-  // Forward only (validation), `microbatches` of them, stage by stage; returns the sum of `loss` on the last stage.
-  double evaluate(const StageLoss& loss, int microbatches);
+  // rank (zero without the last stage), a float64 scalar on the device, not read back. `step` labels the timeline.
+  at::Tensor train(const StageLoss& loss, int64_t step);
+  // Forward only (validation), `microbatches` of them, stage by stage; returns the sum of `loss` on the last stage
+  // (a float64 scalar on the device).
+  at::Tensor evaluate(const StageLoss& loss, int microbatches);
+  // Activations carry a shape header only in the first message on each channel after this call (and after
+  // construction); later ones must have that shape. Every rank of the pipeline calls it at the same points, when the
+  // micro-batches' size or sequence length changes.
+  void activation_shapes_may_change();
+  // Shape headers read back from the device since construction: one per receiving channel and shape.
+  int64_t header_reads() const { return header_reads_; }
 
   const Schedule& schedule() const { return schedule_; }
   // For the communicators between stages (comm.train_timeout_seconds after the first step).
@@ -85,7 +92,7 @@ class PipelineRunner {
   int64_t stop_step_ = -1;                         // TITAN_TEST_STOP_BEFORE
   std::string stop_action_;
   double compute_seconds_ = 0, step_seconds_ = 0;
-  int64_t steps_ = 0, bytes_sent_ = 0;
+  int64_t steps_ = 0, bytes_sent_ = 0, header_reads_ = 0;
   int max_in_flight_ = 0;
   bool record_ = false;
   std::vector<TimelineEntry> timeline_;

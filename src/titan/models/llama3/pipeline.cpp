@@ -173,11 +173,14 @@ void Pipeline::set_batch(const at::Tensor& tokens, const at::Tensor& labels, con
   if (document_positions.defined()) positions_ = document_positions.to(device_).split(size, 0);
 }
 
-double Pipeline::train(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, double global_valid,
-                       int64_t step) {
+at::Tensor Pipeline::train(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions,
+                           double global_valid, int64_t step) {
   set_batch(tokens, labels, document_positions, microbatch_size_);
+  // Every pipeline rank sees the same batch shapes, so all of them decide this alike.
+  if (seq_len_ != trained_seq_len_) runner_->activation_shapes_may_change();
+  trained_seq_len_ = seq_len_;
   const ParallelModel& last = parts_.back();  // only used on the rank holding the last stage, whose part is its last
-  const double sum = runner_->train(
+  at::Tensor sum = runner_->train(
       [&](const at::Tensor& output, int m) {
         nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
         return last.loss_sum(output, labels_[static_cast<size_t>(m)]) / global_valid;
@@ -186,7 +189,7 @@ double Pipeline::train(const at::Tensor& tokens, const at::Tensor& labels, const
   return sum;
 }
 
-double Pipeline::evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions) {
+at::Tensor Pipeline::evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions) {
   set_batch(tokens, labels, document_positions, microbatch_size_);
   const ParallelModel& last = parts_.back();
   return runner_->evaluate(

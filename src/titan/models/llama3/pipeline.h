@@ -44,11 +44,11 @@ class Pipeline {
 
   // One local batch through the schedule with gradients: `tokens`, `labels` and (block-causal) `document_positions`
   // (batch, seq) are cut into micro-batches; each micro-batch's loss sum is divided by `global_valid`. Returns the
-  // sum of those losses on this rank (zero unless it holds the last stage).
-  double train(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, double global_valid,
-               int64_t step);
-  // Forward only: the cross-entropy sum of the batch on the last stage's rank (zero elsewhere).
-  double evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions);
+  // sum of those losses on this rank (zero unless it holds the last stage), a float64 scalar on the device.
+  at::Tensor train(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, double global_valid,
+                   int64_t step);
+  // Forward only: the cross-entropy sum of the batch on the last stage's rank (zero elsewhere), on the device.
+  at::Tensor evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions);
 
   std::vector<ParallelModel>& parts() { return parts_; }
   const StagePlan& plan() const { return plan_; }
@@ -64,6 +64,7 @@ class Pipeline {
   std::unique_ptr<distributed::pipeline::PipelineRunner> runner_;
   std::optional<at::ScalarType> autocast_dtype_;
   int64_t microbatch_size_ = 1, seq_len_ = 0;
+  int64_t trained_seq_len_ = -1;  // of the last training batch: activations keep their shape while it stays
   std::vector<at::Tensor> tokens_, labels_, positions_;
   std::unique_ptr<distributed::ContextParallel> cp_;  // cuts every sequence over the "cp" group (context parallelism)
   at::Tensor rope_positions_;                         // under CP: this rank's global positions
