@@ -19,7 +19,7 @@ namespace titan::distributed::pipeline {
 namespace {
 
 constexpr int kHeaderLength = 8;         // an activation's dtype, rank and sizes, sent before it
-constexpr size_t kReceiveLookahead = 3;  // actions whose gradient receives are posted before they run
+constexpr size_t kReceiveLookahead = 3;  // actions whose receives are posted before they run
 
 // TITAN_TEST_STOP_BEFORE=<step>:<action> (e.g. "4:1B0"): the rank that runs that action stops itself (SIGSTOP)
 // just before it, a stage that hangs at a known point, for the failure tests.
@@ -53,6 +53,8 @@ struct PipelineRunner::Slot {
   at::Tensor output;    // this stage's output (or the loss on the last stage), what backward starts from
   at::Tensor gradient;  // posted receive of the output's gradient
   std::shared_ptr<Work> gradient_work;
+  at::Tensor activation;  // posted receive of the input (the previous stage's output), once its shape is known
+  std::shared_ptr<Work> activation_work;
   DeferredWeights deferred;
 };
 
@@ -117,19 +119,33 @@ void PipelineRunner::wait(const std::shared_ptr<Work>& work, const std::string& 
 }
 
 void PipelineRunner::post_receives(const std::vector<Action>& actions, size_t from) {
-  // Only gradients: an activation's receive may need its header first, and posting the next header before it would
-  // break the order of the activations' channel.
+  // Receives are posted in the order of the actions that take them, which is each channel's message order; a
+  // receive that cannot be posted yet holds back the later ones of its channel.
   const int last = schedule_.stages() - 1;
-  std::set<int> held;  // stages with a receive that cannot be posted yet: later ones must wait for it (channel order)
+  std::set<int> held_gradients, held_activations;  // by the stage that receives
   for (size_t i = from; i < std::min(actions.size(), from + kReceiveLookahead); ++i) {
     const Action& a = actions[i];
-    if ((a.op != Op::Backward && a.op != Op::BackwardInput) || a.stage == last || held.count(a.stage)) continue;
+    if (a.op == Op::Forward && a.stage > 0 && !held_activations.count(a.stage)) {
+      Channel& c = activations_[static_cast<size_t>(a.stage - 1)];
+      if (!c.comm) continue;
+      // An activation's shape is known once its channel's first message (with the header) has arrived.
+      if (!c.shape) {
+        held_activations.insert(a.stage);
+        continue;
+      }
+      Slot& s = slot(a.stage, a.microbatch);
+      if (s.activation_work) continue;
+      s.activation = at::empty(c.shape->second, at::TensorOptions().dtype(c.shape->first).device(device_));
+      s.activation_work = c.comm->recv(s.activation, c.peer, 0, /*async=*/true);
+      continue;
+    }
+    if ((a.op != Op::Backward && a.op != Op::BackwardInput) || a.stage == last || held_gradients.count(a.stage)) continue;
     Channel& c = gradients_[static_cast<size_t>(a.stage)];
     if (!c.comm) continue;
     auto it = slots_.find({a.stage, a.microbatch});
     // The gradient's shape is the output's, known once its forward ran.
     if (it == slots_.end() || !it->second->output.defined()) {
-      held.insert(a.stage);
+      held_gradients.insert(a.stage);
       continue;
     }
     Slot& s = *it->second;
@@ -152,6 +168,12 @@ at::Tensor PipelineRunner::receive_activation(int stage, int microbatch, double&
   const std::string what = cat("stage ", stage, " receiving micro-batch ", microbatch, "'s activation from stage ", stage - 1,
                                " (pipeline rank ", peer, ")");
   if (!c.comm) return take_local(c, what);
+  Slot& s = slot(stage, microbatch);
+  if (s.activation_work) {  // posted ahead (post_receives)
+    wait(s.activation_work, what, waited);
+    s.activation_work.reset();
+    return std::move(s.activation);
+  }
   if (!c.shape) {
     at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions().dtype(at::kLong).device(device_));
     wait(c.comm->recv(header, c.peer, 0, /*async=*/true), what, waited);

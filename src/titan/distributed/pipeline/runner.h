@@ -1,7 +1,7 @@
 // PipelineRunner: executes a Schedule on this rank's stages. Activations go forward and their gradients back to
 // the neighbouring stages' ranks by non-blocking point-to-point messages, on one two-rank communicator per
 // direction of each stage boundary, split from the "pp" group. Messages are matched in order (as NCCL does), sends
-// are never waited for until the step ends and gradient receives are posted a few actions ahead, so a stage blocks
+// are never waited for until the step ends and receives are posted a few actions ahead, so a stage blocks
 // only on data it needs. Records what ran when, for the bubble and the timeline.
 #pragma once
 #include <ATen/ATen.h>
