@@ -44,20 +44,24 @@ def test_one_control_reduction_per_step_and_step_results_read_only_when_needed(t
         assert abs(losses[step] - host_losses[step]) <= 1e-4 * abs(host_losses[step]), (losses, host_losses)
 
 
-def test_the_pipeline_reads_no_loss_and_one_shape_per_channel(tmp_path):
-    """Interleaved1F1B on 2 pipeline ranks: rank 0 holds stages 0 and 2 and receives stage 1's activations, whose
-    shape it reads from the device once, in the first step; the last stage's losses stay on the device, summed
-    there, and are read with the step's other results (the counts above, unchanged by the pipeline)."""
+def test_the_pipeline_reads_one_activation_shape_per_channel(tmp_path):
+    """ZBVZeroBubble on 2 pipeline ranks: rank 0 holds stages 0 and 3 (the loss) and receives stage 2's activations,
+    whose shape it reads from the device once, in the first step, though validation (which sends every activation
+    with its shape) runs in between; the last stage's losses are summed on the device and read with the step's
+    other results (the counts above, unchanged by the pipeline)."""
     pp = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
-          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1",
-          "--optimizer.implementation", "fused"]
+          "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_microbatch_size", "1",
+          "--optimizer.implementation", "fused", "--validation.enable", "--validation.freq", "4", "--validation.steps", "1",
+          "--validation.dataset", "fortunes", "--validation.seq_len", "32", "--validation.local_batch_size", "2"]
     cmd = mpirun(2) + [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
                        "--job.dump_folder", str(tmp_path / "pp"), "--training.steps", "10", "--training.seq_len", "64",
                        "--training.local_batch_size", "2", "--metrics.log_freq", "5", "--metrics.disable_color_printing", *pp]
     out = run(cmd, env={"OMP_NUM_THREADS": "1"}).stdout
-    m = re.search(r"(\d+) activation shape header\(s\) read back from the device over (\d+) pass\(es\) of the schedule", out)
+    m = re.search(r"(\d+) activation shape header\(s\) read back from the device over (\d+) training pass\(es\)", out)
     assert m, out[-3000:]
-    assert (int(m[1]), int(m[2])) == (1, 10), m[0]
+    # One in training; each validation reads one per micro-batch received (2 of them).
+    validations = len(re.findall(r"validate step:", out))
+    assert validations >= 2, out[-3000:]
+    assert (int(m[1]), int(m[2])) == (1 + 2 * validations, 10), m[0]
     m = COUNTS.search(out)
     assert m, out[-3000:]
-    assert (int(m[1]), int(m[2]), int(m[3])) == (3, 7, 11), m[0]

@@ -789,8 +789,8 @@ int Trainer::train() {
     const auto& r = pipeline_->runner();
     log::info(strprintf("Pipeline on this rank: measured bubble %.1f%% (schedule's unit-time bubble %.1f%%), %.2f MB sent to "
                         "neighbouring stages per step, at most %d micro-batches in flight; %lld activation shape header(s) read "
-                        "back from the device over %lld pass(es) of the schedule (the first activation of a shape on "
-                        "each channel, and every one in validation), no loss read back within a pass",
+                        "back from the device over %lld training pass(es) of the schedule (the first activation of a shape "
+                        "on each channel, and every one in validation), no loss read back within a pass",
                         100.0 * r.bubble(), 100.0 * r.schedule().simulate().bubble,
                         static_cast<double>(r.bytes_sent()) / static_cast<double>(r.steps()) * static_cast<double>(grad_accum_steps_) / 1e6, r.max_in_flight(),
                         static_cast<long long>(r.header_reads()), static_cast<long long>(r.steps())));

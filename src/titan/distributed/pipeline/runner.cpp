@@ -332,7 +332,10 @@ at::Tensor PipelineRunner::evaluate(const StageLoss& loss_fn, int microbatches) 
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
   double waited = 0;
   // Stage by stage, every micro-batch through the lower stage first: no rank can wait on itself.
-  // Validation is rare: every activation carries its header, whatever its shape.
+  // Validation is rare: every activation carries its header, whatever its shape. Training's shapes are kept for
+  // its next pass (each end keeps its own, so both still agree).
+  std::vector<std::optional<std::pair<at::ScalarType, std::vector<int64_t>>>> training_shapes;
+  for (const auto& c : activations_) training_shapes.push_back(c.shape);
   for (auto& [index, stage] : stages_) {
     for (int m = 0; m < microbatches; ++m) {
       if (index > 0) activations_[static_cast<size_t>(index - 1)].shape.reset();
@@ -348,7 +351,7 @@ at::Tensor PipelineRunner::evaluate(const StageLoss& loss_fn, int microbatches) 
   }
   finish_sends();
   slots_.clear();
-  activation_shapes_may_change();  // training announces its shapes again
+  for (size_t b = 0; b < activations_.size(); ++b) activations_[b].shape = std::move(training_shapes[b]);
   return loss_sum;
 }
 

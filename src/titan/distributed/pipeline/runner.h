@@ -47,11 +47,13 @@ class PipelineRunner {
   // Forward only (validation), `microbatches` of them, stage by stage; returns the sum of `loss` on the last stage
   // (a float64 scalar on the device).
   at::Tensor evaluate(const StageLoss& loss, int microbatches);
-  // Activations carry a shape header only in the first message on each channel after this call (and after
-  // construction); later ones must have that shape. Every rank of the pipeline calls it at the same points, when the
-  // micro-batches' size or sequence length changes.
+  // In train(), activations carry a shape header only in the first message on each channel after this call (and
+  // after construction); later ones must have that shape. Every rank of the pipeline calls it at the same points:
+  // llama3::Pipeline when the training sequence length changes (the micro-batch size is fixed by the configuration).
+  // evaluate() sends every activation with its header and leaves training's shapes as they were.
   void activation_shapes_may_change();
-  // Shape headers read back from the device since construction: one per receiving channel and shape.
+  // Shape headers read back from the device since construction: one per receiving channel and training shape, and
+  // one per activation received in evaluate().
   int64_t header_reads() const { return header_reads_; }
 
   const Schedule& schedule() const { return schedule_; }
