@@ -228,10 +228,9 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
               c.training.mixed_precision_reduce, " gradient reduction)");
   } else {
     log::info(!autocast_dtype_ ? cat("Training in ", c.training.dtype, " without autocast")
-              : weight_casts_per_step_ ? "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters; each "
-                                         "weight cast once per step)"
-                                       : "Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters; weights "
-                                         "cast in every forward and recomputation: TITAN_WEIGHT_CASTS=forward)");
+                               : cat("Mixed precision training is handled by autocast (bfloat16 compute, float32 parameters; ",
+                                     weight_casts_per_step_ ? "each weight cast once per step)"
+                                                            : "weights cast in every forward and recomputation: TITAN_WEIGHT_CASTS=forward)"));
   }
 
   optimizer_ = std::make_unique<AdamW>(distributed::local_tensors(parameters_), c.optimizer);
@@ -336,8 +335,7 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
 
   at::Tensor loss_total = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
   // Autocast's bfloat16 copies of the weights live until every micro-batch's backward is done, before the update.
-  std::optional<nn::StepWeightCasts> casts;
-  casts.emplace(autocast_dtype_.has_value() && weight_casts_per_step_);
+  std::optional<nn::StepWeightCasts> casts(std::in_place, autocast_dtype_.has_value() && weight_casts_per_step_);
   if (pipeline_) {
     // The schedule runs each local batch's micro-batches through the stages; gradients are reduced once at the end.
     at::Tensor sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));

@@ -45,7 +45,8 @@ struct PipelineRunner::Channel {
   std::deque<at::Tensor> local;        // both stages here: what was sent and not yet received
   // Activations only: the dtype and shape the first message since activation_shapes_may_change() announced in its
   // header. Both ends keep it; later messages carry no header, so the receiver reads nothing back from the device.
-  std::optional<std::pair<at::ScalarType, std::vector<int64_t>>> shape;
+  using Shape = std::pair<at::ScalarType, std::vector<int64_t>>;  // dtype and sizes
+  std::optional<Shape> shape;
 };
 
 struct PipelineRunner::Slot {
@@ -334,7 +335,7 @@ at::Tensor PipelineRunner::evaluate(const StageLoss& loss_fn, int microbatches) 
   // Stage by stage, every micro-batch through the lower stage first: no rank can wait on itself.
   // Validation is rare: every activation carries its header, whatever its shape. Training's shapes are kept for
   // its next pass (each end keeps its own, so both still agree).
-  std::vector<std::optional<std::pair<at::ScalarType, std::vector<int64_t>>>> training_shapes;
+  std::vector<std::optional<Channel::Shape>> training_shapes;
   for (const auto& c : activations_) training_shapes.push_back(c.shape);
   for (auto& [index, stage] : stages_) {
     for (int m = 0; m < microbatches; ++m) {

@@ -180,13 +180,12 @@ at::Tensor Pipeline::train(const at::Tensor& tokens, const at::Tensor& labels, c
   if (seq_len_ != trained_seq_len_) runner_->activation_shapes_may_change();
   trained_seq_len_ = seq_len_;
   const ParallelModel& last = parts_.back();  // only used on the rank holding the last stage, whose part is its last
-  at::Tensor sum = runner_->train(
+  return runner_->train(
       [&](const at::Tensor& output, int m) {
         nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
         return last.loss_sum(output, labels_[static_cast<size_t>(m)]) / global_valid;
       },
       step);
-  return sum;
 }
 
 at::Tensor Pipeline::evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions) {
