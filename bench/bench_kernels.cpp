@@ -97,7 +97,7 @@ void elementwise(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t hidd
       (a * g).sum().add((b * g).sum()).backward();
     });
     const double aten = median_ms([&] {
-      at::Tensor a = titan::llama3::apply_rope(leaf(q), table, {}), b = titan::llama3::apply_rope(leaf(k), table, {});
+      at::Tensor a = titan::kernels::rope_reference(leaf(q), table, {}), b = titan::kernels::rope_reference(leaf(k), table, {});
       (a * g).sum().add((b * g).sum()).backward();
     });
     report(tag + "RoPE q+k fwd+bwd (+ a product) " + std::to_string(tokens) + "x" + std::to_string(heads), fused, aten, 0);

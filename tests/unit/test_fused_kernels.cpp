@@ -292,15 +292,56 @@ TEST(FusedKernels, CrossEntropyRowsMatchFloat64) {
   titan::kernels::set_fused_enabled(true);
 }
 
+// The comparison a CUDA kernel runs against ATen on its first call (kernels/fused_ops.h), run here on the CPU
+// kernels: it agrees for every kernel, dtype and layout the model produces (strided k, positions, -inf rows,
+// labels elsewhere), and its slices (64 rows, 65,536 elements) cut inputs larger than them.
+TEST(FusedKernels, FirstCallComparisonAgreesOnCorrectKernels) {
+  using titan::kernels::compare_with_aten;
+  using titan::kernels::Op;
+  at::manual_seed(6);
+  const auto table = titan::llama3::precompute_rope(64, 200, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+  for (Isa isa : runnable_isas()) {
+    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
+    IsaGuard guard(isa);
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(testing::Message() << dtype);
+      auto opts = at::TensorOptions().dtype(dtype);
+      const at::Tensor gate = at::randn({3, 150, 301}, opts) * 4, up = at::randn({3, 150, 301}, opts);
+      const double swiglu = compare_with_aten(Op::swiglu, {gate, up});
+      EXPECT_LE(swiglu, 1.0);
+      const at::Tensor q = at::randn({2, 100, 4, 64}, opts);
+      const at::Tensor k = at::randn({2, 100, 2 * 64 + 3}, opts).narrow(2, 3, 2 * 64).view({2, 100, 2, 64});
+      EXPECT_LE(compare_with_aten(Op::rope, {q, k, table, at::Tensor()}), 1.0);
+      EXPECT_LE(compare_with_aten(Op::rope, {q, k, table, at::randint(0, 200, {2, 100}, at::kLong)}), 1.0);
+      at::Tensor logits = (at::randn({70, 1003}) * 4).to(dtype);
+      logits[3].fill_(-INFINITY);
+      at::Tensor labels = at::randint(0, 1003, {70}, at::kLong);
+      labels[2] = -1;
+      labels[3] = -1;
+      EXPECT_LE(compare_with_aten(Op::cross_entropy, {logits, labels}), 1.0);
+    }
+  }
+  EXPECT_THROW(compare_with_aten(Op::attention, {}), c10::Error);
+  EXPECT_THROW(compare_with_aten(Op::swiglu, {at::ones({2})}), c10::Error);
+}
+
 TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {
+  using titan::kernels::fused_applies;
+  using titan::kernels::Op;
   auto x = at::randn({2, 3});
-  EXPECT_TRUE(titan::kernels::cpu_kernels_apply({x, x}));
-  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x, x.to(at::kBFloat16)}));  // mixed dtypes
-  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x.to(at::kDouble)}));
-  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x, at::Tensor()}));
-  titan::kernels::set_fused_enabled(false);
-  EXPECT_FALSE(titan::kernels::cpu_kernels_apply({x}));
-  titan::kernels::set_fused_enabled(true);
+  for (Op op : {Op::attention, Op::rms_norm, Op::swiglu, Op::rope, Op::cross_entropy}) {
+    EXPECT_TRUE(fused_applies(op, {x, x}));
+    EXPECT_TRUE(fused_applies(op, {x.to(at::kBFloat16)}));
+    EXPECT_FALSE(fused_applies(op, {x, x.to(at::kBFloat16)}));  // mixed dtypes
+    EXPECT_FALSE(fused_applies(op, {x.to(at::kDouble)}));
+    EXPECT_FALSE(fused_applies(op, {x, at::Tensor()}));
+    EXPECT_FALSE(fused_applies(op, {x, x.narrow(0, 0, 0)}));  // empty
+    EXPECT_FALSE(fused_applies(op, {x.to(at::kMeta)}));      // neither the CPU nor a CUDA GPU
+    titan::kernels::set_fused_enabled(false);
+    EXPECT_FALSE(fused_applies(op, {x}));
+    titan::kernels::set_fused_enabled(true);
+  }
+  EXPECT_TRUE(titan::kernels::cuda_kernel_checks().empty());  // no CUDA kernel ran in this CPU test
 }
 
 }  // namespace

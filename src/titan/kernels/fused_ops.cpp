@@ -1,12 +1,25 @@
 #include "titan/kernels/fused_ops.h"
 
 #include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <mutex>
 
+#include "titan/common/logging.h"
+#include "titan/common/strings.h"
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/isa/kernels.h"
+
+#ifdef TITAN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "titan/kernels/cuda/kernels.h"
+#endif
 
 namespace titan::kernels {
 namespace {
@@ -65,6 +78,14 @@ void strides_bsh(const at::Tensor& t, int64_t* out) {
 at::Tensor new_bhsd(const at::Tensor& like, int64_t heads) {
   return at::empty({like.size(0), like.size(2), heads, like.size(3)}, like.options()).transpose(1, 2);
 }
+
+#ifdef TITAN_WITH_CUDA
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+void check_launch(cudaError_t error, const char* what) {
+  TORCH_CHECK(error == cudaSuccess, "titan's CUDA kernel for ", what, " failed to launch: ", cudaGetErrorString(error));
+}
+#endif
 
 class Attention : public torch::autograd::Function<Attention> {
  public:
@@ -177,6 +198,12 @@ class SwiGlu : public torch::autograd::Function<SwiGlu> {
     with_dtype(gate.scalar_type(), [&]<typename T>() {
       const T *gp = data<const T>(gate), *up_p = data<const T>(up);
       T* op = data<T>(out);
+#ifdef TITAN_WITH_CUDA
+      if (gate.is_cuda()) {
+        const c10::cuda::CUDAGuard guard(gate.device());
+        return check_launch(cuda::swiglu_forward(gp, up_p, op, gate.numel(), stream()), "SwiGLU forward");
+      }
+#endif
       at::parallel_for(0, gate.numel(), 4096, [&](int64_t begin, int64_t end) {
         TITAN_ISA_CALL(swiglu_forward, gp, up_p, op, begin, end);
       });
@@ -193,6 +220,12 @@ class SwiGlu : public torch::autograd::Function<SwiGlu> {
     with_dtype(gate.scalar_type(), [&]<typename T>() {
       const T *gp = data<const T>(gate), *up_p = data<const T>(up), *dp = data<const T>(grad);
       T *dg = data<T>(grad_gate), *du = data<T>(grad_up);
+#ifdef TITAN_WITH_CUDA
+      if (gate.is_cuda()) {
+        const c10::cuda::CUDAGuard guard(gate.device());
+        return check_launch(cuda::swiglu_backward(gp, up_p, dp, dg, du, gate.numel(), stream()), "SwiGLU backward");
+      }
+#endif
       at::parallel_for(0, gate.numel(), 4096, [&](int64_t begin, int64_t end) {
         TITAN_ISA_CALL(swiglu_backward, gp, up_p, dp, dg, du, begin, end);
       });
@@ -201,7 +234,7 @@ class SwiGlu : public torch::autograd::Function<SwiGlu> {
   }
 };
 
-// Rotates q and k (batch, seq, heads, head_dim) by the table's angles, or back (inverse) for the gradient.
+// Rotates q or k (batch, seq, heads, head_dim) by the table's angles, or back (inverse) for the gradient.
 at::Tensor rotate(const at::Tensor& x_in, const at::Tensor& table, const at::Tensor& rows, bool inverse) {
   const at::Tensor x = last_dim_contiguous(x_in);
   at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2), x.size(3)}, x.options());
@@ -217,6 +250,12 @@ at::Tensor rotate(const at::Tensor& x_in, const at::Tensor& table, const at::Ten
   with_dtype(x.scalar_type(), [&]<typename T>() {
     const T* xp = data<const T>(x);
     T* op = data<T>(out);
+#ifdef TITAN_WITH_CUDA
+    if (x.is_cuda()) {
+      const c10::cuda::CUDAGuard guard(x.device());
+      return check_launch(cuda::rope(s, table.size(0), tp, rp, xp, op, stream()), "RoPE");
+    }
+#endif
     at::parallel_for(0, s.batch * s.seq * s.heads, 64, [&](int64_t begin, int64_t end) {
       TITAN_ISA_CALL(rope, s, tp, rp, xp, op, begin, end);
     });
@@ -244,13 +283,262 @@ class Rope : public torch::autograd::Function<Rope> {
 bool fused_enabled() { return g_fused.load(); }
 void set_fused_enabled(bool enabled) { g_fused = enabled; }
 
-bool cpu_kernels_apply(std::initializer_list<at::Tensor> tensors) {
+namespace {
+
+// The ATen compositions of the cross-entropy row passes (every device; the reference of the fused kernels).
+CrossEntropyRowStats row_stats_aten(const at::Tensor& logits, const at::Tensor& local_label) {
+  // One float32 temporary of the chunk, worked on in place.
+  const at::Tensor here = local_label.ge(0);
+  const at::Tensor column = at::where(here, local_label, at::zeros_like(local_label)).unsqueeze(1);
+  const at::Tensor gathered = logits.gather(1, column).squeeze(1).to(at::kFloat);
+  const at::Tensor target = at::where(here, gathered, at::zeros_like(gathered));
+  at::Tensor max = std::get<0>(logits.max(1)).to(at::kFloat);
+  max = at::where(max.isneginf(), at::zeros_like(max), max);  // a row of -inf sums to 0 without NaN
+  const at::Tensor sum_exp = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).sub_(max.unsqueeze(1)).exp_().sum(1);
+  return {max.contiguous(), sum_exp.contiguous(), target.contiguous()};
+}
+
+void row_grad_aten_(const at::Tensor& logits, const at::Tensor& local_label, const at::Tensor& lse, const at::Tensor& scale) {
+  at::Tensor grad = logits.to(at::kFloat).sub_(lse.unsqueeze(1)).exp_();  // float32 logits: in place
+  const at::Tensor here = local_label.ge(0);
+  grad.scatter_add_(1, at::where(here, local_label, at::zeros_like(local_label)).unsqueeze(1), here.to(at::kFloat).neg().unsqueeze(1));
+  grad.mul_(scale.unsqueeze(1));
+  logits.copy_(grad);
+}
+
+// The fused row passes on the CPU (kernels/isa) or a CUDA GPU (kernels/cuda).
+CrossEntropyRowStats row_stats_fused(const at::Tensor& logits, const at::Tensor& local_label) {
+  const at::Tensor x = logits.contiguous(), labels = local_label.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  auto f32 = x.options().dtype(at::kFloat);
+  CrossEntropyRowStats out{at::empty({rows}, f32), at::empty({rows}, f32), at::empty({rows}, f32)};
+  with_dtype(x.scalar_type(), [&]<typename T>() {
+    const T* xp = data<const T>(x);
+    const int64_t* lp = labels.data_ptr<int64_t>();
+    float *mp = out.max.data_ptr<float>(), *sp = out.sum_exp.data_ptr<float>(), *tp = out.target.data_ptr<float>();
+#ifdef TITAN_WITH_CUDA
+    if (x.is_cuda()) {
+      const c10::cuda::CUDAGuard guard(x.device());
+      return check_launch(cuda::cross_entropy_stats(rows, vocab, xp, lp, mp, sp, tp, stream()), "cross-entropy row statistics");
+    }
+#endif
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      TITAN_ISA_CALL(cross_entropy_stats, vocab, xp, lp, mp, sp, tp, begin, end);
+    });
+  });
+  return out;
+}
+
+// `logits` contiguous.
+void row_grad_fused_(const at::Tensor& logits, const at::Tensor& local_label, const at::Tensor& lse, const at::Tensor& scale) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const at::Tensor labels = local_label.contiguous(), l = lse.contiguous(), sc = scale.contiguous();
+  with_dtype(logits.scalar_type(), [&]<typename T>() {
+    T* xp = data<T>(logits);
+    const int64_t* lp = labels.data_ptr<int64_t>();
+    const float *lsep = l.data_ptr<float>(), *scp = sc.data_ptr<float>();
+#ifdef TITAN_WITH_CUDA
+    if (logits.is_cuda()) {
+      const c10::cuda::CUDAGuard guard(logits.device());
+      return check_launch(cuda::cross_entropy_grad(rows, vocab, xp, lp, lsep, scp, stream()), "cross-entropy row gradient");
+    }
+#endif
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      TITAN_ISA_CALL(cross_entropy_grad, vocab, xp, lp, lsep, scp, begin, end);
+    });
+  });
+}
+
+// rope()'s arguments as Rope::apply takes them: the table as float (positions, head_dim / 2, 2) pairs, and each
+// (batch, seq) row's table row (int64 on q's device), empty for the sequence index.
+std::pair<at::Tensor, at::Tensor> rope_arguments(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
+                                                 const at::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(3) % 2 == 0 && q.size(3) == k.size(3) && q.sizes().slice(0, 2) == k.sizes().slice(0, 2),
+              "fused RoPE: q ", q.sizes(), " and k ", k.sizes(), " do not fit");
+  TORCH_CHECK(table.dim() == 2 && table.size(1) * 2 == q.size(3) && table.scalar_type() == at::kComplexFloat &&
+                  table.device() == q.device(),
+              "fused RoPE: table ", table.sizes(), " on ", table.device(), " for head_dim ", q.size(3), " on ", q.device());
+  const at::Tensor pairs = at::view_as_real(table.is_contiguous() ? table : table.contiguous());
+  at::Tensor rows = at::empty({0}, q.options().dtype(at::kLong));  // autograd functions take no undefined tensors
+  if (positions.defined()) {
+    rows = positions.to(q.device(), at::kLong).expand({q.size(0), q.size(1)}).contiguous();
+    if (!q.is_cuda()) {  // on a GPU the kernel clamps instead: reading the range back would stall every layer
+      const auto [lo, hi] = at::aminmax(rows);
+      TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < table.size(0), "fused RoPE: positions outside 0..",
+                  table.size(0) - 1);
+    }
+  } else {
+    TORCH_CHECK(q.size(1) <= table.size(0), "fused RoPE: sequence length ", q.size(1), " exceeds the table's ", table.size(0));
+  }
+  return {pairs, rows};
+}
+
+// How far `actual` lies from `expected` (computed in float32 from the same inputs), in units of what the dtype's
+// rounding allows: at most 1 when they agree. Equal values (infinities, NaN in both) count as agreeing.
+double tolerance_units(const at::Tensor& actual, const at::Tensor& expected, at::ScalarType dtype) {
+  const at::Tensor a = actual.detach().to(at::kFloat), e = expected.detach().to(at::kFloat);
+  if (e.numel() == 0) return 0.0;
+  // bf16: the kernel rounds its float32 result once (half a unit in the last place, 2^-9 relative); float32: a few
+  // units for exp and the order of operations. The absolute floor covers cancellation next to zero.
+  const double rtol = dtype == at::kBFloat16 ? 8e-3 : 1e-5;
+  const at::Tensor same = a.eq(e).logical_or(a.isnan().logical_and(e.isnan()));
+  const at::Tensor allowed = e.abs().mul(rtol).add(at::nan_to_num(e.abs()).max().mul(1e-6)).clamp_min(1e-30);
+  const at::Tensor units = at::where(same, at::zeros_like(a), a.sub(e).abs().div(allowed));
+  return units.max().item<double>();
+}
+
+// The comparisons behind the first-call checks: the fused kernels on a slice of a call's own inputs (at most
+// kCheckRows rows, kCheckElements elements), forward and backward through the same autograd functions as
+// training, against autograd through the ATen composition in float32.
+constexpr int64_t kCheckRows = 64, kCheckElements = int64_t{1} << 16;
+
+double compare_swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t n = std::min(gate.numel(), kCheckElements);
+  const at::Tensor g = gate.detach().reshape(-1).narrow(0, 0, n).clone().requires_grad_();
+  const at::Tensor u = up.detach().reshape(-1).narrow(0, 0, n).clone().requires_grad_();
+  const at::Tensor d = u.detach().flip(0);  // any gradient of the output's shape
+  const at::Tensor out = SwiGlu::apply(g, u);
+  const auto grads = torch::autograd::grad({out}, {g, u}, {d});
+  const at::Tensor gf = g.detach().to(at::kFloat).requires_grad_(), uf = u.detach().to(at::kFloat).requires_grad_();
+  const at::Tensor ref = swiglu_reference(gf, uf);
+  const auto ref_grads = torch::autograd::grad({ref}, {gf, uf}, {d.to(at::kFloat)});
+  const at::ScalarType dtype = gate.scalar_type();
+  return std::max({tolerance_units(out, ref, dtype), tolerance_units(grads[0], ref_grads[0], dtype),
+                   tolerance_units(grads[1], ref_grads[1], dtype)});
+}
+
+// q and k as given to rope() (strided views stay strided).
+double compare_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table, const at::Tensor& positions) {
+  const auto [pairs, rows] = rope_arguments(q, k, table, positions);
+  const int64_t t = std::min(q.size(1), kCheckRows);
+  at::Tensor qs = q.detach().narrow(0, 0, 1).narrow(1, 0, t), ks = k.detach().narrow(0, 0, 1).narrow(1, 0, t);
+  qs.requires_grad_();
+  ks.requires_grad_();
+  const at::Tensor rs = rows.numel() > 0 ? rows.narrow(0, 0, 1).narrow(1, 0, t).contiguous() : rows;
+  const at::Tensor dq = qs.detach().flip(1), dk = ks.detach().flip(1);
+  const auto out = Rope::apply(qs, ks, pairs, rs);
+  const auto grads = torch::autograd::grad({out[0], out[1]}, {qs, ks}, {dq, dk});
+  const at::Tensor qf = qs.detach().to(at::kFloat).requires_grad_(), kf = ks.detach().to(at::kFloat).requires_grad_();
+  const at::Tensor slice_positions = rows.numel() > 0 ? rs : at::Tensor();
+  const at::Tensor rq = rope_reference(qf, table, slice_positions), rk = rope_reference(kf, table, slice_positions);
+  const auto ref_grads = torch::autograd::grad({rq, rk}, {qf, kf}, {dq.to(at::kFloat), dk.to(at::kFloat)});
+  const at::ScalarType dtype = q.scalar_type();
+  return std::max({tolerance_units(out[0], rq, dtype), tolerance_units(out[1], rk, dtype),
+                   tolerance_units(grads[0], ref_grads[0], dtype), tolerance_units(grads[1], ref_grads[1], dtype)});
+}
+
+double compare_cross_entropy(const at::Tensor& logits, const at::Tensor& local_label) {
+  const int64_t r = std::min(logits.size(0), kCheckRows);
+  const at::Tensor x = logits.detach().narrow(0, 0, r).contiguous(), labels = local_label.narrow(0, 0, r).contiguous();
+  const CrossEntropyRowStats mine = row_stats_fused(x, labels), ref = row_stats_aten(x, labels);
+  const at::Tensor lse = ref.max + ref.sum_exp.log();
+  const at::Tensor scale = at::ones({r}, lse.options());
+  const at::Tensor grad = x.clone(), ref_grad = x.to(at::kFloat, false, /*copy=*/true);
+  row_grad_fused_(grad, labels, lse, scale);
+  row_grad_aten_(ref_grad, labels, lse, scale);
+  const at::ScalarType dtype = logits.scalar_type();
+  return std::max({tolerance_units(mine.max, ref.max, dtype), tolerance_units(mine.sum_exp, ref.sum_exp, dtype),
+                   tolerance_units(mine.target, ref.target, dtype), tolerance_units(grad, ref_grad, dtype)});
+}
+
+#ifdef TITAN_WITH_CUDA
+// The CUDA kernels' first-call checks: a state per operation and dtype (float32, bf16).
+enum CheckState : int { kUnchecked = 0, kAgreed = 1, kDisagreed = 2 };
+constexpr int kOps = static_cast<int>(Op::cross_entropy) + 1;
+std::atomic<int> g_check[kOps][2];
+std::mutex g_check_mutex;
+std::vector<std::string> g_check_lines;  // guarded by g_check_mutex
+
+int dtype_slot(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 1 : 0; }
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::attention: return "attention";
+    case Op::rms_norm: return "RMSNorm";
+    case Op::swiglu: return "SwiGLU";
+    case Op::rope: return "RoPE";
+    case Op::cross_entropy: return "cross-entropy rows";
+  }
+  return "?";
+}
+
+// Compares `op` with ATen on these inputs the first time it meets their dtype in this process and says whether
+// the kernel may be used: then and on every later call. A comparison that fails to run counts as a disagreement.
+bool cuda_kernel_trusted(Op op, const std::vector<at::Tensor>& inputs) {
+  const at::ScalarType dtype = inputs.front().scalar_type();
+  std::atomic<int>& state = g_check[static_cast<int>(op)][dtype_slot(dtype)];
+  if (const int now = state.load(); now != kUnchecked) return now == kAgreed;
+  const std::lock_guard lock(g_check_mutex);
+  if (const int now = state.load(); now != kUnchecked) return now == kAgreed;
+  double worst = 0;
+  std::string failure;
+  try {
+    worst = compare_with_aten(op, inputs);
+  } catch (const std::exception& error) {
+    failure = error.what();
+    failure = failure.substr(0, failure.find('\n'));
+  }
+  const bool agreed = failure.empty() && worst <= 1.0;  // false for NaN
+  const std::string line =
+      cat(op_name(op), " (", dtype == at::kBFloat16 ? "bf16" : "float32", "): ",
+          !failure.empty() ? cat("the comparison with the ATen composition failed to run (", failure, ")")
+                           : cat(agreed ? "agrees with" : "DISAGREES with", " the ATen composition on its first call, worst difference ",
+                                 strprintf("%.3g", worst), " of the tolerance"));
+  g_check_lines.push_back(line);
+  if (agreed) {
+    log::info("CUDA kernel ", line);
+  } else {
+    log::warn("CUDA kernel ", line, "; titan uses the ATen composition instead for the rest of this run. Please report ",
+              "this with the GPU, the CUDA version and the model configuration.");
+  }
+  state = agreed ? kAgreed : kDisagreed;
+  return agreed;
+}
+#endif
+
+}  // namespace
+
+double compare_with_aten(Op op, const std::vector<at::Tensor>& inputs) {
+  const at::AutoGradMode grad(true);  // also inside activation checkpointing's no-grad forward
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  switch (op) {
+    case Op::swiglu:
+      TORCH_CHECK(inputs.size() == 2, "compare_with_aten(SwiGLU): expected gate and up");
+      return compare_swiglu(inputs[0], inputs[1]);
+    case Op::rope:
+      TORCH_CHECK(inputs.size() == 4, "compare_with_aten(RoPE): expected q, k, table and positions");
+      return compare_rope(inputs[0], inputs[1], inputs[2], inputs[3]);
+    case Op::cross_entropy:
+      TORCH_CHECK(inputs.size() == 2, "compare_with_aten(cross-entropy rows): expected logits and labels");
+      return compare_cross_entropy(inputs[0], inputs[1]);
+    case Op::attention:
+    case Op::rms_norm: break;
+  }
+  TORCH_CHECK(false, "compare_with_aten: no comparison for attention or RMSNorm (they have no CUDA kernel of titan's)");
+}
+
+bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors) {
   if (!fused_enabled() || tensors.size() == 0 || !tensors.begin()->defined()) return false;
   const at::ScalarType dtype = tensors.begin()->scalar_type();
+  const at::Device device = tensors.begin()->device();
   if (dtype != at::kFloat && dtype != at::kBFloat16) return false;
   for (const auto& t : tensors)
-    if (!t.defined() || !t.device().is_cpu() || t.scalar_type() != dtype || t.numel() == 0) return false;
-  return true;
+    if (!t.defined() || t.device() != device || t.scalar_type() != dtype || t.numel() == 0) return false;
+  if (device.is_cpu()) return true;
+#ifdef TITAN_WITH_CUDA
+  if (device.is_cuda() && (op == Op::swiglu || op == Op::rope || op == Op::cross_entropy))
+    return g_check[static_cast<int>(op)][dtype_slot(dtype)].load() != kDisagreed;
+#endif
+  return false;
+}
+
+std::vector<std::string> cuda_kernel_checks() {
+#ifdef TITAN_WITH_CUDA
+  const std::lock_guard lock(g_check_mutex);
+  return g_check_lines;
+#else
+  return {};
+#endif
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) {
@@ -275,27 +563,33 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.sizes() == up.sizes(), "fused SwiGLU: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+#ifdef TITAN_WITH_CUDA
+  if (gate.is_cuda() && !cuda_kernel_trusted(Op::swiglu, {gate, up})) return swiglu_reference(gate, up);
+#endif
   return SwiGlu::apply(gate, up);
 }
 
+at::Tensor swiglu_reference(const at::Tensor& gate, const at::Tensor& up) { return at::silu(gate) * up; }
+
 std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
                                        const at::Tensor& positions) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && q.size(3) % 2 == 0 && q.size(3) == k.size(3) && q.sizes().slice(0, 2) == k.sizes().slice(0, 2),
-              "fused RoPE: q ", q.sizes(), " and k ", k.sizes(), " do not fit");
-  TORCH_CHECK(table.dim() == 2 && table.size(1) * 2 == q.size(3) && table.scalar_type() == at::kComplexFloat,
-              "fused RoPE: table ", table.sizes(), " for head_dim ", q.size(3));
-  const at::Tensor pairs = at::view_as_real(table.is_contiguous() ? table : table.contiguous());
-  at::Tensor rows = at::empty({0}, at::kLong);  // empty: the sequence index (autograd functions take no undefined tensors)
-  if (positions.defined()) {
-    rows = positions.to(at::kLong).expand({q.size(0), q.size(1)}).contiguous();
-    const auto [lo, hi] = at::aminmax(rows);
-    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < table.size(0), "fused RoPE: positions outside 0..",
-                table.size(0) - 1);
-  } else {
-    TORCH_CHECK(q.size(1) <= table.size(0), "fused RoPE: sequence length ", q.size(1), " exceeds the table's ", table.size(0));
-  }
+  const auto [pairs, rows] = rope_arguments(q, k, table, positions);
+#ifdef TITAN_WITH_CUDA
+  if (q.is_cuda() && !cuda_kernel_trusted(Op::rope, {q, k, table, positions}))
+    return {rope_reference(q, table, positions), rope_reference(k, table, positions)};
+#endif
   auto out = Rope::apply(q, k, pairs, rows);
   return {out[0], out[1]};
+}
+
+at::Tensor rope_reference(const at::Tensor& x, const at::Tensor& table, const at::Tensor& positions) {
+  const auto b = x.size(0), s = x.size(1), h = x.size(2), d = x.size(3);
+  // Complex views need even strides: a strided float32 x is copied (the model's q and k are contiguous).
+  const at::Tensor xc = at::view_as_complex(x.to(at::kFloat).contiguous().view({b, s, h, d / 2, 2}));
+  const at::Tensor angles = positions.defined()
+                                ? table.index_select(0, positions.reshape({-1})).view({positions.size(0), s, 1, d / 2})
+                                : table.narrow(0, 0, s).view({1, s, 1, d / 2});
+  return at::view_as_real(xc * angles).flatten(3).to(x.scalar_type());
 }
 
 CrossEntropyRowStats cross_entropy_row_stats(const at::Tensor& logits, const at::Tensor& local_label) {
@@ -303,30 +597,12 @@ CrossEntropyRowStats cross_entropy_row_stats(const at::Tensor& logits, const at:
                   local_label.scalar_type() == at::kLong,
               "cross-entropy rows: logits ", logits.sizes(), " and labels ", local_label.sizes(), " do not fit");
   TORCH_CHECK(logits.size(1) > 0, "cross-entropy rows: no vocabulary columns");
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  if (!cpu_kernels_apply({logits})) {
-    // ATen ops on other devices: one float32 temporary of the chunk, worked on in place.
-    const at::Tensor here = local_label.ge(0);
-    const at::Tensor column = at::where(here, local_label, at::zeros_like(local_label)).unsqueeze(1);
-    const at::Tensor gathered = logits.gather(1, column).squeeze(1).to(at::kFloat);
-    const at::Tensor target = at::where(here, gathered, at::zeros_like(gathered));
-    at::Tensor max = std::get<0>(logits.max(1)).to(at::kFloat);
-    max = at::where(max.isneginf(), at::zeros_like(max), max);  // a row of -inf sums to 0 without NaN
-    const at::Tensor sum_exp = logits.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).sub_(max.unsqueeze(1)).exp_().sum(1);
-    return {max.contiguous(), sum_exp.contiguous(), target.contiguous()};
-  }
-  const at::Tensor x = logits.contiguous(), labels = local_label.contiguous();
-  auto f32 = x.options().dtype(at::kFloat);
-  CrossEntropyRowStats out{at::empty({rows}, f32), at::empty({rows}, f32), at::empty({rows}, f32)};
-  with_dtype(x.scalar_type(), [&]<typename T>() {
-    const T* xp = data<const T>(x);
-    const int64_t* lp = labels.data_ptr<int64_t>();
-    float *mp = out.max.data_ptr<float>(), *sp = out.sum_exp.data_ptr<float>(), *tp = out.target.data_ptr<float>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      TITAN_ISA_CALL(cross_entropy_stats, vocab, xp, lp, mp, sp, tp, begin, end);
-    });
-  });
-  return out;
+  if (!fused_applies(Op::cross_entropy, {logits})) return row_stats_aten(logits, local_label);
+#ifdef TITAN_WITH_CUDA
+  if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, {logits, local_label}))
+    return row_stats_aten(logits, local_label);
+#endif
+  return row_stats_fused(logits, local_label);
 }
 
 void cross_entropy_row_grad_(const at::Tensor& logits, const at::Tensor& local_label, const at::Tensor& lse,
@@ -334,24 +610,13 @@ void cross_entropy_row_grad_(const at::Tensor& logits, const at::Tensor& local_l
   TORCH_CHECK(logits.dim() == 2 && local_label.size(0) == logits.size(0) && lse.size(0) == logits.size(0) &&
                   scale.size(0) == logits.size(0) && lse.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat,
               "cross-entropy rows: gradient arguments do not fit logits ", logits.sizes());
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  if (!cpu_kernels_apply({logits}) || !logits.is_contiguous()) {
-    at::Tensor grad = logits.to(at::kFloat).sub_(lse.unsqueeze(1)).exp_();  // float32 logits: in place
-    const at::Tensor here = local_label.ge(0);
-    grad.scatter_add_(1, at::where(here, local_label, at::zeros_like(local_label)).unsqueeze(1), here.to(at::kFloat).neg().unsqueeze(1));
-    grad.mul_(scale.unsqueeze(1));
-    logits.copy_(grad);
-    return;
-  }
-  const at::Tensor labels = local_label.contiguous(), l = lse.contiguous(), sc = scale.contiguous();
-  with_dtype(logits.scalar_type(), [&]<typename T>() {
-    T* xp = data<T>(logits);
-    const int64_t* lp = labels.data_ptr<int64_t>();
-    const float *lsep = l.data_ptr<float>(), *scp = sc.data_ptr<float>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      TITAN_ISA_CALL(cross_entropy_grad, vocab, xp, lp, lsep, scp, begin, end);
-    });
-  });
+  if (!fused_applies(Op::cross_entropy, {logits}) || !logits.is_contiguous())
+    return row_grad_aten_(logits, local_label, lse, scale);
+#ifdef TITAN_WITH_CUDA
+  if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, {logits, local_label}))
+    return row_grad_aten_(logits, local_label, lse, scale);
+#endif
+  row_grad_fused_(logits, local_label, lse, scale);
 }
 
 }  // namespace titan::kernels

@@ -1,10 +1,19 @@
-// titan's fused operations on CPU tensors (float32 and bfloat16), with autograd: attention, RMSNorm, SwiGLU and
-// RoPE, each one pass forward and one backward (kernels/isa). training.fused_kernels = false turns them off, and
-// the model then composes the same computations from ATen ops (the reference they are tested against).
+// titan's fused operations (float32 and bfloat16), with autograd, each one pass forward and one backward: on the
+// CPU attention, RMSNorm, SwiGLU, RoPE and the cross-entropy rows (kernels/isa); on NVIDIA GPUs SwiGLU, RoPE and the
+// cross-entropy rows (kernels/cuda), while RMSNorm and attention use LibTorch's own fused CUDA kernels.
+// training.fused_kernels = false turns them off, and the model then composes the same computations from ATen ops
+// (the reference they are tested against).
+//
+// A CUDA kernel checks itself on its first call in a process (per dtype): it runs on a slice of that call's inputs
+// beside the ATen composition, forward and backward, and is used only if they agree within the dtype's rounding.
+// The start-up log says which were checked and how closely they agreed; one that disagrees is reported as a warning
+// and replaced by the ATen composition for the rest of the process (fused_applies() then says false).
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace titan::kernels {
 
@@ -12,9 +21,22 @@ namespace titan::kernels {
 bool fused_enabled();
 void set_fused_enabled(bool enabled);
 
-// Whether the fused CPU kernels take tensors like these: the switch is on, and all are CPU float32 or bfloat16
-// tensors of one dtype.
-bool cpu_kernels_apply(std::initializer_list<at::Tensor> tensors);
+enum class Op { attention, rms_norm, swiglu, rope, cross_entropy };
+
+// Whether titan's fused kernel for `op` takes tensors like these: the switch is on, all are float32 or bfloat16
+// tensors of one dtype on one device, and that device is the CPU, or a CUDA GPU for SwiGLU, RoPE and the
+// cross-entropy rows (unless that kernel's first-call check failed in this process).
+bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors);
+
+// The comparison behind those checks, on any device a fused kernel runs on (tests call it on the CPU): the worst
+// difference between the fused kernel and the ATen composition, forward and backward, on a slice of these inputs,
+// in units of the dtype's tolerance (at most 1 when they agree). Inputs: SwiGLU {gate, up}; RoPE {q, k, table,
+// positions (may be undefined)}; cross-entropy rows {logits, local_label}. Attention and RMSNorm have none.
+double compare_with_aten(Op op, const std::vector<at::Tensor>& inputs);
+
+// The first-call checks of the CUDA kernels so far in this process, one line each ("swiglu bf16: agrees with ATen,
+// worst difference 0.21 of the tolerance"); empty on the CPU.
+std::vector<std::string> cuda_kernel_checks();
 
 // Causal attention softmax(q k^T / sqrt(head_dim)) v on (batch, heads, seq, head_dim) q and (batch, kv_heads, seq,
 // head_dim) k, v (grouped-query when kv_heads < heads); block-causal when `documents` (int32 (batch, seq), each
@@ -27,13 +49,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // silu(gate) * up.
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+// The same composed from ATen ops (what the model runs when the fused kernel does not apply).
+at::Tensor swiglu_reference(const at::Tensor& gate, const at::Tensor& up);
 
 // RoPE on the interleaved pairs of q and k (batch, seq, heads, head_dim): `table` is the complex64 (positions,
 // head_dim / 2) rotation table; positions (batch or 1, seq) pick its rows, the sequence index when undefined.
 std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& table,
                                        const at::Tensor& positions);
+// RoPE on one of them composed from ATen ops, through complex views (as torchtitan's model does).
+at::Tensor rope_reference(const at::Tensor& x, const at::Tensor& table, const at::Tensor& positions);
 
-// The two passes of a cross-entropy over a (rows, vocab) chunk of logits (float32 or bf16, any device; the CPU
+// The two passes of a cross-entropy over a (rows, vocab) chunk of logits (float32 or bf16, any device; the fused
 // kernels when they apply, ATen ops otherwise). local_label (int64, rows): each row's label column in these logits,
 // or -1 where the label lies elsewhere or the token is ignored.
 struct CrossEntropyRowStats {

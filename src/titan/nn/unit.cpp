@@ -39,13 +39,13 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const ParameterOptions& options) : dim
 }
 
 at::Tensor RMSNorm::forward(const Inputs& inputs, const Context&) {
-  if (kernels::cpu_kernels_apply({inputs[0], weight})) return kernels::rms_norm(inputs[0], weight, eps_);
+  if (kernels::fused_applies(kernels::Op::rms_norm, {inputs[0], weight})) return kernels::rms_norm(inputs[0], weight, eps_);
   return at::rms_norm(inputs[0], {dim_}, weight, eps_);
 }
 
 at::Tensor SwiGLU::forward(const Inputs& inputs, const Context&) {
-  if (kernels::cpu_kernels_apply({inputs[0], inputs[1]})) return kernels::swiglu(inputs[0], inputs[1]);
-  return at::silu(inputs[0]) * inputs[1];
+  if (kernels::fused_applies(kernels::Op::swiglu, {inputs[0], inputs[1]})) return kernels::swiglu(inputs[0], inputs[1]);
+  return kernels::swiglu_reference(inputs[0], inputs[1]);
 }
 
 }  // namespace titan::nn

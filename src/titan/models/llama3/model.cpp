@@ -31,18 +31,6 @@ at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const Ro
   return at::polar(at::ones_like(angles), angles);
 }
 
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& positions) {
-  const auto b = x.size(0), s = x.size(1), h = x.size(2), d = x.size(3);
-  at::Tensor xc = at::view_as_complex(x.to(at::kFloat).reshape({b, s, h, d / 2, 2}));
-  at::Tensor table;
-  if (!positions.defined()) {
-    table = rope.narrow(0, 0, s).view({1, s, 1, d / 2});
-  } else {
-    table = rope.index_select(0, positions.reshape({-1})).view({positions.size(0), s, 1, d / 2});
-  }
-  return at::view_as_real(xc * table).flatten(3).to(x.scalar_type());
-}
-
 Attention::Attention(const ModelArgs& args, const nn::ParameterOptions& options)
     : n_heads_(args.n_heads), n_kv_heads_(args.kv_heads()), head_dim_(args.head_dim()) {
   wq = register_module("wq", std::make_shared<nn::Linear>(args.dim, n_heads_ * head_dim_, options));
@@ -55,7 +43,7 @@ Attention::Attention(const ModelArgs& args, const nn::ParameterOptions& options)
 at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
   const bool masked = context.attn_mask.defined();
-  if (kernels::cpu_kernels_apply({q, k, v}) && (!masked || context.documents.defined()))
+  if (kernels::fused_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined()))
     return kernels::attention(q, k, v, masked ? context.documents : at::Tensor());
   return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
                                           /*dropout_p=*/0.0, /*is_causal=*/!masked,
@@ -68,11 +56,11 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
   at::Tensor q = (*wq)(x, context).view({bs, seqlen, -1, head_dim_});
   at::Tensor k = (*wk)(x, context).view({bs, seqlen, -1, head_dim_});
   at::Tensor v = (*wv)(x, context).view({bs, seqlen, -1, head_dim_});
-  if (kernels::cpu_kernels_apply({q, k})) {
+  if (kernels::fused_applies(kernels::Op::rope, {q, k})) {
     std::tie(q, k) = kernels::rope(q, k, context.rope, context.positions);
   } else {
-    q = apply_rope(q, context.rope, context.positions);
-    k = apply_rope(k, context.rope, context.positions);
+    q = kernels::rope_reference(q, context.rope, context.positions);
+    k = kernels::rope_reference(k, context.rope, context.positions);
   }
   q = q.transpose(1, 2);
   k = k.transpose(1, 2);

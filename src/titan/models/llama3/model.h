@@ -17,8 +17,8 @@ namespace titan::llama3 {
 
 // Complex64 (end, head_dim / 2) table of e^{i * position * frequency} with Llama 3.1 frequency scaling.
 at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling);
-// Rotates interleaved (even, odd) pairs of the last dimension of x (batch, seq, heads, head_dim).
-at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& rope, const at::Tensor& positions);
+// The table rotates interleaved (even, odd) pairs of q and k's last dimension: kernels::rope, or
+// kernels::rope_reference where the fused kernel does not apply.
 
 // The attention core (torchtitan's inner_attention): softmax(q k^T / sqrt(d)) v over (batch, heads, seq, head_dim)
 // inputs {q, k, v} (k and v may have fewer heads, GQA), causal, or block-causal with the context's attn_mask. A unit

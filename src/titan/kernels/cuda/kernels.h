@@ -1,0 +1,41 @@
+// The raw CUDA kernels behind titan's fused SwiGLU, RoPE and cross-entropy rows on NVIDIA GPUs, where LibTorch has
+// no fused operation of its own (RMSNorm uses LibTorch's fused CUDA kernel, attention its flash/cuDNN kernels). Like
+// the CPU kernels (kernels/isa) they see plain pointers, sizes and strides, no LibTorch types, so that nvcc compiles
+// them without LibTorch's headers. bf16 values travel as uint16_t bit patterns; arithmetic is float32 and each
+// result is rounded once. Every launcher returns the launch's error (cudaSuccess when it was queued) and runs on
+// `stream`, on the current device.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "titan/kernels/isa/kernels.h"
+
+namespace titan::kernels::cuda {
+
+// out = silu(gate) * up over n contiguous elements; the backward also takes the output's gradient.
+cudaError_t swiglu_forward(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream);
+cudaError_t swiglu_forward(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n, cudaStream_t stream);
+cudaError_t swiglu_backward(const float* gate, const float* up, const float* grad_out, float* grad_gate, float* grad_up,
+                            int64_t n, cudaStream_t stream);
+cudaError_t swiglu_backward(const uint16_t* gate, const uint16_t* up, const uint16_t* grad_out, uint16_t* grad_gate,
+                            uint16_t* grad_up, int64_t n, cudaStream_t stream);
+
+// RoPE as isa::rope (the same shape and table layout; the table and positions in device memory). A position
+// outside the table's `table_rows` rows is clamped to it (titan's positions are sequence indices, always inside).
+cudaError_t rope(const isa::RopeShape& s, int64_t table_rows, const float* table, const int64_t* position_of_row,
+                 const float* in, float* out, cudaStream_t stream);
+cudaError_t rope(const isa::RopeShape& s, int64_t table_rows, const float* table, const int64_t* position_of_row,
+                 const uint16_t* in, uint16_t* out, cudaStream_t stream);
+
+// The cross-entropy row passes of isa::cross_entropy_stats / cross_entropy_grad over all `rows` rows.
+cudaError_t cross_entropy_stats(int64_t rows, int64_t vocab, const float* logits, const int64_t* local_label,
+                                float* row_max, float* row_sum_exp, float* row_target, cudaStream_t stream);
+cudaError_t cross_entropy_stats(int64_t rows, int64_t vocab, const uint16_t* logits, const int64_t* local_label,
+                                float* row_max, float* row_sum_exp, float* row_target, cudaStream_t stream);
+cudaError_t cross_entropy_grad(int64_t rows, int64_t vocab, float* logits, const int64_t* local_label,
+                               const float* row_lse, const float* row_scale, cudaStream_t stream);
+cudaError_t cross_entropy_grad(int64_t rows, int64_t vocab, uint16_t* logits, const int64_t* local_label,
+                               const float* row_lse, const float* row_scale, cudaStream_t stream);
+
+}  // namespace titan::kernels::cuda

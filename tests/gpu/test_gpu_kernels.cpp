@@ -1,0 +1,237 @@
+// titan's CUDA kernels (kernels/cuda: SwiGLU, RoPE, the cross-entropy rows) against the unfused ATen compositions
+// they replace, computed in float64 on the host from the same inputs: values and gradients, float32 and bfloat16,
+// odd sizes, strided inputs, inputs larger than the first-call check's slice; then the first-call checks' verdicts
+// and the kernels' time against the ATen compositions on the GPU (figures only).
+// With TITAN_GPU_TESTS_DRY_RUN=1 on a machine without a GPU the same comparisons run on the CPU kernels.
+#include "gpu_test_util.h"
+
+#include <chrono>
+#include <functional>
+
+#include <torch/csrc/autograd/autograd.h>
+
+#include "titan/distributed/loss_parallel.h"
+#include "titan/kernels/fused_ops.h"
+#include "titan/models/llama3/args.h"
+#include "titan/models/llama3/model.h"
+
+namespace {
+
+using titan_gpu_test::figure;
+using titan_gpu_test::max_relative_difference;
+using titan_gpu_test::test_device;
+
+// float32 kernels against float64; bf16 kernels round each result to 8 bits of mantissa.
+double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 2e-6 : 1.6e-2; }
+
+at::Tensor leaf(const at::Tensor& t) { return t.detach().clone().requires_grad_(true); }
+at::Tensor host64(const at::Tensor& t) { return t.detach().to(at::kCPU, at::kDouble); }
+
+TEST(GpuKernels, SwiGluMatchesAtenInFloat64) {
+  TITAN_REQUIRE_CUDA_OR_DRY_RUN();
+  at::manual_seed(12);
+  const at::Device device = test_device();
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(testing::Message() << dtype);
+    auto opts = at::TensorOptions().dtype(dtype).device(device);
+    // 3 x 97 x 1031 elements: more than the first-call check's slice, not a multiple of any block size.
+    at::Tensor gate = at::randn({3, 97, 1031}, opts) * 4;
+    at::Tensor up = at::randn({3, 1031, 97}, opts).transpose(1, 2);  // not contiguous
+    at::Tensor grad = at::randn({3, 97, 1031}, opts);
+    at::Tensor g1 = leaf(gate), u1 = leaf(up);
+    ASSERT_TRUE(titan::kernels::fused_applies(titan::kernels::Op::swiglu, {g1, u1}));
+    at::Tensor y = titan::kernels::swiglu(g1, u1);
+    y.backward(grad);
+    at::Tensor g2 = leaf(host64(gate)), u2 = leaf(host64(up));
+    at::Tensor ref = at::silu(g2) * u2;
+    ref.backward(host64(grad));
+    EXPECT_EQ(y.scalar_type(), dtype);
+    EXPECT_EQ(y.device(), device);
+    EXPECT_LT(max_relative_difference(y, ref), tolerance(dtype));
+    EXPECT_LT(max_relative_difference(g1.grad(), g2.grad()), tolerance(dtype));
+    EXPECT_LT(max_relative_difference(u1.grad(), u2.grad()), tolerance(dtype));
+  }
+}
+
+TEST(GpuKernels, RopeMatchesComplexRotationInFloat64) {
+  TITAN_REQUIRE_CUDA_OR_DRY_RUN();
+  at::manual_seed(13);
+  const at::Device device = test_device();
+  const int64_t b = 3, s = 301, d = 128;  // Llama 3's head_dim; more positions than the check's slice
+  const auto table = titan::llama3::precompute_rope(d, 512, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    for (bool with_positions : {false, true}) {
+      SCOPED_TRACE(testing::Message() << dtype << (with_positions ? " positions" : " sequence order"));
+      auto opts = at::TensorOptions().dtype(dtype).device(device);
+      at::Tensor q = at::randn({b, s, 8 * d}, opts).view({b, s, 8, d});
+      at::Tensor k = at::randn({b, s, 3 * d + 6}, opts).narrow(2, 6, 2 * d).view({b, s, 2, d});  // strided, GQA
+      at::Tensor positions = with_positions ? at::randint(0, 512, {b, s}, at::kLong) : at::Tensor();
+      at::Tensor gq = at::randn({b, s, 8, d}, opts), gk = at::randn({b, s, 2, d}, opts);
+      at::Tensor q1 = leaf(q), k1 = leaf(k);
+      auto [rq, rk] = titan::kernels::rope(q1, k1, table.to(device),
+                                           with_positions ? positions.to(device) : at::Tensor());
+      (rq * gq).sum().add((rk * gk).sum()).backward();
+      at::Tensor q2 = leaf(host64(q)), k2 = leaf(host64(k));
+      auto rotate = [&](const at::Tensor& x) {
+        at::Tensor xc = at::view_as_complex(x.reshape({x.size(0), s, x.size(2), d / 2, 2}));
+        at::Tensor t = table.to(at::kComplexDouble);
+        t = with_positions ? t.index_select(0, positions.reshape({-1})).view({b, s, 1, d / 2})
+                           : t.narrow(0, 0, s).view({1, s, 1, d / 2});
+        return at::view_as_real(xc * t).flatten(3);
+      };
+      at::Tensor fq = rotate(q2), fk = rotate(k2);
+      (fq * host64(gq)).sum().add((fk * host64(gk)).sum()).backward();
+      EXPECT_EQ(rq.device(), device);
+      EXPECT_LT(max_relative_difference(rq, fq), tolerance(dtype));
+      EXPECT_LT(max_relative_difference(rk, fk), tolerance(dtype));
+      EXPECT_LT(max_relative_difference(q1.grad(), q2.grad()), tolerance(dtype));
+      EXPECT_LT(max_relative_difference(k1.grad(), k2.grad()), tolerance(dtype));
+    }
+  }
+}
+
+// Both passes on Llama 3's 128,256-column vocabulary and an odd one: labels here, elsewhere (-1), a row of -inf,
+// a row with scale 0.
+TEST(GpuKernels, CrossEntropyRowsMatchFloat64) {
+  TITAN_REQUIRE_CUDA_OR_DRY_RUN();
+  at::manual_seed(14);
+  const at::Device device = test_device();
+  for (int64_t vocab : {int64_t{128256}, int64_t{1003}}) {
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(testing::Message() << dtype << " vocab " << vocab);
+      const int64_t rows = 70;  // more than the check's slice
+      at::Tensor logits = (at::randn({rows, vocab}) * 4).to(dtype);
+      logits[3].fill_(-INFINITY);
+      at::Tensor labels = at::randint(0, vocab, {rows}, at::kLong);
+      labels[2] = -1;
+      labels[3] = -1;
+      const at::Tensor x = logits.to(at::kDouble);
+      auto stats = titan::kernels::cross_entropy_row_stats(logits.to(device), labels.to(device));
+      at::Tensor max = std::get<0>(x.max(1));
+      max[3] = 0;
+      EXPECT_TRUE(at::allclose(host64(stats.max), max));
+      // A float32 sum of `vocab` terms: its rounding grows with the square root of their number.
+      const double sum_tolerance = 2e-6 * std::max(1.0, std::sqrt(vocab / 1000.0));
+      EXPECT_LT(max_relative_difference(stats.sum_exp, (x - max.unsqueeze(1)).exp().sum(1)), sum_tolerance);
+      at::Tensor target = x.gather(1, labels.clamp_min(0).unsqueeze(1)).squeeze(1).masked_fill(labels.lt(0), 0.0);
+      EXPECT_TRUE(at::equal(host64(stats.target), target));
+      at::Tensor lse = (stats.sum_exp.log() + stats.max).contiguous();
+      at::Tensor scale = at::ones({rows});
+      scale[5] = 0;
+      at::Tensor grad = logits.to(device);
+      titan::kernels::cross_entropy_row_grad_(grad, labels.to(device), lse, scale.to(device));
+      at::Tensor ref = (x - host64(lse).unsqueeze(1)).exp();
+      for (int64_t r = 0; r < rows; ++r)
+        if (labels[r].item<int64_t>() >= 0) ref[r][labels[r].item<int64_t>()] -= 1;
+      ref.mul_(scale.to(at::kDouble).unsqueeze(1));
+      const at::Tensor got = host64(grad);
+      EXPECT_LT(max_relative_difference(got.narrow(0, 0, 3), ref.narrow(0, 0, 3)), tolerance(dtype));
+      EXPECT_LT(max_relative_difference(got.narrow(0, 4, rows - 4), ref.narrow(0, 4, rows - 4)), tolerance(dtype));
+      EXPECT_EQ(got[5].abs().sum().item<double>(), 0.0);
+    }
+  }
+}
+
+// The fused projection + cross-entropy (chunked; the row kernels inside) on the device against ATen in float64.
+TEST(GpuKernels, LinearCrossEntropyMatchesFloat64) {
+  TITAN_REQUIRE_CUDA_OR_DRY_RUN();
+  at::manual_seed(15);
+  const at::Device device = test_device();
+  const int64_t tokens = 2100, dim = 64, vocab = 5003;
+  at::Tensor x = at::randn({tokens, dim}), w = at::randn({vocab, dim}) * 0.2;
+  at::Tensor labels = at::randint(0, vocab, {tokens}, at::kLong);
+  labels.narrow(0, 100, 40).fill_(-100);
+  at::Tensor x1 = leaf(x.to(device)), w1 = leaf(w.to(device));
+  at::Tensor loss = titan::distributed::linear_cross_entropy_sum(x1, w1, labels.to(device), 0, nullptr, -100);
+  loss.backward();
+  at::Tensor x2 = leaf(x.to(at::kDouble)), w2 = leaf(w.to(at::kDouble));
+  at::Tensor ref = at::cross_entropy_loss(at::linear(x2, w2), labels, {}, at::Reduction::Sum, -100);
+  ref.backward();
+  // float32 on a GPU: cuBLAS may use TF32 only if LibTorch allows it (off by default for matmuls).
+  EXPECT_LT(std::abs(loss.item<double>() - ref.item<double>()) / ref.item<double>(), 1e-5);
+  EXPECT_LT(max_relative_difference(x1.grad(), x2.grad()), 1e-5);
+  EXPECT_LT(max_relative_difference(w1.grad(), w2.grad()), 1e-5);
+}
+
+// Each kernel checks itself against ATen on its first call per dtype; the verdicts are listed and all agree.
+TEST(GpuKernels, FirstCallChecksAgreeWithAten) {
+  TITAN_REQUIRE_CUDA();
+  const at::Device device = test_device();
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    auto opts = at::TensorOptions().dtype(dtype).device(device);
+    at::Tensor x = at::randn({4, 33, 6, 64}, opts);
+    titan::kernels::swiglu(x, x);
+    titan::kernels::rope(x, x, titan::llama3::precompute_rope(64, 64, 10000.0, {}).to(device), at::Tensor());
+    titan::kernels::cross_entropy_row_stats(x.view({-1, 64}), at::zeros({x.numel() / 64}, opts.dtype(at::kLong)));
+  }
+  const auto lines = titan::kernels::cuda_kernel_checks();
+  for (const auto& line : lines) {
+    std::printf("first-call check: %s\n", line.c_str());
+    EXPECT_NE(line.find("agrees with"), std::string::npos) << line;
+  }
+  EXPECT_EQ(lines.size(), 6u);  // 3 kernels x 2 dtypes
+  for (auto op : {titan::kernels::Op::swiglu, titan::kernels::Op::rope, titan::kernels::Op::cross_entropy})
+    EXPECT_TRUE(titan::kernels::fused_applies(op, {at::ones({2}, at::TensorOptions().device(device).dtype(at::kBFloat16))}));
+  figure("cuda kernel first-call checks agreeing", static_cast<double>(lines.size()));
+}
+
+double median_ms(const std::function<void()>& body) {
+  for (int i = 0; i < 3; ++i) body();
+  torch::cuda::synchronize();
+  std::vector<double> times;
+  for (int i = 0; i < 10; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    torch::cuda::synchronize();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Forward + backward time of each kernel against its ATen composition at Llama 3 8B's shapes (8,192 tokens, bf16):
+// figures only, never a pass or fail on time.
+TEST(GpuKernels, TimeAgainstAtenCompositions) {
+  TITAN_REQUIRE_CUDA();
+  const at::Device device = test_device();
+  auto opts = at::TensorOptions().dtype(at::kBFloat16).device(device);
+  const int64_t tokens = 8192;
+  {
+    at::Tensor gate = at::randn({tokens, 14336}, opts), up = at::randn({tokens, 14336}, opts), g = at::randn_like(gate);
+    const double fused = median_ms([&] { titan::kernels::swiglu(leaf(gate), leaf(up)).backward(g); });
+    const double aten = median_ms([&] { titan::kernels::swiglu_reference(leaf(gate), leaf(up)).backward(g); });
+    figure("cuda swiglu fwd+bwd 8192x14336 bf16 fused ms", fused);
+    figure("cuda swiglu fwd+bwd 8192x14336 bf16 aten ms", aten);
+    figure("cuda swiglu speedup vs aten", aten / fused);
+  }
+  {
+    const auto table = titan::llama3::precompute_rope(128, tokens, 500000.0, {}).to(device);
+    at::Tensor q = at::randn({1, tokens, 32, 128}, opts), k = at::randn({1, tokens, 8, 128}, opts);
+    at::Tensor gq = at::randn_like(q), gk = at::randn_like(k);
+    const double fused = median_ms([&] {
+      auto [a, b] = titan::kernels::rope(leaf(q), leaf(k), table, at::Tensor());
+      torch::autograd::backward({a, b}, {gq, gk});
+    });
+    const double aten = median_ms([&] {
+      at::Tensor a = titan::kernels::rope_reference(leaf(q), table, {}), b = titan::kernels::rope_reference(leaf(k), table, {});
+      torch::autograd::backward({a, b}, {gq, gk});
+    });
+    figure("cuda rope fwd+bwd 8192 tokens 32+8 heads bf16 fused ms", fused);
+    figure("cuda rope fwd+bwd 8192 tokens 32+8 heads bf16 aten ms", aten);
+    figure("cuda rope speedup vs aten", aten / fused);
+  }
+  {
+    at::Tensor x = at::randn({tokens, 4096}, opts) * 0.5, w = at::randn({128256, 4096}, opts) * 0.02;
+    at::Tensor labels = at::randint(0, 128256, {tokens}, at::TensorOptions().dtype(at::kLong).device(device));
+    const double fused = median_ms([&] {
+      titan::distributed::linear_cross_entropy_sum(leaf(x), leaf(w), labels, 0, nullptr, -100).backward();
+    });
+    const double unfused = median_ms([&] {
+      at::cross_entropy_loss(at::linear(leaf(x), leaf(w)).to(at::kFloat), labels, {}, at::Reduction::Sum, -100).backward();
+    });
+    figure("cuda linear+cross-entropy fwd+bwd 8192x4096 vocab 128256 bf16 fused ms", fused);
+    figure("cuda linear+cross-entropy fwd+bwd 8192x4096 vocab 128256 bf16 unfused ms", unfused);
+  }
+}
+
+}  // namespace
