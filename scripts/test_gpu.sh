@@ -26,7 +26,8 @@
 #   into build-gpu/deps/ -- never into / -- and points CMake, pkg-config and the linker there (titan gets an rpath
 #   to it, so nothing else on the machine sees those libraries).
 #
-# Checks: titan_gpu_tests (tests/gpu: the model on CUDA against the CPU in float32, NCCL collectives on one rank,
+# Checks: titan_gpu_tests (tests/gpu: the model on CUDA against the CPU in float32, titan's CUDA kernels against
+# ATen in float64 (with their timing as figures), NCCL collectives on one rank,
 # the trainer on the GPU, checkpoint round trips, GPU memory and peak-FLOPs metrics), then `titan train` on the
 # GPU: bf16-autocast and bf16-parameter runs whose loss must fall, a resume from a checkpoint that must continue
 # the uninterrupted run, the step line's memory field, and tokens/s and MFU of the 1B flavor (figures only: speed
