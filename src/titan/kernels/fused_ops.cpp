@@ -532,6 +532,14 @@ bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors) {
   return false;
 }
 
+bool cuda_kernels_built() {
+#ifdef TITAN_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::vector<std::string> cuda_kernel_checks() {
 #ifdef TITAN_WITH_CUDA
   const std::lock_guard lock(g_check_mutex);

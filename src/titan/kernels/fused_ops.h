@@ -34,6 +34,9 @@ bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors);
 // positions (may be undefined)}; cross-entropy rows {logits, local_label}. Attention and RMSNorm have none.
 double compare_with_aten(Op op, const std::vector<at::Tensor>& inputs);
 
+// Whether this build has titan's CUDA kernels (LibTorch with CUDA; not ROCm).
+bool cuda_kernels_built();
+
 // The first-call checks of the CUDA kernels so far in this process, one line each ("swiglu bf16: agrees with ATen,
 // worst difference 0.21 of the tolerance"); empty on the CPU.
 std::vector<std::string> cuda_kernel_checks();

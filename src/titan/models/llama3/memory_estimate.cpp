@@ -26,7 +26,8 @@ std::string human(double bytes) {
 // under autocast the compute-dtype (`c`) copies of the normalised inputs that wq/wk/wv and w1/w3 save; RoPE's
 // float32 view of q and k; q, k, v, the attention output and its contiguous copy in `c`, and the log-sum-exp per
 // head; the feed-forward's w1 and w3 outputs, the SiLU output and the product (4 x hidden in `c`). titan's fused CPU
-// kernels (`fused`) keep neither RoPE's float32 view, nor a second copy of the attention output, nor the SiLU output.
+// kernels keep neither RoPE's float32 view, nor a second copy of the attention output, nor the SiLU output; its CUDA
+// kernels (RoPE and SwiGLU; attention is LibTorch's there) keep neither the float32 view nor the SiLU output.
 struct BlockActivations {
   double full = 0;         // no checkpointing
   double op_saved = 0;     // what op-level checkpointing (norms and SwiGLU gating recomputed) does not keep
@@ -34,7 +35,8 @@ struct BlockActivations {
   double backward_buffers = 0;  // what a block's backward allocates beside what it saved
 };
 
-BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp, bool fused) {
+BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp, FusedKernels kernels) {
+  const bool fused = kernels == FusedKernels::cpu;
   const double d = static_cast<double>(a.dim), k = static_cast<double>(a.kv_heads() * a.head_dim()),
                h = static_cast<double>(a.ffn_hidden_dim()), heads = static_cast<double>(a.n_heads);
   const double t = static_cast<double>(tp);
@@ -45,10 +47,13 @@ BlockActivations block_activations(const ModelArgs& a, double r, double c, bool 
   // float32 outputs die as soon as the linears have their bf16 copies (measured: docs/metrics.md).
   // (Under tensor parallelism the measured peak keeps them: 0.83x without them at TP 2.)
   if (fused) sharded -= (d + k) * 4 + d * c + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
+  // The CUDA kernels save their inputs only (model.cpp, kernels/fused_ops.cpp); not measured on a GPU yet.
+  if (kernels == FusedKernels::cuda) sharded -= (d + k) * 4 + h * c;
   if (tp > 1) gathered = 2 * d * c;
   BlockActivations out;
   out.full = sharded / t + gathered;
-  out.op_saved = fused ? 0.0 : (h * c + (autocast ? 2 * d * r : 0)) / t;  // fused: nothing left that op-level AC drops
+  // What op-level AC drops: the SiLU output and the norms' outputs; the CPU kernels leave nothing of it.
+  out.op_saved = fused ? 0.0 : ((kernels == FusedKernels::cuda ? 0 : h * c) + (autocast ? 2 * d * r : 0)) / t;
   // The fused kernels' backward allocates less beside what they saved, but with the loss fused (no logits held
   // through the blocks' backward) the measured peak of the fused path sits in the blocks' backward: about what
   // the block saved (debug model, full AC, 4 x 2048: 0.66x with half of it).
@@ -90,7 +95,8 @@ std::string MemoryEstimate::describe() const {
 
 MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
-                                        Execution execution, int64_t pipeline_rank, bool fused_cpu_kernels) {
+                                        Execution execution, int64_t pipeline_rank, FusedKernels kernels) {
+  if (execution != Execution::titan || !config.training.fused_kernels) kernels = FusedKernels::none;
   const auto& training = config.training;
   const auto& parallelism = config.parallelism;
   const double p_bytes = bytes_of(training.dtype);
@@ -185,7 +191,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
   // computes it in the gathered weights' dtype.
   const double r = fsdp && execution == Execution::torchtitan ? c : p_bytes;
-  const BlockActivations block = block_activations(a, r, c, autocast, dims.tp, fused_cpu_kernels && execution == Execution::titan);
+  const BlockActivations block = block_activations(a, r, c, autocast, dims.tp, kernels);
   const auto& ac = config.activation_checkpoint;
   double per_token = 0, recompute = 0;
   if (ac.mode == "full") {
@@ -232,9 +238,9 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
     // float32 weight gradient, which backward casts to the compute dtype.
     const double chunk = static_cast<double>(
         distributed::linear_cross_entropy_chunk(static_cast<int64_t>(tokens), static_cast<int64_t>(vocab_here)));
-    // Off the CPU kernels (other devices, or kernels that do not apply) the two passes are ATen ops with a float32
-    // temporary of the chunk.
-    const double aten_temporary = fused_cpu_kernels ? 0 : chunk * vocab_here * 4;
+    // Without titan's kernels (devices that have none, or kernels that do not apply) the two passes are ATen ops
+    // with a float32 temporary of the chunk.
+    const double aten_temporary = kernels != FusedKernels::none ? 0 : chunk * vocab_here * 4;
     e.terms.push_back({"logits (fused loss, chunked)", chunk * vocab_here * c + aten_temporary + vocab_here * d * (c == 4 ? 0 : c) +
                                                            tokens * d * c + vocab_here * d * (4 + c)});
   } else if (holds_last) {

@@ -46,11 +46,14 @@ double compute_dtype_bytes(const config::JobConfig& config, const distributed::P
 // copy of every weight for the step. `runtime_bytes`: what the process already holds (LibTorch, buffers) when
 // the estimate is made, added as its own term. `pipeline_rank`: the rank's coordinate on the pipeline dimension
 // (its stages' layers, the embedding on the first, the output and logits on the last); -1: the busiest rank.
-// `fused_cpu_kernels`: titan's fused CPU kernels run (kernels/fused_ops.h: CPU training, training.fused_kernels),
-// which save less for backward.
+// `kernels`: which of titan's fused kernels run (kernels/fused_ops.h, with training.fused_kernels), which save
+// less for backward: the CPU's (attention, RMSNorm, SwiGLU, RoPE, the loss's row passes) or the CUDA ones (SwiGLU,
+// RoPE, the loss's row passes), or none (the ATen compositions). `titan plan` counts none: the CUDA kernels' saving
+// is not measured on a GPU yet, and AMD GPUs run without them.
+enum class FusedKernels { none, cpu, cuda };
 MemoryEstimate estimate_training_memory(const ModelArgs& args, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
                                         Execution execution = Execution::titan, int64_t pipeline_rank = -1,
-                                        bool fused_cpu_kernels = false);
+                                        FusedKernels kernels = FusedKernels::none);
 
 }  // namespace titan::llama3
