@@ -322,6 +322,25 @@ TEST(FusedKernels, FirstCallComparisonAgreesOnCorrectKernels) {
     }
   }
   EXPECT_THROW(compare_with_aten(Op::attention, {}), c10::Error);
+  // Its measure: within rounding is below 1, a wrong value above, non-finite values only against themselves.
+  using titan::kernels::difference_in_tolerances;
+  const at::Tensor e = at::linspace(-3, 3, 1001);
+  EXPECT_LT(difference_in_tolerances(e * (1 + 5e-6), e), 1.0);
+  EXPECT_GT(difference_in_tolerances(e * (1 + 5e-5), e), 1.0);
+  EXPECT_LT(difference_in_tolerances(e.to(at::kBFloat16), e), 1.0);  // bf16's own rounding
+  EXPECT_GT(difference_in_tolerances((e * 1.02).to(at::kBFloat16), e), 1.0);
+  at::Tensor wrong = e.clone();
+  wrong[500] = 0.5;  // one element of 1001 (e[500] is 0)
+  EXPECT_GT(difference_in_tolerances(wrong, e), 1.0);
+  at::Tensor with_inf = e.clone();
+  with_inf[3] = INFINITY;
+  with_inf[4] = NAN;
+  EXPECT_LT(difference_in_tolerances(with_inf, with_inf), 1.0);
+  EXPECT_GT(difference_in_tolerances(e, with_inf), 1.0);  // a finite value where inf/NaN was expected
+  EXPECT_GT(difference_in_tolerances(with_inf, e), 1.0);
+  at::Tensor tiny_wrong = with_inf.clone();  // an infinity elsewhere must not widen the tolerance
+  tiny_wrong[10] = tiny_wrong[10] * 1.01;
+  EXPECT_GT(difference_in_tolerances(tiny_wrong, with_inf), 1.0);
   EXPECT_THROW(compare_with_aten(Op::swiglu, {at::ones({2})}), c10::Error);
 }
 

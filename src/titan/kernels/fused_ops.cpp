@@ -373,19 +373,23 @@ std::pair<at::Tensor, at::Tensor> rope_arguments(const at::Tensor& q, const at::
   return {pairs, rows};
 }
 
-// How far `actual` lies from `expected` (computed in float32 from the same inputs), in units of what the dtype's
-// rounding allows: at most 1 when they agree. Equal values (infinities, NaN in both) count as agreeing.
-double tolerance_units(const at::Tensor& actual, const at::Tensor& expected, at::ScalarType dtype) {
+// How far `actual` lies from `expected` (computed in float32 from the same inputs), in units of what rounding
+// allows: at most 1 when they agree. Each difference is held to rtol of its expected value plus 1e-6 of the largest
+// finite one (cancellation next to zero). Equal values (infinities, NaN in both) agree; a non-finite value against
+// anything else does not.
+double tolerance_units(const at::Tensor& actual, const at::Tensor& expected, double rtol) {
   const at::Tensor a = actual.detach().to(at::kFloat), e = expected.detach().to(at::kFloat);
   if (e.numel() == 0) return 0.0;
-  // bf16: the kernel rounds its float32 result once (half a unit in the last place, 2^-9 relative); float32: a few
-  // units for exp and the order of operations. The absolute floor covers cancellation next to zero.
-  const double rtol = dtype == at::kBFloat16 ? 8e-3 : 1e-5;
   const at::Tensor same = a.eq(e).logical_or(a.isnan().logical_and(e.isnan()));
-  const at::Tensor allowed = e.abs().mul(rtol).add(at::nan_to_num(e.abs()).max().mul(1e-6)).clamp_min(1e-30);
+  const at::Tensor largest = at::where(e.isfinite(), e.abs(), at::zeros_like(e)).max();
+  const at::Tensor allowed = e.abs().mul(rtol).add(largest.mul(1e-6)).clamp_min(1e-30);
   const at::Tensor units = at::where(same, at::zeros_like(a), a.sub(e).abs().div(allowed));
-  return units.max().item<double>();
+  return at::nan_to_num(units, INFINITY).max().item<double>();  // a NaN against a number: infinitely far
 }
+
+// bf16: a kernel rounds its float32 result once (at most 2^-8 of the value); float32: a few units in the last place
+// for exp and the order of operations.
+double rtol_for(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 8e-3 : 1e-5; }
 
 // The comparisons behind the first-call checks: the fused kernels on a slice of a call's own inputs (at most
 // kCheckRows rows, kCheckElements elements), forward and backward through the same autograd functions as
@@ -402,9 +406,9 @@ double compare_swiglu(const at::Tensor& gate, const at::Tensor& up) {
   const at::Tensor gf = g.detach().to(at::kFloat).requires_grad_(), uf = u.detach().to(at::kFloat).requires_grad_();
   const at::Tensor ref = swiglu_reference(gf, uf);
   const auto ref_grads = torch::autograd::grad({ref}, {gf, uf}, {d.to(at::kFloat)});
-  const at::ScalarType dtype = gate.scalar_type();
-  return std::max({tolerance_units(out, ref, dtype), tolerance_units(grads[0], ref_grads[0], dtype),
-                   tolerance_units(grads[1], ref_grads[1], dtype)});
+  const double rtol = rtol_for(gate.scalar_type());
+  return std::max({tolerance_units(out, ref, rtol), tolerance_units(grads[0], ref_grads[0], rtol),
+                   tolerance_units(grads[1], ref_grads[1], rtol)});
 }
 
 // q and k as given to rope() (strided views stay strided).
@@ -415,16 +419,18 @@ double compare_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   qs.requires_grad_();
   ks.requires_grad_();
   const at::Tensor rs = rows.numel() > 0 ? rows.narrow(0, 0, 1).narrow(1, 0, t).contiguous() : rows;
-  const at::Tensor dq = qs.detach().flip(1), dk = ks.detach().flip(1);
+  // Gradients in the layout the attention's backward hands RoPE: (batch, heads, seq, head_dim) memory.
+  auto strided_like_training = [](const at::Tensor& x) { return x.flip(1).transpose(1, 2).contiguous().transpose(1, 2); };
+  const at::Tensor dq = strided_like_training(qs.detach()), dk = strided_like_training(ks.detach());
   const auto out = Rope::apply(qs, ks, pairs, rs);
   const auto grads = torch::autograd::grad({out[0], out[1]}, {qs, ks}, {dq, dk});
   const at::Tensor qf = qs.detach().to(at::kFloat).requires_grad_(), kf = ks.detach().to(at::kFloat).requires_grad_();
   const at::Tensor slice_positions = rows.numel() > 0 ? rs : at::Tensor();
   const at::Tensor rq = rope_reference(qf, table, slice_positions), rk = rope_reference(kf, table, slice_positions);
   const auto ref_grads = torch::autograd::grad({rq, rk}, {qf, kf}, {dq.to(at::kFloat), dk.to(at::kFloat)});
-  const at::ScalarType dtype = q.scalar_type();
-  return std::max({tolerance_units(out[0], rq, dtype), tolerance_units(out[1], rk, dtype),
-                   tolerance_units(grads[0], ref_grads[0], dtype), tolerance_units(grads[1], ref_grads[1], dtype)});
+  const double rtol = rtol_for(q.scalar_type());
+  return std::max({tolerance_units(out[0], rq, rtol), tolerance_units(out[1], rk, rtol),
+                   tolerance_units(grads[0], ref_grads[0], rtol), tolerance_units(grads[1], ref_grads[1], rtol)});
 }
 
 double compare_cross_entropy(const at::Tensor& logits, const at::Tensor& local_label) {
@@ -436,18 +442,22 @@ double compare_cross_entropy(const at::Tensor& logits, const at::Tensor& local_l
   const at::Tensor grad = x.clone(), ref_grad = x.to(at::kFloat, false, /*copy=*/true);
   row_grad_fused_(grad, labels, lse, scale);
   row_grad_aten_(ref_grad, labels, lse, scale);
-  const at::ScalarType dtype = logits.scalar_type();
-  return std::max({tolerance_units(mine.max, ref.max, dtype), tolerance_units(mine.sum_exp, ref.sum_exp, dtype),
-                   tolerance_units(mine.target, ref.target, dtype), tolerance_units(grad, ref_grad, dtype)});
+  // The statistics are float32 whatever the logits' dtype: the maximum and the label's logit exact, the sum of
+  // exponentials rounded along a sum of `vocab` terms in another order than ATen's.
+  const double sum_rtol = 1e-5 * std::max(1.0, std::sqrt(static_cast<double>(logits.size(1)) / 1000.0));
+  return std::max({tolerance_units(mine.max, ref.max, rtol_for(at::kFloat)), tolerance_units(mine.sum_exp, ref.sum_exp, sum_rtol),
+                   tolerance_units(mine.target, ref.target, rtol_for(at::kFloat)),
+                   tolerance_units(grad, ref_grad, rtol_for(logits.scalar_type()))});
 }
 
 #ifdef TITAN_WITH_CUDA
 // The CUDA kernels' first-call checks: a state per operation and dtype (float32, bf16).
-enum CheckState : int { kUnchecked = 0, kAgreed = 1, kDisagreed = 2 };
+enum CheckState : int { kUnchecked = 0, kChecking = 1, kAgreed = 2, kDisagreed = 3 };
 constexpr int kOps = static_cast<int>(Op::cross_entropy) + 1;
 std::atomic<int> g_check[kOps][2];
-std::mutex g_check_mutex;
-std::vector<std::string> g_check_lines;  // guarded by g_check_mutex
+std::atomic<bool> g_strict{false};
+std::mutex g_lines_mutex;
+std::vector<std::string> g_check_lines;  // guarded by g_lines_mutex
 
 int dtype_slot(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 1 : 0; }
 
@@ -462,18 +472,21 @@ const char* op_name(Op op) {
   return "?";
 }
 
-// Compares `op` with ATen on these inputs the first time it meets their dtype in this process and says whether
-// the kernel may be used: then and on every later call. A comparison that fails to run counts as a disagreement.
-bool cuda_kernel_trusted(Op op, const std::vector<at::Tensor>& inputs) {
-  const at::ScalarType dtype = inputs.front().scalar_type();
+// Whether `op`'s kernel may run on `dtype` now. The first caller compares it with ATen on `inputs()` (no lock held
+// meanwhile: other threads take the ATen path until the verdict is in); the verdict holds for the process. A
+// comparison that fails to run counts as a disagreement. Under inference mode, where nothing can be
+// differentiated, the check waits for a later call.
+template <typename Inputs>
+bool cuda_kernel_trusted(Op op, at::ScalarType dtype, Inputs&& inputs) {
   std::atomic<int>& state = g_check[static_cast<int>(op)][dtype_slot(dtype)];
-  if (const int now = state.load(); now != kUnchecked) return now == kAgreed;
-  const std::lock_guard lock(g_check_mutex);
-  if (const int now = state.load(); now != kUnchecked) return now == kAgreed;
+  int now = state.load();
+  if (now == kAgreed) return true;
+  if (now != kUnchecked || c10::InferenceMode::is_enabled()) return false;
+  if (!state.compare_exchange_strong(now, kChecking)) return now == kAgreed;
   double worst = 0;
   std::string failure;
   try {
-    worst = compare_with_aten(op, inputs);
+    worst = compare_with_aten(op, inputs());
   } catch (const std::exception& error) {
     failure = error.what();
     failure = failure.substr(0, failure.find('\n'));
@@ -484,14 +497,18 @@ bool cuda_kernel_trusted(Op op, const std::vector<at::Tensor>& inputs) {
           !failure.empty() ? cat("the comparison with the ATen composition failed to run (", failure, ")")
                            : cat(agreed ? "agrees with" : "DISAGREES with", " the ATen composition on its first call, worst difference ",
                                  strprintf("%.3g", worst), " of the tolerance"));
-  g_check_lines.push_back(line);
+  {
+    const std::lock_guard lock(g_lines_mutex);
+    g_check_lines.push_back(line);
+  }
+  state = agreed ? kAgreed : kDisagreed;
   if (agreed) {
     log::info("CUDA kernel ", line);
   } else {
+    TORCH_CHECK(!g_strict.load(), "CUDA kernel ", line, " (strict checks: no fallback)");
     log::warn("CUDA kernel ", line, "; titan uses the ATen composition instead for the rest of this run. Please report ",
               "this with the GPU, the CUDA version and the model configuration.");
   }
-  state = agreed ? kAgreed : kDisagreed;
   return agreed;
 }
 #endif
@@ -540,9 +557,21 @@ bool cuda_kernels_built() {
 #endif
 }
 
+void set_cuda_checks_strict(bool strict) {
+#ifdef TITAN_WITH_CUDA
+  g_strict = strict;
+#else
+  (void)strict;
+#endif
+}
+
+double difference_in_tolerances(const at::Tensor& actual, const at::Tensor& expected) {
+  return tolerance_units(actual, expected, rtol_for(actual.scalar_type()));
+}
+
 std::vector<std::string> cuda_kernel_checks() {
 #ifdef TITAN_WITH_CUDA
-  const std::lock_guard lock(g_check_mutex);
+  const std::lock_guard lock(g_lines_mutex);
   return g_check_lines;
 #else
   return {};
@@ -570,9 +599,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes(), "fused SwiGLU: gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.device() == up.device() && gate.scalar_type() == up.scalar_type(),
+              "fused SwiGLU: gate ", gate.sizes(), " ", gate.scalar_type(), " on ", gate.device(), " and up ", up.sizes(),
+              " ", up.scalar_type(), " on ", up.device(), " differ");
 #ifdef TITAN_WITH_CUDA
-  if (gate.is_cuda() && !cuda_kernel_trusted(Op::swiglu, {gate, up})) return swiglu_reference(gate, up);
+  if (gate.is_cuda() &&
+      !cuda_kernel_trusted(Op::swiglu, gate.scalar_type(), [&] { return std::vector<at::Tensor>{gate, up}; }))
+    return swiglu_reference(gate, up);
 #endif
   return SwiGlu::apply(gate, up);
 }
@@ -583,7 +616,8 @@ std::pair<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& positions) {
   const auto [pairs, rows] = rope_arguments(q, k, table, positions);
 #ifdef TITAN_WITH_CUDA
-  if (q.is_cuda() && !cuda_kernel_trusted(Op::rope, {q, k, table, positions}))
+  if (q.is_cuda() && !cuda_kernel_trusted(Op::rope, q.scalar_type(),
+                                           [&] { return std::vector<at::Tensor>{q, k, table, positions}; }))
     return {rope_reference(q, table, positions), rope_reference(k, table, positions)};
 #endif
   auto out = Rope::apply(q, k, pairs, rows);
@@ -605,9 +639,12 @@ CrossEntropyRowStats cross_entropy_row_stats(const at::Tensor& logits, const at:
                   local_label.scalar_type() == at::kLong,
               "cross-entropy rows: logits ", logits.sizes(), " and labels ", local_label.sizes(), " do not fit");
   TORCH_CHECK(logits.size(1) > 0, "cross-entropy rows: no vocabulary columns");
+  TORCH_CHECK(local_label.device() == logits.device(), "cross-entropy rows: labels on ", local_label.device(),
+              ", logits on ", logits.device());
   if (!fused_applies(Op::cross_entropy, {logits})) return row_stats_aten(logits, local_label);
 #ifdef TITAN_WITH_CUDA
-  if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, {logits, local_label}))
+  if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, logits.scalar_type(),
+                                                [&] { return std::vector<at::Tensor>{logits, local_label}; }))
     return row_stats_aten(logits, local_label);
 #endif
   return row_stats_fused(logits, local_label);
@@ -618,10 +655,13 @@ void cross_entropy_row_grad_(const at::Tensor& logits, const at::Tensor& local_l
   TORCH_CHECK(logits.dim() == 2 && local_label.size(0) == logits.size(0) && lse.size(0) == logits.size(0) &&
                   scale.size(0) == logits.size(0) && lse.scalar_type() == at::kFloat && scale.scalar_type() == at::kFloat,
               "cross-entropy rows: gradient arguments do not fit logits ", logits.sizes());
+  TORCH_CHECK(local_label.device() == logits.device() && lse.device() == logits.device() && scale.device() == logits.device(),
+              "cross-entropy rows: labels, log-sum-exp and scale must be on the logits' device ", logits.device());
   if (!fused_applies(Op::cross_entropy, {logits}) || !logits.is_contiguous())
     return row_grad_aten_(logits, local_label, lse, scale);
 #ifdef TITAN_WITH_CUDA
-  if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, {logits, local_label}))
+  if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, logits.scalar_type(),
+                                                [&] { return std::vector<at::Tensor>{logits, local_label}; }))
     return row_grad_aten_(logits, local_label, lse, scale);
 #endif
   row_grad_fused_(logits, local_label, lse, scale);

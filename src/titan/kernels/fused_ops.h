@@ -7,7 +7,9 @@
 // A CUDA kernel checks itself on its first call in a process (per dtype): it runs on a slice of that call's inputs
 // beside the ATen composition, forward and backward, and is used only if they agree within the dtype's rounding.
 // The start-up log says which were checked and how closely they agreed; one that disagrees is reported as a warning
-// and replaced by the ATen composition for the rest of the process (fused_applies() then says false).
+// and replaced by the ATen composition for the rest of the process (fused_applies() then says false). The check
+// guards the values on its slice (the first batch row's first 64 positions, 64 rows, 65,536 elements); it cannot
+// see a fault outside that slice, and a kernel that faults leaves the CUDA context unusable whatever follows.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -33,6 +35,15 @@ bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors);
 // in units of the dtype's tolerance (at most 1 when they agree). Inputs: SwiGLU {gate, up}; RoPE {q, k, table,
 // positions (may be undefined)}; cross-entropy rows {logits, local_label}. Attention and RMSNorm have none.
 double compare_with_aten(Op op, const std::vector<at::Tensor>& inputs);
+
+// The comparison's measure: the worst difference between `actual` (float32 or bf16) and `expected` (computed in
+// float32 or wider from the same inputs) in units of what actual's dtype allows (8e-3 relative for bf16, 1e-5 for
+// float32, plus 1e-6 of expected's largest finite value).
+double difference_in_tolerances(const at::Tensor& actual, const at::Tensor& expected);
+
+// Strict checks (the GPU tests): a CUDA kernel that disagrees with ATen on its first call raises an error instead
+// of giving way to the ATen composition, so that tests measure the kernel itself.
+void set_cuda_checks_strict(bool strict);
 
 // Whether this build has titan's CUDA kernels (LibTorch with CUDA; not ROCm).
 bool cuda_kernels_built();
