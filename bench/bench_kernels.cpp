@@ -1,8 +1,9 @@
-// Micro-benchmark of titan's fused CPU kernels against the ATen operations they replace, in one process on the same
+// Micro-benchmark of titan's fused kernels against the ATen operations they replace, in one process on the same
 // threads: time per call (median of repeats), achieved GFLOP/s for attention, and the ratio ATen / fused.
-// Never passes or fails on time.
+// Never passes or fails on time. With --device cuda: titan's CUDA kernels (SwiGLU, RoPE, the fused loss's row
+// passes) at Llama 3 8B's shapes, each call followed by a device synchronisation (scripts/test_gpu.sh runs it).
 //
-// usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512|avx512bf16]
+// usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512|avx512bf16] [--device cpu|cuda]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -15,6 +16,9 @@
 #include <string>
 #include <vector>
 
+#include <torch/cuda.h>
+
+#include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/llama3/args.h"
@@ -23,13 +27,20 @@
 namespace {
 
 int g_repeats = 5;
+at::Device g_device = at::kCPU;
+
+void synchronize() {
+  if (g_device.is_cuda()) torch::cuda::synchronize();
+}
 
 double median_ms(const std::function<void()>& run) {
   run();  // warm-up
+  synchronize();
   std::vector<double> times;
   for (int i = 0; i < g_repeats; ++i) {
     const auto start = std::chrono::steady_clock::now();
     run();
+    synchronize();
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(times.begin(), times.end());
@@ -73,10 +84,10 @@ void attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int64_t s
 }
 
 void elementwise(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t hidden, int64_t heads, int64_t head_dim) {
-  auto opts = at::TensorOptions().dtype(dtype);
+  auto opts = at::TensorOptions().dtype(dtype).device(g_device);
   const std::string tag = std::string(dtype == at::kFloat ? "fp32 " : "bf16 ");
   at::AutoGradMode grad_mode(true);
-  {
+  if (g_device.is_cpu()) {  // on CUDA RMSNorm is LibTorch's own fused kernel
     at::Tensor x = at::randn({tokens, dim}, opts), w = at::randn({dim}, opts), g = at::randn({tokens, dim}, opts);
     const double fused = median_ms([&] { titan::kernels::rms_norm(leaf(x), leaf(w), 1e-5).backward(g); });
     const double aten = median_ms([&] { at::rms_norm(leaf(x), {dim}, leaf(w), 1e-5).backward(g); });
@@ -89,7 +100,7 @@ void elementwise(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t hidd
     report(tag + "SwiGLU fwd+bwd " + std::to_string(tokens) + "x" + std::to_string(hidden), fused, aten, 0);
   }
   {
-    const auto table = titan::llama3::precompute_rope(head_dim, 4096, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+    const auto table = titan::llama3::precompute_rope(head_dim, tokens, 500000.0, titan::llama3::flavor("8B").rope_scaling).to(g_device);
     at::Tensor q = at::randn({1, tokens, heads, head_dim}, opts), k = at::randn({1, tokens, heads, head_dim}, opts);
     at::Tensor g = at::randn({1, tokens, heads, head_dim}, opts);
     const double fused = median_ms([&] {
@@ -102,6 +113,24 @@ void elementwise(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t hidd
     });
     report(tag + "RoPE q+k fwd+bwd (+ a product) " + std::to_string(tokens) + "x" + std::to_string(heads), fused, aten, 0);
   }
+}
+
+// The fused output projection + cross-entropy (chunked; the row passes are titan's kernels) against the projection
+// followed by ATen's cross-entropy on float32 logits, forward + backward.
+void loss(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t vocab) {
+  auto opts = at::TensorOptions().dtype(dtype).device(g_device);
+  at::Tensor x = at::randn({tokens, dim}, opts) * 0.5, w = at::randn({vocab, dim}, opts) * 0.02;
+  at::Tensor labels = at::randint(0, vocab, {tokens}, opts.dtype(at::kLong));
+  at::AutoGradMode grad_mode(true);
+  const double fused = median_ms([&] {
+    titan::distributed::linear_cross_entropy_sum(leaf(x), leaf(w), labels, 0, nullptr, -100).backward();
+  });
+  const double aten = median_ms([&] {
+    at::cross_entropy_loss(at::linear(leaf(x), leaf(w)).to(at::kFloat), labels, {}, at::Reduction::Sum, -100).backward();
+  });
+  report(std::string(dtype == at::kFloat ? "fp32 " : "bf16 ") + "projection + loss fwd+bwd " + std::to_string(tokens) + "x" +
+             std::to_string(dim) + " vocab " + std::to_string(vocab),
+         fused, aten, 6.0 * static_cast<double>(tokens) * static_cast<double>(dim) * static_cast<double>(vocab));
 }
 
 titan::kernels::Isa isa_named(const std::string& name) {
@@ -120,9 +149,27 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) g_repeats = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--isa")) titan::kernels::set_cpu_isa(isa_named(argv[i + 1]));
+    else if (!std::strcmp(argv[i], "--device")) g_device = at::Device(argv[i + 1]);
   }
   at::set_num_threads(threads);
   at::manual_seed(0);
+  if (g_device.is_cuda()) {
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr, "--device cuda: no CUDA device here (torch::cuda::is_available() is false)\n");
+      return 2;
+    }
+    if (!titan::kernels::cuda_kernels_built()) {
+      std::fprintf(stderr, "--device cuda: this build has no CUDA kernels of titan's (LibTorch without CUDA)\n");
+      return 2;
+    }
+    std::printf("titan CUDA kernels against ATen on the GPU, median of %d (each call synchronised)\n", g_repeats);
+    for (auto dtype : {at::kBFloat16, at::kFloat}) {
+      elementwise(dtype, 8192, 4096, 14336, 32, 128);  // Llama 3 8B, one 8,192-token sequence
+      loss(dtype, 8192, 4096, 128256);
+    }
+    for (const auto& line : titan::kernels::cuda_kernel_checks()) std::printf("first-call check: %s\n", line.c_str());
+    return 0;
+  }
   std::printf("titan fused CPU kernels (%s copy) against ATen, %d threads, median of %d\n",
               titan::kernels::isa_name(titan::kernels::cpu_isa()).c_str(), threads, g_repeats);
   for (auto dtype : {at::kBFloat16, at::kFloat}) {
@@ -131,6 +178,7 @@ int main(int argc, char** argv) {
     attention(dtype, 1, 12, 4, 2048, 64);   // 100M flavor, 1 x 2048
     attention(dtype, 1, 8, 2, 1024, 128);   // Llama 3 8B's head_dim
     elementwise(dtype, 4096, 768, 2048, 12, 64);
+    loss(dtype, 2048, 256, 32768);
   }
   return 0;
 }

@@ -27,10 +27,11 @@
 #   to it, so nothing else on the machine sees those libraries).
 #
 # Checks: titan_gpu_tests (tests/gpu: the model on CUDA against the CPU in float32, titan's CUDA kernels against
-# ATen in float64 (with their timing as figures), NCCL collectives on one rank,
+# ATen in float64, NCCL collectives on one rank,
 # the trainer on the GPU, checkpoint round trips, GPU memory and peak-FLOPs metrics), then `titan train` on the
 # GPU: bf16-autocast and bf16-parameter runs whose loss must fall, a resume from a checkpoint that must continue
-# the uninterrupted run, the step line's memory field, and tokens/s and MFU of the 1B flavor (figures only: speed
+# the uninterrupted run, the step line's memory field, tokens/s and MFU of the 1B flavor, and titan_bench_kernels
+# --device cuda (titan's CUDA kernels against ATen at Llama 3 8B's shapes) (figures only: speed
 # never passes or fails). The CLI corpus is the Python standard library's source (present wherever python3 is),
 # the tokenizer is learned from it by `titan tokenizer train`. Two-rank NCCL runs need two GPUs and are not made.
 # Settings: TITAN_GPU_BUILD, TITAN_GPU_PYTHON (python3), TITAN_GPU_DEBS (.debs), TITAN_GPU_JOBS (all cores),
@@ -354,7 +355,7 @@ Bring them as .deb files: 'scripts/test_gpu.sh --fetch-debs' on a Debian bookwor
   # One target after the other: the CLI checks can still run when only the test binary fails to compile.
   set_run_env
   local target unresolved
-  for target in titan titan_gpu_tests; do
+  for target in titan titan_gpu_tests titan_bench_kernels; do
     say "building $target on $JOBS cores"
     if ! cmake --build "$BUILD" -j "$JOBS" --target "$target" >"$LOGS/build-$target.log" 2>&1; then
       grep -E -m5 -B2 -A8 'error' "$LOGS/build-$target.log" | head -60
@@ -535,6 +536,28 @@ run_cli() {
 if [[ -x "$BIN/titan" && "${TITAN_GPU_SKIP_CLI:-0}" != 1 ]] && ! grep -qE '^FAIL build\.(configure|titan):' "$RESULTS"; then
   run_cli
 fi
+
+# --- titan's CUDA kernels against their ATen compositions (bench/bench_kernels.cpp): figures only ------------------
+run_kernel_bench() {
+  if [[ "$DRY_RUN" == 1 ]]; then
+    record SKIP bench.kernels "dry run: on a CPU this is titan_bench_kernels without --device (minutes), not run here"
+    return
+  fi
+  [[ -x "$BIN/titan_bench_kernels" ]] || { record FAIL bench.kernels "titan_bench_kernels was not built"; return; }
+  within_budget bench.kernels 60 || return
+  if ! timeout 240 "${RUN_ENV[@]}" "$BIN/titan_bench_kernels" --device cuda --repeats 5 >"$LOGS/bench-kernels.log" 2>&1; then
+    record FAIL bench.kernels "titan_bench_kernels --device cuda failed: $(tail -1 "$LOGS/bench-kernels.log")"
+    return
+  fi
+  record PASS bench.kernels "ran (times are figures, never a verdict)"
+  local line name
+  while IFS= read -r line; do
+    name=$(sed -E 's/ +fused .*//' <<<"$line")
+    figure "kernels.$name" "$(sed -E 's/^.* +(fused )/\1/; s/ +/ /g' <<<"$line")"
+  done < <(grep 'ATen/fused' "$LOGS/bench-kernels.log")
+  grep '^first-call check' "$LOGS/bench-kernels.log" || true
+}
+run_kernel_bench
 
 # --- Summary ----------------------------------------------------------------------------------------------------------
 SUMMARY="$REPORT_DIR/gpu_summary.txt"

@@ -1,12 +1,9 @@
 // titan's CUDA kernels (kernels/cuda: SwiGLU, RoPE, the cross-entropy rows) against the unfused ATen compositions
 // they replace, computed in float64 on the host from the same inputs: values and gradients, float32 and bfloat16,
-// odd sizes, strided inputs, inputs larger than the first-call check's slice; then the first-call checks' verdicts
-// and the kernels' time against the ATen compositions on the GPU (figures only).
+// odd sizes, strided inputs, inputs larger than the first-call check's slice; then the first-call checks' verdicts.
+// Their time against the ATen compositions: bench/bench_kernels.cpp --device cuda (scripts/test_gpu.sh runs it).
 // With TITAN_GPU_TESTS_DRY_RUN=1 on a machine without a GPU the same comparisons run on the CPU kernels.
 #include "gpu_test_util.h"
-
-#include <chrono>
-#include <functional>
 
 #include <torch/csrc/autograd/autograd.h>
 
@@ -184,65 +181,6 @@ TEST(GpuKernels, FirstCallChecksAgreeWithAten) {
   for (auto op : {titan::kernels::Op::swiglu, titan::kernels::Op::rope, titan::kernels::Op::cross_entropy})
     EXPECT_TRUE(titan::kernels::fused_applies(op, {at::ones({2}, at::TensorOptions().device(device).dtype(at::kBFloat16))}));
   figure("cuda kernel first-call checks agreeing", static_cast<double>(lines.size()));
-}
-
-double median_ms(const std::function<void()>& body) {
-  for (int i = 0; i < 3; ++i) body();
-  torch::cuda::synchronize();
-  std::vector<double> times;
-  for (int i = 0; i < 10; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    body();
-    torch::cuda::synchronize();
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-// Forward + backward time of each kernel against its ATen composition at Llama 3 8B's shapes (8,192 tokens, bf16):
-// figures only, never a pass or fail on time.
-TEST(GpuKernels, TimeAgainstAtenCompositions) {
-  TITAN_REQUIRE_CUDA();
-  const at::Device device = test_device();
-  auto opts = at::TensorOptions().dtype(at::kBFloat16).device(device);
-  const int64_t tokens = 8192;
-  {
-    at::Tensor gate = at::randn({tokens, 14336}, opts), up = at::randn({tokens, 14336}, opts), g = at::randn_like(gate);
-    const double fused = median_ms([&] { titan::kernels::swiglu(leaf(gate), leaf(up)).backward(g); });
-    const double aten = median_ms([&] { titan::kernels::swiglu_reference(leaf(gate), leaf(up)).backward(g); });
-    figure("cuda swiglu fwd+bwd 8192x14336 bf16 fused ms", fused);
-    figure("cuda swiglu fwd+bwd 8192x14336 bf16 aten ms", aten);
-    figure("cuda swiglu speedup vs aten", aten / fused);
-  }
-  {
-    const auto table = titan::llama3::precompute_rope(128, tokens, 500000.0, {}).to(device);
-    at::Tensor q = at::randn({1, tokens, 32, 128}, opts), k = at::randn({1, tokens, 8, 128}, opts);
-    at::Tensor gq = at::randn_like(q), gk = at::randn_like(k);
-    const double fused = median_ms([&] {
-      auto [a, b] = titan::kernels::rope(leaf(q), leaf(k), table, at::Tensor());
-      torch::autograd::backward({a, b}, {gq, gk});
-    });
-    const double aten = median_ms([&] {
-      at::Tensor a = titan::kernels::rope_reference(leaf(q), table, {}), b = titan::kernels::rope_reference(leaf(k), table, {});
-      torch::autograd::backward({a, b}, {gq, gk});
-    });
-    figure("cuda rope fwd+bwd 8192 tokens 32+8 heads bf16 fused ms", fused);
-    figure("cuda rope fwd+bwd 8192 tokens 32+8 heads bf16 aten ms", aten);
-    figure("cuda rope speedup vs aten", aten / fused);
-  }
-  {
-    at::Tensor x = at::randn({tokens, 4096}, opts) * 0.5, w = at::randn({128256, 4096}, opts) * 0.02;
-    at::Tensor labels = at::randint(0, 128256, {tokens}, at::TensorOptions().dtype(at::kLong).device(device));
-    const double fused = median_ms([&] {
-      titan::distributed::linear_cross_entropy_sum(leaf(x), leaf(w), labels, 0, nullptr, -100).backward();
-    });
-    const double unfused = median_ms([&] {
-      at::cross_entropy_loss(at::linear(leaf(x), leaf(w)).to(at::kFloat), labels, {}, at::Reduction::Sum, -100).backward();
-    });
-    figure("cuda linear+cross-entropy fwd+bwd 8192x4096 vocab 128256 bf16 fused ms", fused);
-    figure("cuda linear+cross-entropy fwd+bwd 8192x4096 vocab 128256 bf16 unfused ms", unfused);
-  }
 }
 
 }  // namespace

@@ -55,7 +55,12 @@ void rms_norm_backward_impl(const RowsShape& s, const T* x, const T* weight, con
 
 template <typename T>
 void swiglu_forward_impl(const T* gate, const T* up, T* out, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
+  int64_t i = begin;
+  for (; i + kVec <= end; i += kVec) {  // the same arithmetic as below, 16 values at once
+    const Vec16 g = load16(gate + i);
+    store16(out + i, g * (1.0f / (1.0f + exp16(-g))) * load16(up + i));
+  }
+  for (; i < end; ++i) {
     const float g = to_float(gate[i]);
     store(out + i, g * sigmoid(g) * to_float(up[i]));
   }
@@ -64,7 +69,15 @@ void swiglu_forward_impl(const T* gate, const T* up, T* out, int64_t begin, int6
 template <typename T>
 void swiglu_backward_impl(const T* gate, const T* up, const T* grad_out, T* grad_gate, T* grad_up, int64_t begin,
                           int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
+  int64_t i = begin;
+  for (; i + kVec <= end; i += kVec) {
+    const Vec16 g = load16(gate + i), u = load16(up + i), d = load16(grad_out + i);
+    const Vec16 sig = 1.0f / (1.0f + exp16(-g));
+    const Vec16 silu = g * sig;
+    store16(grad_up + i, d * silu);
+    store16(grad_gate + i, d * u * (sig + silu * (1.0f - sig)));
+  }
+  for (; i < end; ++i) {
     const float g = to_float(gate[i]), u = to_float(up[i]), d = to_float(grad_out[i]);
     const float sig = sigmoid(g);
     const float silu = g * sig;
@@ -78,13 +91,21 @@ void rope_impl(const RopeShape& s, const float* table, const int64_t* position_o
                int64_t begin, int64_t end) {
   const int64_t half = s.head_dim / 2;
   const float sign = s.inverse ? -1.0f : 1.0f;
+  // 8 pairs at once: y = x * (c0, c0, c1, c1, ...) + (x1, x0, x3, x2, ...) * (-s0, s0, -s1, s1, ...) (signs flipped
+  // for the inverse).
+  const Vec16 signs = splat(sign) * Vec16{-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1};
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / (s.seq * s.heads), t = (item / s.heads) % s.seq, h = item % s.heads;
     const int64_t p = position_of_row ? position_of_row[b * s.seq + t] : t;
     const float* angles = table + p * half * 2;
     const T* x = in + b * s.in_stride[0] + t * s.in_stride[1] + h * s.in_stride[2];
     T* y = out + b * s.out_stride[0] + t * s.out_stride[1] + h * s.out_stride[2];
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+    for (; 2 * i + kVec <= s.head_dim; i += kVec / 2) {
+      const Vec16 v = load16(x + 2 * i), a = load16(angles + 2 * i);
+      store16(y + 2 * i, v * even_lanes_twice(a) + swap_pairs(v) * odd_lanes_twice(a) * signs);
+    }
+    for (; i < half; ++i) {
       const float x0 = to_float(x[2 * i]), x1 = to_float(x[2 * i + 1]);
       const float c = angles[2 * i], si = sign * angles[2 * i + 1];
       store(y + 2 * i, x0 * c - x1 * si);

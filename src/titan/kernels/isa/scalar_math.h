@@ -86,6 +86,18 @@ inline void store16(uint16_t* p, Vec16 v) {
   const Half16 h = __builtin_convertvector(out, Half16);
   std::memcpy(p, &h, sizeof h);
 }
+// Pair shuffles for RoPE's interleaved (even, odd) pairs: (v0, v0, v2, v2, ...), (v1, v1, v3, v3, ...) and
+// (v1, v0, v3, v2, ...), in GCC's and Clang's spellings.
+#if defined(__clang__)
+inline Vec16 even_lanes_twice(Vec16 v) { return __builtin_shufflevector(v, v, 0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14); }
+inline Vec16 odd_lanes_twice(Vec16 v) { return __builtin_shufflevector(v, v, 1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15); }
+inline Vec16 swap_pairs(Vec16 v) { return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); }
+#else
+inline Vec16 even_lanes_twice(Vec16 v) { return __builtin_shuffle(v, Int16{0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14}); }
+inline Vec16 odd_lanes_twice(Vec16 v) { return __builtin_shuffle(v, Int16{1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15}); }
+inline Vec16 swap_pairs(Vec16 v) { return __builtin_shuffle(v, Int16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}); }
+#endif
+
 inline Vec16 splat(float x) { return Vec16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 inline Vec16 vmax(Vec16 a, Vec16 b) { return a > b ? a : b; }
 inline float hmax(Vec16 v) {
