@@ -549,6 +549,11 @@ bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors) {
   return false;
 }
 
+bool attention_kernel_preferred(at::ScalarType dtype, int64_t head_dim, int64_t seq, bool block_causal) {
+  if (block_causal || dtype != at::kFloat) return true;
+  return head_dim < 64 || (head_dim < 128 && seq < 1024);
+}
+
 bool cuda_kernels_built() {
 #ifdef TITAN_WITH_CUDA
   return true;
