@@ -149,7 +149,13 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) g_repeats = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--isa")) titan::kernels::set_cpu_isa(isa_named(argv[i + 1]));
-    else if (!std::strcmp(argv[i], "--device")) g_device = at::Device(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--device")) {
+      if (std::strcmp(argv[i + 1], "cpu") && std::strcmp(argv[i + 1], "cuda")) {
+        std::fprintf(stderr, "--device %s: expected cpu or cuda\n", argv[i + 1]);
+        return 2;
+      }
+      g_device = at::Device(argv[i + 1]);
+    }
   }
   at::set_num_threads(threads);
   at::manual_seed(0);
@@ -162,6 +168,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--device cuda: this build has no CUDA kernels of titan's (LibTorch without CUDA)\n");
       return 2;
     }
+    // A kernel that disagrees with ATen on its first call stops the benchmark instead of timing ATen against itself.
+    titan::kernels::set_cuda_checks_strict(true);
     std::printf("titan CUDA kernels against ATen on the GPU, median of %d (each call synchronised)\n", g_repeats);
     for (auto dtype : {at::kBFloat16, at::kFloat}) {
       elementwise(dtype, 8192, 4096, 14336, 32, 128);  // Llama 3 8B, one 8,192-token sequence

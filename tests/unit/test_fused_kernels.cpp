@@ -158,18 +158,20 @@ TEST(FusedKernels, SwiGluMatchesAten) {
 
 TEST(FusedKernels, RopeMatchesComplexRotation) {
   at::manual_seed(3);
-  const auto table = titan::llama3::precompute_rope(32, 300, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+  // head_dim 32: two 16-float vectors per row; 24: one vector and the scalar tail (4 pairs).
+  for (int64_t hd : {int64_t{32}, int64_t{24}})
   for (Isa isa : runnable_isas()) {
-    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
+    const auto table = titan::llama3::precompute_rope(hd, 300, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+    SCOPED_TRACE("isa " + titan::kernels::isa_name(isa) + " head_dim " + std::to_string(hd));
     IsaGuard guard(isa);
     for (auto dtype : {at::kFloat, at::kBFloat16}) {
       for (bool with_positions : {false, true}) {
         SCOPED_TRACE(testing::Message() << dtype << (with_positions ? " positions" : " sequence order"));
         auto opts = at::TensorOptions().dtype(dtype);
-        at::Tensor q = at::randn({2, 37, 4 * 32}, opts).view({2, 37, 4, 32});
-        at::Tensor k = at::randn({2, 37, 3 * 32 + 5}, opts).narrow(2, 5, 2 * 32).view({2, 37, 2, 32});  // strided rows
+        at::Tensor q = at::randn({2, 37, 4 * hd}, opts).view({2, 37, 4, hd});
+        at::Tensor k = at::randn({2, 37, 3 * hd + 5}, opts).narrow(2, 5, 2 * hd).view({2, 37, 2, hd});  // strided rows
         at::Tensor positions = with_positions ? at::randint(0, 300, {2, 37}, at::kLong) : at::Tensor();
-        at::Tensor gq = at::randn({2, 37, 4, 32}, opts), gk = at::randn({2, 37, 2, 32}, opts);
+        at::Tensor gq = at::randn({2, 37, 4, hd}, opts), gk = at::randn({2, 37, 2, hd}, opts);
         at::Tensor q1 = leaf(q), k1 = leaf(k);
         auto [rq, rk] = titan::kernels::rope(q1, k1, table, positions);
         (rq * gq).sum().add((rk * gk).sum()).backward();

@@ -9,7 +9,6 @@
 #include "titan/common/strings.h"
 #include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/schedule.h"
-#include "titan/kernels/fused_ops.h"
 
 namespace titan::llama3 {
 
@@ -36,10 +35,7 @@ struct BlockActivations {
   double backward_buffers = 0;  // what a block's backward allocates beside what it saved
 };
 
-// `fused_attention`: titan's CPU attention kernel runs (kernels::attention_kernel_preferred), which writes its output
-// in the layout the output projection reads (one copy, not two).
-BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp, FusedKernels kernels,
-                                   bool fused_attention) {
+BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp, FusedKernels kernels) {
   const bool fused = kernels == FusedKernels::cpu;
   const double d = static_cast<double>(a.dim), k = static_cast<double>(a.kv_heads() * a.head_dim()),
                h = static_cast<double>(a.ffn_hidden_dim()), heads = static_cast<double>(a.n_heads);
@@ -50,7 +46,9 @@ BlockActivations block_activations(const ModelArgs& a, double r, double c, bool 
   // Fused kernels: no float32 RoPE view, one attention output, no SiLU output; and under autocast the norms'
   // float32 outputs die as soon as the linears have their bf16 copies (measured: docs/metrics.md).
   // (Under tensor parallelism the measured peak keeps them: 0.83x without them at TP 2.)
-  if (fused) sharded -= (d + k) * 4 + (fused_attention ? d * c : 0) + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
+  // (One attention output also where titan hands float32 attention to ATen's CPU flash kernel, which writes its
+  // output in the (batch, seq, heads, head_dim) layout the output projection reads.)
+  if (fused) sharded -= (d + k) * 4 + d * c + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
   // The CUDA kernels save their inputs only (model.cpp, kernels/fused_ops.cpp); not measured on a GPU yet.
   if (kernels == FusedKernels::cuda) sharded -= (d + k) * 4 + h * c;
   if (tp > 1) gathered = 2 * d * c;
@@ -195,10 +193,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
   // computes it in the gathered weights' dtype.
   const double r = fsdp && execution == Execution::torchtitan ? c : p_bytes;
-  const BlockActivations block = block_activations(
-      a, r, c, autocast, dims.tp, kernels,
-      titan::kernels::attention_kernel_preferred(c == 4 ? at::kFloat : at::kBFloat16, a.head_dim(),
-                                          training.seq_len / std::max<int64_t>(1, dims.cp), config.model.attn_mask_type == "block_causal"));
+  const BlockActivations block = block_activations(a, r, c, autocast, dims.tp, kernels);
   const auto& ac = config.activation_checkpoint;
   double per_token = 0, recompute = 0;
   if (ac.mode == "full") {
