@@ -472,11 +472,11 @@ void Trainer::check_memory(const llama3::ModelArgs& args, const distributed::Par
   const bool autocast = llama3::computes_under_autocast(c, dims);
   const double runtime = device_.is_cuda() ? 0.0 : static_cast<double>(metrics::current_rss_bytes());
   using llama3::FusedKernels;
-  const FusedKernels kernels = device_.is_cpu()                                 ? FusedKernels::cpu
-                               : device_.is_cuda() && kernels::cuda_kernels_built() ? FusedKernels::cuda
-                                                                                   : FusedKernels::none;
+  const FusedKernels fused = device_.is_cpu()                                   ? FusedKernels::cpu
+                             : device_.is_cuda() && kernels::cuda_kernels_built() ? FusedKernels::cuda
+                                                                                 : FusedKernels::none;
   const auto estimate = llama3::estimate_training_memory(args, c, dims, autocast, runtime, llama3::Execution::titan,
-                                                         mesh_->coordinate("pp"), kernels);
+                                                         mesh_->coordinate("pp"), fused);
   const auto available = metrics::available_memory(device_, launch_.local_world_size);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   log::info("Memory estimate for this rank: ", estimate.describe(), strprintf(" of %.2f GiB available (", available.bytes / gib),
