@@ -1,6 +1,7 @@
 // titan's fused CPU kernels (kernels/fused_ops.h) against the unfused ATen compositions they replace, computed in
 // float64 from the same inputs: values and gradients, float32 and bfloat16, odd sizes, strided inputs, and every
 // compiled instruction-set copy this CPU runs.
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 #include "titan/distributed/loss_parallel.h"
@@ -78,6 +79,17 @@ void check_attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int
   EXPECT_LT(relative_error(q1.grad(), q2.grad()), tol);
   EXPECT_LT(relative_error(k1.grad(), k2.grad()), tol);
   EXPECT_LT(relative_error(v1.grad(), v2.grad()), tol);
+}
+
+// at::parallel_for is inline: titan's kernels split their work over threads only where titan is compiled with OpenMP.
+// (Until that was found, every fused kernel ran on one thread.)
+TEST(FusedKernels, KernelsUseEveryThread) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  EXPECT_EQ(titan::kernels::kernel_threads(), 2) << "titan was built without OpenMP: its CPU kernels run on one thread";
+  at::set_num_threads(1);
+  EXPECT_EQ(titan::kernels::kernel_threads(), 1);
+  at::set_num_threads(before);
 }
 
 TEST(FusedKernels, AttentionMatchesScaledDotProductAttention) {

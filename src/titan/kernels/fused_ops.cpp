@@ -549,9 +549,12 @@ bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors) {
   return false;
 }
 
-bool attention_kernel_preferred(at::ScalarType dtype, int64_t head_dim, int64_t seq, bool block_causal) {
-  if (block_causal || dtype != at::kFloat) return true;
-  return head_dim < 64 || (head_dim < 128 && seq < 1024);
+int kernel_threads() {
+  std::vector<std::atomic<bool>> seen(static_cast<size_t>(std::max(at::get_num_threads(), 1)));
+  at::parallel_for(0, static_cast<int64_t>(seen.size()), 1, [&](int64_t, int64_t) {
+    seen[static_cast<size_t>(std::min<int64_t>(at::get_thread_num(), static_cast<int64_t>(seen.size()) - 1))] = true;
+  });
+  return static_cast<int>(std::count_if(seen.begin(), seen.end(), [](const std::atomic<bool>& b) { return b.load(); }));
 }
 
 bool cuda_kernels_built() {

@@ -48,15 +48,13 @@ void set_cuda_checks_strict(bool strict);
 // Whether this build has titan's CUDA kernels (LibTorch with CUDA; not ROCm).
 bool cuda_kernels_built();
 
+// How many threads titan's CPU kernels split one call over: LibTorch's intra-op thread count where titan was built
+// with OpenMP (GCC builds), 1 where it was not (at::parallel_for, an inline template, then runs on the caller).
+int kernel_threads();
+
 // The first-call checks of the CUDA kernels so far in this process, one line each ("swiglu bf16: agrees with ATen,
 // worst difference 0.21 of the tolerance"); empty on the CPU.
 std::vector<std::string> cuda_kernel_checks();
-
-// Whether titan's CPU attention kernel is the faster choice for causal attention of this dtype, head_dim and
-// sequence length. Not for float32 at head_dim >= 128, or >= 64 with 1,024 positions or more, where ATen's CPU
-// flash kernel measured 1.2x-1.75x faster (bench/bench_kernels.cpp, docs/performance.md); block-causal attention
-// always takes titan's (ATen's would need a dense mask).
-bool attention_kernel_preferred(at::ScalarType dtype, int64_t head_dim, int64_t seq, bool block_causal);
 
 // Causal attention softmax(q k^T / sqrt(head_dim)) v on (batch, heads, seq, head_dim) q and (batch, kv_heads, seq,
 // head_dim) k, v (grouped-query when kv_heads < heads); block-causal when `documents` (int32 (batch, seq), each

@@ -1,5 +1,6 @@
 #include "titan/trainer/trainer.h"
 
+#include <ATen/Parallel.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <unistd.h>
 
@@ -107,6 +108,9 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   launch_ = distributed::detect_launch();
   log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
+  if (c.training.fused_kernels && kernels::kernel_threads() < at::get_num_threads())
+    log::warn("titan was built without OpenMP (not GCC?): its fused CPU kernels run on 1 of ", at::get_num_threads(),
+              " threads (see CMakeLists.txt)");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
   const llama3::JobModel job_model = llama3::job_model(loaded_);
   const llama3::ModelArgs& args = job_model.args;

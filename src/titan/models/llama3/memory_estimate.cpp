@@ -46,8 +46,6 @@ BlockActivations block_activations(const ModelArgs& a, double r, double c, bool 
   // Fused kernels: no float32 RoPE view, one attention output, no SiLU output; and under autocast the norms'
   // float32 outputs die as soon as the linears have their bf16 copies (measured: docs/metrics.md).
   // (Under tensor parallelism the measured peak keeps them: 0.83x without them at TP 2.)
-  // (One attention output also where titan hands float32 attention to ATen's CPU flash kernel, which writes its
-  // output in the (batch, seq, heads, head_dim) layout the output projection reads.)
   if (fused) sharded -= (d + k) * 4 + d * c + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
   // The CUDA kernels save their inputs only (model.cpp, kernels/fused_ops.cpp); not measured on a GPU yet.
   if (kernels == FusedKernels::cuda) sharded -= (d + k) * 4 + h * c;

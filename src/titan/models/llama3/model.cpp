@@ -43,8 +43,7 @@ Attention::Attention(const ModelArgs& args, const nn::ParameterOptions& options)
 at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
   const bool masked = context.attn_mask.defined();
-  if (kernels::fused_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined()) &&
-      kernels::attention_kernel_preferred(q.scalar_type(), q.size(3), q.size(2), masked))
+  if (kernels::fused_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined()))
     return kernels::attention(q, k, v, masked ? context.documents : at::Tensor());
   return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
                                           /*dropout_p=*/0.0, /*is_causal=*/!masked,
