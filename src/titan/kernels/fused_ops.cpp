@@ -87,6 +87,16 @@ void check_launch(cudaError_t error, const char* what) {
 }
 #endif
 
+// Splits [0, n) over the threads at multiples of 16 elements, so that which elements take a kernel's vector path
+// (and its scalar tail) does not depend on the thread count.
+template <typename F>
+void for_each_vector_span(int64_t n, const F& f) {
+  constexpr int64_t kSpan = 16;
+  at::parallel_for(0, (n + kSpan - 1) / kSpan, 256, [&](int64_t begin, int64_t end) {
+    f(begin * kSpan, std::min(end * kSpan, n));
+  });
+}
+
 class Attention : public torch::autograd::Function<Attention> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -181,8 +191,11 @@ class RmsNorm : public torch::autograd::Function<RmsNorm> {
       T* dx = data<T>(grad_x);
       const float* ip = inv_rms.data_ptr<float>();
       float* pp = partial.data_ptr<float>();
+      const int64_t threads = partial.size(0);
       at::parallel_for(0, s.rows, 16, [&](int64_t begin, int64_t end) {
-        float* mine = pp + at::get_thread_num() * s.dim;
+        const int64_t thread = at::get_thread_num();
+        TORCH_CHECK(thread < threads, "fused RMSNorm backward: thread ", thread, " of ", threads);
+        float* mine = pp + thread * s.dim;
         TITAN_ISA_CALL(rms_norm_backward, s, xp, wp, ip, gp, dx, mine, begin, end);
       });
     });
@@ -204,9 +217,7 @@ class SwiGlu : public torch::autograd::Function<SwiGlu> {
         return check_launch(cuda::swiglu_forward(gp, up_p, op, gate.numel(), stream()), "SwiGLU forward");
       }
 #endif
-      at::parallel_for(0, gate.numel(), 4096, [&](int64_t begin, int64_t end) {
-        TITAN_ISA_CALL(swiglu_forward, gp, up_p, op, begin, end);
-      });
+      for_each_vector_span(gate.numel(), [&](int64_t begin, int64_t end) { TITAN_ISA_CALL(swiglu_forward, gp, up_p, op, begin, end); });
     });
     ctx->save_for_backward({gate, up});
     return out;
@@ -226,9 +237,7 @@ class SwiGlu : public torch::autograd::Function<SwiGlu> {
         return check_launch(cuda::swiglu_backward(gp, up_p, dp, dg, du, gate.numel(), stream()), "SwiGLU backward");
       }
 #endif
-      at::parallel_for(0, gate.numel(), 4096, [&](int64_t begin, int64_t end) {
-        TITAN_ISA_CALL(swiglu_backward, gp, up_p, dp, dg, du, begin, end);
-      });
+      for_each_vector_span(gate.numel(), [&](int64_t begin, int64_t end) { TITAN_ISA_CALL(swiglu_backward, gp, up_p, dp, dg, du, begin, end); });
     });
     return {grad_gate, grad_up};
   }

@@ -109,8 +109,9 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
   if (c.training.fused_kernels && kernels::kernel_threads() < at::get_num_threads())
-    log::warn("titan was built without OpenMP (not GCC?): its fused CPU kernels run on 1 of ", at::get_num_threads(),
-              " threads (see CMakeLists.txt)");
+    log::warn("titan's fused CPU kernels split their work over ", kernels::kernel_threads(), " of ", at::get_num_threads(),
+              " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
+              "OMP_THREAD_LIMIT limit the threads");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
   const llama3::JobModel job_model = llama3::job_model(loaded_);
   const llama3::ModelArgs& args = job_model.args;
