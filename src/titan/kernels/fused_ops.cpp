@@ -217,7 +217,9 @@ class SwiGlu : public torch::autograd::Function<SwiGlu> {
         return check_launch(cuda::swiglu_forward(gp, up_p, op, gate.numel(), stream()), "SwiGLU forward");
       }
 #endif
-      for_each_vector_span(gate.numel(), [&](int64_t begin, int64_t end) { TITAN_ISA_CALL(swiglu_forward, gp, up_p, op, begin, end); });
+      for_each_vector_span(gate.numel(), [&](int64_t begin, int64_t end) {
+        TITAN_ISA_CALL(swiglu_forward, gp, up_p, op, begin, end);
+      });
     });
     ctx->save_for_backward({gate, up});
     return out;
@@ -237,7 +239,9 @@ class SwiGlu : public torch::autograd::Function<SwiGlu> {
         return check_launch(cuda::swiglu_backward(gp, up_p, dp, dg, du, gate.numel(), stream()), "SwiGLU backward");
       }
 #endif
-      for_each_vector_span(gate.numel(), [&](int64_t begin, int64_t end) { TITAN_ISA_CALL(swiglu_backward, gp, up_p, dp, dg, du, begin, end); });
+      for_each_vector_span(gate.numel(), [&](int64_t begin, int64_t end) {
+        TITAN_ISA_CALL(swiglu_backward, gp, up_p, dp, dg, du, begin, end);
+      });
     });
     return {grad_gate, grad_up};
   }

@@ -108,8 +108,8 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   launch_ = distributed::detect_launch();
   log::set_enabled(rank_logs(launch_.rank));
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
-  if (c.training.fused_kernels && kernels::kernel_threads() < at::get_num_threads())
-    log::warn("titan's fused CPU kernels split their work over ", kernels::kernel_threads(), " of ", at::get_num_threads(),
+  if (const int used = c.training.fused_kernels ? kernels::kernel_threads() : 0; used > 0 && used < at::get_num_threads())
+    log::warn("titan's fused CPU kernels split their work over ", used, " of ", at::get_num_threads(),
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
               "OMP_THREAD_LIMIT limit the threads");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
