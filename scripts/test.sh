@@ -14,6 +14,8 @@ if [[ "${TITAN_SKIP_SANITIZE:-0}" != 1 ]]; then
     TITAN_CMAKE_ARGS="-DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DTITAN_SANITIZE=ON" "$TITAN_ROOT/scripts/build.sh"
 fi
 status=0
+# The sources must keep compiling against LibTorch 2.11 (the GPU machines'): the version-dependent files, syntax only.
+"$TITAN_ROOT/scripts/check_oldest_libtorch.sh" || status=$?
 (cd "$TITAN_BUILD" && ctest --output-on-failure -j "$(nproc)" "$@") || status=$?
 if [[ "${TITAN_SKIP_SANITIZE:-0}" != 1 ]]; then
   (cd "$sanitize_build" && ctest --output-on-failure -j "$(nproc)" "$@") || status=$?

@@ -4,7 +4,11 @@
 #
 # Usage, from the repository root:
 #   scripts/test_gpu.sh                build into build-gpu/ (TITAN_GPU_BUILD), run every check, print the summary
-#   scripts/test_gpu.sh --skip-build   reuse build-gpu/ as it is (a second call on a machine that is still warm)
+#   scripts/test_gpu.sh --build-only   stage 1: configure and build only (about 5 minutes on 16 cores)
+#   scripts/test_gpu.sh --skip-build   stage 2: run every check from build-gpu/ as it is (the next call on a machine
+#                                      that is still warm); each stage fits one 10-minute command
+#   scripts/test_gpu.sh --sanitize-only   only titan's CUDA kernel tests under compute-sanitizer (memcheck), from
+#                                      build-gpu/; stage 2 runs them last when its time budget allows
 #   scripts/test_gpu.sh --fetch-debs   on a Debian bookworm machine with network: download the Debian packages a GPU
 #                                      machine may lack into .debs/ (see below); needs no GPU
 # Exit codes: 0 every check passed; 1 a check failed or was not reached (each named in the summary); 2 something
@@ -36,7 +40,8 @@
 # the tokenizer is learned from it by `titan tokenizer train`. Two-rank NCCL runs need two GPUs and are not made.
 # Settings: TITAN_GPU_BUILD, TITAN_GPU_PYTHON (python3), TITAN_GPU_DEBS (.debs), TITAN_GPU_JOBS (all cores),
 # TITAN_GPU_GTEST_FILTER (a GoogleTest filter for titan_gpu_tests, '*'; '-*' runs none), TITAN_GPU_SKIP_CLI=1,
-# TITAN_GPU_BENCH_FLAVOR (1B), _BENCH_BATCH (4), _BENCH_SEQ (2048), _BENCH_STEPS (20), TITAN_GPU_TIME_BUDGET
+# TITAN_GPU_BENCH_FLAVOR (1B), _BENCH_BATCH (4), _BENCH_SEQ (2048), _BENCH_STEPS (20) for the first benchmark (the
+# second is always 4 layers of 8B at 8,192 tokens), TITAN_GPU_SANITIZE_FILTER (GpuKernels.*), TITAN_GPU_TIME_BUDGET
 # (seconds; a phase that would end later is reported as not run; 580 when OUT is set, else none).
 # TITAN_GPU_DRY_RUN=1 checks the script itself on a machine without a GPU: no GPU check and no build (it uses
 # the binaries in TITAN_GPU_BUILD), small CPU runs, CPU expectations.
@@ -105,14 +110,21 @@ fetch_debs() {
 }
 
 skip_build=0
+build_only=0
+sanitize_only=0
 for arg in "$@"; do
   case "$arg" in
     --fetch-debs) fetch_debs ;;
     --skip-build) skip_build=1 ;;
+    --build-only) build_only=1 ;;
+    --sanitize-only) sanitize_only=1; skip_build=1 ;;
     -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die 2 "unknown argument '$arg' (expected --skip-build, --fetch-debs or --help)" ;;
+    *) die 2 "unknown argument '$arg' (expected --build-only, --skip-build, --sanitize-only, --fetch-debs or --help)" ;;
   esac
 done
+((build_only && skip_build)) && die 2 "--build-only and --skip-build/--sanitize-only exclude each other"
+run_checks=1
+((build_only || sanitize_only)) && run_checks=0
 
 # --- Is there a GPU? ------------------------------------------------------------------------------------------------
 if [[ "$DRY_RUN" != 1 ]]; then
@@ -420,7 +432,7 @@ run_gtests() {
   figure time.gtest_s "$((SECONDS - t0))"
 }
 
-if [[ -x "$BIN/titan_gpu_tests" ]] && ! grep -qE '^FAIL build\.(configure|titan_gpu_tests)' "$RESULTS"; then
+if ((run_checks)) && [[ -x "$BIN/titan_gpu_tests" ]] && ! grep -qE '^FAIL build\.(configure|titan_gpu_tests)' "$RESULTS"; then
   run_gtests
 fi
 
@@ -503,37 +515,45 @@ run_cli() {
       figure cli.resume.step10_state_bitwise_equal "$same"
     fi
   fi
-  # Throughput of a 1B-class model on one GPU (no FSDP, no activation checkpointing): figures, never a verdict.
-  local bench=(--model.flavor "$BENCH_FLAVOR" "${data[@]}" --training.seq_len "$BENCH_SEQ" --training.local_batch_size "$BENCH_BATCH"
-               --training.steps "$BENCH_STEPS" --metrics.log_freq 5 --activation_checkpoint.mode none
-               --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5)
-  [[ "$DRY_RUN" == 1 ]] && bench=(--model.flavor debugmodel "${data[@]}" --training.seq_len 128 --training.local_batch_size 2
-                                  --training.steps 10 --metrics.log_freq 5 --activation_checkpoint.mode none)
-  local bench_name="bench_${BENCH_FLAVOR}"
-  [[ "$DRY_RUN" == 1 ]] && bench_name=bench_dry_run
+  # Throughput on one GPU: the 1B flavor (no FSDP, no activation checkpointing) and four of 8B's layers at torchtitan's
+  # published 8B setting (8,192 tokens, selective AC): figures, never a verdict.
+  if [[ "$DRY_RUN" == 1 ]]; then
+    run_bench bench_dry_run 2 "AC none" --model.flavor debugmodel "${data[@]}" --training.seq_len 128 --training.steps 10 \
+      --metrics.log_freq 5 --activation_checkpoint.mode none
+    return
+  fi
+  run_bench "bench_${BENCH_FLAVOR}" "$BENCH_BATCH" "AC none" --model.flavor "$BENCH_FLAVOR" "${data[@]}" --training.seq_len "$BENCH_SEQ" \
+    --training.steps "$BENCH_STEPS" --metrics.log_freq 5 --activation_checkpoint.mode none --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5
+  run_bench bench_8B_4_layers 1 "selective AC" --model.flavor 8B --model.n_layers 4 "${data[@]}" --training.seq_len 8192 \
+    --training.steps 15 --metrics.log_freq 5 --activation_checkpoint.mode selective --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5
+}
+
+run_bench() {  # run_bench name local_batch "AC description" args...: tokens/s, MFU and memory as figures; half the batch on OOM
+  local bench_name=$1 batch=$2 ac=$3
+  shift 3
+  local bench=("$@" --training.local_batch_size "$batch")
   local bench_ok=0
-  if within_budget "cli.$bench_name" 90; then
-    RECORD_TRAIN_FAILURE=0
-    train "$bench_name" "${bench[@]}" && bench_ok=1
-    RECORD_TRAIN_FAILURE=1
-    if ((!bench_ok)) && grep -qi 'out of memory' "$LOGS/train-$bench_name.log"; then
-      # The figure is the point: say that the batch did not fit, and measure half of it.
-      figure "cli.$bench_name.out_of_memory_at_local_batch" "$BENCH_BATCH"
-      bench_name="${bench_name}_half_batch"
-      bench+=(--training.local_batch_size "$(( BENCH_BATCH > 1 ? BENCH_BATCH / 2 : 1 ))")
-      within_budget "cli.$bench_name" 90 && train "$bench_name" "${bench[@]}" && bench_ok=1
-    elif ((!bench_ok)); then
-      record FAIL "cli.$bench_name" "titan train did not finish; see $LOGS/train-$bench_name.log"
-    fi
+  within_budget "cli.$bench_name" 90 || return
+  RECORD_TRAIN_FAILURE=0
+  train "$bench_name" "${bench[@]}" && bench_ok=1
+  RECORD_TRAIN_FAILURE=1
+  if ((!bench_ok)) && grep -qi 'out of memory' "$LOGS/train-$bench_name.log" && ((batch > 1)); then
+    # The figure is the point: say that the batch did not fit, and measure half of it.
+    figure "cli.$bench_name.out_of_memory_at_local_batch" "$batch"
+    bench_name="${bench_name}_half_batch"
+    bench+=(--training.local_batch_size "$((batch / 2))")
+    within_budget "cli.$bench_name" 90 && train "$bench_name" "${bench[@]}" && bench_ok=1
+  elif ((!bench_ok)); then
+    record FAIL "cli.$bench_name" "titan train did not finish; see $LOGS/train-$bench_name.log"
   fi
   if ((bench_ok)); then
     checker memory "$LOGS/train-$bench_name.log" --name "cli.$bench_name.memory_field"
     checker throughput "$LOGS/train-$bench_name.log" --name "cli.$bench_name" --skip 5
-    figure "cli.$bench_name.setting" "$(grep -m1 -o 'Model llama3 .*' "$LOGS/train-$bench_name.log"); bf16 autocast, $(grep -m1 -o 'local batch [^,]*' "$LOGS/train-$bench_name.log"), AC none, one device"
+    figure "cli.$bench_name.setting" "$(grep -m1 -o 'Model llama3 .*' "$LOGS/train-$bench_name.log"); bf16 autocast, $(grep -m1 -o 'local batch [^,]*' "$LOGS/train-$bench_name.log"), $ac, one device"
   fi
 }
 
-if [[ -x "$BIN/titan" && "${TITAN_GPU_SKIP_CLI:-0}" != 1 ]] && ! grep -qE '^FAIL build\.(configure|titan):' "$RESULTS"; then
+if ((run_checks)) && [[ -x "$BIN/titan" && "${TITAN_GPU_SKIP_CLI:-0}" != 1 ]] && ! grep -qE '^FAIL build\.(configure|titan):' "$RESULTS"; then
   run_cli
 fi
 
@@ -564,7 +584,40 @@ run_kernel_bench() {
   done < <(grep 'ATen/fused' "$LOGS/bench-kernels.log")
   grep '^first-call check' "$LOGS/bench-kernels.log" || true
 }
-run_kernel_bench
+((run_checks)) && run_kernel_bench
+
+# --- titan's CUDA kernel tests under compute-sanitizer (memcheck): out-of-bounds and misaligned accesses -------------
+run_sanitizer() {
+  local filter="${TITAN_GPU_SANITIZE_FILTER:-GpuKernels.*}"
+  if [[ "$DRY_RUN" == 1 ]]; then
+    record SKIP sanitize.memcheck "dry run: compute-sanitizer needs a GPU"
+    return
+  fi
+  local sanitizer
+  sanitizer=$(command -v compute-sanitizer || ls "$(dirname "${NVCC:-/usr/local/cuda/bin/nvcc}")/compute-sanitizer" 2>/dev/null ||
+              ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+  if [[ -z "$sanitizer" ]]; then
+    record SKIP sanitize.memcheck "compute-sanitizer is not on this machine (it ships with the CUDA toolkit)"
+    return
+  fi
+  [[ -x "$BIN/titan_gpu_tests" ]] || { record SKIP sanitize.memcheck "no $BIN/titan_gpu_tests"; return; }
+  within_budget sanitize.memcheck 120 || return
+  local limit=300 spent=$(( $(date +%s) - START ))
+  if [[ "$TIME_BUDGET" -gt 0 ]] && ((TIME_BUDGET - spent - 5 < limit)); then limit=$((TIME_BUDGET - spent - 5)); fi
+  say "compute-sanitizer memcheck: titan_gpu_tests --gtest_filter=$filter (at most ${limit}s)"
+  local t0=$SECONDS rc
+  timeout "$limit" "${RUN_ENV[@]}" "$sanitizer" --tool memcheck --error-exitcode 86 --print-limit 20 \
+    "$BIN/titan_gpu_tests" --gtest_filter="$filter" >"$LOGS/sanitize-memcheck.log" 2>&1
+  rc=$?
+  figure time.sanitize_memcheck_s "$((SECONDS - t0))"
+  case $rc in
+    0) record PASS sanitize.memcheck "no memory error in $filter ($(grep -c '^\[       OK \]' "$LOGS/sanitize-memcheck.log") tests)" ;;
+    86) record FAIL sanitize.memcheck "$(grep -m1 -E 'Invalid|ERROR' "$LOGS/sanitize-memcheck.log") (see $LOGS/sanitize-memcheck.log)" ;;
+    124) record SKIP sanitize.memcheck "ran past ${limit}s under memcheck; narrow TITAN_GPU_SANITIZE_FILTER and run --sanitize-only" ;;
+    *) record FAIL sanitize.memcheck "exit code $rc: $(grep -v '^\[' "$LOGS/sanitize-memcheck.log" | tail -2 | tr '\n' ' ')" ;;
+  esac
+}
+if ((!build_only)); then run_sanitizer; fi
 
 # --- Summary ----------------------------------------------------------------------------------------------------------
 SUMMARY="$REPORT_DIR/gpu_summary.txt"

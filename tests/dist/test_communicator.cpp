@@ -31,6 +31,24 @@ TEST(Communicator, AllReduceOpsAndDtypes) {
   EXPECT_FLOAT_EQ(avg[0].item<float>(), (n - 1) / 2.0f);
 }
 
+TEST(Communicator, BoolReductionsAreLogicalAndStayBooleans) {
+  // A sum of flags is their logical or: every byte stays 0 or 1 (a byte sum would leave n in a bool).
+  const int r = g_world->rank(), n = g_world->size();
+  at::Tensor any = at::tensor({1, r == 0 ? 1 : 0, 0}, at::kByte).to(at::kBool);
+  g_world->all_reduce(any, ReduceOp::Sum);
+  at::Tensor bytes = any.view(at::kByte);
+  EXPECT_EQ(bytes[0].item<int>(), 1);
+  EXPECT_EQ(bytes[1].item<int>(), 1);
+  EXPECT_EQ(bytes[2].item<int>(), 0);
+  at::Tensor all = at::tensor({1, r != 0 ? 1 : 0}, at::kByte).to(at::kBool);
+  g_world->all_reduce(all, ReduceOp::Min);
+  EXPECT_EQ(all.view(at::kByte)[0].item<int>(), 1);
+  EXPECT_EQ(all.view(at::kByte)[1].item<int>(), n == 1 ? 1 : 0);
+  at::Tensor flags = at::ones({n}, at::kBool), mine = at::empty({1}, at::kBool);
+  g_world->reduce_scatter(mine, flags, ReduceOp::Sum);
+  EXPECT_EQ(mine.view(at::kByte)[0].item<int>(), 1);
+}
+
 TEST(Communicator, GatherScatterBroadcast) {
   const int r = g_world->rank(), n = g_world->size();
   at::Tensor in = at::full({3}, r, at::kFloat);

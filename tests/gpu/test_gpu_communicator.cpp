@@ -25,7 +25,8 @@ class Nccl : public ::testing::Test {
     if (!titan_gpu_test::cuda_available()) return;
     titan::distributed::LaunchInfo launch;  // rank 0 of 1, local rank 0
     // The unique id travels over the bootstrap communicator; on one rank the local one suffices.
-    world_ = titan::distributed::make_nccl_world(launch, titan::distributed::make_local_communicator(), 0);
+    world_ = titan::distributed::make_nccl_world(launch, titan::distributed::make_local_communicator(), 0,
+                                                       std::chrono::seconds(60));
   }
   static void TearDownTestSuite() { world_.reset(); }
 

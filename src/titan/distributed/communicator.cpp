@@ -29,13 +29,15 @@ class DoneWork final : public Work {
   bool completed() override { return true; }
 };
 
-// One rank: collectives are identities (avg of one value is the value).
+// One rank: collectives are identities (avg of one value is the value). Its tensors live on the process's device,
+// so that callers moving values "to the communicator's device" keep them where the computation is.
 class LocalCommunicator final : public Communicator {
  public:
-  LocalCommunicator() { name_ = "world"; }
+  LocalCommunicator(at::Device device, std::string name) : device_(device) { name_ = std::move(name); }
   int rank() const override { return 0; }
   int size() const override { return 1; }
   std::string backend() const override { return "local"; }
+  at::Device tensor_device() const override { return device_; }
   bool globally_ordered() const override { return true; }
   void set_timeout(std::chrono::seconds) override {}
   int64_t bytes_communicated() const override { return 0; }
@@ -68,10 +70,11 @@ class LocalCommunicator final : public Communicator {
   void barrier() override {}
   std::shared_ptr<Communicator> split(int color, int, const std::string& name) override {
     if (color < 0) return nullptr;
-    auto c = std::make_shared<LocalCommunicator>();
-    c->name_ = name;
-    return c;
+    return std::make_shared<LocalCommunicator>(device_, name);
   }
+
+ private:
+  at::Device device_;
 };
 
 int env_int(const char* name, int fallback) {
@@ -90,7 +93,9 @@ std::shared_ptr<Communicator> g_world;
 
 std::shared_ptr<Work> completed_work() { return std::make_shared<DoneWork>(); }
 
-std::shared_ptr<Communicator> make_local_communicator() { return std::make_shared<LocalCommunicator>(); }
+std::shared_ptr<Communicator> make_local_communicator(at::Device device, const std::string& name) {
+  return std::make_shared<LocalCommunicator>(device, name);
+}
 
 LaunchInfo detect_launch() {
   LaunchInfo info;

@@ -42,7 +42,8 @@ class Communicator {
   virtual at::Device tensor_device() const { return at::Device(at::kCPU); }
   const std::string& name() const { return name_; }
 
-  // In place on `tensor` (contiguous).
+  // In place on `tensor` (contiguous). A sum (and max) of bool tensors is their logical or, a min their logical and;
+  // an average needs a floating-point tensor.
   virtual std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op, bool async = false) = 0;
   // `output` holds size() * input.numel() elements: rank i's input lands at [i * n, (i + 1) * n).
   virtual std::shared_ptr<Work> all_gather_into(at::Tensor& output, const at::Tensor& input, bool async = false) = 0;
@@ -75,6 +76,10 @@ class Communicator {
   // backend's single worker thread), so a later operation may read what an earlier one writes without waiting.
   virtual bool globally_ordered() const { return false; }
 
+  // Whether wait() blocks the calling thread until the operation is done (MPI, local). On NCCL it only makes the
+  // caller's stream wait and returns at once, so host time spent in wait() does not measure GPU-side stalls.
+  virtual bool waits_block_host() const { return true; }
+
   // Bytes this rank sends in collectives since construction, counted as ring algorithms move them: all-gather and
   // reduce-scatter (n - 1) x shard, all-reduce 2 (n - 1) / n x tensor, all-to-all (n - 1) / n x tensor, broadcast and send the tensor.
   virtual int64_t bytes_communicated() const = 0;
@@ -98,13 +103,16 @@ LaunchInfo detect_launch();
 // single-process communicator otherwise. Created once; later calls return the same object.
 std::shared_ptr<Communicator> world(const LaunchInfo& launch);
 
-// Local and multi-process implementations, exposed for tests and backends.
-std::shared_ptr<Communicator> make_local_communicator();
+// Local and multi-process implementations, exposed for tests and backends. The single-process communicator's
+// tensor_device() is `device` (the trainer's: a one-GPU job keeps its values on the GPU).
+std::shared_ptr<Communicator> make_local_communicator(at::Device device = at::Device(at::kCPU), const std::string& name = "world");
 std::shared_ptr<Communicator> make_mpi_world();
 // NCCL over CUDA tensors, bootstrapped through `bootstrap` (any communicator spanning the same ranks) or, when
-// null, through a TCP store at MASTER_ADDR:MASTER_PORT. Throws UserError when titan was built without CUDA.
+// null, through a TCP store at MASTER_ADDR:MASTER_PORT. Start-up ends within `init_timeout` with an error naming
+// the ranks that did not arrive, or saying that NCCL's own set-up hangs. Throws UserError when titan was built
+// without CUDA.
 std::shared_ptr<Communicator> make_nccl_world(const LaunchInfo& launch, const std::shared_ptr<Communicator>& bootstrap,
-                                              int device_index);
+                                              int device_index, std::chrono::seconds init_timeout);
 
 // Collective: every rank's string, on every rank, in rank order (CPU tensors: the MPI or local backend).
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& mine);

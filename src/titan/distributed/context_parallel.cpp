@@ -24,12 +24,18 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// One (query block, key/value block) of attention with equal head counts: the output and the log-sum-exp of each
-// query's scores (float32, (batch, heads, queries)). `causal`: the blocks cover the same positions.
-std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+// One (query block, key/value block) of attention with equal head counts: the output, the log-sum-exp of each
+// query's scores (float32, (batch, heads, queries)) and, on CUDA, the random-number state the kernel's backward
+// takes back. `causal`: the blocks cover the same positions.
+struct BlockResult {
+  at::Tensor out, lse;
+  at::Tensor rng_state, rng_unused;  // CUDA flash attention's philox seed and offset outputs (undefined on the CPU)
+};
+
+BlockResult block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   if (q.is_cpu()) {
     auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
-    return {out, lse};
+    return {out, lse, at::Tensor(), at::Tensor()};
   }
 #ifdef TITAN_WITH_CUDA
   if (q.is_cuda()) {
@@ -37,7 +43,7 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
       fail("context parallelism on CUDA runs the flash-attention kernel, which takes bfloat16 or float16, but attention "
            "computes in ", c10::toString(q.scalar_type()), "; set training.mixed_precision_param = \"bfloat16\"");
     auto r = at::_scaled_dot_product_flash_attention(q, k, v, 0.0, causal);
-    return {std::get<0>(r), std::get<1>(r)};
+    return {std::get<0>(r), std::get<1>(r), std::get<6>(r), std::get<7>(r)};
   }
 #endif
   fail("context parallelism has no attention kernel for device ", q.device().str());
@@ -45,17 +51,20 @@ std::pair<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::T
 
 // The gradients of one block pair given the combined output and log-sum-exp of the query block: the softmax over
 // every key block is exp(score - lse), so each pair's share of the gradients is what the kernel's backward computes.
+// The kernels read the log-sum-exp as dense (batch, heads, queries): a chunk of it is made contiguous.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                                                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal) {
-  if (q.is_cpu()) return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal);
+                                                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                                              bool causal, const BlockResult& forward) {
+  const at::Tensor dense_lse = lse.contiguous();
+  if (q.is_cpu()) return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, dense_lse, 0.0, causal);
 #ifdef TITAN_WITH_CUDA
   if (q.is_cuda()) {
-    const auto empty = at::empty({0}, q.options().dtype(at::kInt));
-    const auto seed = at::zeros({2}, q.options().dtype(at::kLong));
-    return at::_scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, lse, empty, empty, q.size(2), k.size(2), 0.0,
-                                                            causal, seed, seed);
+    // Undefined cumulative sequence lengths: defined ones (even empty) select the variable-length kernel.
+    return at::_scaled_dot_product_flash_attention_backward(grad_out, q, k, v, out, dense_lse, at::Tensor(), at::Tensor(), q.size(2),
+                                                            k.size(2), 0.0, causal, forward.rng_state, forward.rng_unused);
   }
 #endif
+  (void)forward;
   fail("context parallelism has no attention kernel for device ", q.device().str());
 }
 
@@ -84,11 +93,11 @@ struct Partial {
 struct CpHolder : torch::CustomClassHolder {
   explicit CpHolder(const ContextParallel& c) : cp(c) {}
   ContextParallel cp;
+  // Per (key source rank, query chunk, key chunk): what the forward kernel returned for its backward (CUDA).
+  std::map<std::tuple<int, int64_t, int64_t>, BlockResult> forward_states;
 };
 
-const ContextParallel& cp_of(AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<CpHolder>(ctx->saved_data["cp"].toCapsule())->cp;
-}
+CpHolder& holder_of(AutogradContext* ctx) { return *c10::static_intrusive_pointer_cast<CpHolder>(ctx->saved_data["cp"].toCapsule()); }
 
 // The key/value blocks of one rank, (2, batch, kv_heads, local, head_dim), stacked so one message carries both.
 at::Tensor chunk_of(const at::Tensor& x, int64_t index, int64_t len) { return x.narrow(2, index * len, len); }
@@ -140,8 +149,10 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
       for (const auto& p : pairs_with(cp, source, seq_len)) {
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
-        auto [o, l] = block_forward(chunk_of(q, p.q_index, chunk), k, v, p.causal);
-        partial[static_cast<size_t>(p.q_index)].add(o, l);
+        BlockResult r = block_forward(chunk_of(q, p.q_index, chunk), k, v, p.causal);
+        partial[static_cast<size_t>(p.q_index)].add(r.out, r.lse);
+        if (r.rng_state.defined() || r.rng_unused.defined())
+          holder->forward_states[{source, p.q_index, p.k_index}] = {at::Tensor(), at::Tensor(), r.rng_state, r.rng_unused};
       }
     };
     for_each_block(cp, kv, compute);
@@ -157,7 +168,8 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const ContextParallel& cp = cp_of(ctx);
+    CpHolder& holder = holder_of(ctx);
+    const ContextParallel& cp = holder.cp;
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k_in = saved[1], &v_in = saved[2], &out = saved[3], &lse = saved[4];
     const at::Tensor grad_out = grads[0].contiguous();
@@ -172,8 +184,10 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
       for (const auto& p : pairs_with(cp, source, seq_len)) {
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
+        const auto state = holder.forward_states.find({source, p.q_index, p.k_index});
         auto [gq, gk, gv] = block_backward(chunk_of(grad_out, p.q_index, chunk), chunk_of(q, p.q_index, chunk), k, v,
-                                           chunk_of(out, p.q_index, chunk), chunk_of(lse, p.q_index, chunk), p.causal);
+                                           chunk_of(out, p.q_index, chunk), chunk_of(lse, p.q_index, chunk), p.causal,
+                                           state == holder.forward_states.end() ? BlockResult{} : state->second);
         chunk_of(dq, p.q_index, chunk).add_(gq);
         chunk_of(d[0], p.k_index, chunk).add_(reduce_heads(gk, rep));
         chunk_of(d[1], p.k_index, chunk).add_(reduce_heads(gv, rep));

@@ -7,6 +7,7 @@
 
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/data_parallel.h"
+#include "titan/nn/torch_compat.h"
 
 namespace titan::distributed {
 
@@ -45,7 +46,7 @@ class Ddp final : public DataParallel {
   std::shared_ptr<Communicator> group_;
   std::vector<Bucket> buckets_;
   std::vector<int64_t> bucket_of_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooked accumulators alive
+  std::vector<nn::GradAccumulatorHandle> accumulators_;  // keeps the hooked accumulators alive
   // The hooks live in the parameters' autograd nodes, which may outlive this object: they check this flag, which
   // the destructor clears, instead of calling into a destroyed Ddp.
   std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);

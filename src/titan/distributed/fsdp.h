@@ -10,6 +10,7 @@
 
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/data_parallel.h"
+#include "titan/nn/torch_compat.h"
 #include "titan/distributed/sharded_parameter.h"
 #include "titan/nn/unit.h"
 
@@ -79,7 +80,7 @@ class Fsdp final : public DataParallel {
   std::vector<Unit> units_;
   std::shared_ptr<Communicator> shard_group_, replicate_group_;
   FsdpOptions options_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<nn::GradAccumulatorHandle> accumulators_;
   // Hooks and module wrappers live in the model, which may outlive this object: they check this flag, which the
   // destructor clears (gradient hooks then do nothing; a forward through the model is an error).
   std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);

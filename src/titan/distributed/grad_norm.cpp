@@ -20,9 +20,15 @@ at::Tensor owned_grad_squares(const std::vector<ShardedParameter>& params) {
 
 at::Tensor clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, Communicator& world) {
   at::NoGradGuard no_grad;
-  at::Tensor squares = owned_grad_squares(params).reshape({1}).to(world.tensor_device()).contiguous();
-  if (world.size() > 1) world.all_reduce(squares, ReduceOp::Sum);
-  at::Tensor total = squares.sqrt().reshape({}).to(at::kFloat);
+  // The norm stays on the gradients' device; it visits the communicator's device only for the reduction (the
+  // same device with NCCL, MPI and the local communicator of a one-GPU job, so no copy and no host sync there).
+  at::Tensor squares = owned_grad_squares(params);
+  if (world.size() > 1) {
+    at::Tensor buffer = squares.reshape({1}).to(world.tensor_device()).contiguous();
+    world.all_reduce(buffer, ReduceOp::Sum);
+    squares = buffer.to(squares.device()).reshape({});
+  }
+  at::Tensor total = squares.sqrt().to(at::kFloat);
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
     if (p.local.grad().defined()) grads.push_back(p.local.grad());

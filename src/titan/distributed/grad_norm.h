@@ -15,8 +15,8 @@ namespace titan::distributed {
 at::Tensor owned_grad_squares(const std::vector<ShardedParameter>& params);
 
 // Scales every local gradient so that the global norm is at most max_norm (coefficient max_norm / (norm + 1e-6),
-// at most 1, as PyTorch's clip_grad_norm_) and returns the norm before clipping (float32 scalar). Collective over
-// `world`: one all-reduce of one value.
+// at most 1, as PyTorch's clip_grad_norm_) and returns the norm before clipping (float32 scalar on the gradients'
+// device, whatever `world`'s device is). Collective over `world`: one all-reduce of one value.
 at::Tensor clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, Communicator& world);
 
 }  // namespace titan::distributed

@@ -71,6 +71,8 @@ MPI_Datatype mpi_type(at::ScalarType t) {
 }
 
 MPI_Op mpi_op(ReduceOp op, at::ScalarType t) {
+  // Booleans travel as bytes: a byte sum could leave 2 in a bool. Their sum is their logical or (Communicator).
+  if (t == at::kBool) return op == ReduceOp::Min ? MPI_MIN : MPI_MAX;
   if (t == at::kBFloat16)
     return op == ReduceOp::Max ? types().bf16_max : op == ReduceOp::Min ? types().bf16_min : types().bf16_sum;
   if (t == at::kHalf) return op == ReduceOp::Max ? types().f16_max : op == ReduceOp::Min ? types().f16_min : types().f16_sum;

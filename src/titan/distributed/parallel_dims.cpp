@@ -61,7 +61,7 @@ DeviceMesh::DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> w
         color = color * degree + coords_[dim];
       }
     }
-    groups_[name] = size == 1 ? make_local_communicator() : world_->split(static_cast<int>(color), static_cast<int>(key), name);
+    groups_[name] = size == 1 ? make_local_communicator(world_->tensor_device(), name) : world_->split(static_cast<int>(color), static_cast<int>(key), name);
   };
   // Every rank creates the same groups in the same order (splits are collective over the world).
   make_group("pp", {"pp"});

@@ -17,7 +17,7 @@
 #include "titan/common/files.h"
 #include "titan/components/metrics/cuda_device.h"
 #include "titan/components/metrics/metric_logger.h"
-#include "titan/distributed/checking_communicator.h"
+#include "titan/distributed/init_world.h"
 #include "titan/models/llama3/memory_estimate.h"
 #include "titan/models/llama3/model_config.h"
 #include "titan/common/logging.h"
@@ -127,27 +127,23 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     log::info("Saved job configs to ", path.string());
   }
 
-  std::shared_ptr<distributed::Communicator> comm;
-  if (at::hasCUDA()) {
-    device_ = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(launch_.local_rank));
-    // Every allocation that names no index (parameters built without storage, then allocated) must land on this
-    // rank's GPU, not on GPU 0.
-    metrics::cuda_make_current(launch_.local_rank);
-    std::shared_ptr<distributed::Communicator> bootstrap;
-    if (launch_.world_size > 1 && launch_.launcher != "torchrun") bootstrap = distributed::world(launch_);
-    comm = distributed::maybe_checking(launch_.world_size > 1
-                                           ? distributed::make_nccl_world(launch_, bootstrap, launch_.local_rank)
-                                           : distributed::make_local_communicator());
-    control_ = bootstrap;  // MPI on host memory: the per-step control reduction waits for no GPU work
+  const auto init_timeout = std::chrono::seconds(c.comm.init_timeout_seconds);
+  distributed::ProcessWorld process = distributed::init_world(launch_, init_timeout);
+  device_ = process.device;
+  control_ = process.control;
+  std::shared_ptr<distributed::Communicator> comm = process.comm;  // groups created from it inherit its timeout
+  if (device_.is_cuda()) {
+    const auto devices = distributed::report_devices(*control_, device_);
+    constexpr size_t kListed = 16;
+    for (size_t r = 0; r < std::min(devices.ranks.size(), kListed); ++r) log::info("Device of ", devices.ranks[r]);
+    if (devices.ranks.size() > kListed) log::info("Devices of ", devices.ranks.size() - kListed, " more ranks not listed");
+    for (const auto& line : devices.shared) log::warn(line, ": NCCL does not support two ranks on one GPU and may hang");
   } else {
-    comm = distributed::world(launch_);
     log::info(metrics::keep_freed_host_memory());
   }
-  comm->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));  // groups created from it inherit it
   mesh_ = std::make_unique<distributed::DeviceMesh>(dims, comm);
-  if (!control_) control_ = comm;
-  mesh_->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));
-  if (control_ != comm) control_->set_timeout(std::chrono::seconds(c.comm.init_timeout_seconds));
+  mesh_->set_timeout(init_timeout);
+  if (control_ != comm) control_->set_timeout(init_timeout);
   log::info("Parallelism: ", dims.describe(), " launched by ", launch_.launcher, "; ", comm->backend(), " communication");
 
   // Determinism and seeding.
@@ -784,29 +780,35 @@ int Trainer::train() {
   if (checkpointer_) checkpointer_->wait();
   if (exit_code == 0) log::info("Training completed: ", step_, " steps, ", with_thousands(tokens_seen_), " tokens");
   const double steps = static_cast<double>(step_ - first_step);  // run by this process
+  // On NCCL a wait orders the GPU's streams and returns at once: the host time in it is not the GPU's stall.
+  const std::string blocked = mesh_->world()->waits_block_host()
+                                  ? "blocked waiting"
+                                  : "in waits on the host (NCCL waits only order GPU streams; GPU-side stalls are in the profiler trace)";
   if (mesh_->dims().dp_enabled() && steps > 0) {
     int64_t bytes = 0;
     double waited = 0;
     for (auto& part : model_parts()) bytes += part.data_parallel->bytes_communicated(), waited += part.data_parallel->wait_seconds();
-    log::info(strprintf("Data-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting, "
-                        "%.3f s inside MPI calls (overlapped or not); %.3f s per step in all",
-                        bytes / steps / 1e6, waited / steps, distributed::mpi_busy_seconds() / steps, (now_seconds() - train_start) / steps));
+    log::info(strprintf("Data-parallel communication per step on this rank: %.2f MB sent, %.3f s %s, ", bytes / steps / 1e6,
+                        waited / steps, blocked.c_str()),
+              device_.is_cpu() ? strprintf("%.3f s inside MPI calls (overlapped or not); ", distributed::mpi_busy_seconds() / steps) : "",
+              strprintf("%.3f s per step in all", (now_seconds() - train_start) / steps));
   }
   if (pipeline_ && pipeline_->runner().steps() > 0) {
     const auto& r = pipeline_->runner();
-    log::info(strprintf("Pipeline on this rank: measured bubble %.1f%% (schedule's unit-time bubble %.1f%%), %.2f MB sent to "
+    log::info(strprintf("Pipeline on this rank: measured bubble %.1f%%%s (schedule's unit-time bubble %.1f%%), %.2f MB sent to "
                         "neighbouring stages per step, at most %d micro-batches in flight; %lld activation shape header(s) read "
                         "back from the device over %lld training pass(es) of the schedule (the first activation of a shape "
                         "on each channel, and every one in validation), no loss read back within a pass",
-                        100.0 * r.bubble(), 100.0 * r.schedule().simulate().bubble,
+                        100.0 * r.bubble(), mesh_->world()->waits_block_host() ? "" : " (host clock: GPU work runs after it is issued)",
+                        100.0 * r.schedule().simulate().bubble,
                         static_cast<double>(r.bytes_sent()) / static_cast<double>(r.steps()) * static_cast<double>(grad_accum_steps_) / 1e6, r.max_in_flight(),
                         static_cast<long long>(r.header_reads()), static_cast<long long>(r.steps())));
   }
   if (cp_ && steps > 0)
-    log::info(strprintf("Context-parallel communication per step on this rank: %.2f MB sent, %.3f s blocked waiting for keys and "
+    log::info(strprintf("Context-parallel communication per step on this rank: %.2f MB sent, %.3f s %s for keys and "
                         "values or their gradients; %.3f s per step in all",
                         cp_->group()->bytes_communicated() / steps / 1e6, distributed::ContextParallel::wait_seconds() / steps,
-                        (now_seconds() - train_start) / steps));
+                        blocked.c_str(), (now_seconds() - train_start) / steps));
   if (mesh_->dims().tp > 1 && steps > 0)
     log::info(strprintf("Tensor-parallel communication per step on this rank: %.2f MB sent, %.3f s in its (synchronous) "
                         "collectives; %.3f s per step in all",

@@ -1,6 +1,8 @@
 #include "titan/components/checkpoint/checkpointer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +29,43 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
+
+// What an asynchronous save writes from: copies of the state in host memory, made without waiting per tensor. Host
+// tensors are cloned; device tensors are copied with non-blocking transfers, into pinned buffers kept for the next
+// save when `pinned` is given (async_with_pinned_mem), else into fresh host memory; finish() waits for those copies
+// once. Synchronous saves write the tensors themselves.
+class HostStaging {
+ public:
+  HostStaging(std::map<std::string, at::Tensor>* pinned, bool copy) : pinned_(pinned), copy_(copy) {}
+  at::Tensor take(const std::string& key, const at::Tensor& tensor) {
+    const at::Tensor t = tensor.detach();
+    if (!copy_) return t;
+    if (t.is_cpu()) return t.clone();
+    device_ = t.device();
+    at::Tensor host;
+    if (pinned_) {
+      at::Tensor& buffer = (*pinned_)[key];
+      if (!buffer.defined() || buffer.sizes() != t.sizes() || buffer.scalar_type() != t.scalar_type())
+        buffer = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(true));
+      host = buffer;
+    } else {
+      host = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
+    }
+    host.copy_(t, /*non_blocking=*/true);
+    return host;
+  }
+  void finish() {
+    if (!device_) return;
+    c10::Event copied(device_->type());
+    copied.record(c10::impl::VirtualGuardImpl(device_->type()).getStream(*device_));
+    copied.synchronize();
+  }
+
+ private:
+  std::map<std::string, at::Tensor>* pinned_;
+  bool copy_;
+  std::optional<at::Device> device_;
+};
 
 std::optional<int64_t> step_of(const fs::path& p) {
   static const std::regex pattern(R"(step-(\d+))");
@@ -218,19 +257,31 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
   std::vector<SnapshotItem> items;
   const auto& opt_state = state.optimizer.state();
   json optimizer_steps = json::object();
-  auto take = [&](const at::Tensor& t) { return async ? t.detach().to(at::kCPU).clone() : t.detach(); };
+  std::vector<std::string> step_names;
+  std::vector<at::Tensor> steps;
+  HostStaging staging(async ? (config_.async_mode == "async_with_pinned_mem" ? &pinned_buffers_ : nullptr) : nullptr, async);
   for (size_t i = 0; i < state.parameters.size(); ++i) {
     const auto& p = state.parameters[i];
     if (!p.layout.owner()) continue;
     const auto offsets = p.layout.local_box().offsets;
     const auto& shape = p.layout.global_shape();
     at::Tensor piece = p.piece().detach();
-    items.push_back({"model." + p.name, take(model_only ? piece.to(export_dtype(config_.export_dtype)) : piece), offsets, shape});
+    const std::string model_key = "model." + p.name;
+    items.push_back({model_key, staging.take(model_key, model_only ? piece.to(export_dtype(config_.export_dtype)) : piece), offsets, shape});
     if (model_only || i >= opt_state.size() || !opt_state[i].exp_avg.defined()) continue;
-    items.push_back({"optimizer.exp_avg." + p.name, take(distributed::unpadded(opt_state[i].exp_avg, p.layout)), offsets, shape});
-    items.push_back({"optimizer.exp_avg_sq." + p.name, take(distributed::unpadded(opt_state[i].exp_avg_sq, p.layout)), offsets, shape});
-    optimizer_steps[p.name] = opt_state[i].step.item<double>();
+    for (const auto& [key, moment] : {std::pair{"optimizer.exp_avg." + p.name, &opt_state[i].exp_avg},
+                                      std::pair{"optimizer.exp_avg_sq." + p.name, &opt_state[i].exp_avg_sq}})
+      items.push_back({key, staging.take(key, distributed::unpadded(*moment, p.layout)), offsets, shape});
+    step_names.push_back(p.name);
+    const at::Tensor step_count = opt_state[i].step.detach().reshape({}).to(at::kDouble);
+    steps.push_back(steps.empty() ? step_count : step_count.to(steps.front().device()));
   }
+  if (!steps.empty()) {
+    // One read of every parameter's step count (on a GPU, one transfer instead of one per parameter).
+    const at::Tensor host_steps = at::stack(steps).cpu();
+    for (size_t i = 0; i < step_names.size(); ++i) optimizer_steps[step_names[i]] = host_steps[static_cast<int64_t>(i)].item<double>();
+  }
+  staging.finish();  // the copies to host memory are complete before training changes the originals
   json rank_state = {{"rank", rank}, {"optimizer_steps", optimizer_steps}};
   if (!model_only) {
     // One data-parallel rank's stream is read by all ranks of its TP/CP/PP group; one of them saves it.

@@ -3,6 +3,7 @@
 // dataloader state, the step and token count, RNG state -- and saves or loads it; on load each rank reads just
 // the boxes it holds, so a checkpoint saved under one layout loads under any other.
 #pragma once
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -82,6 +83,7 @@ class Checkpointer {
   std::mutex error_mutex_;
   std::string background_error_;
   std::atomic<bool> abandon_{false};
+  std::map<std::string, at::Tensor> pinned_buffers_;  // async_with_pinned_mem: host copies reused by every save
 };
 
 }  // namespace titan::checkpoint

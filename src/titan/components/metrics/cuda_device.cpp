@@ -19,8 +19,6 @@ std::string cuda_device_name(int index) { return at::cuda::getDeviceProperties(i
 
 double cuda_total_memory_bytes(int index) { return static_cast<double>(at::cuda::getDeviceProperties(index)->totalGlobalMem); }
 
-void cuda_make_current(int index) { c10::cuda::set_device(static_cast<c10::DeviceIndex>(index)); }
-
 double cuda_usable_memory_bytes(int index) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
   size_t free = 0, total = 0;
@@ -41,7 +39,6 @@ bool cuda_available() { return false; }
 std::string cuda_device_name(int) { return ""; }
 double cuda_total_memory_bytes(int) { return 0; }
 double cuda_usable_memory_bytes(int) { return 0; }
-void cuda_make_current(int) {}
 int64_t cuda_peak_reserved_bytes(int) { return 0; }
 void cuda_reset_peak(int) {}
 #endif

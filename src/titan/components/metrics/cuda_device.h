@@ -9,8 +9,6 @@ namespace titan::metrics {
 bool cuda_available();
 std::string cuda_device_name(int index);
 double cuda_total_memory_bytes(int index);
-// Makes `index` the current device: allocations without an explicit index (the caching allocator's) land there.
-void cuda_make_current(int index);
 // Free device memory (cudaMemGetInfo) plus what this process's caching allocator already holds on it.
 double cuda_usable_memory_bytes(int index);
 int64_t cuda_peak_reserved_bytes(int index);

@@ -90,7 +90,32 @@ PipelineRunner::PipelineRunner(Schedule schedule, std::vector<Stage> stages, std
       c.peer = 1 - c.comm->rank();
     }
   }
+  warm_channels();
   std::tie(stop_step_, stop_action_) = stop_before_from_environment();
+}
+
+void PipelineRunner::warm_channels() {
+  // NCCL connects two ranks on their first message, a handshake inside the send and the receive. Made later, behind
+  // receives posted ahead that spin on the device, a device-wide synchronising call meanwhile (the allocator freeing
+  // on an out-of-memory retry, a pinned allocation) could deadlock. So every channel carries one tiny message now, in
+  // the same order on every rank (boundary by boundary, activations before gradients), which cannot deadlock: each
+  // rank's first exchange is with a rank whose earlier exchanges are all with lower boundaries.
+  const at::Tensor token = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  for (size_t b = 0; b < activations_.size(); ++b)
+    for (auto* channels : {&activations_, &gradients_}) {
+      Channel& c = (*channels)[b];
+      if (!c.comm) continue;
+      try {
+        if (c.comm->rank() == 0) {  // the sender (split with key 0)
+          c.comm->send(token, c.peer, 0, /*async=*/false);
+        } else {
+          at::Tensor received = at::empty_like(token);
+          c.comm->recv(received, c.peer, 0, /*async=*/false);
+        }
+      } catch (const std::exception& e) {
+        fail("pipeline rank ", group_->rank(), ": the first message on ", c.comm->name(), " failed: ", e.what());
+      }
+    }
 }
 
 PipelineRunner::~PipelineRunner() = default;

@@ -77,6 +77,7 @@ class PipelineRunner {
   Slot& slot(int stage, int microbatch);
   void post_receives(const std::vector<Action>& actions, size_t from);
   at::Tensor take_local(Channel& c, const std::string& what);  // both stages here: what was handed over
+  void warm_channels();
   at::Tensor receive_activation(int stage, int microbatch, double& waited);
   at::Tensor receive_gradient(int stage, int microbatch, double& waited);
   void send_activation(int stage, int microbatch, const at::Tensor& output);

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Compiles, syntax only, the translation units that use LibTorch's internal or version-dependent APIs (autograd
+# nodes, CUDA streams and allocator, private ATen ops, c10d's TCP store) against the oldest LibTorch titan supports:
+# 2.11, what the GPU machines carry. Uses the headers of PyPI's torch==2.11.0 wheel, fetched once into $TITAN_CACHE
+# (a 530 MB download, 62 MB kept), and the compile commands of $TITAN_BUILD (scripts/build.sh first).
+# Settings: TITAN_OLDEST_TORCH (2.11.0). scripts/test.sh runs it; a full build against 2.11 is in docs/gpu.md.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+version="${TITAN_OLDEST_TORCH:-2.11.0}"
+headers="$TITAN_CACHE/libtorch-headers-$version"
+commands="$TITAN_BUILD/compile_commands.json"
+[[ -f "$commands" ]] || { echo "check_oldest_libtorch: no $commands (run scripts/build.sh first)" >&2; exit 2; }
+start=$(date +%s)
+if [[ ! -f "$headers/.complete" ]]; then
+  echo "[oldest-libtorch] fetching the headers of torch==$version (PyPI wheel, once)"
+  download=$(mktemp -d)
+  trap 'rm -rf "$download"' EXIT
+  "$TITAN_PYTHON" -m pip download -q --no-deps --only-binary=:all: "torch==$version" -d "$download"
+  rm -rf "$headers"
+  "$TITAN_PYTHON" - "$download" "$headers" <<'PY'
+import pathlib, sys, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("torch-*.whl"))
+with zipfile.ZipFile(wheel) as archive:
+    members = [m for m in archive.namelist() if m.startswith("torch/include/")]
+    archive.extractall(sys.argv[2], members)
+print(f"[oldest-libtorch] {len(members)} header files from {wheel.name}")
+PY
+  touch "$headers/.complete"
+fi
+current=$("$TITAN_PYTHON" -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
+"$TITAN_PYTHON" - "$commands" "$current" "$headers/torch/include" "$TITAN_ROOT" <<'PY'
+import concurrent.futures, json, os, re, shlex, subprocess, sys
+commands_file, current, oldest, root = sys.argv[1:]
+# What moved between LibTorch versions lives behind these includes.
+version_dependent = re.compile(r'#include [<"](torch/csrc/|c10/cuda/|ATen/cuda/|ATen/ops/_|c10/core/impl/|titan/nn/torch_compat\.h)')
+entries = [e for e in json.load(open(commands_file)) if e["file"].endswith(".cpp") and "/src/titan/" in e["file"]]
+chosen = [e for e in entries if version_dependent.search(open(e["file"], encoding="utf-8").read())]
+if not chosen:
+    sys.exit("check_oldest_libtorch: no translation unit selected; is compile_commands.json from this tree?")
+
+def command_for(entry):
+    args = shlex.split(entry["command"]) if "command" in entry else list(entry["arguments"])
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if a in ("-o", "-MF", "-MT", "-MQ"):
+            skip = True
+            continue
+        if a == "-include" and i + 1 < len(args) and "cmake_pch" in args[i + 1]:
+            skip = True  # the precompiled header was built against the current LibTorch
+            continue
+        if a in ("-MD", "-MMD", "-Winvalid-pch", "-c"):
+            continue
+        out.append(a.replace(current, oldest))
+    return out + ["-fsyntax-only"], entry["directory"]
+
+def check(entry):
+    cmd, cwd = command_for(entry)
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    return entry["file"], result.returncode, result.stderr
+
+failed = 0
+with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+    for path, code, errors in pool.map(check, chosen):
+        name = os.path.relpath(path, root)
+        if code:
+            failed += 1
+            print(f"[oldest-libtorch] FAIL {name}\n{errors[-4000:]}")
+        else:
+            print(f"[oldest-libtorch] ok   {name}")
+print(f"[oldest-libtorch] {len(chosen) - failed} of {len(chosen)} translation units compile against {oldest}")
+sys.exit(1 if failed else 0)
+PY
+echo "[oldest-libtorch] done in $(( $(date +%s) - start ))s"
