@@ -5,6 +5,7 @@
 
 #include "titan/distributed/autograd_group.h"
 #include "titan/kernels/fused_ops.h"
+#include "titan/nn/matmul.h"
 
 namespace titan::distributed {
 namespace {
@@ -73,7 +74,7 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
     for (int64_t begin = 0; begin < tokens; begin += chunk) {
       const int64_t n = std::min(chunk, tokens - begin);
       const at::Tensor xc = x.narrow(0, begin, n), labels_c = local_label.narrow(0, begin, n), scale_c = scale.narrow(0, begin, n);
-      at::Tensor logits = at::mm(xc, weight_t);
+      at::Tensor logits = nn::mm(xc, weight_t);
       auto stats = kernels::cross_entropy_row_stats(logits, labels_c);
       at::Tensor max = stats.max, sum_exp = stats.sum_exp, target = stats.target;
       if (group) {
@@ -92,11 +93,11 @@ struct LinearCrossEntropy : torch::autograd::Function<LinearCrossEntropy> {
       kernels::cross_entropy_row_grad_(logits, labels_c, lse.contiguous(), scale_c);  // logits now hold d loss / d logits
       if (grad_x_wanted) {
         at::Tensor slice = grad_x.narrow(0, begin, n);
-        at::mm_out(slice, logits, weight);
+        nn::mm_out(slice, logits, weight);
       }
       if (grad_weight_wanted) {
         if (float32) grad_weight.addmm_(logits.t(), xc);
-        else grad_weight.add_(at::mm(logits.t(), xc));
+        else grad_weight.add_(nn::mm(logits.t(), xc));
       }
     }
     if (grad_x.defined()) ctx->saved_data["grad_x"] = grad_x;

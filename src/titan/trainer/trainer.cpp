@@ -30,6 +30,7 @@
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/nn/autocast.h"
+#include "titan/nn/matmul.h"
 
 namespace titan {
 namespace {
@@ -233,6 +234,11 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
                                      weight_casts_per_step_ ? "each weight cast once per step)"
                                                             : "weights cast in every forward and recomputation: TITAN_WEIGHT_CASTS=forward)"));
   }
+  const bool bf16_compute = dims.fsdp_enabled() ? c.training.mixed_precision_param == "bfloat16"
+                                                : autocast_dtype_ == at::kBFloat16 || c.training.dtype == "bfloat16";
+  if (device_.is_cpu() && bf16_compute && nn::emulates_bf16_gemm())
+    log::info("bf16 matrix products computed in float32 and rounded to bf16 (nn/matmul.h): LibTorch's bf16 GEMM is a "
+              "scalar loop on CPUs without AVX-512, about 1/80 of the float32 rate");
 
   optimizer_ = std::make_unique<AdamW>(distributed::local_tensors(parameters_), c.optimizer);
   lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);

@@ -16,6 +16,7 @@
 #include "titan/common/files.h"
 #include "titan/common/strings.h"
 #include "titan/components/metrics/cuda_device.h"
+#include "titan/nn/matmul.h"
 
 namespace titan::metrics {
 namespace {
@@ -69,11 +70,11 @@ double measure_matmul_flops(at::ScalarType dtype, int64_t& n_used) {
   const int64_t n = 1024;
   n_used = n;
   at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype), c = at::empty({n, n}, a.options());
-  at::mm_out(c, a, b);  // warm-up: thread pool, kernel selection, page faults
+  nn::mm_out(c, a, b);  // warm-up: thread pool, kernel selection, page faults
   double best = 0, spent = 0;
   for (int i = 0; i < 50 && (i < 3 || spent < 1.0); ++i) {
     const auto start = std::chrono::steady_clock::now();
-    at::mm_out(c, a, b);
+    nn::mm_out(c, a, b);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     spent += seconds;
     best = std::max(best, 2.0 * static_cast<double>(n * n * n) / seconds);
@@ -172,7 +173,11 @@ PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype, boo
   // version (about a second to measure), as the attainable peak; the instruction-rate bound is printed beside it.
   std::string bound_how;
   const double bound = instruction_rate_bound(compute_dtype, bound_how);
-  const std::string dtype_name = compute_dtype == at::kBFloat16 ? "bf16" : compute_dtype == at::kHalf ? "fp16" : "fp32";
+  // bf16 on CPUs without AVX-512 multiplies in float32 (nn/matmul.h): that rate is the peak, under its own key.
+  const bool bf16_in_float = compute_dtype == at::kBFloat16 && nn::emulates_bf16_gemm();
+  const std::string dtype_name = compute_dtype == at::kBFloat16 ? (bf16_in_float ? "bf16 (products in float32)" : "bf16")
+                                 : compute_dtype == at::kHalf   ? "fp16"
+                                                                : "fp32";
   const std::string key = cat(cpuinfo_field("model name"), " | ", at::get_num_threads(), " threads | ", dtype_name, " | LibTorch ",
                               TORCH_VERSION);
   const std::filesystem::path path = may_cache ? cache_file() : std::filesystem::path();

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "titan/common/error.h"
+#include "titan/nn/matmul.h"
 
 namespace titan::distributed::pipeline {
 namespace {
@@ -21,19 +22,19 @@ std::atomic<DeferredWeights*> g_capture{nullptr};
 struct DeferrableLinear : torch::autograd::Function<DeferrableLinear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
     ctx->save_for_backward({x, weight});
-    return at::linear(x, weight);  // under autocast in the compute dtype, as nn::Linear
+    return nn::linear(x, weight);  // under autocast in the compute dtype, as nn::Linear
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];
     const at::Tensor& dy = grads[0];
-    at::Tensor dx = at::matmul(dy, weight.to(dy.scalar_type())).to(x.scalar_type());
+    at::Tensor dx = nn::matmul(dy, weight.to(dy.scalar_type())).to(x.scalar_type());
     if (DeferredWeights* capture = g_capture.load()) {
       capture->add({weight, x, dy});
       return {dx, at::Tensor()};
     }
-    at::Tensor dw = at::matmul(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type()));
+    at::Tensor dw = nn::matmul(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type()));
     return {dx, dw.to(weight.scalar_type())};
   }
 };
@@ -51,7 +52,7 @@ void DeferredWeights::apply() {
   // Summed per weight first, so each weight's accumulator (and its hooks) runs once per weight step.
   std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> sums;
   for (const auto& e : entries_) {
-    at::Tensor dw = at::matmul(e.grad_output.reshape({-1, e.grad_output.size(-1)}).t(),
+    at::Tensor dw = nn::matmul(e.grad_output.reshape({-1, e.grad_output.size(-1)}).t(),
                                e.input.reshape({-1, e.input.size(-1)}).to(e.grad_output.scalar_type()));
     auto [it, fresh] = sums.try_emplace(e.weight.unsafeGetTensorImpl(), e.weight, dw);
     if (!fresh) it->second.second.add_(dw);

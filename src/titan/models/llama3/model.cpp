@@ -7,6 +7,7 @@
 #include "titan/components/loss.h"
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/fused_ops.h"
+#include "titan/nn/matmul.h"
 
 namespace titan::llama3 {
 
@@ -106,7 +107,7 @@ OutputProjection::OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* 
 at::Tensor OutputProjection::forward(const Inputs& inputs, const nn::Context& context) {
   if (context.labels.defined())
     return distributed::linear_cross_entropy_sum(inputs[0], weight(), context.labels, 0, nullptr, kIgnoreIndex);
-  return at::linear(inputs[0], weight());
+  return nn::linear(inputs[0], weight());
 }
 
 Transformer::Transformer(const ModelArgs& args, const nn::ParameterOptions& options) : args_(args) {

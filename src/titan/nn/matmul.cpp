@@ -1,0 +1,114 @@
+#include "titan/nn/matmul.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+namespace titan::nn {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<int> g_forced{-1};  // -1: the CPU's rule; 0 or 1: set by set_bf16_gemm_emulation
+
+// What LibTorch checks before sending a bf16 GEMM to oneDNN on x86 (AMX implies these).
+bool cpu_lacks_fast_bf16_gemm() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq"));
+#else
+  return false;  // other CPUs: LibTorch's own choice
+#endif
+}
+
+bool in_float(const at::Tensor& a, const at::Tensor& b) {
+  return a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && emulates_bf16_gemm();
+}
+
+// The products below run on float32 tensors; autocast (thread-local, possibly on) must not cast them back.
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::DispatchKeySet(c10::DispatchKey::AutocastCPU)};
+};
+
+// y = x W^T for bf16 x and W computed in float32; saves the bf16 tensors, as autocast's linear does.
+struct Bf16LinearInFloat : torch::autograd::Function<Bf16LinearInFloat> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    NoAutocast no_autocast;
+    ctx->save_for_backward({x, weight});
+    return at::linear(x.to(at::kFloat), weight.to(at::kFloat)).to(at::kBFloat16);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor dy = grads[0].to(at::kFloat);
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = at::matmul(dy, weight.to(at::kFloat)).to(x.scalar_type());
+    if (ctx->needs_input_grad(1))
+      dw = at::mm(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(at::kFloat)).to(weight.scalar_type());
+    return {dx, dw};
+  }
+};
+
+}  // namespace
+
+bool emulates_bf16_gemm() {
+  const int forced = g_forced.load();
+  if (forced >= 0) return forced == 1;
+  // TITAN_TEST_BF16_PRODUCTS_IN_FLOAT=1 (or 0) takes the other path on any CPU: tests run the AVX2 machines' path
+  // (its memory, its numerics) on AVX-512 ones.
+  static const bool rule = [] {
+    const char* env = std::getenv("TITAN_TEST_BF16_PRODUCTS_IN_FLOAT");
+    if (env && std::string(env) == "1") return true;
+    if (env && std::string(env) == "0") return false;
+    return cpu_lacks_fast_bf16_gemm();
+  }();
+  return rule;
+}
+
+void set_bf16_gemm_emulation(std::optional<bool> emulate) { g_forced = emulate ? static_cast<int>(*emulate) : -1; }
+
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b) {
+  if (!in_float(a, b)) return at::mm(a, b);
+  NoAutocast no_autocast;
+  return at::mm(a.to(at::kFloat), b.to(at::kFloat)).to(at::kBFloat16);
+}
+
+void mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (!in_float(a, b)) {
+    at::mm_out(out, a, b);
+    return;
+  }
+  NoAutocast no_autocast;
+  if (out.scalar_type() == at::kFloat) {
+    at::mm_out(out, a.to(at::kFloat), b.to(at::kFloat));
+    return;
+  }
+  out.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)));
+}
+
+at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
+  if (!in_float(a, b)) return at::matmul(a, b);
+  NoAutocast no_autocast;
+  return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(at::kBFloat16);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
+  if (!x.device().is_cpu() || !emulates_bf16_gemm()) return at::linear(x, weight);
+  const bool autocast = at::autocast::is_autocast_enabled(at::kCPU) && at::autocast::get_autocast_dtype(at::kCPU) == at::kBFloat16;
+  if (!autocast && !(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16)) return at::linear(x, weight);
+  // autocast's own casts: the weight's through its cache (once per step or region), so the gradients reach the
+  // float32 weight through the cast exactly as with at::linear.
+  const at::Tensor xb = autocast ? at::autocast::cached_cast(at::kBFloat16, x, at::kCPU) : x;
+  const at::Tensor wb = autocast ? at::autocast::cached_cast(at::kBFloat16, weight, at::kCPU) : weight;
+  return Bf16LinearInFloat::apply(xb, wb);
+}
+
+}  // namespace titan::nn
