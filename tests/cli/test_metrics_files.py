@@ -92,3 +92,32 @@ def test_every_rank_writes_its_own_files_when_asked(tmp_path):
     train(dump, ["--parallelism.data_parallel_shard_degree", "2"], np_=2)
     assert not any("rank_" in p.name for p in (dump / "tb").rglob("*"))
     assert (dump / "metrics.jsonl").exists() and not (dump / "metrics_rank_1.jsonl").exists()
+
+
+def test_a_poisoned_peak_cache_is_measured_again_and_mfu_stays_at_most_100(tmp_path):
+    """A CPU peak measured in a slow moment and cached used to be kept for ever (MFU printed at 112-272%). Here the
+    cache is poisoned with a figure 1000x too low for this very build and machine: the first step beats it, titan
+    measures again (saying so), rewrites the cache, and no step prints an MFU above 100%."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2"}
+    cache = tmp_path / "cache" / "titan" / "peak_flops.json"
+
+    def train_steps(dump, steps):
+        return run([binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+                    "--job.dump_folder", str(tmp_path / dump), "--training.seq_len", "64", "--training.local_batch_size",
+                    "2", "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.disable_color_printing"],
+                   env=env)
+
+    train_steps("first", 1)
+    entries = json.loads(cache.read_text())
+    assert len(entries) == 1, entries
+    honest = next(iter(entries.values()))["flops"]
+    for entry in entries.values():
+        entry["flops"] = honest / 1000
+    cache.write_text(json.dumps(entries))
+    out = train_steps("second", 4)
+    text = out.stdout + out.stderr
+    assert re.search(r"MFU peak: CPU peak [\d.]+ GFLOP/s \(.* matmul rate, measured again", text), text[-3000:]
+    mfus = [float(m) for m in re.findall(r"mfu: +([\d.]+)%", text)]
+    assert len(mfus) == 4 and max(mfus) <= 100.0, mfus
+    rewritten = next(iter(json.loads(cache.read_text()).values()))["flops"]
+    assert rewritten > honest / 10, (rewritten, honest)

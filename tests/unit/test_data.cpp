@@ -189,6 +189,31 @@ TEST(FileReader, CorruptAndTruncatedCompressedFilesNameTheFileAndOffset) {
   }
 }
 
+// A plain file named as compressed (x.txt.gz) is refused naming the file and the bytes found, not read as text.
+TEST(FileReader, APlainFileNamedAsCompressedIsRefused) {
+  titan_test::TempDir tmp;
+  tmp.write("plain.txt.gz", "just some text\n");
+  tmp.write("plain.jsonl.zst", "{\"text\": \"hello\"}\n");
+  tmp.write("empty.txt.gz", "");
+  for (const auto& [name, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"plain.txt.gz", "does not start with gzip's magic bytes 1f 8b (it starts with 6a 75 73 74)"},
+           {"plain.jsonl.zst", "does not start with a zstd frame's magic bytes 28 b5 2f fd"}}) {
+    try {
+      FileReader r(tmp.path() + "/" + name);
+      std::string line;
+      while (r.next_line(line)) {
+      }
+      FAIL() << name << " read as plain text";
+    } catch (const titan::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+  FileReader empty(tmp.path() + "/empty.txt.gz");  // nothing in it either way
+  std::string line;
+  EXPECT_FALSE(empty.next_line(line));
+}
+
 TEST(TokenShard, RoundTripAndTruncationIsDetected) {
   titan_test::TempDir tmp;
   const std::string path = tmp.path() + "/s.tokens";

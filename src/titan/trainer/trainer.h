@@ -127,6 +127,7 @@ class Trainer {
   std::unique_ptr<metrics::MetricLogger> metric_logger_;  // TensorBoard / JSONL
   std::unique_ptr<Profiler> profiler_;
   metrics::PeakFlops peak_;
+  bool peak_remeasured_ = false;  // at most once per run (log_step)
   std::optional<at::ScalarType> autocast_dtype_;
   bool weight_casts_per_step_ = true;  // autocast's weight copies kept over the step (TITAN_WEIGHT_CASTS)
   double flops_per_token_ = 0;

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <vector>
 
 #include "titan/common/error.h"
@@ -35,6 +36,32 @@ std::string strip_compression_extension(const std::string& path) {
   return path.substr(0, path.find_last_of('.'));
 }
 
+// A file named as compressed must start with its format's magic bytes: zlib would otherwise read a plain file named
+// x.txt.gz as plain text without a word. An empty file passes (it holds no data either way).
+static void check_magic(const std::string& path, Compression compression) {
+  if (compression == Compression::None) return;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open data file ", quote(path), ": ", std::strerror(errno));
+  unsigned char head[4] = {0, 0, 0, 0};
+  in.read(reinterpret_cast<char*>(head), 4);
+  const std::streamsize got = in.gcount();
+  if (got == 0) return;
+  auto hex = [&] {
+    std::string out;
+    for (std::streamsize i = 0; i < got; ++i) out += strprintf("%s%02x", i ? " " : "", head[i]);
+    return out;
+  };
+  if (compression == Compression::Gzip && !(got >= 2 && head[0] == 0x1f && head[1] == 0x8b))
+    fail("data file ", quote(path), " is named as gzip but does not start with gzip's magic bytes 1f 8b (it starts with ",
+         hex(), "); rename it if it is not compressed");
+  // A zstd frame starts 28 b5 2f fd; a skippable frame 5X 2a 4d 18.
+  const bool zstd_frame = got == 4 && head[0] == 0x28 && head[1] == 0xb5 && head[2] == 0x2f && head[3] == 0xfd;
+  const bool skippable = got == 4 && (head[0] & 0xf0) == 0x50 && head[1] == 0x2a && head[2] == 0x4d && head[3] == 0x18;
+  if (compression == Compression::Zstd && !zstd_frame && !skippable)
+    fail("data file ", quote(path), " is named as zstd but does not start with a zstd frame's magic bytes 28 b5 2f fd (it starts ",
+         "with ", hex(), "); rename it if it is not compressed");
+}
+
 struct FileReader::Impl {
   Compression compression = Compression::None;
   FILE* file = nullptr;         // plain and zstd
@@ -57,6 +84,7 @@ struct FileReader::Impl {
   void open(const std::string& path) {
     close();
     compression = compression_of(path);
+    check_magic(path, compression);
     if (compression == Compression::Gzip) {
       gz = gzopen(path.c_str(), "rb");
       if (!gz) fail("cannot open data file ", quote(path), ": ", std::strerror(errno));

@@ -8,6 +8,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 #include <torch/version.h>
@@ -64,22 +67,59 @@ double measure_clock_hz() {
   return best;
 }
 
-// Best rate of n x n x n matmuls in `dtype` on this process's threads over about a second.
-double measure_matmul_flops(at::ScalarType dtype, int64_t& n_used) {
-  at::NoGradGuard no_grad;
-  const int64_t n = 1024;
-  n_used = n;
-  at::Tensor a = at::randn({n, n}).to(dtype), b = at::randn({n, n}).to(dtype), c = at::empty({n, n}, a.options());
+// Best rate of an m x k by k x n product in `dtype` over `budget` seconds (at least three repeats after a warm-up).
+double best_product_rate(at::ScalarType dtype, int64_t m, int64_t k, int64_t n, double budget) {
+  at::Tensor a = at::randn({m, k}).to(dtype), b = at::randn({k, n}).to(dtype), c = at::empty({m, n}, a.options());
   nn::mm_out(c, a, b);  // warm-up: thread pool, kernel selection, page faults
   double best = 0, spent = 0;
-  for (int i = 0; i < 50 && (i < 3 || spent < 1.0); ++i) {
+  for (int i = 0; i < 50 && (i < 3 || spent < budget); ++i) {
     const auto start = std::chrono::steady_clock::now();
     nn::mm_out(c, a, b);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     spent += seconds;
-    best = std::max(best, 2.0 * static_cast<double>(n * n * n) / seconds);
+    best = std::max(best, 2.0 * static_cast<double>(m * k * n) / seconds);
   }
   return best;
+}
+
+// The best rate of matmuls in `dtype` on this process's threads (those training uses) over several shapes: one
+// shape's figure depends on how its blocking fits the caches, and a single short measurement on a shared machine
+// can land in a slow moment. `quick` (several ranks measuring beside each other, nothing cached) measures one shape.
+double measure_matmul_flops(at::ScalarType dtype, bool quick, std::string& shapes) {
+  at::NoGradGuard no_grad;
+  struct Shape {
+    int64_t m, k, n;
+  };
+  const std::vector<Shape> all = {{1024, 1024, 1024}, {2048, 2048, 2048}, {4096, 1024, 2048}};
+  const std::vector<Shape> chosen = quick ? std::vector<Shape>{all[0]} : all;
+  double best = 0;
+  shapes.clear();
+  for (const Shape& s : chosen) {
+    best = std::max(best, best_product_rate(dtype, s.m, s.k, s.n, quick ? 1.0 : 0.5));
+    shapes += cat(shapes.empty() ? "" : ", ", s.m, "x", s.k, "x", s.n);
+  }
+  return best;
+}
+
+// What identifies this build of titan: its executable's size and modification time (a rebuild changes them).
+std::string binary_identity() {
+  std::error_code error;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return "unknown binary";
+  const auto size = std::filesystem::file_size(exe, error);
+  if (error) return exe.string();
+  const auto mtime = std::filesystem::last_write_time(exe, error).time_since_epoch().count();
+  return cat(exe.string(), " (", size, " bytes, modified ", mtime, ")");
+}
+
+// Which machine this is: systemd's machine id, else the host name.
+std::string machine_identity() {
+  std::ifstream id("/etc/machine-id");
+  std::string line;
+  if (std::getline(id, line) && !trim(line).empty()) return "machine " + trim(line);
+  char host[256] = {0};
+  if (gethostname(host, sizeof host - 1) == 0) return cat("host ", host);
+  return "unknown machine";
 }
 
 std::filesystem::path cache_file() {
@@ -117,6 +157,54 @@ double instruction_rate_bound(at::ScalarType compute_dtype, std::string& how) {
   how = cat(cores, " cores x ", strprintf("%.2f", hz / 1e9), " GHz (", clock_how, ") x ", per_cycle, " FLOP/cycle (",
             vector_bits, "-bit vectors, ", fma ? "FMA" : "no FMA", ", ", fma_units, " units, ", precision, ")");
   return cores * hz * per_cycle;
+}
+
+std::string cpu_dtype_name(at::ScalarType dtype) {
+  // bf16 on CPUs without AVX-512 multiplies in float32 (nn/matmul.h): that rate is the peak, under its own key.
+  if (dtype == at::kBFloat16) return nn::emulates_bf16_gemm() ? "bf16 (products in float32)" : "bf16";
+  return dtype == at::kHalf ? "fp16" : "fp32";
+}
+
+// Everything that changes the answer: the machine and its CPU model, the threads, the dtype, LibTorch and titan.
+std::string cpu_cache_key(at::ScalarType dtype) {
+  return cat(cpuinfo_field("model name"), " | ", machine_identity(), " | ", at::get_num_threads(), " threads | ",
+             cpu_dtype_name(dtype), " | LibTorch ", TORCH_VERSION, " | ", binary_identity());
+}
+
+nlohmann::json read_cache(const std::filesystem::path& path) {
+  std::error_code exists_error;
+  if (path.empty() || !std::filesystem::exists(path, exists_error)) return nlohmann::json::object();
+  try {
+    std::ifstream in(path);
+    nlohmann::json cache = nlohmann::json::parse(in);
+    if (cache.is_object()) return cache;
+  } catch (const std::exception&) {
+  }
+  return nlohmann::json::object();  // a damaged cache is measured again and rewritten
+}
+
+// Stores `flops` under `key` and returns what to add to the derivation.
+std::string write_cache_entry(const std::filesystem::path& path, nlohmann::json& cache, const std::string& key, double flops,
+                              const std::string& shapes) {
+  const std::time_t now = std::time(nullptr);
+  char when[32];
+  std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  try {
+    cache[key] = {{"flops", flops}, {"measured", std::string(when)}, {"shapes", shapes}};
+    std::filesystem::create_directories(path.parent_path());
+    write_file(path.string(), cache.dump(1) + "\n");  // through a temporary and a rename: concurrent runs never see half a file
+    return cat(", cached in ", path.string());
+  } catch (const std::exception& e) {
+    return cat(" (not cached: ", e.what(), ")");
+  }
+}
+
+std::string cpu_derivation(at::ScalarType dtype, double flops, const std::string& how) {
+  std::string bound_how;
+  const double bound = instruction_rate_bound(dtype, bound_how);
+  return cat("CPU peak ", strprintf("%.1f", flops / 1e9), " GFLOP/s (", cpu_dtype_name(dtype), " matmul rate, ", how,
+             "); instruction-rate bound ", strprintf("%.1f", bound / 1e9), " GFLOP/s = ", bound_how,
+             "; override with TITAN_PEAK_FLOPS");
 }
 
 }  // namespace
@@ -169,29 +257,16 @@ PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype, boo
     }
     return out;
   }
-  // CPU: the measured rate of a large matmul in the compute dtype, cached per machine, thread count and LibTorch
-  // version (about a second to measure), as the attainable peak; the instruction-rate bound is printed beside it.
-  std::string bound_how;
-  const double bound = instruction_rate_bound(compute_dtype, bound_how);
-  // bf16 on CPUs without AVX-512 multiplies in float32 (nn/matmul.h): that rate is the peak, under its own key.
-  const bool bf16_in_float = compute_dtype == at::kBFloat16 && nn::emulates_bf16_gemm();
-  const std::string dtype_name = compute_dtype == at::kBFloat16 ? (bf16_in_float ? "bf16 (products in float32)" : "bf16")
-                                 : compute_dtype == at::kHalf   ? "fp16"
-                                                                : "fp32";
-  const std::string key = cat(cpuinfo_field("model name"), " | ", at::get_num_threads(), " threads | ", dtype_name, " | LibTorch ",
-                              TORCH_VERSION);
+  // CPU: the best measured matmul rate in the compute dtype (about two seconds), cached per machine, CPU model,
+  // thread count, dtype, LibTorch version and titan build, as the attainable peak; the instruction-rate bound is
+  // printed beside it.
+  out.measured = true;
+  out.dtype = compute_dtype;
+  out.may_cache = may_cache;
+  const std::string dtype_name = cpu_dtype_name(compute_dtype);
+  const std::string key = cpu_cache_key(compute_dtype);
   const std::filesystem::path path = may_cache ? cache_file() : std::filesystem::path();
-  nlohmann::json cache = nlohmann::json::object();
-  std::error_code exists_error;
-  if (!path.empty() && std::filesystem::exists(path, exists_error)) {
-    try {
-      std::ifstream in(path);
-      cache = nlohmann::json::parse(in);
-      if (!cache.is_object()) cache = nlohmann::json::object();
-    } catch (const std::exception&) {
-      cache = nlohmann::json::object();  // a damaged cache is measured again and rewritten
-    }
-  }
+  nlohmann::json cache = read_cache(path);
   // An entry with fields of the wrong type counts as absent (measured again and rewritten).
   const auto it = cache.find(key);
   const bool cached = it != cache.end() && it->is_object() && it->contains("flops") && (*it)["flops"].is_number() &&
@@ -202,27 +277,34 @@ PeakFlops peak_flops(const at::Device& device, at::ScalarType compute_dtype, boo
     const std::string when = it->contains("measured") && (*it)["measured"].is_string() ? (*it)["measured"].get<std::string>() : "earlier";
     how = cat("measured ", when, ", cached in ", path.string(), "; delete it to measure again");
   } else {
-    int64_t n = 0;
-    out.flops = measure_matmul_flops(compute_dtype, n);
-    const std::time_t now = std::time(nullptr);
-    char when[32];
-    std::strftime(when, sizeof when, "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-    how = cat("measured now: ", dtype_name, " ", n, "x", n, " matmuls on ", at::get_num_threads(), " threads",
+    std::string shapes;
+    out.flops = measure_matmul_flops(compute_dtype, !may_cache, shapes);
+    how = cat("measured now: best of ", dtype_name, " matmuls of ", shapes, " on ", at::get_num_threads(), " threads",
               may_cache ? "" : " beside the other ranks on this machine, not cached");
+    if (!path.empty()) how += write_cache_entry(path, cache, key, out.flops, shapes);
+  }
+  out.derivation = cpu_derivation(compute_dtype, out.flops, how);
+  return out;
+}
+
+PeakFlops remeasured_peak_flops(const PeakFlops& peak, double achieved) {
+  if (!peak.measured) return peak;
+  PeakFlops out = peak;
+  std::string shapes;
+  const double measured = measure_matmul_flops(peak.dtype, !peak.may_cache, shapes);
+  out.flops = std::max(measured, achieved);
+  std::string how = cat("measured again (best of ", cpu_dtype_name(peak.dtype), " matmuls of ", shapes, ": ",
+                        strprintf("%.1f", measured / 1e9), " GFLOP/s) because a step reached ", strprintf("%.1f", achieved / 1e9),
+                        " GFLOP/s, above the peak of ", strprintf("%.1f", peak.flops / 1e9), " GFLOP/s used until then",
+                        achieved > measured ? "; the step's own rate is the peak now" : "");
+  if (peak.may_cache) {
+    const std::filesystem::path path = cache_file();
     if (!path.empty()) {
-      try {
-        cache[key] = {{"flops", out.flops}, {"measured", std::string(when)}, {"matmul_size", n}};
-        std::filesystem::create_directories(path.parent_path());
-        write_file(path.string(), cache.dump(1) + "\n");  // through a temporary and a rename: concurrent runs never see half a file
-        how += cat(", cached in ", path.string());
-      } catch (const std::exception& e) {
-        how += cat(" (not cached: ", e.what(), ")");
-      }
+      nlohmann::json cache = read_cache(path);
+      how += write_cache_entry(path, cache, cpu_cache_key(peak.dtype), out.flops, shapes);
     }
   }
-  out.derivation = cat("CPU peak ", strprintf("%.1f", out.flops / 1e9), " GFLOP/s (", dtype_name, " matmul rate, ", how,
-                       "); instruction-rate bound ", strprintf("%.1f", bound / 1e9), " GFLOP/s = ", bound_how,
-                       "; override with TITAN_PEAK_FLOPS");
+  out.derivation = cpu_derivation(peak.dtype, out.flops, how);
   return out;
 }
 
