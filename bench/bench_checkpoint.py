@@ -1,22 +1,34 @@
 #!/usr/bin/env python3
-"""Checkpoint speed: save and load times and MB/s of titan's checkpoints for the debug model and the ~100M
-"100M" flavor, against the disk's raw sequential write speed measured here with dd (fdatasync), and, for
-asynchronous saves, how long the training loop is blocked per save. Prints figures and ratios; never fails on
-time.
+"""Checkpoint speed: save and load times and MB/s of titan's checkpoints against the peer a torchtitan user has,
+PyTorch's torch.distributed.checkpoint (DCP), on the same ranks, disk and state, and against the disk's raw
+sequential write speed measured here with dd (fdatasync); for asynchronous saves, how long the training loop is
+blocked per save. Prints figures and ratios; never fails on time.
 
-usage: bench/bench_checkpoint.py [--ranks 1] [--dump /tmp/titan_ckpt_bench]
+The state is the same on both sides: titan trains a few steps and saves a full checkpoint (weights and AdamW
+moments, float32); `titan convert --format dcp` turns it into a DCP folder, from which the peer loads exactly those
+tensors onto its ranks (gloo, each rank holding its row-block of every tensor as a DTensor, as FSDP would) and then
+times `dcp.save` (FileSystemWriter's defaults: one thread, every file fsynced, as titan fsyncs), `dcp.async_save`
+(the time until it returns is what blocks a training loop) and `dcp.load`. Loads on both sides read files just
+written (the page cache holds them), so they measure the format's reading cost more than the disk.
+
+usage: bench/bench_checkpoint.py [--ranks 1,2,4] [--flavors debugmodel,100M] [--dump /tmp/titan_ckpt_bench]
+       (the 1B flavor is about 14 GB of state: give it a machine with the memory and disk for it)
 """
 import argparse
+import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(os.environ.get("TITAN_BIN_DIR", ROOT / "build" / "bin"))
+MPIRUN = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none"]
 
 
 def dd_write_mb_s(folder):
@@ -28,6 +40,10 @@ def dd_write_mb_s(folder):
     return float(m.group(1)) * (1000 if m.group(2) == "G" else 1)
 
 
+def folder_mb(path):
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) / 1e6
+
+
 def train(dump, flavor, steps, ranks, extra=()):
     cmd = [str(BIN / "titan"), "train", "--job.config_file", str(ROOT / "configs" / "debug_model.toml"),
            "--job.dump_folder", str(dump), "--model.flavor", flavor, "--training.seq_len", "32",
@@ -35,39 +51,148 @@ def train(dump, flavor, steps, ranks, extra=()):
            "--checkpoint.interval", "1", "--checkpoint.no_last_save_model_only", "--checkpoint.keep_latest_k", "0",
            "--metrics.disable_color_printing", "--activation_checkpoint.mode", "none", *extra]
     if ranks > 1:
-        cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(ranks),
-               *cmd, "--parallelism.data_parallel_shard_degree", str(ranks)]
+        cmd = [*MPIRUN, "-np", str(ranks), *cmd, "--parallelism.data_parallel_shard_degree", str(ranks)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else "2"))
     if out.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return out.stdout
 
 
+def titan_figures(base, flavor, ranks, mode):
+    """Save MB and seconds, load seconds and blocked seconds of titan's checkpoint in `mode`."""
+    dump = base / f"titan_{flavor}_{ranks}_{mode}"
+    shutil.rmtree(dump, ignore_errors=True)
+    out = train(dump, flavor, 3, ranks, ["--checkpoint.async_mode", mode])
+    saves = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(r"Saved checkpoint .*?: ([\d.]+) MB in ([\d.]+) s", out)]
+    blocked = [float(x) for x in re.findall(r"training blocked ([\d.]+) s", out)]
+    mb, seconds = saves[-1]
+    load_out = train(dump, flavor, 4, ranks, ["--checkpoint.async_mode", mode])
+    load_s = float(re.search(r"Loaded checkpoint .* in ([\d.]+) s", load_out).group(1))
+    return dict(mb=mb, save_s=seconds, load_s=load_s, blocked_s=sum(blocked) / len(blocked) if blocked else seconds,
+                folder=dump / "checkpoint" / "step-3")
+
+
+def dcp_figures(base, flavor, ranks, titan_step):
+    """The same state through torch DCP on `ranks` gloo processes (this script's --dcp-worker)."""
+    source = base / f"dcp_source_{flavor}_{ranks}"
+    shutil.rmtree(source, ignore_errors=True)
+    conv = subprocess.run([str(BIN / "titan"), "convert", "--from", str(titan_step), "--to", str(source), "--format", "dcp"],
+                          capture_output=True, text=True)
+    if conv.returncode != 0:
+        sys.exit(f"titan convert failed:\n{conv.stdout[-2000:]}\n{conv.stderr[-2000:]}")
+    out_dir = base / f"dcp_{flavor}_{ranks}"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, __file__, "--dcp-worker", str(source), str(out_dir)]
+    if ranks > 1:
+        cmd = [*MPIRUN, "-np", str(ranks), "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", *cmd]
+    env = dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else "2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    shutil.rmtree(source, ignore_errors=True)
+    m = re.search(r"^DCP (\{.*\})$", out.stdout, re.M)
+    if out.returncode != 0 or not m:
+        sys.exit(f"DCP worker failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    figures = json.loads(m.group(1))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return figures
+
+
+def dcp_worker(source, out_dir):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    metadata = dcp.FileSystemReader(source).read_metadata()
+    state = {}
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        mesh = init_device_mesh("cpu", (world,))
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue  # the few non-tensor items (LR scheduler, train state): bytes, not throughput
+        full_shape = list(item.size)
+        if world == 1:
+            state[key] = torch.empty(full_shape, dtype=item.properties.dtype)
+        elif full_shape and full_shape[0] >= world:
+            rows = [len(c) for c in torch.arange(full_shape[0]).chunk(world)]
+            local = torch.empty([rows[rank], *full_shape[1:]], dtype=item.properties.dtype)
+            state[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(full_shape),
+                                            stride=torch.empty(full_shape, device="meta").stride())
+        else:
+            state[key] = DTensor.from_local(torch.empty(full_shape, dtype=item.properties.dtype), mesh, [Replicate()],
+                                            run_check=False)
+    dcp.load(state, checkpoint_id=source)  # the tensors titan saved, on this rank
+
+    def timed(fn):
+        dist.barrier()
+        start = time.perf_counter()
+        result = fn()
+        dist.barrier()
+        return time.perf_counter() - start, result
+
+    sync_dir, async_dir = os.path.join(out_dir, "sync"), os.path.join(out_dir, "async")
+    save_s, _ = timed(lambda: dcp.save(state, checkpoint_id=sync_dir))
+    dist.barrier()
+    start = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=async_dir)
+    blocked = time.perf_counter() - start
+    (future.result() if hasattr(future, "result") else future.upload_completion.result())
+    async_total = time.perf_counter() - start
+    dist.barrier()
+    load_s, _ = timed(lambda: dcp.load(state, checkpoint_id=sync_dir))
+    totals = torch.tensor([blocked, async_total], dtype=torch.float64)
+    dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print("DCP " + json.dumps(dict(mb=folder_mb(sync_dir), save_s=save_s, load_s=load_s, blocked_s=totals[0].item(),
+                                       async_s=totals[1].item())), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--flavors", default="debugmodel,100M")
     parser.add_argument("--dump", default=None, help="folder on the disk to measure (default: a temporary folder)")
+    parser.add_argument("--dcp-worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.dcp_worker:
+        dcp_worker(*args.dcp_worker)
+        return
     base = Path(args.dump or tempfile.mkdtemp(prefix="titan_ckpt_bench_"))
     base.mkdir(parents=True, exist_ok=True)
     raw = dd_write_mb_s(base)
     print(f"disk: dd sequential write with fdatasync {raw:,.0f} MB/s ({base})")
-    print(f"{'flavor':12} {'mode':8} {'MB':>8} {'save s':>8} {'save MB/s':>10} {'vs dd':>6} {'load s':>8} {'load MB/s':>10} {'blocked s':>10}")
-    for flavor in ("debugmodel", "100M"):
-        for mode in ("disabled", "async"):
-            dump = base / f"{flavor}_{mode}"
-            shutil.rmtree(dump, ignore_errors=True)
-            out = train(dump, flavor, 3, args.ranks, ["--checkpoint.async_mode", mode])
-            saves = [(float(m.group(1)), float(m.group(2))) for m in
-                     re.finditer(r"Saved checkpoint .*?: ([\d.]+) MB in ([\d.]+) s", out)]
-            blocked = [float(x) for x in re.findall(r"training blocked ([\d.]+) s", out)]
-            mb, seconds = saves[-1]
-            load_out = train(dump, flavor, 4, args.ranks, ["--checkpoint.async_mode", mode])
-            load_s = float(re.search(r"Loaded checkpoint .* in ([\d.]+) s", load_out).group(1))
-            block = f"{sum(blocked) / len(blocked):10.3f}" if blocked else f"{seconds:10.3f}"
-            print(f"{flavor:12} {mode:8} {mb:8.1f} {seconds:8.2f} {mb / seconds:10.0f} {mb / seconds / raw:6.2f} "
-                  f"{load_s:8.2f} {mb / load_s:10.0f} {block}")
-            shutil.rmtree(dump, ignore_errors=True)
+    print("MB/s are state MB over seconds; 'vs DCP' is titan's figure against DCP's, above 1 when titan is better (rates: titan/DCP; blocked: DCP/titan); blocked = the "
+          "time an async save keeps the training loop waiting")
+    print(f"{'flavor':11} {'ranks':>5} {'system':12} {'MB':>8} {'save s':>7} {'save MB/s':>9} {'vs dd':>6} {'vs DCP':>6} "
+          f"{'load s':>7} {'load MB/s':>9} {'vs DCP':>6} {'async blocked s':>15} {'vs DCP':>6}")
+    for flavor in args.flavors.split(","):
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            sync = titan_figures(base, flavor, ranks, "disabled")
+            asyn = titan_figures(base, flavor, ranks, "async")
+            peer = dcp_figures(base, flavor, ranks, sync["folder"])
+            for d in (sync, asyn):
+                shutil.rmtree(d["folder"].parent.parent, ignore_errors=True)
+            rows = [("titan", sync["mb"], sync["save_s"], sync["load_s"], asyn["blocked_s"]),
+                    ("torch DCP", peer["mb"], peer["save_s"], peer["load_s"], peer["blocked_s"])]
+            t_save, t_load = sync["mb"] / sync["save_s"], sync["mb"] / sync["load_s"]
+            p_save, p_load = peer["mb"] / peer["save_s"], peer["mb"] / peer["load_s"]
+            for name, mb, save_s, load_s, blocked in rows:
+                mine = name == "titan"
+                save_rate, load_rate = mb / save_s, mb / load_s
+                print(f"{flavor:11} {ranks:5d} {name:12} {mb:8.1f} {save_s:7.2f} {save_rate:9.0f} {save_rate / raw:6.2f} "
+                      f"{(t_save / p_save if mine else 1):6.2f} {load_s:7.2f} {load_rate:9.0f} {(t_load / p_load if mine else 1):6.2f} "
+                      f"{blocked:15.3f} {(peer['blocked_s'] / blocked if mine else 1):6.2f}")
+            print(f"{'':11} {'':5} {'':12} (titan async save done in the background; DCP async_save finished after "
+                  f"{peer['async_s']:.2f} s)")
     if not args.dump:
         shutil.rmtree(base, ignore_errors=True)
 
