@@ -28,14 +28,23 @@ Isa best() {
 
 }  // namespace
 
+bool cpu_has_avx512_core() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
 bool cpu_supports(Isa isa) {
   if (isa == Isa::generic) return true;
 #if defined(TITAN_X86_KERNELS) && (defined(__x86_64__) || defined(__i386__))
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (isa == Isa::avx2) return avx2;
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx512 = avx2 && cpu_has_avx512_core();
   if (isa == Isa::avx512) return avx512;
 #if defined(TITAN_AVX512BF16_KERNELS)
   return avx512 && __builtin_cpu_supports("avx512bf16");

@@ -15,5 +15,8 @@ void set_cpu_isa(Isa isa);
 // Whether this CPU can run `isa` and this build holds that copy.
 bool cpu_supports(Isa isa);
 std::string isa_name(Isa isa);
+// Whether this x86 CPU has AVX-512 F, BW, VL and DQ, whatever this build holds (false elsewhere): what LibTorch
+// checks before sending bf16 matrix products to oneDNN (nn/matmul.h).
+bool cpu_has_avx512_core();
 
 }  // namespace titan::kernels

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <string>
 
+#include "titan/kernels/cpu_isa.h"
+
 namespace titan::nn {
 namespace {
 
@@ -16,14 +18,13 @@ using torch::autograd::variable_list;
 
 std::atomic<int> g_forced{-1};  // -1: the CPU's rule; 0 or 1: set by set_bf16_gemm_emulation
 
-// What LibTorch checks before sending a bf16 GEMM to oneDNN on x86 (AMX implies these).
+// What LibTorch checks before sending a bf16 GEMM to oneDNN on x86 (AMX implies these); other CPUs keep
+// LibTorch's own choice.
 bool cpu_lacks_fast_bf16_gemm() {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq"));
+  return !kernels::cpu_has_avx512_core();
 #else
-  return false;  // other CPUs: LibTorch's own choice
+  return false;
 #endif
 }
 
