@@ -22,7 +22,7 @@
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/llama3/args.h"
-#include "titan/models/llama3/model.h"
+#include "titan/models/common/decoder.h"
 
 namespace {
 
@@ -100,7 +100,7 @@ void elementwise(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t hidd
     report(tag + "SwiGLU fwd+bwd " + std::to_string(tokens) + "x" + std::to_string(hidden), fused, aten, 0);
   }
   {
-    const auto table = titan::llama3::precompute_rope(head_dim, tokens, 500000.0, titan::llama3::flavor("8B").rope_scaling).to(g_device);
+    const auto table = titan::models::precompute_rope(head_dim, tokens, 500000.0, titan::llama3::flavor("8B").rope_scaling).to(g_device);
     at::Tensor q = at::randn({1, tokens, heads, head_dim}, opts), k = at::randn({1, tokens, heads, head_dim}, opts);
     at::Tensor g = at::randn({1, tokens, heads, head_dim}, opts);
     const double fused = median_ms([&] {

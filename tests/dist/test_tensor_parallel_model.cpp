@@ -1,4 +1,4 @@
-// The Llama 3 TP plan applied directly (llama3::parallelize over a real TP mesh) to a small model with tied
+// The Llama 3 TP plan applied directly (models::parallelize over a real TP mesh) to a small model with tied
 // embeddings, built without storage and initialised piece by piece: loss and every gradient equal one process's
 // autograd on the whole model.
 #include <gtest/gtest.h>
@@ -7,7 +7,8 @@
 #include "titan/config/job_config.h"
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/parallel_dims.h"
-#include "titan/models/llama3/parallelize.h"
+#include "titan/models/common/decoder_parallelize.h"
+#include "titan/models/llama3/args.h"
 
 using namespace titan;
 
@@ -15,7 +16,7 @@ TEST(TensorParallelModel, TiedEmbeddingsMatchOneProcess) {
   auto world = distributed::world(distributed::detect_launch());
   const int n = world->size();
   if (16 % n != 0) GTEST_SKIP() << "needs a rank count dividing 16";
-  llama3::ModelArgs args = llama3::flavor("debugmodel_gqa");
+  models::DecoderArgs args = llama3::flavor("debugmodel_gqa");
   args.n_layers = 2;
   args.max_seq_len = 16;
   args.tie_word_embeddings = true;
@@ -23,7 +24,7 @@ TEST(TensorParallelModel, TiedEmbeddingsMatchOneProcess) {
   at::Tensor tokens = at::randint(0, args.vocab_size, {2, 17}, gen, at::kLong);
   at::Tensor inputs = tokens.narrow(1, 0, 16).contiguous(), labels = tokens.narrow(1, 1, 16).contiguous();
 
-  llama3::Transformer whole(args);
+  models::Decoder whole(args);
   whole.init_weights(3);
   at::Tensor reference = cross_entropy_sum(whole.forward(inputs), labels);
   reference.backward();
@@ -34,8 +35,8 @@ TEST(TensorParallelModel, TiedEmbeddingsMatchOneProcess) {
   c.training.seq_len = 16;
   c.activation_checkpoint.mode = "none";
   distributed::DeviceMesh mesh(distributed::ParallelDims::from_config(c.parallelism, n), world);
-  llama3::Transformer model(args, nn::ParameterOptions{at::TensorOptions(), /*allocate=*/false});
-  auto parallel = llama3::parallelize(model, mesh, c, distributed::FsdpOptions{}, llama3::ModuleRange::whole(model));
+  models::Decoder model(args, nn::ParameterOptions{at::TensorOptions(), /*allocate=*/false});
+  auto parallel = models::parallelize(model, mesh, c, distributed::FsdpOptions{}, distributed::ModuleRange::whole(model));
   ASSERT_EQ(parallel.parameters.size(), whole.named_parameters().size());  // the tied table is one parameter
   distributed::initialize(parallel.parameters, model.init_specs(), 3);
   at::Tensor loss = parallel.loss(model.forward(inputs), labels);

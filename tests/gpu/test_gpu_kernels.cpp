@@ -10,7 +10,7 @@
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/llama3/args.h"
-#include "titan/models/llama3/model.h"
+#include "titan/models/common/decoder.h"
 
 namespace {
 
@@ -63,7 +63,7 @@ TEST(GpuKernels, RopeMatchesComplexRotationInFloat64) {
   at::manual_seed(13);
   const at::Device device = test_device();
   const int64_t b = 3, s = 301, d = 128;  // Llama 3's head_dim; more positions than the check's slice
-  const auto table = titan::llama3::precompute_rope(d, 512, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+  const auto table = titan::models::precompute_rope(d, 512, 500000.0, titan::llama3::flavor("8B").rope_scaling);
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     for (bool with_positions : {false, true}) {
       SCOPED_TRACE(testing::Message() << dtype << (with_positions ? " positions" : " sequence order"));
@@ -169,7 +169,7 @@ TEST(GpuKernels, FirstCallChecksAgreeWithAten) {
     auto opts = at::TensorOptions().dtype(dtype).device(device);
     at::Tensor x = at::randn({4, 33, 6, 64}, opts);
     titan::kernels::swiglu(x, x);
-    titan::kernels::rope(x, x, titan::llama3::precompute_rope(64, 64, 10000.0, {}).to(device), at::Tensor());
+    titan::kernels::rope(x, x, titan::models::precompute_rope(64, 64, 10000.0, {}).to(device), at::Tensor());
     titan::kernels::cross_entropy_row_stats(x.view({-1, 64}), at::zeros({x.numel() / 64}, opts.dtype(at::kLong)));
   }
   const auto lines = titan::kernels::cuda_kernel_checks();

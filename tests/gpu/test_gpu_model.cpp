@@ -8,13 +8,13 @@
 #include "titan/components/loss.h"
 #include "titan/config/job_config.h"
 #include "titan/models/llama3/args.h"
-#include "titan/models/llama3/model.h"
-#include "titan/models/llama3/parallelize.h"
+#include "titan/models/common/decoder.h"
+#include "titan/models/common/decoder_parallelize.h"
 #include "titan/nn/autocast.h"
 
 namespace {
 
-using titan::llama3::Transformer;
+using Transformer = titan::models::Decoder;
 using titan_gpu_test::figure;
 using titan_gpu_test::max_relative_difference;
 
@@ -138,7 +138,7 @@ TEST(CudaModel, ActivationCheckpointingKeepsTheGradients) {
     titan::config::ActivationCheckpoint ac;
     ac.mode = mode;
     ac.selective_ac_option = option;
-    titan::llama3::apply_activation_checkpointing(*model, titan::llama3::ModuleRange::whole(*model), ac);
+    titan::models::apply_activation_checkpointing(*model, titan::distributed::ModuleRange::whole(*model), ac);
     return forward_backward(*model, device, tokens);
   };
   Pass none = run("none", "2");

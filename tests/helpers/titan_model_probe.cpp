@@ -10,9 +10,9 @@
 #include "titan/components/loss.h"
 #include "titan/config/job_config.h"
 #include "titan/models/llama3/hf_config.h"
-#include "titan/models/llama3/parallelize.h"
-#include "titan/models/llama3/model.h"
-#include "titan/models/llama3/state_dict_adapter.h"
+#include "titan/models/common/decoder_parallelize.h"
+#include "titan/models/common/decoder.h"
+#include "titan/models/common/decoder_hf.h"
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"--ac-mode", "none"}, {"--ac-option", "1"}};
@@ -29,19 +29,19 @@ int main(int argc, char** argv) {
     titan::safetensors::File batch(opt.at("--batch"));
     at::Tensor inputs = batch.load("inputs"), labels = batch.load("labels");
     args.max_seq_len = inputs.size(1);
-    auto model = std::make_shared<titan::llama3::Transformer>(args);
+    auto model = std::make_shared<titan::models::Decoder>(args);
     titan::safetensors::File weights(opt.at("--weights"));
     {
       at::NoGradGuard no_grad;
       for (auto& item : model->named_parameters()) {
-        auto hf = titan::llama3::to_hf_name(item.key());
-        item.value().copy_(titan::llama3::from_hf_tensor(item.key(), weights.load(*hf), args));
+        auto hf = titan::models::to_hf_name(item.key());
+        item.value().copy_(titan::models::from_hf_tensor(item.key(), weights.load(*hf), args));
       }
     }
     titan::config::ActivationCheckpoint ac;
     ac.mode = opt["--ac-mode"];
     ac.selective_ac_option = opt["--ac-option"];
-    titan::llama3::apply_activation_checkpointing(*model, titan::llama3::ModuleRange::whole(*model), ac);
+    titan::models::apply_activation_checkpointing(*model, titan::distributed::ModuleRange::whole(*model), ac);
 
     at::Tensor logits, loss;
     if (autocast) {
@@ -60,8 +60,8 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", logits.detach().to(at::kFloat)},
                                                            {"loss", loss.detach().reshape({1})}};
     for (auto& item : model->named_parameters())
-      out.emplace_back("grad." + *titan::llama3::to_hf_name(item.key()),
-                       titan::llama3::to_hf_tensor(item.key(), item.value().grad(), args));
+      out.emplace_back("grad." + *titan::models::to_hf_name(item.key()),
+                       titan::models::to_hf_tensor(item.key(), item.value().grad(), args));
     titan::safetensors::save(opt.at("--out"), out);
   } catch (const std::exception& e) {
     std::cerr << "titan_model_probe: " << e.what() << "\n";

@@ -16,7 +16,7 @@
 #include "titan/components/metrics/memory.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/mpi_runtime.h"
-#include "titan/models/llama3/state_dict_adapter.h"
+#include "titan/models/common/decoder_hf.h"
 #include "titan/trainer/trainer.h"
 
 namespace {
@@ -25,7 +25,7 @@ namespace {
 std::vector<std::pair<std::string, at::Tensor>> hf_weights(titan::Trainer& trainer) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (auto& [name, full] : titan::distributed::gather_full(trainer.parameters(), *trainer.mesh().world()))
-    out.emplace_back(*titan::llama3::to_hf_name(name), titan::llama3::to_hf_tensor(name, full.cpu(), trainer.model().args()));
+    out.emplace_back(*titan::models::to_hf_name(name), titan::models::to_hf_tensor(name, full.cpu(), titan::models::as_decoder(trainer.model_args(), "the probe")));
   return out;
 }
 

@@ -8,7 +8,7 @@
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/llama3/args.h"
-#include "titan/models/llama3/model.h"
+#include "titan/models/common/decoder.h"
 #include "titan/nn/autocast.h"
 
 namespace {
@@ -62,8 +62,8 @@ void check_attention(at::ScalarType dtype, int64_t b, int64_t h, int64_t hk, int
         positions[r][t] = p;
       }
     }
-    docs = titan::llama3::document_ids(positions);
-    mask = titan::llama3::block_causal_mask(positions);
+    docs = titan::models::document_ids(positions);
+    mask = titan::models::block_causal_mask(positions);
   }
   at::Tensor q1 = leaf(q), k1 = leaf(k), v1 = leaf(v);
   at::Tensor out = titan::kernels::attention(q1, k1, v1, docs);
@@ -173,7 +173,7 @@ TEST(FusedKernels, RopeMatchesComplexRotation) {
   // head_dim 32: two 16-float vectors per row; 24: one vector and the scalar tail (4 pairs).
   for (int64_t hd : {int64_t{32}, int64_t{24}})
   for (Isa isa : runnable_isas()) {
-    const auto table = titan::llama3::precompute_rope(hd, 300, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+    const auto table = titan::models::precompute_rope(hd, 300, 500000.0, titan::llama3::flavor("8B").rope_scaling);
     SCOPED_TRACE("isa " + titan::kernels::isa_name(isa) + " head_dim " + std::to_string(hd));
     IsaGuard guard(isa);
     for (auto dtype : {at::kFloat, at::kBFloat16}) {
@@ -313,7 +313,7 @@ TEST(FusedKernels, FirstCallComparisonAgreesOnCorrectKernels) {
   using titan::kernels::compare_with_aten;
   using titan::kernels::Op;
   at::manual_seed(6);
-  const auto table = titan::llama3::precompute_rope(64, 200, 500000.0, titan::llama3::flavor("8B").rope_scaling);
+  const auto table = titan::models::precompute_rope(64, 200, 500000.0, titan::llama3::flavor("8B").rope_scaling);
   for (Isa isa : runnable_isas()) {
     SCOPED_TRACE("isa " + titan::kernels::isa_name(isa));
     IsaGuard guard(isa);

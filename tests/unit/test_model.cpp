@@ -7,12 +7,20 @@
 #include "titan/components/loss.h"
 #include "titan/components/metrics/allocation_tracker.h"
 #include "titan/config/job_config.h"
-#include "titan/models/llama3/parallelize.h"
+#include "titan/models/common/decoder_parallelize.h"
 #include "titan/models/llama3/args.h"
-#include "titan/models/llama3/model.h"
-#include "titan/models/llama3/state_dict_adapter.h"
+#include "titan/models/common/decoder.h"
+#include "titan/models/common/decoder_hf.h"
 
 using namespace titan::llama3;
+using namespace titan::models;
+using Transformer = titan::models::Decoder;
+
+namespace {
+int64_t count_parameters(const DecoderArgs& args) { return args.stored_parameters(); }
+double flops_per_token(const DecoderArgs& args, int64_t seq_len) { return args.flops_per_token(seq_len); }
+std::vector<titan::protocols::ParameterShape> parameter_shapes(const DecoderArgs& args) { return args.parameter_shapes(); }
+}  // namespace
 
 TEST(ModelArgs, ParameterCountsMatchTorchtitanAndMeta) {
   EXPECT_EQ(count_parameters(flavor("debugmodel")), 6'163'712);
@@ -108,7 +116,7 @@ GradRun run_with_ac(const std::string& mode, const std::string& option, int64_t 
   titan::config::ActivationCheckpoint ac;
   ac.mode = mode;
   ac.selective_ac_option = option;
-  titan::llama3::apply_activation_checkpointing(*model, titan::llama3::ModuleRange::whole(*model), ac);
+  titan::models::apply_activation_checkpointing(*model, titan::distributed::ModuleRange::whole(*model), ac);
   at::Tensor tokens = at::randint(0, args.vocab_size, {batch, seq + 1}, at::kLong);
   at::Tensor inputs = tokens.narrow(1, 0, seq).contiguous(), labels = tokens.narrow(1, 1, seq).contiguous();
   titan::metrics::reset_cpu_peak_bytes();
@@ -159,7 +167,7 @@ TEST(ActivationCheckpointing, MemoryBudgetModeIsAClearError) {
   Transformer model(args);
   titan::config::ActivationCheckpoint ac;
   ac.mode = "memory_budget";
-  EXPECT_THROW(titan::llama3::apply_activation_checkpointing(model, titan::llama3::ModuleRange::whole(model), ac), titan::UserError);
+  EXPECT_THROW(titan::models::apply_activation_checkpointing(model, titan::distributed::ModuleRange::whole(model), ac), titan::UserError);
 }
 
 TEST(StateDictAdapter, RopePermutationRoundTrips) {

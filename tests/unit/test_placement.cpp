@@ -8,8 +8,8 @@
 #include "titan/distributed/placement.h"
 #include "titan/distributed/sharded_parameter.h"
 #include "titan/models/llama3/args.h"
-#include "titan/models/llama3/model.h"
-#include "titan/models/llama3/parallelize.h"
+#include "titan/models/common/decoder.h"
+#include "titan/models/common/decoder_parallelize.h"
 #include "titan/nn/init.h"
 #include "titan/nn/storage.h"
 
@@ -115,10 +115,10 @@ TEST(Init, ShardedParametersInitialiseLikeTheWholeModel) {
   // Two column-parallel "ranks" of a model built without storage fill exactly the rows of the whole model.
   auto args = titan::llama3::flavor("debugmodel_gqa");
   args.max_seq_len = 16;
-  titan::llama3::Transformer whole(args);
+  titan::models::Decoder whole(args);
   whole.init_weights(11);
   for (int rank = 0; rank < 2; ++rank) {
-    titan::llama3::Transformer shell(args, titan::nn::ParameterOptions{at::TensorOptions(), /*allocate=*/false});
+    titan::models::Decoder shell(args, titan::nn::ParameterOptions{at::TensorOptions(), /*allocate=*/false});
     auto params = describe_parameters(shell);
     EXPECT_FALSE(titan::nn::has_storage(params[0].local));
     for (auto& p : params) {
@@ -136,9 +136,9 @@ TEST(Init, ShardedParametersInitialiseLikeTheWholeModel) {
 }
 
 namespace {
-std::string tp_error(const titan::llama3::ModelArgs& args, int64_t tp, int64_t seq_len) {
+std::string tp_error(const titan::models::DecoderArgs& args, int64_t tp, int64_t seq_len) {
   try {
-    titan::llama3::check_tensor_parallel(args, tp, {{"training.seq_len", seq_len}});
+    titan::models::check_tensor_parallel(args, tp, {{"training.seq_len", seq_len}});
   } catch (const titan::UserError& e) {
     return e.what();
   }

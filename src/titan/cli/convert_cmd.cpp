@@ -18,8 +18,7 @@
 #include "titan/components/checkpoint/torch_save.h"
 #include "titan/components/checkpoint/torchtitan_checkpoint.h"
 #include "titan/components/tokenizer/tokenizer.h"
-#include "titan/models/llama3/args.h"
-#include "titan/models/llama3/hf_config.h"
+#include "titan/models/registry.h"
 
 namespace titan::cli {
 namespace {
@@ -27,8 +26,8 @@ namespace {
 namespace fs = std::filesystem;
 
 const char* kConvertUsage =
-    "usage: titan convert --from PATH --to PATH [--format titan|hf|dcp|pt] [--flavor F] [--dtype float32|bfloat16|float16]\n"
-    "                     [--tokenizer PATH] [--max-shard-mb N]\n"
+    "usage: titan convert --from PATH --to PATH [--format titan|hf|dcp|pt] [--model NAME] [--flavor F]\n"
+    "                     [--dtype float32|bfloat16|float16] [--tokenizer PATH] [--max-shard-mb N]\n"
     "  --from: a titan checkpoint step directory (metadata.json), a torch DCP directory (.metadata: torchtitan's\n"
     "          checkpoints), a Hugging Face directory (config.json + safetensors), Meta's consolidated.00.pth or a\n"
     "          folder of consolidated.NN.pth model-parallel shards, or any torch.save state dict with titan's names.\n"
@@ -37,6 +36,8 @@ const char* kConvertUsage =
     "          torchtitan's layout: the weights, and from a full titan checkpoint the AdamW state, step and LR schedule\n"
     "          too), pt (a torch.save file of the weights). Default: pt when --to ends in .pt/.pth, hf from a titan\n"
     "          checkpoint, titan from anything else.\n"
+    "  --model: the model family (model.name: llama3, qwen3) where the source does not record it (torch DCP, .pth;\n"
+    "          default llama3); titan checkpoints and Hugging Face directories (model_type) carry theirs.\n"
     "  --flavor: the model's shape where the source does not record it (torch DCP, .pth); titan checkpoints and\n"
     "          Hugging Face directories carry theirs, and a --flavor given is compared with it field by field.\n"
     "  --dtype: of the written weights (default: as stored).\n"
@@ -47,7 +48,8 @@ const char* kConvertUsage =
 struct Source {
   std::string description;  // for messages
   std::string flavor_name;
-  llama3::ModelArgs args;
+  const protocols::ModelSpec* spec = nullptr;
+  std::shared_ptr<const protocols::ModelArgs> args;
   std::vector<std::pair<std::string, at::Tensor>> weights;  // in parameter order
   at::ScalarType stored = at::kFloat;
   bool training_state = false;
@@ -58,15 +60,17 @@ struct Source {
   std::string tokenizer_path;         // the tokenizer the model was trained with, where the source records it
 };
 
-llama3::ModelArgs flavor_for(const std::string& flavor_name, const std::string& what) {
-  if (flavor_name.empty()) fail(what, " does not record the model's shape; pass --flavor (the titan model it holds)");
-  return llama3::flavor(flavor_name);
+std::shared_ptr<const protocols::ModelArgs> flavor_for(const protocols::ModelSpec& spec, const std::string& flavor_name,
+                                                      const std::string& what) {
+  if (flavor_name.empty())
+    fail(what, " does not record the model's shape; pass --flavor (the titan model it holds; --model names its family, default llama3)");
+  return spec.flavor(flavor_name);
 }
 
 // Every parameter from `get(name, shape)`, checked against the shape the arguments give.
 template <typename Get>
 void take_weights(Source& s, Get&& get) {
-  const auto shapes = llama3::parameter_shapes(s.args);
+  const auto shapes = s.args->parameter_shapes();
   Progress progress("reading " + s.description, static_cast<int64_t>(shapes.size()), "tensors");
   for (const auto& p : shapes) {
     at::Tensor t = get(p.name);
@@ -80,16 +84,23 @@ void take_weights(Source& s, Get&& get) {
   }
 }
 
-Source read_titan(const std::string& from, const std::string& flavor_name) {
+Source read_titan(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
   checkpoint::Reader reader(from);
   const auto& meta = reader.metadata();
   Source s;
   s.description = "titan checkpoint " + from;
+  // The family it was trained as (checkpoints from before families were recorded hold Llama 3).
+  std::string family = "llama3";
+  if (meta.contains("model") && meta.at("model").contains("family") && meta.at("model").at("family").is_string())
+    family = meta.at("model").at("family").get<std::string>();
+  if (!model_name.empty() && model_name != family)
+    fail("--model ", model_name, ": ", from, " holds a ", family, " model; leave --model out to convert it as saved");
+  s.spec = &models::model_spec(family);
   if (meta.contains("model")) {
     // The shape it was trained with; a --flavor must describe the same model.
-    s.args = llama3::args_from_json(meta.at("model"), from + "/metadata.json: model");
+    s.args = s.spec->args_from_json(meta.at("model"), from + "/metadata.json: model");
     if (!flavor_name.empty()) {
-      const auto differences = llama3::computation_differences(s.args, llama3::flavor(flavor_name));
+      const auto differences = s.args->computation_differences(*s.spec->flavor(flavor_name));
       if (!differences.empty())
         fail("--flavor ", flavor_name, " is not the model ", from, " holds (checkpoint vs flavor):\n  ", join(differences, "\n  "),
              "\nleave --flavor out to convert the model as saved");
@@ -97,7 +108,7 @@ Source read_titan(const std::string& from, const std::string& flavor_name) {
     s.flavor_name = flavor_name.empty() ? meta.value("flavor", "custom") : flavor_name;
   } else {
     s.flavor_name = flavor_name.empty() ? meta.value("flavor", "") : flavor_name;
-    s.args = flavor_for(s.flavor_name, from);
+    s.args = flavor_for(*s.spec, s.flavor_name, from);
   }
   s.tokenizer_path = meta.value("tokenizer", "");
   auto read = [&](const std::string& key) -> at::Tensor {
@@ -125,32 +136,34 @@ Source read_titan(const std::string& from, const std::string& flavor_name) {
   return s;
 }
 
-Source read_torch_dcp(const std::string& from, const std::string& flavor_name) {
+Source read_torch_dcp(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
   checkpoint::torch_dcp::Reader reader(from);
   Source s;
   s.description = "torch DCP checkpoint " + from;
   s.flavor_name = flavor_name;
-  s.args = flavor_for(flavor_name, s.description);
+  s.spec = &models::model_spec(model_name.empty() ? "llama3" : model_name);
+  s.args = flavor_for(*s.spec, flavor_name, s.description);
   take_weights(s, [&](const std::string& name) { return reader.has_tensor(name) ? reader.read(name) : at::Tensor(); });
   return s;
 }
 
-Source read_hf(const std::string& from, const std::string& flavor_name) {
-  // The shape is config.json's; a --flavor is checked against it field by field (HfReader).
+Source read_hf(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
+  // The family is config.json's model_type, the shape its fields; a --flavor is checked against it field by field
+  // (HfReader).
   Source s;
   s.description = "Hugging Face model " + from;
-  s.args = llama3::read_hf_config((fs::path(from) / "config.json").string());
+  s.spec = &models::spec_for_hf_directory(from);
+  if (!model_name.empty() && model_name != s.spec->name)
+    fail("--model ", model_name, ": ", from, "/config.json describes a ", s.spec->name, " model; leave --model out to convert it as it is");
+  s.args = s.spec->read_hf_config((fs::path(from) / "config.json").string());
   s.flavor_name = flavor_name.empty() ? "custom" : flavor_name;
-  if (!flavor_name.empty()) {
-    const int64_t max_seq_len = s.args.max_seq_len;
-    s.args = llama3::flavor(flavor_name);
-    s.args.max_seq_len = max_seq_len;
-  }
+  if (!flavor_name.empty()) s.args = s.spec->flavor(flavor_name)->with_context_length(s.args->context_length());
   for (const char* file : {"tokenizer.json", "tokenizer.model"})
     if (s.tokenizer_path.empty() && fs::exists(fs::path(from) / file)) s.tokenizer_path = (fs::path(from) / file).string();
-  checkpoint::HfReader reader(from, s.args);  // checks config.json against the arguments and every weight's shape
+  const auto adapter = s.spec->state_dict_adapter(*s.args);
+  checkpoint::HfReader reader(from, *s.args, *adapter);  // checks config.json against the arguments and every weight's shape
   std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& p : llama3::parameter_shapes(s.args)) shapes[p.name] = p.shape;
+  for (const auto& p : s.args->parameter_shapes()) shapes[p.name] = p.shape;
   take_weights(s, [&](const std::string& name) {
     at::Tensor t = at::empty(shapes.at(name), at::TensorOptions().dtype(reader.dtype(name)));
     reader.read_box(name, std::vector<int64_t>(t.dim(), 0), t);
@@ -160,11 +173,13 @@ Source read_hf(const std::string& from, const std::string& flavor_name) {
 }
 
 // Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8).
-Source read_pth(const std::vector<std::string>& parts, const std::string& from, const std::string& flavor_name) {
+Source read_pth(const std::vector<std::string>& parts, const std::string& from, const std::string& model_name,
+                const std::string& flavor_name) {
   Source s;
   s.description = parts.size() == 1 ? parts[0] : from;
   s.flavor_name = flavor_name;
-  s.args = flavor_for(flavor_name, s.description);
+  s.spec = &models::model_spec(model_name.empty() ? "llama3" : model_name);
+  s.args = flavor_for(*s.spec, flavor_name, s.description);
   std::vector<std::map<std::string, at::Tensor>> shards;
   for (const auto& part : parts) {
     shards.push_back(checkpoint::load_torch(part));
@@ -213,7 +228,7 @@ void write_titan(const Source& s, const std::string& to) {
   }
   nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
   metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, s.flavor_name));
-  metadata["model"] = llama3::args_to_json(s.args);
+  metadata["model"] = s.args->to_json();
   checkpoint::commit(partial, to, metadata);
   std::cerr << "wrote titan checkpoint " << to << " (" << s.flavor_name << ", model only) from " << s.description << "\n";
 }
@@ -316,7 +331,7 @@ void write_dcp(const Source& s, const std::string& to) {
 }  // namespace
 
 int run_convert(const std::vector<std::string>& args) {
-  std::string from, to, flavor_name, dtype_name, format, tokenizer_path;
+  std::string from, to, model_name, flavor_name, dtype_name, format, tokenizer_path;
   int64_t max_shard_mb = 5000;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -328,6 +343,7 @@ int run_convert(const std::vector<std::string>& args) {
     const std::string v = args[++i];
     if (a == "--from") from = v;
     else if (a == "--to") to = v;
+    else if (a == "--model") model_name = v;
     else if (a == "--flavor") flavor_name = v;
     else if (a == "--dtype") dtype_name = v;
     else if (a == "--format") format = v;
@@ -342,12 +358,12 @@ int run_convert(const std::vector<std::string>& args) {
   Source source;
   bool from_titan = false;
   if (fs::exists(fs::path(from) / "metadata.json")) {
-    source = read_titan(from, flavor_name);
+    source = read_titan(from, model_name, flavor_name);
     from_titan = true;
   } else if (checkpoint::torch_dcp::is_checkpoint(from)) {
-    source = read_torch_dcp(from, flavor_name);
+    source = read_torch_dcp(from, model_name, flavor_name);
   } else if (fs::exists(fs::path(from) / "config.json")) {
-    source = read_hf(from, flavor_name);
+    source = read_hf(from, model_name, flavor_name);
   } else {
     std::vector<std::string> parts;
     if (fs::is_directory(from)) {
@@ -360,7 +376,7 @@ int run_convert(const std::vector<std::string>& args) {
     if (parts.empty())
       fail(quote(from), " is neither a titan checkpoint directory (metadata.json), a torch DCP one (.metadata), a "
            "Hugging Face one (config.json) nor .pth files");
-    source = read_pth(parts, from, flavor_name);
+    source = read_pth(parts, from, model_name, flavor_name);
   }
   if (!dtype_name.empty()) {
     const at::ScalarType dtype = checkpoint::parse_dtype(dtype_name, "--dtype");
@@ -389,7 +405,8 @@ int run_convert(const std::vector<std::string>& args) {
                 << (source.tokenizer_path.empty() ? std::string() : " (the recorded tokenizer " + source.tokenizer_path + " no longer exists)")
                 << "; pass --tokenizer PATH (a tokenizer file or model.hf_assets_path) so that AutoTokenizer loads it\n";
     }
-    checkpoint::save_hf(to, source.args, source.weights, source.stored, max_shard_mb * 1000 * 1000, tok.get());
+    checkpoint::save_hf(to, *source.args, *source.spec->state_dict_adapter(*source.args), source.weights, source.stored,
+                        max_shard_mb * 1000 * 1000, tok.get());
     std::cerr << "wrote Hugging Face model " << to << " (" << source.flavor_name << ", "
               << checkpoint::dtype_string(source.stored) << ") from " << source.description << "\n";
   } else if (format == "dcp") {

@@ -6,7 +6,7 @@
 #include "titan/cli/commands.h"
 #include "titan/common/strings.h"
 #include "titan/config/loader.h"
-#include "titan/models/llama3/model_config.h"
+#include "titan/models/registry.h"
 
 namespace titan::cli {
 
@@ -24,16 +24,19 @@ int run_estimate(const std::vector<std::string>& raw_args) {
     return 0;
   }
   const auto& c = loaded.config;
-  const llama3::JobModel job = llama3::job_model(loaded);
-  const auto& args_model = job.args;
-  const int64_t params = llama3::count_parameters(args_model);
-  const int64_t embedding = llama3::count_embedding_parameters(args_model);
-  const double flops = llama3::flops_per_token(args_model, c.training.seq_len);
+  const protocols::ModelSpec& spec = models::job_spec(loaded);
+  const protocols::JobModel job = spec.job_model(loaded);
+  const protocols::ModelArgs& args_model = *job.args;
+  // As torchtitan reports them (for tied Qwen3 flavors its count leaves the embedding out).
+  const int64_t params = args_model.reported_parameters();
+  const int64_t embedding = args_model.embedding_parameters();
+  const double flops = args_model.flops_per_token(c.training.seq_len);
   // Parameters and gradients in training.dtype; AdamW keeps two moments of the same dtype per parameter.
   const double bytes_per_value = c.training.dtype == "bfloat16" ? 2.0 : 4.0;
-  const double state_bytes = static_cast<double>(params) * bytes_per_value * 4.0;
+  const double state_bytes = static_cast<double>(args_model.stored_parameters()) * bytes_per_value * 4.0;
   if (as_json) {
-    nlohmann::ordered_json j = {{"flavor", c.model.flavor},
+    nlohmann::ordered_json j = {{"name", spec.name},
+                                {"flavor", c.model.flavor},
                                 {"model", job.name},
                                 {"parameters", params},
                                 {"embedding_parameters", embedding},
@@ -43,7 +46,7 @@ int run_estimate(const std::vector<std::string>& raw_args) {
     std::cout << j.dump(2) << "\n";
     return 0;
   }
-  std::cout << "model llama3 " << job.name << ": " << with_thousands(params) << " parameters ("
+  std::cout << "model " << spec.name << " " << job.name << ": " << with_thousands(params) << " parameters ("
             << with_thousands(embedding) << " in the embedding)\n"
             << "training FLOPs per token at seq_len " << c.training.seq_len << ": " << strprintf("%.4g", flops) << "\n"
             << "weights + gradients + AdamW state in " << c.training.dtype << ": "

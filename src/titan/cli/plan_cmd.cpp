@@ -7,8 +7,8 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/config/loader.h"
-#include "titan/models/llama3/model_config.h"
-#include "titan/models/llama3/pipeline.h"
+#include "titan/distributed/pipeline/stages.h"
+#include "titan/models/registry.h"
 #include "titan/plan/plan.h"
 
 namespace titan::cli {
@@ -41,7 +41,7 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
   // Terms of the loss and of the blocks' backward are not held at once: allocated_bytes counts the larger group.
   nlohmann::ordered_json apart = {{"loss", nlohmann::ordered_json::array()}, {"blocks_backward", nlohmann::ordered_json::array()}};
   for (const auto& t : p.memory.terms)
-    if (t.phase != llama3::Phase::step && t.bytes > 0) apart[t.phase == llama3::Phase::loss ? "loss" : "blocks_backward"].push_back(t.name);
+    if (t.phase != protocols::Phase::step && t.bytes > 0) apart[t.phase == protocols::Phase::loss ? "loss" : "blocks_backward"].push_back(t.name);
   nlohmann::ordered_json time = nlohmann::ordered_json::object();
   for (const auto& t : p.time.terms) time[t.name] = {{"seconds", t.seconds}, {"total_seconds", t.total}, {"detail", t.detail}};
   nlohmann::ordered_json stages = nlohmann::ordered_json::array();
@@ -65,7 +65,7 @@ void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   bool apart = false;
   for (const auto& t : p.memory.terms) {
     if (t.bytes <= 0) continue;
-    const char* when = t.phase == llama3::Phase::loss ? " (loss)" : t.phase == llama3::Phase::blocks_backward ? " (backward)" : "";
+    const char* when = t.phase == protocols::Phase::loss ? " (loss)" : t.phase == protocols::Phase::blocks_backward ? " (backward)" : "";
     apart = apart || *when;
     std::cout << strprintf("  %-18s %9.2f GiB%s\n", t.name.c_str(), gib(t.bytes), when);
   }
@@ -94,7 +94,7 @@ int run_plan(const std::vector<std::string>& raw_args) {
   bool as_json = false, search = false;
   std::string cluster_spec;
   int64_t gpus = 0, top = 5;
-  llama3::Execution execution = llama3::Execution::titan;
+  protocols::Execution execution = protocols::Execution::titan;
   std::vector<std::string> args;
   for (size_t i = 0; i < raw_args.size(); ++i) {
     const std::string& a = raw_args[i];
@@ -112,7 +112,7 @@ int run_plan(const std::vector<std::string>& raw_args) {
     else if (is("--as")) {
       const std::string v = value("--as");
       if (v != "titan" && v != "torchtitan") fail("--as ", quote(v), ": expected titan (the default) or torchtitan");
-      execution = v == "torchtitan" ? llama3::Execution::torchtitan : llama3::Execution::titan;
+      execution = v == "torchtitan" ? protocols::Execution::torchtitan : protocols::Execution::titan;
     }
     else args.push_back(a);
   }
@@ -130,12 +130,13 @@ int run_plan(const std::vector<std::string>& raw_args) {
   }
   const auto cluster = plan::load_cluster_profile(cluster_spec);
   const auto& c = loaded.config;
-  const llama3::JobModel job = llama3::job_model(loaded);
-  const auto& model = job.args;
-  const std::string header = cat("titan plan: llama3 ", job.name, ", seq_len ", c.training.seq_len, ", on ",
+  const protocols::ModelSpec& spec = models::job_spec(loaded);
+  const protocols::JobModel job = spec.job_model(loaded);
+  const auto& model = *job.args;
+  const std::string header = cat("titan plan: ", spec.name, " ", job.name, ", seq_len ", c.training.seq_len, ", on ",
                                  cluster.name, " (", cluster.description, ")");
   if (search) {
-    const auto result = plan::search_layouts(model, c, cluster, {gpus, top, execution});
+    const auto result = plan::search_layouts(spec, model, c, cluster, {gpus, top, execution});
     if (as_json) {
       nlohmann::ordered_json out = {{"cluster", cluster.name}, {"gpus", gpus}, {"tried", result.tried}, {"fitting", result.fitting}};
       out["best"] = nlohmann::ordered_json::array();
@@ -167,8 +168,8 @@ int run_plan(const std::vector<std::string>& raw_args) {
   }
   const auto dims = distributed::ParallelDims::from_config(par, world);
   // The pipeline's stages and schedule as the trainer would build them: a UserError names what cannot run.
-  if (dims.pp > 1) llama3::plan_stages(model, c, dims.pp);
-  const auto p = plan::make_plan(model, c, dims, cluster, execution);
+  if (dims.pp > 1) distributed::pipeline::plan_stages(model.layers(), spec.tied_embeddings(model), c, dims.pp);
+  const auto p = plan::make_plan(spec, model, c, dims, cluster, execution);
   if (as_json) {
     auto out = to_json(p, cluster);
     out["cluster"] = cluster.name;

@@ -47,7 +47,7 @@ struct Model {
   bool print_after_conversion = false;
   std::string attn_mask_type = "causal";  // causal | block_causal (documents in a window do not attend to each other)
   // titan.cpp additions: any Llama 3-architecture shape. Each key that is set replaces the flavor's value.
-  std::optional<int64_t> dim, n_layers, n_heads, n_kv_heads, vocab_size, multiple_of, hidden_dim, max_seq_len;
+  std::optional<int64_t> dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, multiple_of, hidden_dim, max_seq_len;
   std::optional<double> ffn_dim_multiplier, norm_eps, rope_theta;
   std::string rope_scaling = "flavor";  // "flavor" (its own) | "llama3" | "none"
   std::optional<double> rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor;
@@ -269,7 +269,7 @@ struct Debug {
   bool moe_force_load_balance = false;
   // titan.cpp: write every pipeline action's start/end per rank to {dump_folder}/pipeline_timeline/rank-R.csv.
   bool pipeline_timeline = false;
-  // titan.cpp: start even when the memory estimate exceeds the memory available (models/llama3/memory_estimate.h).
+  // titan.cpp: start even when the memory estimate exceeds the memory available (models/common/decoder_memory.h).
   bool skip_memory_check = false;
 };
 

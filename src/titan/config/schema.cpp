@@ -154,6 +154,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   positive(b.add("n_layers", &c.model.n_layers, "titan.cpp: transformer blocks (HF num_hidden_layers)"));
   positive(b.add("n_heads", &c.model.n_heads, "titan.cpp: attention heads (HF num_attention_heads)"));
   positive(b.add("n_kv_heads", &c.model.n_kv_heads, "titan.cpp: key/value heads for grouped-query attention (HF num_key_value_heads)"));
+  positive(b.add("head_dim", &c.model.head_dim, "titan.cpp: width of each attention head (default: the flavor's, else dim / n_heads)"));
   positive(b.add("vocab_size", &c.model.vocab_size, "titan.cpp: embedding and output rows"));
   positive(b.add("multiple_of", &c.model.multiple_of, "titan.cpp: the feed-forward width is rounded up to a multiple of this"));
   positive(b.add("ffn_dim_multiplier", &c.model.ffn_dim_multiplier, "titan.cpp: scales the feed-forward width int(8 * dim / 3)"));

@@ -1,6 +1,6 @@
 // Activation checkpointing applied to units from outside: a unit's forward runs without saving activations and
 // is recomputed in backward. Which units a model checkpoints for torchtitan's modes (full, selective N, selective
-// op) is the model's plan (models/llama3/parallelize.h).
+// op) is the model's plan (models/common/decoder_parallelize.h).
 #pragma once
 #include <vector>
 

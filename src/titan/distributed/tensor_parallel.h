@@ -32,6 +32,9 @@ class TensorParallel {
   // A norm applied to sequence shards (Shard(1) in, Shard(1) out): the weight stays whole (Replicate()@tp); its
   // gradient on each rank is a partial sum over that rank's sequence shard (see reduce_replicated_gradients).
   void sequence_parallel(nn::Unit& module, at::Tensor& weight);
+  // A weight kept whole (Replicate()@tp) in a module that sees this rank's share of the work (its heads: Qwen3's
+  // q/k norms); its gradients are partial sums that reduce_replicated_gradients adds up.
+  void replicated_partial(const at::Tensor& weight) { replicate(weight); }
   // A module entered by sequence shards and left through `rowwise_output` (a rowwise unit inside it whose output
   // is Shard(1)): its first input is all-gathered over the sequence (PrepareModuleInput: Shard(1) -> Replicate;
   // backward reduce-scatters the partial gradients). With `overlap_chunks` > 1 (async TP) the module runs on that

@@ -10,7 +10,7 @@
 #include "titan/config/loader.h"
 #include "titan/config/support.h"
 #include "titan/distributed/pipeline/schedule.h"
-#include "titan/models/llama3/pipeline.h"
+#include "titan/distributed/pipeline/stages.h"
 
 namespace titan::plan {
 
@@ -50,13 +50,14 @@ std::vector<int64_t> divisors(int64_t n) {
 
 }  // namespace
 
-Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
-               const ClusterProfile& cluster, llama3::Execution execution, bool per_pipeline_rank) {
+Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& args, const config::JobConfig& config,
+               const distributed::ParallelDims& dims, const ClusterProfile& cluster, protocols::Execution execution,
+               bool per_pipeline_rank) {
   Plan plan;
   plan.dims = dims;
   plan.layout = layout_of(dims, config);
-  const bool autocast = llama3::computes_under_autocast(config, dims);
-  plan.memory = llama3::estimate_training_memory(args, config, dims, autocast, 0, execution);
+  const bool autocast = protocols::computes_under_autocast(config, dims);
+  plan.memory = spec.estimate_memory(args, config, dims, autocast, 0, execution, -1, protocols::FusedKernels::none);
   plan.reserved_bytes = plan.memory.total() * (1 + kAllocatorOverhead);
   plan.device_bytes = plan.reserved_bytes + kContextBytes;
   plan.fits = plan.device_bytes <= cluster.memory_bytes;
@@ -65,9 +66,10 @@ Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, c
     if (dims.pp > 2) kinds.push_back({"middle", dims.pp / 2});
     kinds.push_back({"last", dims.pp - 1});
     for (const auto& [kind, rank] : kinds)
-      plan.pipeline_ranks.push_back({kind, rank, llama3::estimate_training_memory(args, config, dims, autocast, 0, execution, rank)});
+      plan.pipeline_ranks.push_back(
+          {kind, rank, spec.estimate_memory(args, config, dims, autocast, 0, execution, rank, protocols::FusedKernels::none)});
   }
-  plan.time = estimate_step_time(args, config, dims, cluster, execution);
+  plan.time = estimate_step_time(models::as_decoder(args, "titan plan's step-time model"), config, dims, cluster, execution);
   const Speedups s = speedups_of(config);
   static const std::string float8 = "float8 linear layers (model.converters)", compile = "torch.compile (compile.enable)";
   if (s.float8) plan.not_runnable.push_back(float8);
@@ -75,8 +77,9 @@ Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, c
   return plan;
 }
 
-SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConfig& base, const ClusterProfile& cluster,
-                            const SearchOptions& options) {
+SearchResult search_layouts(const protocols::ModelSpec& spec, const protocols::ModelArgs& args, const config::JobConfig& base,
+                            const ClusterProfile& cluster, const SearchOptions& options) {
+  const models::DecoderArgs& decoder = models::as_decoder(args, "titan plan --search");
   const int64_t gpus = options.gpus;
   if (gpus < 1) fail("titan plan --search needs --gpus N (the number of GPUs to lay the job out on)");
   const int64_t global = base.training.global_batch_size;
@@ -87,9 +90,9 @@ SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConf
   std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, bool> pipeline_ok;
   const std::vector<std::pair<std::string, std::string>> ac_modes = {{"none", ""}, {"selective", "op"}, {"selective", "2"}, {"full", ""}};
   for (int64_t tp : divisors(gpus)) {
-    if (tp > cluster.gpus_per_node || args.n_heads % tp || args.kv_heads() % tp) continue;
+    if (tp > cluster.gpus_per_node || decoder.n_heads % tp || decoder.kv_heads() % tp) continue;
     for (int64_t pp : divisors(gpus / tp)) {
-      if (pp > 1 && args.n_layers / pp < 1) continue;
+      if (pp > 1 && decoder.n_layers / pp < 1) continue;
       for (int64_t cp : divisors(gpus / tp / pp)) {
         if (cp > 1 && base.training.seq_len % (2 * cp)) continue;
         const int64_t dp = gpus / tp / pp / cp;
@@ -127,7 +130,7 @@ SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConf
                   if (it == pipeline_ok.end()) {
                     bool ok = true;
                     try {
-                      llama3::plan_stages(args, c, pp);
+                      distributed::pipeline::plan_stages(args.layers(), spec.tied_embeddings(args), c, pp);
                     } catch (const UserError&) {
                       ok = false;
                     }
@@ -136,7 +139,7 @@ SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConf
                   if (!it->second) continue;
                 }
                 auto dims = distributed::ParallelDims::from_config(c.parallelism, gpus);
-                Plan plan = make_plan(args, c, dims, cluster, options.execution, false);
+                Plan plan = make_plan(spec, args, c, dims, cluster, options.execution, false);
                 if (!plan.fits) continue;
                 ++result.fitting;
                 plans.push_back(std::move(plan));

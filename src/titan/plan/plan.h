@@ -6,7 +6,8 @@
 
 #include "titan/config/job_config.h"
 #include "titan/distributed/parallel_dims.h"
-#include "titan/models/llama3/memory_estimate.h"
+#include "titan/protocols/memory_estimate.h"
+#include "titan/protocols/model_spec.h"
 #include "titan/plan/cluster.h"
 #include "titan/plan/step_time.h"
 
@@ -15,7 +16,7 @@ namespace titan::plan {
 struct Plan {
   distributed::ParallelDims dims;
   std::string layout;           // "dp_shard 8 x tp 8 x pp 8, full AC, local batch 32, micro-batch 4, 1F1B"
-  llama3::MemoryEstimate memory;  // allocated bytes per rank, term by term (the busiest pipeline stage)
+  protocols::MemoryEstimate memory;  // allocated bytes per rank, term by term (the busiest pipeline stage)
   double reserved_bytes = 0;    // what the caching allocator holds at the peak (allocated + fragmentation)
   double device_bytes = 0;      // reserved + the CUDA/HIP context and communicator buffers outside it
   bool fits = false;
@@ -24,21 +25,23 @@ struct Plan {
   struct PipelineRank {
     std::string kind;  // "first", "middle", "last"
     int64_t rank = 0;
-    llama3::MemoryEstimate memory;
+    protocols::MemoryEstimate memory;
   };
   std::vector<PipelineRank> pipeline_ranks;
   StepTime time;
   std::vector<std::string> not_runnable;  // what titan models here but cannot run yet (float8, torch.compile, ...)
 };
 
-Plan make_plan(const llama3::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
-               const ClusterProfile& cluster, llama3::Execution execution = llama3::Execution::titan,
+// `spec` is the family of `args` (models/registry.h); the step-time model covers the dense decoders.
+Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& args, const config::JobConfig& config,
+               const distributed::ParallelDims& dims, const ClusterProfile& cluster,
+               protocols::Execution execution = protocols::Execution::titan,
                bool per_pipeline_rank = true);  // fill pipeline_ranks (the search skips them)
 
 struct SearchOptions {
   int64_t gpus = 0;
   int64_t top = 5;
-  llama3::Execution execution = llama3::Execution::titan;
+  protocols::Execution execution = protocols::Execution::titan;
 };
 
 // Every layout of `gpus` ranks (dp_replicate x dp_shard x cp x tp x pp, AC mode, micro-batch size, pipeline
@@ -48,7 +51,7 @@ struct SearchResult {
   std::vector<Plan> best;
   int64_t tried = 0, fitting = 0;
 };
-SearchResult search_layouts(const llama3::ModelArgs& args, const config::JobConfig& config, const ClusterProfile& cluster,
-                            const SearchOptions& options);
+SearchResult search_layouts(const protocols::ModelSpec& spec, const protocols::ModelArgs& args, const config::JobConfig& config,
+                            const ClusterProfile& cluster, const SearchOptions& options);
 
 }  // namespace titan::plan

@@ -58,10 +58,10 @@ Speedups speedups_of(const config::JobConfig& c) {
   return s;
 }
 
-StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig& config,
+StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfig& config,
                             const distributed::ParallelDims& dims, const ClusterProfile& cluster,
-                            llama3::Execution execution) {
-  const bool torchtitan = execution == llama3::Execution::torchtitan;
+                            protocols::Execution execution) {
+  const bool torchtitan = execution == protocols::Execution::torchtitan;
   const auto& training = config.training;
   const auto& parallelism = config.parallelism;
   const auto& ac = config.activation_checkpoint;
@@ -70,13 +70,13 @@ StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig&
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
   const double d_attn = static_cast<double>(a.n_heads * a.head_dim()), d_kv = static_cast<double>(a.kv_heads() * a.head_dim());
   const double hidden = static_cast<double>(a.ffn_hidden_dim()), seq = static_cast<double>(training.seq_len);
-  const double c = llama3::compute_dtype_bytes(config, dims);
+  const double c = protocols::compute_dtype_bytes(config, dims);
   const double p_bytes = training.dtype == "bfloat16" ? 2.0 : 4.0;
 
   // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer
   // each); the step is paced by the busiest rank, so its share is used.
   double layer_params = 0;
-  for (const auto& p : llama3::parameter_shapes(a))
+  for (const auto& p : a.parameter_shapes())
     if (p.name.rfind("layers.0.", 0) == 0 && p.shape.size() == 2) layer_params += static_cast<double>(p.numel());
   const bool pipelined = dims.pp > 1;
   int64_t stages_per_rank = 1;
@@ -255,7 +255,7 @@ StepTime estimate_step_time(const llama3::ModelArgs& a, const config::JobConfig&
     if (t.seconds > largest) largest = t.seconds, out.bound = t.name;
   const double tokens_per_rank = static_cast<double>(training.local_batch_size) * seq / (tp * cp * static_cast<double>(dims.pp));
   out.tokens_per_second_per_device = tokens_per_rank / out.step_seconds;
-  out.mfu = out.tokens_per_second_per_device * llama3::flops_per_token(a, training.seq_len) / cluster.peak_bf16_flops;
+  out.mfu = out.tokens_per_second_per_device * a.flops_per_token(training.seq_len) / cluster.peak_bf16_flops;
   return out;
 }
 

@@ -8,8 +8,8 @@
 
 #include "titan/config/job_config.h"
 #include "titan/distributed/parallel_dims.h"
-#include "titan/models/llama3/args.h"
-#include "titan/models/llama3/memory_estimate.h"
+#include "titan/models/common/decoder_args.h"
+#include "titan/protocols/memory_estimate.h"
 #include "titan/plan/cluster.h"
 
 namespace titan::plan {
@@ -38,8 +38,8 @@ struct Speedups {
 };
 Speedups speedups_of(const config::JobConfig& config);
 
-StepTime estimate_step_time(const llama3::ModelArgs& args, const config::JobConfig& config,
+StepTime estimate_step_time(const models::DecoderArgs& args, const config::JobConfig& config,
                             const distributed::ParallelDims& dims, const ClusterProfile& cluster,
-                            llama3::Execution execution = llama3::Execution::titan);
+                            protocols::Execution execution = protocols::Execution::titan);
 
 }  // namespace titan::plan

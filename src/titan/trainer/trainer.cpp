@@ -18,8 +18,7 @@
 #include "titan/components/metrics/cuda_device.h"
 #include "titan/components/metrics/metric_logger.h"
 #include "titan/distributed/init_world.h"
-#include "titan/models/llama3/memory_estimate.h"
-#include "titan/models/llama3/model_config.h"
+#include "titan/models/registry.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/data/builtin.h"
@@ -114,10 +113,13 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
               "OMP_THREAD_LIMIT limit the threads");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
-  const llama3::JobModel job_model = llama3::job_model(loaded_);
-  const llama3::ModelArgs& args = job_model.args;
-  llama3::check_parallelism(args, dims, c);
-  if (dims.pp > 1) llama3::plan_stages(args, c, dims.pp);  // stage split and schedule checked before any communication
+  spec_ = &models::job_spec(loaded_);
+  const protocols::JobModel job_model = spec_->job_model(loaded_);
+  model_args_ = job_model.args;
+  const protocols::ModelArgs& args = *model_args_;
+  spec_->check_parallelism(args, dims, c);
+  // The stage split and schedule are checked before any communication.
+  if (dims.pp > 1) distributed::pipeline::plan_stages(args.layers(), spec_->tied_embeddings(args), c, dims.pp);
 
   log::info("Starting job: ", c.job.description);
   if (c.job.print_config) log::info("Running with configs: ", config::to_json(c));
@@ -170,29 +172,29 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   std::string tokenizer_path = c.model.hf_assets_path;
   if (tokenizer_path == data::kBuiltinTokenizer) {
     // Rank 0 learns it; the others reuse its file, or learn the same one where the dump folder is not shared.
-    if (launch_.rank == 0) data::ensure_builtin_tokenizer(c.job.dump_folder, args.vocab_size);
+    if (launch_.rank == 0) data::ensure_builtin_tokenizer(c.job.dump_folder, args.vocabulary());
     mesh_->world()->barrier();
-    tokenizer_path = data::ensure_builtin_tokenizer(c.job.dump_folder, args.vocab_size);
+    tokenizer_path = data::ensure_builtin_tokenizer(c.job.dump_folder, args.vocabulary());
   }
   tokenizer_ = tokenizer::load(tokenizer_path);
   log::info("Tokenizer: ", tokenizer_->description(), "; BOS ", tokenizer_->bos_id() ? std::to_string(*tokenizer_->bos_id()) : "none",
             ", EOS ", tokenizer_->eos_id() ? std::to_string(*tokenizer_->eos_id()) : "none");
-  if (tokenizer_->vocab_size() > args.vocab_size)
+  if (tokenizer_->vocab_size() > args.vocabulary())
     fail("the tokenizer at ", quote(tokenizer_path), " has ", tokenizer_->vocab_size(), " ids but the model (",
-         job_model.name, ") has vocab_size ", args.vocab_size,
+         job_model.name, ") has vocab_size ", args.vocabulary(),
          "; pick a tokenizer that fits (model.hf_assets_path), a flavor with a larger vocabulary or a larger model.vocab_size");
 
-  check_memory(args, dims);
+  check_memory(dims);
 
   // The model is built without storage; the parallelisms shard it, and each rank then allocates and initialises
   // only its own pieces, with values that depend on the seed alone (nn/init.h), not on the layout.
   const at::ScalarType param_dtype = dtype_from_name(c.training.dtype);
-  model_ = std::make_shared<llama3::Transformer>(
-      args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
+  model_ = spec_->build(args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
   model_->move_buffers(device_);
-  const int64_t n_params = llama3::count_parameters(args);
-  flops_per_token_ = llama3::flops_per_token(args, c.training.seq_len);
-  log::info("Model llama3 ", job_model.name, " size: ", with_thousands(n_params), " total parameters; ",
+  hf_adapter_ = spec_->state_dict_adapter(args);
+  const int64_t n_params = args.reported_parameters();
+  flops_per_token_ = args.flops_per_token(c.training.seq_len);
+  log::info("Model ", spec_->name, " ", job_model.name, " size: ", with_thousands(n_params), " total parameters; ",
             strprintf("%.2f", flops_per_token_ / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
 
   // Mixed precision as torchtitan: FSDP gathers parameters in mixed_precision_param and reduces gradients in
@@ -209,11 +211,16 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
     cp_ = std::make_unique<distributed::ContextParallel>(mesh_->get("cp"), distributed::parse_cp_load_balancer(c.parallelism.context_parallel_load_balancer),
                                                          distributed::parse_cp_rotate_method(c.parallelism.context_parallel_rotate_method));
   if (dims.pp > 1) {
-    pipeline_ = std::make_unique<llama3::Pipeline>(*model_, *mesh_, c, fsdp, autocast_dtype_);
+    const auto parallelize = [this](nn::Model& model, const distributed::DeviceMesh& mesh, const distributed::FsdpOptions& options,
+                                    const distributed::ModuleRange& part, bool split_backward) {
+      return spec_->parallelize(model, mesh, loaded_.config, options, part, split_backward);
+    };
+    pipeline_ = std::make_unique<distributed::pipeline::Pipeline>(*model_, args.layers(), spec_->tied_embeddings(args), parallelize,
+                                                                  *mesh_, c, fsdp, autocast_dtype_);
     pipeline_->runner().record_timeline(c.debug.pipeline_timeline);
     for (const auto& line : pipeline_->describe()) log::info(line);
   } else {
-    whole_.push_back(llama3::parallelize(*model_, *mesh_, c, fsdp, llama3::ModuleRange::whole(*model_)));
+    whole_.push_back(spec_->parallelize(*model_, *mesh_, c, fsdp, distributed::ModuleRange::whole(*model_), false));
     for (const auto& line : whole_.front().description) log::info(line);
   }
   for (auto& part : model_parts())
@@ -472,18 +479,18 @@ void Trainer::finish_gradients() {
   }
 }
 
-void Trainer::check_memory(const llama3::ModelArgs& args, const distributed::ParallelDims& dims) {
+void Trainer::check_memory(const distributed::ParallelDims& dims) {
   // Before anything large is allocated: a job that cannot fit fails here with the numbers, not in the kernel's OOM
   // killer or an allocator abort midway through the first step.
   const config::JobConfig& c = loaded_.config;
-  const bool autocast = llama3::computes_under_autocast(c, dims);
+  const bool autocast = protocols::computes_under_autocast(c, dims);
   const double runtime = device_.is_cuda() ? 0.0 : static_cast<double>(metrics::current_rss_bytes());
-  using llama3::FusedKernels;
+  using protocols::FusedKernels;
   const FusedKernels fused = device_.is_cpu()                                   ? FusedKernels::cpu
                              : device_.is_cuda() && kernels::cuda_kernels_built() ? FusedKernels::cuda
                                                                                  : FusedKernels::none;
-  const auto estimate = llama3::estimate_training_memory(args, c, dims, autocast, runtime, llama3::Execution::titan,
-                                                         mesh_->coordinate("pp"), fused);
+  const auto estimate = spec_->estimate_memory(*model_args_, c, dims, autocast, runtime, protocols::Execution::titan,
+                                               mesh_->coordinate("pp"), fused);
   const auto available = metrics::available_memory(device_, launch_.local_world_size);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   log::info("Memory estimate for this rank: ", estimate.describe(), strprintf(" of %.2f GiB available (", available.bytes / gib),
@@ -518,8 +525,8 @@ at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch, 
   // RoPE takes the global positions of this rank's chunks.
   if (cp_) {
     const int64_t seq_len = batch.inputs.size(1);
-    if (seq_len > model_->args().max_seq_len)
-      fail("sequence length ", seq_len, " exceeds the model's max_seq_len ", model_->args().max_seq_len, " (training.seq_len)");
+    if (seq_len > model_->max_seq_len())
+      fail("sequence length ", seq_len, " exceeds the model's max_seq_len ", model_->max_seq_len(), " (training.seq_len)");
     return model_->forward(inputs, cp_->positions(seq_len, device_), {}, labels);
   }
   return model_->forward(inputs, {}, block_causal_ ? to_device(batch.positions) : at::Tensor(), labels);
@@ -528,8 +535,8 @@ at::Tensor Trainer::forward(const at::Tensor& inputs, const data::Batch& batch, 
 checkpoint::CheckpointedState Trainer::checkpoint_view() {
   train_state_.step = step_;
   train_state_.tokens_seen = tokens_seen_;
-  return checkpoint::CheckpointedState{parameters_,   model_->args(), *optimizer_,      *lr_scheduler_,
-                                       *dataloader_, train_state_,    tokenizer_.get()};
+  return checkpoint::CheckpointedState{parameters_,  *model_args_, *hf_adapter_, *optimizer_, *lr_scheduler_,
+                                       *dataloader_, train_state_,  tokenizer_.get()};
 }
 
 double Trainer::validate() {

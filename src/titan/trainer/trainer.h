@@ -20,9 +20,10 @@
 #include "titan/distributed/context_parallel.h"
 #include "titan/distributed/data_parallel.h"
 #include "titan/distributed/parallel_dims.h"
-#include "titan/models/llama3/model.h"
-#include "titan/models/llama3/parallelize.h"
-#include "titan/models/llama3/pipeline.h"
+#include "titan/distributed/model_part.h"
+#include "titan/distributed/pipeline/stages.h"
+#include "titan/nn/model.h"
+#include "titan/protocols/model_spec.h"
 
 namespace titan {
 
@@ -51,7 +52,8 @@ class Trainer {
   // loss. Collective over the data-parallel ranks.
   double validate();
 
-  llama3::Transformer& model() { return *model_; }
+  nn::Model& model() { return *model_; }
+  const protocols::ModelArgs& model_args() const { return *model_args_; }
   AdamW& optimizer() { return *optimizer_; }
   LRScheduler& lr_scheduler() { return *lr_scheduler_; }
   const tokenizer::Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -65,8 +67,8 @@ class Trainer {
   const std::vector<distributed::ShardedParameter>& parameters() const { return parameters_; }
   // The parallelized model parts on this rank: the whole model, or its pipeline stages' parts (torchtitan's
   // model_parts).
-  std::vector<llama3::ParallelModel>& model_parts() { return pipeline_ ? pipeline_->parts() : whole_; }
-  llama3::Pipeline* pipeline() { return pipeline_.get(); }
+  std::vector<distributed::ModelPart>& model_parts() { return pipeline_ ? pipeline_->parts() : whole_; }
+  distributed::pipeline::Pipeline* pipeline() { return pipeline_.get(); }
 
  private:
   // A step launched on the device: its loss, gradient norm and non-finite flag stay there until settle() reads
@@ -95,7 +97,7 @@ class Trainer {
   Control exchange_control(bool exhausted, int64_t valid_tokens, int signal, bool save_failed);
   void log_step(const StepResult& result, double data_seconds);
   void finish_gradients();  // every part's data-parallel and tensor-parallel gradient reductions
-  void check_memory(const llama3::ModelArgs& args, const distributed::ParallelDims& dims);
+  void check_memory(const distributed::ParallelDims& dims);
   void write_pipeline_timeline();
   // Logits of device inputs, or the summed loss when `labels` are given (the fused output projection and loss).
   at::Tensor forward(const at::Tensor& inputs, const data::Batch& batch, const at::Tensor& labels = {});
@@ -105,9 +107,12 @@ class Trainer {
   distributed::LaunchInfo launch_;
   std::unique_ptr<distributed::DeviceMesh> mesh_;
   std::unique_ptr<tokenizer::Tokenizer> tokenizer_;
-  std::shared_ptr<llama3::Transformer> model_;
-  std::vector<llama3::ParallelModel> whole_;  // without pipeline parallelism: one part, the whole model
-  std::unique_ptr<llama3::Pipeline> pipeline_;
+  const protocols::ModelSpec* spec_ = nullptr;  // the family (models/registry.h)
+  std::shared_ptr<const protocols::ModelArgs> model_args_;
+  std::unique_ptr<protocols::StateDictAdapter> hf_adapter_;
+  std::shared_ptr<nn::Model> model_;
+  std::vector<distributed::ModelPart> whole_;  // without pipeline parallelism: one part, the whole model
+  std::unique_ptr<distributed::pipeline::Pipeline> pipeline_;
   std::unique_ptr<distributed::ContextParallel> cp_;  // how batches are cut over the "cp" group (context parallelism)
   std::vector<distributed::ShardedParameter> parameters_;
   std::unique_ptr<AdamW> optimizer_;

@@ -21,7 +21,6 @@
 #include "titan/components/checkpoint/dcp.h"
 #include "titan/components/checkpoint/hf.h"
 #include "titan/components/checkpoint/torch_dcp.h"
-#include "titan/models/llama3/hf_config.h"
 
 namespace titan::checkpoint {
 
@@ -290,7 +289,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
     rank_state["rng"] = rng_state();
   }
   json global = metadata_header(step, model_only, world_size, loaded_.config.model.flavor);
-  global["model"] = llama3::args_to_json(state.model_args);
+  global["model"] = state.model_args.to_json();
   if (state.tokenizer) global["tokenizer"] = fs::absolute(state.tokenizer->source_path()).string();
   if (!model_only) {
     global["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
@@ -450,7 +449,7 @@ void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std:
   Reader reader(directory);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   at::ScalarType dtype = at::kFloat;
-  for (const auto& p : llama3::parameter_shapes(state.model_args)) {
+  for (const auto& p : state.model_args.parameter_shapes()) {
     const auto& entry = reader.tensors().at("model." + p.name);
     at::Tensor full = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
     reader.read_box("model." + p.name, std::vector<int64_t>(entry.shape.size(), 0), full);
@@ -459,7 +458,7 @@ void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std:
   }
   const std::string partial = directory + ".hf.partial", aside = directory + ".model-only";
   fs::remove_all(partial);
-  save_hf(partial, state.model_args, tensors, dtype, int64_t{5} * 1000 * 1000 * 1000, state.tokenizer);
+  save_hf(partial, state.model_args, state.hf_adapter, tensors, dtype, int64_t{5} * 1000 * 1000 * 1000, state.tokenizer);
   for (const auto& e : fs::directory_iterator(partial)) fsync_path(e.path().string(), false);
   // torchtitan's last_save_in_hf layout: the export takes step-N's place. The titan copy moves aside first and goes
   // last, so a crash in between leaves the weights in step-N.model-only (a complete titan checkpoint).
@@ -474,7 +473,7 @@ void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std:
 
 void Checkpointer::load_hf_weights(CheckpointedState& state, const std::string& directory) {
   const double start = now_seconds();
-  HfReader reader(directory, state.model_args);
+  HfReader reader(directory, state.model_args, state.hf_adapter);
   at::NoGradGuard no_grad;
   // Each rank reads only the rows its pieces need.
   for (auto& p : state.parameters) reader.read_box(p.name, p.layout.local_box().offsets, p.piece().detach());
@@ -497,7 +496,7 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
   // The model: every parameter must be there with its shape; nothing else may be.
   // Every parameter of the model, not just this rank's (a pipeline stage holds some of them).
   std::set<std::string> expected;
-  for (const auto& p : llama3::parameter_shapes(state.model_args)) expected.insert("model." + p.name);
+  for (const auto& p : state.model_args.parameter_shapes()) expected.insert("model." + p.name);
   for (const auto& [key, entry] : reader.tensors())
     if (starts_with(key, "model.") && !expected.count(key))
       fail("checkpoint ", reader.directory(), " has tensor ", quote(key), ", which model flavor ",
@@ -522,7 +521,7 @@ bool Checkpointer::load_directory(CheckpointedState& state, const std::string& d
     // Same shapes can still compute differently (RoPE base and scaling, norm epsilon): say so, as long-context
     // extension changes them on purpose.
     const auto differences =
-        llama3::computation_differences(llama3::args_from_json(meta.at("model"), directory + "/metadata.json: model"), state.model_args);
+        state.model_args.parse_json(meta.at("model"), directory + "/metadata.json: model")->computation_differences(state.model_args);
     if (!differences.empty())
       log::warn("checkpoint ", reader.directory(), " was saved from a model that computes differently than this run's (saved vs now): ",
                 join(differences, "; "));

@@ -18,7 +18,8 @@
 #include "titan/config/loader.h"
 #include "titan/distributed/parallel_dims.h"
 #include "titan/distributed/sharded_parameter.h"
-#include "titan/models/llama3/args.h"
+#include "titan/protocols/model_args.h"
+#include "titan/protocols/model_spec.h"
 
 namespace titan::checkpoint {
 
@@ -30,7 +31,8 @@ struct TrainState {
 // References to what a checkpoint holds. The optimizer's state i belongs to parameters[i].
 struct CheckpointedState {
   std::vector<distributed::ShardedParameter>& parameters;
-  const llama3::ModelArgs& model_args;  // for Hugging Face weights (names, q/k permutation, config check)
+  const protocols::ModelArgs& model_args;            // the model's shapes and metadata
+  const protocols::StateDictAdapter& hf_adapter;     // Hugging Face names, layouts and config.json
   AdamW& optimizer;
   LRScheduler& lr_scheduler;
   data::DataLoader& dataloader;

@@ -19,13 +19,13 @@ bool Checkpointer::load_torch_dcp(CheckpointedState& state, const std::string& d
   };
   // The model: torchtitan keeps its weights at the top level under the same names as titan's parameters.
   std::set<std::string> expected;
-  for (const auto& p : llama3::parameter_shapes(state.model_args)) expected.insert(p.name);
+  for (const auto& p : state.model_args.parameter_shapes()) expected.insert(p.name);
   for (const auto& [key, item] : reader.tensors()) {
     const bool other_state = starts_with(key, "optimizer.") || starts_with(key, "lr_scheduler.") ||
                              starts_with(key, "train_state.") || starts_with(key, "dataloader.");
     if (!other_state && !expected.count(key))
       fail("torch DCP checkpoint ", directory, " has tensor ", quote(key), ", which this run's model does not have; is it "
-           "a Llama 3 checkpoint of the same shape (model.flavor and [model] keys)?");
+           "a checkpoint of this model family and shape (model.name, model.flavor and [model] keys)?");
   }
   at::NoGradGuard no_grad;
   if (!excluded("model")) {

@@ -8,22 +8,20 @@
 #include "titan/common/progress.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/safetensors.h"
-#include "titan/models/llama3/hf_config.h"
-#include "titan/models/llama3/state_dict_adapter.h"
 
 namespace titan::checkpoint {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-json hf_config(const llama3::ModelArgs& args, at::ScalarType dtype) {
-  return llama3::to_hf_config(args, dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32");
+json hf_config(const protocols::StateDictAdapter& adapter, at::ScalarType dtype) {
+  return adapter.hf_config(dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32");
 }
 
-void check_hf_config(const std::string& directory, const llama3::ModelArgs& args) {
+void check_hf_config(const std::string& directory, const protocols::StateDictAdapter& adapter) {
   const std::string path = directory + "/config.json";
   if (!fs::exists(path)) fail("no config.json in ", quote(directory), "; expected a Hugging Face model directory");
-  const auto differences = llama3::computation_differences(llama3::read_hf_config(path), args);
+  const auto differences = adapter.hf_config_differences(path);
   if (differences.empty()) return;
   fail(path, " describes another model than this run's (config.json vs the configured model):\n  ",
        join(differences, "\n  "),
@@ -31,21 +29,21 @@ void check_hf_config(const std::string& directory, const llama3::ModelArgs& args
        "config.json");
 }
 
-void save_hf(const std::string& directory, const llama3::ModelArgs& args,
+void save_hf(const std::string& directory, const protocols::ModelArgs& args, const protocols::StateDictAdapter& adapter,
              const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
              int64_t max_shard_bytes, const tokenizer::Tokenizer* tokenizer) {
-  if (tokenizer && tokenizer->vocab_size() > args.vocab_size)  // before anything is written
+  if (tokenizer && tokenizer->vocab_size() > args.vocabulary())  // before anything is written
     fail("the tokenizer ", tokenizer->source_path(), " has ", tokenizer->vocab_size(), " ids, more than the model's ",
-         args.vocab_size, "; it is not this model's tokenizer");
+         args.vocabulary(), "; it is not this model's tokenizer");
   fs::create_directories(directory);
   for (const auto& e : fs::directory_iterator(directory))
     if (e.path().extension() == ".safetensors")
       fail(quote(directory), " already holds weights (", e.path().filename().string(), "); choose an empty folder");
   std::vector<std::pair<std::string, at::Tensor>> hf;
   for (const auto& [name, t] : titan_tensors) {
-    auto hf_name = llama3::to_hf_name(name);
+    auto hf_name = adapter.to_hf_name(name);
     if (!hf_name) continue;
-    hf.emplace_back(*hf_name, llama3::to_hf_tensor(name, t.detach().to(at::kCPU).to(dtype), args).contiguous());
+    hf.emplace_back(*hf_name, adapter.to_hf_tensor(name, t.detach().to(at::kCPU).to(dtype)).contiguous());
   }
   // Shards in parameter order, each up to max_shard_bytes.
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
@@ -75,7 +73,7 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     write_file(directory + "/model.safetensors.index.json", index.dump(2) + "\n");
   }
-  json config = hf_config(args, dtype);
+  json config = hf_config(adapter, dtype);
   if (tokenizer) {
     tokenizer->save_hf_files(directory);
     json generation = {{"_from_model_config", true}};
@@ -90,15 +88,16 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
 
 struct HfReader::Impl {
   std::string directory;
-  llama3::ModelArgs args;
+  const protocols::StateDictAdapter* adapter = nullptr;
   std::vector<std::unique_ptr<safetensors::File>> files;
   std::map<std::string, std::pair<const safetensors::File*, std::string>> where;  // titan name -> (file, HF name)
 };
 
-HfReader::HfReader(const std::string& directory, const llama3::ModelArgs& args) : impl_(std::make_unique<Impl>()) {
+HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& args, const protocols::StateDictAdapter& adapter)
+    : impl_(std::make_unique<Impl>()) {
   impl_->directory = directory;
-  impl_->args = args;
-  check_hf_config(directory, args);
+  impl_->adapter = &adapter;
+  check_hf_config(directory, adapter);
   std::vector<std::string> files;
   const std::string index_path = directory + "/model.safetensors.index.json";
   if (fs::exists(index_path)) {
@@ -121,17 +120,17 @@ HfReader::HfReader(const std::string& directory, const llama3::ModelArgs& args) 
     impl_->files.push_back(std::make_unique<safetensors::File>(directory + "/" + file));
     const safetensors::File& f = *impl_->files.back();
     for (const auto& [hf_name, info] : f.tensors()) {
-      auto name = llama3::from_hf_name(hf_name);
-      if (!name) fail(directory, "/", file, ": unexpected tensor ", quote(hf_name), " for a Llama model");
+      auto name = adapter.from_hf_name(hf_name);
+      if (!name) fail(directory, "/", file, ": unexpected tensor ", quote(hf_name), " for a ", args.family(), " model");
       impl_->where[*name] = {&f, hf_name};
     }
   }
-  for (const auto& p : llama3::parameter_shapes(args)) {
+  for (const auto& p : args.parameter_shapes()) {
     auto it = impl_->where.find(p.name);
-    if (it == impl_->where.end()) fail(quote(directory), ": no weight for ", quote(*llama3::to_hf_name(p.name)));
+    if (it == impl_->where.end()) fail(quote(directory), ": no weight for ", quote(adapter.to_hf_name(p.name).value_or(p.name)));
     const auto& shape = it->second.first->tensors().at(it->second.second).shape;
     if (shape != p.shape)
-      fail(quote(directory), ": ", quote(*llama3::to_hf_name(p.name)), " has shape ", at::IntArrayRef(shape), ", expected ",
+      fail(quote(directory), ": ", quote(adapter.to_hf_name(p.name).value_or(p.name)), " has shape ", at::IntArrayRef(shape), ", expected ",
            at::IntArrayRef(p.shape));
   }
 }
@@ -147,10 +146,10 @@ void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t
     return;
   }
   int64_t begin = offsets[0], end = offsets[0] + out.size(0);
-  const int64_t per_head = llama3::permuted_rows_per_head(titan_name, impl_->args);
+  const int64_t per_head = impl_->adapter->permuted_rows_per_head(titan_name);
   if (per_head) begin = begin / per_head * per_head, end = (end + per_head - 1) / per_head * per_head;
   at::Tensor rows = file->load_rows(hf_name, begin, end - begin);
-  if (per_head) rows = llama3::from_hf_head_rows(rows, per_head);
+  if (per_head) rows = impl_->adapter->from_hf_head_rows(rows, per_head);
   at::Tensor source = rows.narrow(0, offsets[0] - begin, out.size(0));
   for (int64_t d = 1; d < out.dim(); ++d) source = source.narrow(d, offsets[static_cast<size_t>(d)], out.size(d));
   out.copy_(source);

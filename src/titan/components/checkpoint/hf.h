@@ -1,6 +1,6 @@
-// Hugging Face checkpoints: a directory with config.json (LlamaConfig) and model.safetensors, or shards listed in
-// model.safetensors.index.json. Tensors are exchanged in titan's names and layout; the q/k RoPE permutation and
-// the renaming happen here.
+// Hugging Face checkpoints: a directory with config.json (the family's, e.g. LlamaConfig or Qwen3Config) and
+// model.safetensors, or shards listed in model.safetensors.index.json. Tensors are exchanged in titan's names and
+// layout; the family's state-dict adapter gives the renaming and any layout change (Llama's q/k RoPE permutation).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -11,22 +11,23 @@
 #include <vector>
 
 #include "titan/components/tokenizer/tokenizer.h"
-#include "titan/models/llama3/args.h"
+#include "titan/protocols/model_args.h"
+#include "titan/protocols/model_spec.h"
 
 namespace titan::checkpoint {
 
-// LlamaConfig fields for `args`.
-nlohmann::json hf_config(const llama3::ModelArgs& args, at::ScalarType dtype);
+// config.json fields of the adapter's model.
+nlohmann::json hf_config(const protocols::StateDictAdapter& adapter, at::ScalarType dtype);
 
-// Checks that `directory`'s config.json describes `args` (sizes, heads, vocabulary, RoPE); throws UserError naming
-// the first field that differs.
-void check_hf_config(const std::string& directory, const llama3::ModelArgs& args);
+// Checks that `directory`'s config.json describes the adapter's model (sizes, heads, vocabulary, RoPE); throws
+// UserError naming the fields that differ.
+void check_hf_config(const std::string& directory, const protocols::StateDictAdapter& adapter);
 
 // Writes config.json and the weights (titan names -> HF names and layout) in `dtype`, in shards of at most
 // `max_shard_bytes` (one model.safetensors when everything fits), into `directory` (created; existing weight files
 // there are refused). With the run's tokenizer also its files, tokenizer_config.json, BOS/EOS ids in config.json
 // and generation_config.json, so that AutoTokenizer, pipeline("text-generation") and generate() work as is.
-void save_hf(const std::string& directory, const llama3::ModelArgs& args,
+void save_hf(const std::string& directory, const protocols::ModelArgs& args, const protocols::StateDictAdapter& adapter,
              const std::vector<std::pair<std::string, at::Tensor>>& titan_tensors, at::ScalarType dtype,
              int64_t max_shard_bytes, const tokenizer::Tokenizer* tokenizer = nullptr);
 
@@ -35,7 +36,7 @@ void save_hf(const std::string& directory, const llama3::ModelArgs& args,
 class HfReader {
  public:
   // Checks config.json against `args` and that every weight is present with its shape.
-  HfReader(const std::string& directory, const llama3::ModelArgs& args);
+  HfReader(const std::string& directory, const protocols::ModelArgs& args, const protocols::StateDictAdapter& adapter);
   ~HfReader();
   // Fills `out` (any device and dtype) with the box of `titan_name` that starts at `offsets`.
   void read_box(const std::string& titan_name, const std::vector<int64_t>& offsets, at::Tensor out) const;

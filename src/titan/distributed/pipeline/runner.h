@@ -49,7 +49,7 @@ class PipelineRunner {
   at::Tensor evaluate(const StageLoss& loss, int microbatches);
   // In train(), activations carry a shape header only in the first message on each channel after this call (and
   // after construction); later ones must have that shape. Every rank of the pipeline calls it at the same points:
-  // llama3::Pipeline when the training sequence length changes (the micro-batch size is fixed by the configuration).
+  // pipeline::Pipeline when the training sequence length changes (the micro-batch size is fixed by the configuration).
   // evaluate() sends every activation with its header and leaves training's shapes as they were.
   void activation_shapes_may_change();
   // Shape headers read back from the device since construction: one per receiving channel and training shape, and

@@ -12,7 +12,7 @@ using json = nlohmann::json;
 namespace {
 
 // Llama 3.1 RoPE scaling's four parameters under LlamaConfig's names, or null when scaling is off.
-json rope_scaling_json(const RopeScaling& r) {
+json rope_scaling_json(const models::RopeScaling& r) {
   if (!r.enabled) return nullptr;
   return {{"factor", r.factor},
           {"low_freq_factor", r.low_freq_factor},
@@ -22,7 +22,7 @@ json rope_scaling_json(const RopeScaling& r) {
 
 }  // namespace
 
-json to_hf_config(const ModelArgs& args, const std::string& torch_dtype) {
+json to_hf_config(const DecoderArgs& args, const std::string& torch_dtype) {
   json c;
   c["architectures"] = {"LlamaForCausalLM"};
   c["model_type"] = "llama";
@@ -82,12 +82,12 @@ struct Fields {
 
 }  // namespace
 
-ModelArgs from_hf_config(const json& config, const std::string& path) {
+DecoderArgs from_hf_config(const json& config, const std::string& path) {
   if (!config.is_object()) fail(path, ": expected a JSON object (a Hugging Face config.json)");
   Fields f{config, path};
   if (const json* type = f.find("model_type"); type && *type != "llama")
     fail(path, ": model_type = ", type->dump(), "; titan trains Llama models (model_type \"llama\")");
-  ModelArgs a;
+  DecoderArgs a;
   a.dim = f.integer("hidden_size");
   a.n_layers = f.integer("num_hidden_layers");
   a.n_heads = f.integer("num_attention_heads");
@@ -142,7 +142,7 @@ ModelArgs from_hf_config(const json& config, const std::string& path) {
   return a;
 }
 
-ModelArgs read_hf_config(const std::string& config_json_path) {
+DecoderArgs read_hf_config(const std::string& config_json_path) {
   std::ifstream in(config_json_path);
   if (!in) fail("cannot read ", quote(config_json_path), "; expected a Hugging Face config.json");
   json c;
@@ -152,80 +152,6 @@ ModelArgs read_hf_config(const std::string& config_json_path) {
     fail(config_json_path, ": not valid JSON: ", e.what());
   }
   return from_hf_config(c, config_json_path);
-}
-
-std::vector<std::string> computation_differences(const ModelArgs& a, const ModelArgs& b) {
-  std::vector<std::string> out;
-  auto compare = [&](const char* name, auto x, auto y) {
-    if (x != y) out.push_back(cat(name, ": ", x, " vs ", y));
-  };
-  compare("dim (hidden_size)", a.dim, b.dim);
-  compare("n_layers (num_hidden_layers)", a.n_layers, b.n_layers);
-  compare("n_heads (num_attention_heads)", a.n_heads, b.n_heads);
-  compare("n_kv_heads (num_key_value_heads)", a.kv_heads(), b.kv_heads());
-  compare("vocab_size", a.vocab_size, b.vocab_size);
-  compare("feed-forward hidden dim (intermediate_size)", a.ffn_hidden_dim(), b.ffn_hidden_dim());
-  compare("norm_eps (rms_norm_eps)", a.norm_eps, b.norm_eps);
-  compare("rope_theta", a.rope_theta, b.rope_theta);
-  compare("tie_word_embeddings", a.tie_word_embeddings ? "true" : "false", b.tie_word_embeddings ? "true" : "false");
-  compare("rope scaling (rope_scaling)", a.rope_scaling.enabled ? "llama3" : "none", b.rope_scaling.enabled ? "llama3" : "none");
-  if (a.rope_scaling.enabled && b.rope_scaling.enabled) {
-    compare("rope_scaling factor", a.rope_scaling.factor, b.rope_scaling.factor);
-    compare("rope_scaling low_freq_factor", a.rope_scaling.low_freq_factor, b.rope_scaling.low_freq_factor);
-    compare("rope_scaling high_freq_factor", a.rope_scaling.high_freq_factor, b.rope_scaling.high_freq_factor);
-    compare("rope_scaling original_max_position_embeddings", a.rope_scaling.original_max_position_embeddings,
-            b.rope_scaling.original_max_position_embeddings);
-  }
-  return out;
-}
-
-json args_to_json(const ModelArgs& a) {
-  json j = {{"dim", a.dim},
-            {"n_layers", a.n_layers},
-            {"n_heads", a.n_heads},
-            {"n_kv_heads", a.kv_heads()},
-            {"vocab_size", a.vocab_size},
-            {"ffn_hidden_dim", a.ffn_hidden_dim()},
-            {"norm_eps", a.norm_eps},
-            {"rope_theta", a.rope_theta},
-            {"max_seq_len", a.max_seq_len},
-            {"tie_word_embeddings", a.tie_word_embeddings},
-            {"depth_init", a.depth_init}};
-  j["rope_scaling"] = rope_scaling_json(a.rope_scaling);
-  return j;
-}
-
-ModelArgs args_from_json(const json& j, const std::string& where) {
-  if (!j.is_object()) fail(where, ": model arguments must be a JSON object");
-  Fields f{j, where};
-  ModelArgs a;
-  a.dim = f.integer("dim");
-  a.n_layers = f.integer("n_layers");
-  a.n_heads = f.integer("n_heads");
-  a.n_kv_heads = f.integer("n_kv_heads");
-  a.vocab_size = f.integer("vocab_size");
-  a.hidden_dim = f.integer("ffn_hidden_dim");
-  a.multiple_of = 1;
-  a.norm_eps = f.number("norm_eps", a.norm_eps);
-  a.rope_theta = f.number("rope_theta", a.rope_theta);
-  a.max_seq_len = f.integer("max_seq_len");
-  a.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
-  a.depth_init = f.boolean("depth_init", true);
-  const json* rope = f.find("rope_scaling");
-  a.rope_scaling.enabled = rope != nullptr;
-  if (rope) {
-    Fields r{*rope, where + ": rope_scaling"};
-    a.rope_scaling.factor = r.number("factor", a.rope_scaling.factor);
-    a.rope_scaling.low_freq_factor = r.number("low_freq_factor", a.rope_scaling.low_freq_factor);
-    a.rope_scaling.high_freq_factor = r.number("high_freq_factor", a.rope_scaling.high_freq_factor);
-    a.rope_scaling.original_max_position_embeddings = r.integer("original_max_position_embeddings");
-  }
-  try {
-    a.check();
-  } catch (const UserError& e) {
-    fail(where, ": ", e.what());
-  }
-  return a;
 }
 
 }  // namespace titan::llama3

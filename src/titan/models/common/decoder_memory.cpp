@@ -1,4 +1,4 @@
-#include "titan/models/llama3/memory_estimate.h"
+#include "titan/models/common/decoder_memory.h"
 
 #include <algorithm>
 #include <cmath>
@@ -10,16 +10,12 @@
 #include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/schedule.h"
 
-namespace titan::llama3 {
+namespace titan::models {
 
 namespace {
 
 double bytes_of(const std::string& dtype) { return dtype == "bfloat16" ? 2.0 : 4.0; }
 
-std::string human(double bytes) {
-  if (bytes >= 1024.0 * 1024.0 * 1024.0) return strprintf("%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
-  return strprintf("%.1f MiB", bytes / (1024.0 * 1024.0));
-}
 
 // Bytes one block saves for backward per token, counted from what titan's block keeps alive (model.cpp): the
 // residual stream in the parameter dtype `r` (block input, both norms' normalised outputs, the attention residual);
@@ -35,20 +31,24 @@ struct BlockActivations {
   double backward_buffers = 0;  // what a block's backward allocates beside what it saved
 };
 
-BlockActivations block_activations(const ModelArgs& a, double r, double c, bool autocast, int64_t tp, FusedKernels kernels) {
+BlockActivations block_activations(const DecoderArgs& a, double r, double c, bool autocast, int64_t tp, FusedKernels kernels) {
   const bool fused = kernels == FusedKernels::cpu;
-  const double d = static_cast<double>(a.dim), k = static_cast<double>(a.kv_heads() * a.head_dim()),
-               h = static_cast<double>(a.ffn_hidden_dim()), heads = static_cast<double>(a.n_heads);
+  // q: the query width (dim for Llama 3; heads x head_dim for Qwen3); k: the key (and value) width.
+  const double d = static_cast<double>(a.dim), q = static_cast<double>(a.n_heads * a.head_dim()),
+               k = static_cast<double>(a.kv_heads() * a.head_dim()), h = static_cast<double>(a.ffn_hidden_dim()),
+               heads = static_cast<double>(a.n_heads);
   const double t = static_cast<double>(tp);
-  double sharded = 4 * d * r + (d + k) * 4 + (d + 2 * k) * c + 2 * d * c + 4 * h * c + heads * 4;
+  double sharded = 4 * d * r + (q + k) * 4 + (q + 2 * k) * c + 2 * q * c + 4 * h * c + heads * 4;
+  // Qwen3's q/k norms keep their inputs (the projections' outputs) beside the rotated q and k.
+  if (a.qk_norm) sharded += (q + k) * c;
   double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
   if (autocast) sharded += 5 * d * c;
   // Fused kernels: no float32 RoPE view, one attention output, no SiLU output; and under autocast the norms'
   // float32 outputs die as soon as the linears have their bf16 copies (measured: docs/metrics.md).
   // (Under tensor parallelism the measured peak keeps them: 0.83x without them at TP 2.)
-  if (fused) sharded -= (d + k) * 4 + d * c + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
+  if (fused) sharded -= (q + k) * 4 + q * c + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
   // The CUDA kernels save their inputs only (model.cpp, kernels/fused_ops.cpp); not measured on a GPU yet.
-  if (kernels == FusedKernels::cuda) sharded -= (d + k) * 4 + h * c;
+  if (kernels == FusedKernels::cuda) sharded -= (q + k) * 4 + h * c;
   if (tp > 1) gathered = 2 * d * c;
   BlockActivations out;
   out.full = sharded / t + gathered;
@@ -64,36 +64,7 @@ BlockActivations block_activations(const ModelArgs& a, double r, double c, bool 
 
 }  // namespace
 
-bool computes_under_autocast(const config::JobConfig& config, const distributed::ParallelDims& dims) {
-  return !dims.fsdp_enabled() && config.training.dtype == "float32" && config.training.mixed_precision_param == "bfloat16";
-}
-
-double compute_dtype_bytes(const config::JobConfig& config, const distributed::ParallelDims& dims) {
-  const auto& training = config.training;
-  if (dims.fsdp_enabled()) return bytes_of(training.dtype == "float32" ? training.mixed_precision_param : training.dtype);
-  return computes_under_autocast(config, dims) ? 2.0 : bytes_of(training.dtype);
-}
-
-double MemoryEstimate::total() const {
-  double step = 0, loss = 0, backward = 0;
-  for (const auto& term : terms)
-    (term.phase == Phase::loss ? loss : term.phase == Phase::blocks_backward ? backward : step) += term.bytes;
-  return step + std::max(loss, backward);
-}
-
-std::string MemoryEstimate::describe() const {
-  std::string out, loss, backward;
-  for (const auto& term : terms) {
-    if (term.bytes <= 0) continue;
-    std::string& list = term.phase == Phase::loss ? loss : term.phase == Phase::blocks_backward ? backward : out;
-    list += cat(list.empty() ? "" : ", ", term.name, " ", human(term.bytes));
-  }
-  if (!loss.empty() && !backward.empty()) out += cat(", and the larger of the loss's (", loss, ") and the backward's (", backward, ")");
-  else if (!loss.empty() || !backward.empty()) out += cat(", ", loss, backward);
-  return out + cat(": ", human(total()));
-}
-
-MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobConfig& config,
+MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
                                         Execution execution, int64_t pipeline_rank, FusedKernels kernels) {
   if (execution != Execution::titan || !config.training.fused_kernels) kernels = FusedKernels::none;
@@ -110,7 +81,7 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   // split counts the embedding and the output as one layer each; the remainder goes to the first stages).
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
   double per_layer = 0;
-  for (const auto& p : parameter_shapes(a))
+  for (const auto& p : a.parameter_shapes())
     if (p.name.rfind("layers.0.", 0) == 0) per_layer += static_cast<double>(p.numel());
   const bool pipelined = dims.pp > 1;
   const distributed::pipeline::ScheduleTraits schedule =
@@ -252,4 +223,4 @@ MemoryEstimate estimate_training_memory(const ModelArgs& a, const config::JobCon
   return e;
 }
 
-}  // namespace titan::llama3
+}  // namespace titan::models

@@ -1,19 +1,20 @@
-// The Llama 3 transformer (Meta/torchtitan layout and parameter names), built from nn::Unit blocks.
-// It knows nothing of parallelism or activation checkpointing; those wrap its units from outside.
+// The dense decoder-only transformer of Llama 3 and Qwen3 (torchtitan's layouts and parameter names), built from
+// nn::Unit blocks: Qwen3 adds per-head RMSNorms on queries and keys, an explicit head_dim and the half-split rotary
+// layout. It knows nothing of parallelism or activation checkpointing; those wrap its units from outside.
 #pragma once
 #include <ATen/ATen.h>
-#include <torch/nn/module.h>
 
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "titan/models/llama3/args.h"
+#include "titan/models/common/decoder_args.h"
 #include "titan/nn/init.h"
+#include "titan/nn/model.h"
 #include "titan/nn/unit.h"
 
-namespace titan::llama3 {
+namespace titan::models {
 
 // Complex64 (end, head_dim / 2) table of e^{i * position * frequency} with Llama 3.1 frequency scaling.
 at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling);
@@ -30,8 +31,9 @@ class InnerAttention : public nn::Unit {
 
 class Attention : public nn::Unit {
  public:
-  Attention(const ModelArgs& args, const nn::ParameterOptions& options);
+  Attention(const DecoderArgs& args, const nn::ParameterOptions& options);
   std::shared_ptr<nn::Linear> wq, wk, wv, wo;
+  std::shared_ptr<nn::RMSNorm> q_norm, k_norm;  // with args.qk_norm: over each head's head_dim, before RoPE
   std::shared_ptr<InnerAttention> inner_attention;
 
  protected:
@@ -39,6 +41,7 @@ class Attention : public nn::Unit {
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
+  RopeLayout rope_layout_;
 };
 
 class FeedForward : public nn::Unit {
@@ -58,7 +61,7 @@ at::Tensor document_ids(const at::Tensor& document_positions);
 
 class TransformerBlock : public nn::Unit {
  public:
-  TransformerBlock(int64_t layer_id, const ModelArgs& args, const nn::ParameterOptions& options);
+  TransformerBlock(int64_t layer_id, const DecoderArgs& args, const nn::ParameterOptions& options);
   std::shared_ptr<Attention> attention;
   std::shared_ptr<FeedForward> feed_forward;
   std::shared_ptr<nn::RMSNorm> attention_norm, ffn_norm;
@@ -87,48 +90,32 @@ class OutputProjection : public nn::Unit {
   at::Tensor* tied_;
 };
 
-class Transformer : public torch::nn::Module {
+class Decoder : public nn::Model {
  public:
   // Parameters are created with `options`; without storage (options.allocate = false) parallelisms can shard the
-  // model before each rank allocates and initialises only its pieces (see models/llama3/parallelize.h).
-  explicit Transformer(const ModelArgs& args, const nn::ParameterOptions& options = {});
+  // model before each rank allocates and initialises only its pieces (see models/common/decoder_parallelize.h).
+  explicit Decoder(const DecoderArgs& args, const nn::ParameterOptions& options = {});
 
-  // tokens: int64 (batch, seq) -> logits (batch, seq, vocab). positions: optional int64 (batch or 1, seq).
-  // document_positions (batch, seq_len): each token's index in its document; when given, attention is
-  // block-causal (model.attn_mask_type = "block_causal").
-  // labels (batch, seq): the forward returns the summed cross-entropy against them (float32 scalar, ignoring
-  // labels of -100) from the fused output projection and loss, and no logits exist for the whole batch.
-  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& positions = {}, const at::Tensor& document_positions = {},
-                     const at::Tensor& labels = {});
-  // The modules [begin, end) of the forward order tok_embeddings, layers.0 .. layers.{n-1}, norm, output (indices
-  // 0 .. n_layers + 2) on `input`: tokens when begin is 0, else the hidden state the module before produced. A
-  // pipeline stage runs its part this way; `seq_len` is the whole sequence's length (the input may be a shard).
-  // `labels`, when the range ends with the output: the loss instead of the logits, as forward().
+  // The forward order is tok_embeddings, layers.0 .. layers.{n-1}, norm, output (indices 0 .. n_layers + 2).
   at::Tensor forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len, const at::Tensor& positions = {},
-                             const at::Tensor& document_positions = {}, const at::Tensor& labels = {});
-  int64_t module_count() const { return static_cast<int64_t>(layers.size()) + 3; }
-  // The forward-order names: "tok_embeddings", "layers.0", ..., "norm", "output".
-  std::vector<std::string> module_names() const;
+                             const at::Tensor& document_positions = {}, const at::Tensor& labels = {}) override;
+  int64_t module_count() const override { return static_cast<int64_t>(layers.size()) + 3; }
+  std::vector<std::string> module_names() const override;
+  int64_t module_of(const std::string& parameter_name) const override;
   // torchtitan's initial distribution of every parameter, by name.
-  std::map<std::string, nn::InitSpec> init_specs() const;
-  // Initialises every parameter from `seed` (nn/init.h: the same values as any sharded initialisation with that
-  // seed); parameters built without storage are allocated first.
-  void init_weights(uint64_t seed = 0);
+  std::map<std::string, nn::InitSpec> init_specs() const override;
+  void move_buffers(const at::Device& device) override { rope_ = rope_.to(device); }
+  int64_t max_seq_len() const override { return args_.max_seq_len; }
 
-  const ModelArgs& args() const { return args_; }
+  const DecoderArgs& args() const { return args_; }
   std::shared_ptr<nn::Embedding> tok_embeddings;
   std::vector<std::shared_ptr<TransformerBlock>> layers;
   std::shared_ptr<nn::RMSNorm> norm;
   std::shared_ptr<OutputProjection> output;
 
-  // Moves parameters (and the RoPE table) to a device/dtype; the RoPE table stays complex64.
-  void to_device(const at::Device& device, std::optional<at::ScalarType> dtype = std::nullopt);
-  // Moves the RoPE table alone (parameters placed elsewhere, e.g. by parallelisms).
-  void move_buffers(const at::Device& device) { rope_ = rope_.to(device); }
-
  private:
-  ModelArgs args_;
+  DecoderArgs args_;
   at::Tensor rope_;
 };
 
-}  // namespace titan::llama3
+}  // namespace titan::models

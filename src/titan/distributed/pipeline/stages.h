@@ -1,6 +1,7 @@
-// Pipeline parallelism for Llama 3, as torchtitan's distributed/pipeline_parallel.py: the model is cut into
-// stages (torchtitan's layer assignment, or parallelism.module_fqns_per_model_part), each rank parallelizes the
-// parts its stages hold (TP, AC, FSDP/DDP per part), and a schedule (distributed/pipeline) runs the micro-batches.
+// Pipeline parallelism for any registered family, as torchtitan's distributed/pipeline_parallel.py: the model's
+// forward order is cut into stages (torchtitan's layer assignment, or parallelism.module_fqns_per_model_part), each
+// rank parallelizes the parts its stages hold with the family's parallelize function (TP, CP, AC, FSDP/DDP per
+// part), and a schedule (distributed/pipeline/schedule.h) runs the micro-batches.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -11,10 +12,10 @@
 
 #include "titan/config/job_config.h"
 #include "titan/distributed/context_parallel.h"
+#include "titan/distributed/model_part.h"
 #include "titan/distributed/pipeline/runner.h"
-#include "titan/models/llama3/parallelize.h"
 
-namespace titan::llama3 {
+namespace titan::distributed::pipeline {
 
 // torchtitan's generate_llm_fqn_per_model_part: `stages` lists of module names, the embedding counted as
 // `input_weight` layers and norm + output as `output_weight`, layers spread as evenly as that allows (earlier
@@ -23,24 +24,28 @@ std::vector<std::vector<std::string>> split_module_names(int64_t stages, int64_t
 
 struct StagePlan {
   std::vector<std::vector<std::string>> names;  // per stage
-  std::vector<ModuleRange> ranges;              // per stage, into Transformer::module_names()
+  std::vector<ModuleRange> ranges;              // per stage, into the model's module_names()
   int64_t stages_per_rank = 1;
   std::string schedule;                         // canonical schedule name
   bool v_shape = false, split_backward = false;
   int64_t microbatches = 1;                     // per local batch
-  std::optional<distributed::pipeline::Schedule> actions;  // the schedule built and checked for these stages
+  std::optional<Schedule> actions;              // the schedule built and checked for these stages
 };
 
 // The stages for this configuration (torchtitan's rules for their number: pipeline_parallel_layers_per_stage, or 1
 // per rank for single-stage schedules and 2 for the others), checked before anything is built: every module exactly
 // once, in forward order, no stage empty, tied embeddings on one stage, the micro-batch count the schedule needs.
-StagePlan plan_stages(const ModelArgs& args, const config::JobConfig& config, int64_t pp);
+// The forward order is tok_embeddings, layers.0 .. layers.{n_layers - 1}, norm, output; `tied_embeddings`: the output
+// reads the embedding's table, so the two share a stage.
+StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobConfig& config, int64_t pp);
 
 // This rank's stages of a pipelined model and the schedule runner that drives them.
 class Pipeline {
  public:
-  Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
-           const distributed::FsdpOptions& fsdp, std::optional<at::ScalarType> autocast_dtype);
+  // `parallelize` is the family's (ModelSpec::parallelize bound to the job's configuration).
+  Pipeline(nn::Model& model, int64_t n_layers, bool tied_embeddings, const ParallelizeFunction& parallelize,
+           const DeviceMesh& mesh, const config::JobConfig& config, const FsdpOptions& fsdp,
+           std::optional<at::ScalarType> autocast_dtype);
 
   // One local batch through the schedule with gradients: `tokens`, `labels` and (block-causal) `document_positions`
   // (batch, seq) are cut into micro-batches; each micro-batch's loss sum is divided by `global_valid`. Returns the
@@ -50,25 +55,25 @@ class Pipeline {
   // Forward only: the cross-entropy sum of the batch on the last stage's rank (zero elsewhere), on the device.
   at::Tensor evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions);
 
-  std::vector<ParallelModel>& parts() { return parts_; }
+  std::vector<ModelPart>& parts() { return parts_; }
   const StagePlan& plan() const { return plan_; }
-  distributed::pipeline::PipelineRunner& runner() { return *runner_; }
+  PipelineRunner& runner() { return *runner_; }
   std::vector<std::string> describe() const;
 
  private:
   void set_batch(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, int64_t microbatch_size);
-  Transformer& model_;
+  nn::Model& model_;
   StagePlan plan_;
   std::vector<int> stage_of_part_;
-  std::vector<ParallelModel> parts_;
-  std::unique_ptr<distributed::pipeline::PipelineRunner> runner_;
+  std::vector<ModelPart> parts_;
+  std::unique_ptr<PipelineRunner> runner_;
   std::optional<at::ScalarType> autocast_dtype_;
   int64_t microbatch_size_ = 1, seq_len_ = 0;
   int64_t trained_seq_len_ = -1;  // of the last training batch: activations keep their shape while it stays
   std::vector<at::Tensor> tokens_, labels_, positions_;
-  std::unique_ptr<distributed::ContextParallel> cp_;  // cuts every sequence over the "cp" group (context parallelism)
+  std::unique_ptr<ContextParallel> cp_;  // cuts every sequence over the "cp" group (context parallelism)
   at::Tensor rope_positions_;                         // under CP: this rank's global positions
   at::Device device_;
 };
 
-}  // namespace titan::llama3
+}  // namespace titan::distributed::pipeline

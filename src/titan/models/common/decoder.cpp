@@ -1,4 +1,4 @@
-#include "titan/models/llama3/model.h"
+#include "titan/models/common/decoder.h"
 
 #include <cmath>
 #include <map>
@@ -9,7 +9,7 @@
 #include "titan/kernels/fused_ops.h"
 #include "titan/nn/matmul.h"
 
-namespace titan::llama3 {
+namespace titan::models {
 
 at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling) {
   auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -32,14 +32,39 @@ at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const Ro
   return at::polar(at::ones_like(angles), angles);
 }
 
-Attention::Attention(const ModelArgs& args, const nn::ParameterOptions& options)
-    : n_heads_(args.n_heads), n_kv_heads_(args.kv_heads()), head_dim_(args.head_dim()) {
+Attention::Attention(const DecoderArgs& args, const nn::ParameterOptions& options)
+    : n_heads_(args.n_heads), n_kv_heads_(args.kv_heads()), head_dim_(args.head_dim()), rope_layout_(args.rope_layout) {
   wq = register_module("wq", std::make_shared<nn::Linear>(args.dim, n_heads_ * head_dim_, options));
   wk = register_module("wk", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_, options));
   wv = register_module("wv", std::make_shared<nn::Linear>(args.dim, n_kv_heads_ * head_dim_, options));
   wo = register_module("wo", std::make_shared<nn::Linear>(n_heads_ * head_dim_, args.dim, options));
+  if (args.qk_norm) {
+    q_norm = register_module("q_norm", std::make_shared<nn::RMSNorm>(head_dim_, args.norm_eps, options));
+    k_norm = register_module("k_norm", std::make_shared<nn::RMSNorm>(head_dim_, args.norm_eps, options));
+  }
   inner_attention = register_module("inner_attention", std::make_shared<InnerAttention>());
 }
+
+namespace {
+
+// (..., head_dim) in the half-split layout [x0 .. x_{h/2-1}, y0 .. y_{h/2-1}] -> interleaved [x0, y0, x1, y1, ...].
+at::Tensor halves_to_pairs(const at::Tensor& t) {
+  auto shape = t.sizes().vec();
+  const int64_t hd = shape.back();
+  shape.back() = 2;
+  shape.push_back(hd / 2);
+  return t.reshape(shape).transpose(-1, -2).reshape(t.sizes());
+}
+
+at::Tensor pairs_to_halves(const at::Tensor& t) {
+  auto shape = t.sizes().vec();
+  const int64_t hd = shape.back();
+  shape.back() = hd / 2;
+  shape.push_back(2);
+  return t.reshape(shape).transpose(-1, -2).reshape(t.sizes());
+}
+
+}  // namespace
 
 at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
@@ -57,11 +82,25 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
   at::Tensor q = (*wq)(x, context).view({bs, seqlen, -1, head_dim_});
   at::Tensor k = (*wk)(x, context).view({bs, seqlen, -1, head_dim_});
   at::Tensor v = (*wv)(x, context).view({bs, seqlen, -1, head_dim_});
+  if (q_norm) {
+    q = (*q_norm)(q, context);
+    k = (*k_norm)(k, context);
+  }
+  // The rotation is applied in the interleaved layout; half-split heads are viewed as interleaved pairs and back.
+  const bool half_split = rope_layout_ == RopeLayout::half_split;
+  if (half_split) {
+    q = halves_to_pairs(q);
+    k = halves_to_pairs(k);
+  }
   if (kernels::fused_applies(kernels::Op::rope, {q, k})) {
     std::tie(q, k) = kernels::rope(q, k, context.rope, context.positions);
   } else {
     q = kernels::rope_reference(q, context.rope, context.positions);
     k = kernels::rope_reference(k, context.rope, context.positions);
+  }
+  if (half_split) {
+    q = pairs_to_halves(q);
+    k = pairs_to_halves(k);
   }
   q = q.transpose(1, 2);
   k = k.transpose(1, 2);
@@ -84,7 +123,7 @@ at::Tensor FeedForward::forward(const Inputs& inputs, const nn::Context& context
   return (*w2)(gate->call({(*w1)(x, context), (*w3)(x, context)}, context), context);
 }
 
-TransformerBlock::TransformerBlock(int64_t layer_id, const ModelArgs& args, const nn::ParameterOptions& options) {
+TransformerBlock::TransformerBlock(int64_t layer_id, const DecoderArgs& args, const nn::ParameterOptions& options) {
   attention = register_module("attention", std::make_shared<Attention>(args, options));
   feed_forward = register_module("feed_forward", std::make_shared<FeedForward>(args.dim, args.ffn_hidden_dim(), options));
   attention_norm = register_module("attention_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
@@ -110,7 +149,7 @@ at::Tensor OutputProjection::forward(const Inputs& inputs, const nn::Context& co
   return nn::linear(inputs[0], weight());
 }
 
-Transformer::Transformer(const ModelArgs& args, const nn::ParameterOptions& options) : args_(args) {
+Decoder::Decoder(const DecoderArgs& args, const nn::ParameterOptions& options) : args_(args) {
   args_.check();
   tok_embeddings = register_module("tok_embeddings", std::make_shared<nn::Embedding>(args.vocab_size, args.dim, options));
   auto list = register_module("layers", torch::nn::ModuleList());
@@ -125,7 +164,7 @@ Transformer::Transformer(const ModelArgs& args, const nn::ParameterOptions& opti
   rope_ = precompute_rope(args.head_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
 }
 
-std::map<std::string, nn::InitSpec> Transformer::init_specs() const {
+std::map<std::string, nn::InitSpec> Decoder::init_specs() const {
   using nn::InitSpec;
   std::map<std::string, InitSpec> out;
   // The output projection's init; with tied embeddings it is the embedding too, which keeps initial logits at
@@ -142,6 +181,10 @@ std::map<std::string, nn::InitSpec> Transformer::init_specs() const {
     out.emplace(p + "attention.wk.weight", input_init);
     out.emplace(p + "attention.wv.weight", input_init);
     out.emplace(p + "attention.wo.weight", residual_init);
+    if (args_.qk_norm) {
+      out.emplace(p + "attention.q_norm.weight", InitSpec::ones());
+      out.emplace(p + "attention.k_norm.weight", InitSpec::ones());
+    }
     out.emplace(p + "feed_forward.w1.weight", input_init);
     out.emplace(p + "feed_forward.w2.weight", residual_init);
     out.emplace(p + "feed_forward.w3.weight", residual_init);
@@ -151,22 +194,6 @@ std::map<std::string, nn::InitSpec> Transformer::init_specs() const {
   out.emplace("norm.weight", InitSpec::ones());
   if (!args_.tie_word_embeddings) out.emplace("output.weight", output_init);
   return out;
-}
-
-void Transformer::init_weights(uint64_t seed) {
-  at::NoGradGuard no_grad;
-  const auto specs = init_specs();
-  for (auto& item : named_parameters()) {
-    at::Tensor p = item.value();
-    nn::allocate_storage(p);
-    nn::fill(p, specs.at(item.key()), seed, item.key());
-  }
-}
-
-void Transformer::to_device(const at::Device& device, std::optional<at::ScalarType> dtype) {
-  if (dtype) to(device, *dtype);
-  else to(device);
-  rope_ = rope_.to(device);
 }
 
 at::Tensor document_ids(const at::Tensor& document_positions) {
@@ -183,12 +210,7 @@ at::Tensor block_causal_mask(const at::Tensor& document_positions) {
   return same.logical_and(causal).unsqueeze(1);
 }
 
-at::Tensor Transformer::forward(const at::Tensor& tokens, const at::Tensor& positions, const at::Tensor& document_positions,
-                                const at::Tensor& labels) {
-  return forward_modules(tokens, 0, module_count(), tokens.size(1), positions, document_positions, labels);
-}
-
-std::vector<std::string> Transformer::module_names() const {
+std::vector<std::string> Decoder::module_names() const {
   std::vector<std::string> out = {"tok_embeddings"};
   for (size_t i = 0; i < layers.size(); ++i) out.push_back("layers." + std::to_string(i));
   out.push_back("norm");
@@ -196,7 +218,17 @@ std::vector<std::string> Transformer::module_names() const {
   return out;
 }
 
-at::Tensor Transformer::forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
+int64_t Decoder::module_of(const std::string& name) const {
+  const int64_t n = static_cast<int64_t>(layers.size());
+  auto starts = [&](const char* prefix) { return name.rfind(prefix, 0) == 0; };
+  if (starts("tok_embeddings.")) return 0;
+  if (starts("layers.")) return std::stoll(name.substr(7, name.find('.', 7) - 7)) + 1;
+  if (starts("norm.")) return n + 1;
+  if (starts("output.")) return n + 2;
+  TORCH_CHECK(false, "internal: parameter ", name, " belongs to no module of the decoder's forward order");
+}
+
+at::Tensor Decoder::forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
                                         const at::Tensor& positions, const at::Tensor& document_positions,
                                         const at::Tensor& labels) {
   TORCH_CHECK(0 <= begin && begin < end && end <= module_count(), "module range [", begin, ", ", end, ") outside 0..", module_count());
@@ -222,4 +254,4 @@ at::Tensor Transformer::forward_modules(const at::Tensor& input, int64_t begin, 
   return h;
 }
 
-}  // namespace titan::llama3
+}  // namespace titan::models

@@ -1,14 +1,15 @@
-#include "titan/models/llama3/state_dict_adapter.h"
+#include "titan/models/common/decoder_hf.h"
 
 #include <regex>
 
-namespace titan::llama3 {
+namespace titan::models {
 namespace {
 
 // (titan suffix inside a block, HF suffix inside a decoder layer)
 const std::pair<const char*, const char*> kLayerNames[] = {
     {"attention.wq.weight", "self_attn.q_proj.weight"},   {"attention.wk.weight", "self_attn.k_proj.weight"},
     {"attention.wv.weight", "self_attn.v_proj.weight"},   {"attention.wo.weight", "self_attn.o_proj.weight"},
+    {"attention.q_norm.weight", "self_attn.q_norm.weight"}, {"attention.k_norm.weight", "self_attn.k_norm.weight"},
     {"feed_forward.w1.weight", "mlp.gate_proj.weight"},   {"feed_forward.w2.weight", "mlp.down_proj.weight"},
     {"feed_forward.w3.weight", "mlp.up_proj.weight"},     {"attention_norm.weight", "input_layernorm.weight"},
     {"ffn_norm.weight", "post_attention_layernorm.weight"}};
@@ -25,7 +26,8 @@ at::Tensor halves_to_interleaved(const at::Tensor& w, int64_t heads) {
   return w.view({heads, 2, rows / heads / 2, cols}).transpose(1, 2).reshape({rows, cols});
 }
 
-int64_t rotary_heads(const std::string& titan_name, const ModelArgs& args) {
+int64_t rotary_heads(const std::string& titan_name, const DecoderArgs& args) {
+  if (args.rope_layout != RopeLayout::interleaved) return 0;
   if (titan_name.find("attention.wq.weight") != std::string::npos) return args.n_heads;
   if (titan_name.find("attention.wk.weight") != std::string::npos) return args.kv_heads();
   return 0;
@@ -33,7 +35,7 @@ int64_t rotary_heads(const std::string& titan_name, const ModelArgs& args) {
 
 }  // namespace
 
-int64_t permuted_rows_per_head(const std::string& titan_name, const ModelArgs& args) {
+int64_t permuted_rows_per_head(const std::string& titan_name, const DecoderArgs& args) {
   return rotary_heads(titan_name, args) ? args.head_dim() : 0;
 }
 
@@ -65,14 +67,14 @@ std::optional<std::string> from_hf_name(const std::string& name) {
   return std::nullopt;
 }
 
-at::Tensor to_hf_tensor(const std::string& titan_name, const at::Tensor& t, const ModelArgs& args) {
+at::Tensor to_hf_tensor(const std::string& titan_name, const at::Tensor& t, const DecoderArgs& args) {
   int64_t heads = rotary_heads(titan_name, args);
   return heads ? interleaved_to_halves(t, heads) : t;
 }
 
-at::Tensor from_hf_tensor(const std::string& titan_name, const at::Tensor& t, const ModelArgs& args) {
+at::Tensor from_hf_tensor(const std::string& titan_name, const at::Tensor& t, const DecoderArgs& args) {
   int64_t heads = rotary_heads(titan_name, args);
   return heads ? halves_to_interleaved(t, heads) : t;
 }
 
-}  // namespace titan::llama3
+}  // namespace titan::models

@@ -1,17 +1,13 @@
-// How much memory one rank needs to train a Llama 3 model under a job's layout, from shapes alone: parameters,
-// gradients, optimizer state, compute copies of the weights, activations under the activation-checkpointing mode,
-// logits and loss, the RoPE table. The start-up memory check uses it (and `titan plan` is to build on it); the
-// equations and their validation are in docs/metrics.md.
+// A memory estimate's terms and the rules that every family's estimate shares (which dtype the trainer computes
+// in, whose execution is described, which fused kernels run). Each family's spec computes its own terms.
 #pragma once
-#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "titan/config/job_config.h"
 #include "titan/distributed/parallel_dims.h"
-#include "titan/models/llama3/args.h"
 
-namespace titan::llama3 {
+namespace titan::protocols {
 
 // When a term is held: through the whole step, or only while the loss runs (the unfused logits), or only while the
 // blocks run backward (a recomputed block, the gradients flowing through a block). The loss is done and its logits
@@ -42,18 +38,9 @@ bool computes_under_autocast(const config::JobConfig& config, const distributed:
 // Bytes per element of the compute dtype that rule gives (2 for bfloat16, 4 for float32).
 double compute_dtype_bytes(const config::JobConfig& config, const distributed::ParallelDims& dims);
 
-// `autocast`: the trainer computes in bfloat16 under autocast (float32 parameters without FSDP), keeping a bf16
-// copy of every weight for the step. `runtime_bytes`: what the process already holds (LibTorch, buffers) when
-// the estimate is made, added as its own term. `pipeline_rank`: the rank's coordinate on the pipeline dimension
-// (its stages' layers, the embedding on the first, the output and logits on the last); -1: the busiest rank.
-// `kernels`: which of titan's fused kernels run (kernels/fused_ops.h, with training.fused_kernels), which save
-// less for backward: the CPU's (attention, RMSNorm, SwiGLU, RoPE, the loss's row passes) or the CUDA ones (SwiGLU,
-// RoPE, the loss's row passes), or none (the ATen compositions). `titan plan` counts none: the CUDA kernels' saving
-// is not measured on a GPU yet, and AMD GPUs run without them.
+// Which fused kernels run (kernels/fused_ops.h, with training.fused_kernels); they save less for backward: the
+// CPU's (attention, RMSNorm, SwiGLU, RoPE, the loss's row passes), the CUDA ones (SwiGLU, RoPE, the loss's row
+// passes), or none (the ATen compositions).
 enum class FusedKernels { none, cpu, cuda };
-MemoryEstimate estimate_training_memory(const ModelArgs& args, const config::JobConfig& config,
-                                        const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
-                                        Execution execution = Execution::titan, int64_t pipeline_rank = -1,
-                                        FusedKernels kernels = FusedKernels::none);
 
-}  // namespace titan::llama3
+}  // namespace titan::protocols

@@ -1,13 +1,12 @@
-#include "titan/models/llama3/model_config.h"
+#include "titan/models/common/decoder_job.h"
 
 #include <algorithm>
 #include <filesystem>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
-#include "titan/models/llama3/hf_config.h"
 
-namespace titan::llama3 {
+namespace titan::models {
 
 namespace {
 
@@ -29,12 +28,13 @@ std::vector<std::string> set_shape_keys(const config::LoadedConfig& loaded) {
 
 }  // namespace
 
-ModelArgs apply_shape_keys(ModelArgs a, const config::LoadedConfig& loaded) {
+DecoderArgs apply_shape_keys(DecoderArgs a, const config::LoadedConfig& loaded) {
   const config::Model& m = loaded.config.model;
   if (m.dim) a.dim = *m.dim;
   if (m.n_layers) a.n_layers = *m.n_layers;
   if (m.n_heads) a.n_heads = *m.n_heads;  // without n_kv_heads, a flavor without GQA keeps one per head
   if (m.n_kv_heads) a.n_kv_heads = *m.n_kv_heads;
+  if (m.head_dim) a.head_dim_value = *m.head_dim;  // else a flavor's explicit head_dim (Qwen3) stays, dim / n_heads otherwise
   if (m.vocab_size) a.vocab_size = *m.vocab_size;
   if (m.multiple_of || m.ffn_dim_multiplier) a.hidden_dim.reset();  // the width is derived again
   if (m.multiple_of) a.multiple_of = *m.multiple_of;
@@ -70,7 +70,7 @@ ModelArgs apply_shape_keys(ModelArgs a, const config::LoadedConfig& loaded) {
   return a;
 }
 
-JobModel job_model(const config::LoadedConfig& loaded) {
+DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
   const config::JobConfig& c = loaded.config;
   const auto keys = set_shape_keys(loaded);
   const bool from_hf = c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path;
@@ -80,12 +80,12 @@ JobModel job_model(const config::LoadedConfig& loaded) {
          " takes the model's shape from the Hugging Face weights the job starts from; set checkpoint.initial_load_path "
          "to their folder and checkpoint.initial_load_in_hf = true, or name a flavor");
   if (!from_hf || (is_set(loaded, "model.flavor") && !hf_flavor)) {
-    JobModel out{apply_shape_keys(flavor(c.model.flavor), loaded), c.model.flavor};
+    DecoderJobModel out{apply_shape_keys(family.flavor(c.model.flavor), loaded), c.model.flavor};
     if (!keys.empty()) out.name = cat(c.model.flavor, " with ", join(keys, ", "), " set");
     if (from_hf) {
       // The configured model must compute what the Hugging Face weights were trained to compute.
       const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
-      const auto differences = computation_differences(read_hf_config(path), out.args);
+      const auto differences = family.read_hf_config(path).computation_differences(out.args);
       if (!differences.empty())
         fail(path, " describes another model than model.flavor = ", quote(c.model.flavor), " ", loaded.where("model.flavor"),
              keys.empty() ? "" : cat(" with ", join(keys, ", ")), " (config.json vs configured):\n  ", join(differences, "\n  "),
@@ -95,16 +95,16 @@ JobModel job_model(const config::LoadedConfig& loaded) {
   }
   // No flavor named: the Hugging Face config.json is the shape; shape keys set in the config must agree with it.
   const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
-  const ModelArgs hf = read_hf_config(path);
-  ModelArgs args = apply_shape_keys(hf, loaded);
+  const DecoderArgs hf = family.read_hf_config(path);
+  DecoderArgs args = apply_shape_keys(hf, loaded);
   // The model keeps the context it was made for (max_position_embeddings) unless model.max_seq_len says otherwise,
   // so that its Hugging Face export still advertises it.
   if (!c.model.max_seq_len) args.max_seq_len = std::max(hf.max_seq_len, c.training.seq_len);
-  const auto differences = computation_differences(hf, args);
+  const auto differences = hf.computation_differences(args);
   if (!differences.empty())
     fail("[model] keys ", join(keys, ", "), " change the model that ", path, " describes (config.json vs configured):\n  ",
          join(differences, "\n  "), "\nremove them to train the model the weights belong to");
   return {args, cat("from ", path)};
 }
 
-}  // namespace titan::llama3
+}  // namespace titan::models

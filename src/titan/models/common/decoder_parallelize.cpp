@@ -1,4 +1,4 @@
-#include "titan/models/llama3/parallelize.h"
+#include "titan/models/common/decoder_parallelize.h"
 
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
@@ -12,11 +12,11 @@
 #include "titan/distributed/tensor_parallel.h"
 #include "titan/kernels/fused_ops.h"
 
-namespace titan::llama3 {
+namespace titan::models {
 
 using distributed::Placement;
 
-void check_tensor_parallel(const ModelArgs& args, int64_t tp, const std::vector<std::pair<std::string, int64_t>>& seq_lens) {
+void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vector<std::pair<std::string, int64_t>>& seq_lens) {
   if (tp <= 1) return;
   auto require = [&](int64_t value, const std::string& what) {
     if (value % tp != 0)
@@ -31,7 +31,7 @@ void check_tensor_parallel(const ModelArgs& args, int64_t tp, const std::vector<
   for (const auto& [name, length] : seq_lens) require(length, name);
 }
 
-void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config) {
+void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config) {
   std::vector<std::pair<std::string, int64_t>> seq_lens = {{"training.seq_len", config.training.seq_len}};
   if (config.validation.enable) seq_lens.emplace_back("validation.seq_len", config.validation.seq_len);
   if (dims.cp > 1) {
@@ -50,16 +50,14 @@ void check_parallelism(const ModelArgs& args, const distributed::ParallelDims& d
   if (dims.tp > 1) check_tensor_parallel(args, dims.tp, seq_lens);
 }
 
-std::vector<int64_t> ModuleRange::layers(const Transformer& model) const {
+std::vector<int64_t> block_indices(const ModuleRange& range, int64_t n_layers) {
   std::vector<int64_t> out;
-  for (int64_t i = 0; i < static_cast<int64_t>(model.layers.size()); ++i)
-    if (contains(i + 1)) out.push_back(i);
+  for (int64_t i = 0; i < n_layers; ++i)
+    if (range.contains(i + 1)) out.push_back(i);
   return out;
 }
 
-ModuleRange ModuleRange::whole(const Transformer& model) { return ModuleRange{0, model.module_count()}; }
-
-distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transformer& model, const ModuleRange& part,
+distributed::ActivationCheckpointSummary apply_activation_checkpointing(Decoder& model, const ModuleRange& part,
                                                                          const config::ActivationCheckpoint& ac) {
   using distributed::checkpoint_unit;
   distributed::ActivationCheckpointSummary summary;
@@ -71,12 +69,12 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transfor
     fail("activation_checkpoint.mode = \"memory_budget\" needs a graph compiler (torch.compile), which titan.cpp does not "
          "have; use \"full\" or \"selective\"");
   if (ac.mode == "full") {
-    for (int64_t i : part.layers(model)) checkpoint_unit(*model.layers[static_cast<size_t>(i)]), ++summary.wrapped_units;
+    for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) checkpoint_unit(*model.layers[static_cast<size_t>(i)]), ++summary.wrapped_units;
     summary.description = cat("full activation checkpointing of all ", summary.wrapped_units, " blocks");
     return summary;
   }
   if (ac.selective_ac_option == "op") {
-    for (int64_t i : part.layers(model)) {
+    for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
       auto& block = model.layers[static_cast<size_t>(i)];
       checkpoint_unit(*block->attention_norm);
       checkpoint_unit(*block->ffn_norm);
@@ -87,7 +85,7 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Transfor
     return summary;
   }
   const int64_t every = std::stoll(ac.selective_ac_option);
-  const auto layers = part.layers(model);
+  const auto layers = block_indices(part, static_cast<int64_t>(model.layers.size()));
   for (int64_t i : layers) {
     // Counted over the whole model, so a block is checkpointed or not whatever stage holds it.
     if (every == 0 || (i + 1) % every == 0) {
@@ -106,17 +104,22 @@ namespace {
 // norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split),
 // wo/w2 row-wise back into sequence shards; the final norm sequence-parallel; the output column-wise, its logits
 // left vocabulary-sharded for loss parallelism or gathered.
-void apply_tensor_parallel(Transformer& model, const ModuleRange& part, distributed::TensorParallel& tp, bool loss_parallel,
+void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed::TensorParallel& tp, bool loss_parallel,
                            int64_t overlap_chunks) {
   const Placement replicate = Placement::replicate(), sequence = Placement::shard(1), features = Placement::shard(-1);
   if (part.contains(0)) tp.rowwise_embedding(*model.tok_embeddings, model.tok_embeddings->weight, sequence);
-  for (int64_t i : part.layers(model)) {
+  for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
     auto& block = model.layers[static_cast<size_t>(i)];
     tp.sequence_parallel(*block->attention_norm, block->attention_norm->weight);
     auto& attention = *block->attention;
     for (auto* linear : {attention.wq.get(), attention.wk.get(), attention.wv.get()})
       tp.colwise(*linear, linear->weight, replicate, features);
     tp.rowwise(*attention.wo, attention.wo->weight, sequence);
+    // Qwen3's q/k norms act on each rank's own heads: whole weights whose gradients are partial sums.
+    if (attention.q_norm) {
+      tp.replicated_partial(attention.q_norm->weight);
+      tp.replicated_partial(attention.k_norm->weight);
+    }
     tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
     tp.sequence_parallel(*block->ffn_norm, block->ffn_norm->weight);
     auto& ffn = *block->feed_forward;
@@ -130,30 +133,16 @@ void apply_tensor_parallel(Transformer& model, const ModuleRange& part, distribu
   if (part.contains(n + 2)) tp.colwise(*model.output, model.output->weight(), sequence, loss_parallel ? features : replicate);
 }
 
-// Which module of the forward order (ModuleRange's indices) a parameter belongs to.
-int64_t module_of(const std::string& name, int64_t n_layers) {
-  if (starts_with(name, "tok_embeddings.")) return 0;
-  if (starts_with(name, "layers.")) return std::stoll(name.substr(7, name.find('.', 7) - 7)) + 1;
-  if (starts_with(name, "norm.")) return n_layers + 1;
-  if (starts_with(name, "output.")) return n_layers + 2;
-  fail("internal: parameter ", name, " belongs to no module of the Llama 3 forward order");
-}
-
 }  // namespace
 
-void ParallelModel::finish_gradients() {
-  data_parallel->finish_gradients();
-  if (tp_group) distributed::reduce_replicated_gradients(parameters, *tp_group, "tp");
-}
-
-ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
+ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
                           const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward) {
   const auto& dims = mesh.dims();
   const auto& p = config.parallelism;
   const int64_t n = static_cast<int64_t>(model.layers.size());
-  ParallelModel out;
+  ModelPart out;
   for (auto& param : distributed::describe_parameters(model))
-    if (part.contains(module_of(param.name, n))) out.parameters.push_back(param);
+    if (part.contains(model.module_of(param.name))) out.parameters.push_back(param);
   out.loss = [](const at::Tensor& logits, const at::Tensor& labels) { return cross_entropy_sum(logits, labels); };
   out.fused_loss = kernels::fused_enabled() && (dims.tp == 1 || !p.disable_loss_parallel);
 
@@ -162,7 +151,7 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
     // The attention core of every block runs over the whole sequence from this rank's part of it.
     auto cp = std::make_shared<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
                                                              distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
-    for (int64_t i : part.layers(model))
+    for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size())))
       model.layers[static_cast<size_t>(i)]->attention->inner_attention->add_innermost_wrapper(
           "context_parallel", [cp](const nn::Unit::Inputs& in, const nn::Context& context, const nn::Unit::Next&) {
             if (context.attn_mask.defined())
@@ -208,7 +197,7 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
   }
   if (split_backward) {
     // Zero-bubble schedules: the blocks' matmul weight gradients wait for the schedule's weight steps.
-    for (int64_t i : part.layers(model)) {
+    for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
       auto& block = *model.layers[static_cast<size_t>(i)];
       for (auto* linear : {block.attention->wq.get(), block.attention->wk.get(), block.attention->wv.get(), block.attention->wo.get(),
                            block.feed_forward->w1.get(), block.feed_forward->w2.get(), block.feed_forward->w3.get()})
@@ -236,7 +225,7 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
     } else if (part.contains(0)) {
       units.push_back({"tok_embeddings", {model.tok_embeddings.get()}, reshard});
     }
-    for (int64_t i : part.layers(model))
+    for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size())))
       units.push_back({"layers." + std::to_string(i), {model.layers[static_cast<size_t>(i)].get()}, reshard});
     // As torchtitan: norm + output are needed again right at the start of backward, so by default they stay gathered.
     std::vector<nn::Unit*> tail;
@@ -259,4 +248,4 @@ ParallelModel parallelize(Transformer& model, const distributed::DeviceMesh& mes
   return out;
 }
 
-}  // namespace titan::llama3
+}  // namespace titan::models

@@ -1,4 +1,4 @@
-#include "titan/models/llama3/pipeline.h"
+#include "titan/distributed/pipeline/stages.h"
 
 #include <map>
 
@@ -6,9 +6,8 @@
 #include "titan/common/strings.h"
 #include "titan/nn/autocast.h"
 
-namespace titan::llama3 {
+namespace titan::distributed::pipeline {
 
-using distributed::pipeline::Schedule;
 
 std::vector<std::vector<std::string>> split_module_names(int64_t stages, int64_t n_layers, int64_t input_weight, int64_t output_weight) {
   std::vector<std::vector<std::string>> out;
@@ -42,13 +41,13 @@ std::vector<std::vector<std::string>> split_module_names(int64_t stages, int64_t
   return out;
 }
 
-StagePlan plan_stages(const ModelArgs& args, const config::JobConfig& config, int64_t pp) {
+StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobConfig& config, int64_t pp) {
   const auto& p = config.parallelism;
-  const auto traits = distributed::pipeline::schedule_traits(p.pipeline_parallel_schedule);
+  const auto traits = schedule_traits(p.pipeline_parallel_schedule);
   StagePlan plan;
   plan.schedule = traits.name;
   plan.v_shape = traits.v_shape;
-  const int64_t n = args.n_layers, input_weight = p.pipeline_parallel_first_stage_less_layers,
+  const int64_t n = n_layers, input_weight = p.pipeline_parallel_first_stage_less_layers,
                 output_weight = p.pipeline_parallel_last_stage_less_layers;
   int64_t stages = 0;
   const std::string per_rank_rule = traits.single_stage ? "exactly 1 stage per rank" : "at least 2 stages per rank";
@@ -105,7 +104,7 @@ StagePlan plan_stages(const ModelArgs& args, const config::JobConfig& config, in
   }
   if (next != static_cast<int64_t>(order.size()))
     fail("parallelism.module_fqns_per_model_part leaves out ", quote(order[static_cast<size_t>(next)]), " and what follows it; every module must be in a stage");
-  if (args.tie_word_embeddings && stage_of.at("tok_embeddings") != stage_of.at("output"))
+  if (tied_embeddings && stage_of.at("tok_embeddings") != stage_of.at("output"))
     fail("model.flavor ", quote(config.model.flavor), " ties the output to the embedding, which then must share a pipeline stage; "
          "they are in stages ", stage_of.at("tok_embeddings"), " and ", stage_of.at("output"));
 
@@ -125,22 +124,23 @@ StagePlan plan_stages(const ModelArgs& args, const config::JobConfig& config, in
   return plan;
 }
 
-Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
-                   const distributed::FsdpOptions& fsdp, std::optional<at::ScalarType> autocast_dtype)
+Pipeline::Pipeline(nn::Model& model, int64_t n_layers, bool tied_embeddings, const ParallelizeFunction& parallelize,
+                   const DeviceMesh& mesh, const config::JobConfig& config, const FsdpOptions& fsdp,
+                   std::optional<at::ScalarType> autocast_dtype)
     : model_(model), autocast_dtype_(autocast_dtype), device_(fsdp.device) {
   const auto& p = config.parallelism;
   const int pp = static_cast<int>(mesh.dims().pp);
-  plan_ = plan_stages(model.args(), config, pp);
+  plan_ = plan_stages(n_layers, tied_embeddings, config, pp);
   const Schedule& schedule = *plan_.actions;
   microbatch_size_ = p.pipeline_parallel_microbatch_size;
   if (mesh.dims().cp > 1)
-    cp_ = std::make_unique<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
-                                                         distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
-  distributed::FsdpOptions options = fsdp;
+    cp_ = std::make_unique<ContextParallel>(mesh.get("cp"), parse_cp_load_balancer(p.context_parallel_load_balancer),
+                                            parse_cp_rotate_method(p.context_parallel_rotate_method));
+  FsdpOptions options = fsdp;
   options.defer_gradient_reduction = true;
-  std::vector<distributed::pipeline::Stage> runner_stages;
+  std::vector<Stage> runner_stages;
   for (int stage : schedule.stages_of(static_cast<int>(mesh.coordinate("pp")))) {
-    parts_.push_back(parallelize(model, mesh, config, options, plan_.ranges[static_cast<size_t>(stage)], plan_.split_backward));
+    parts_.push_back(parallelize(model, mesh, options, plan_.ranges[static_cast<size_t>(stage)], plan_.split_backward));
     stage_of_part_.push_back(stage);
     const ModuleRange range = plan_.ranges[static_cast<size_t>(stage)];
     // The last stage's forward returns the loss itself under the fused output projection and loss.
@@ -153,7 +153,7 @@ Pipeline::Pipeline(Transformer& model, const distributed::DeviceMesh& mesh, cons
                                                              fused_loss ? labels_[idx] : at::Tensor());
                              }});
   }
-  runner_ = std::make_unique<distributed::pipeline::PipelineRunner>(schedule, std::move(runner_stages), mesh.get("pp"), device_);
+  runner_ = std::make_unique<PipelineRunner>(schedule, std::move(runner_stages), mesh.get("pp"), device_);
 }
 
 void Pipeline::set_batch(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions, int64_t size) {
@@ -179,7 +179,7 @@ at::Tensor Pipeline::train(const at::Tensor& tokens, const at::Tensor& labels, c
   // Every pipeline rank sees the same batch shapes, so all of them decide this alike.
   if (seq_len_ != trained_seq_len_) runner_->activation_shapes_may_change();
   trained_seq_len_ = seq_len_;
-  const ParallelModel& last = parts_.back();  // only used on the rank holding the last stage, whose part is its last
+  const ModelPart& last = parts_.back();  // only used on the rank holding the last stage, whose part is its last
   return runner_->train(
       [&](const at::Tensor& output, int m) {
         nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
@@ -190,7 +190,7 @@ at::Tensor Pipeline::train(const at::Tensor& tokens, const at::Tensor& labels, c
 
 at::Tensor Pipeline::evaluate(const at::Tensor& tokens, const at::Tensor& labels, const at::Tensor& document_positions) {
   set_batch(tokens, labels, document_positions, microbatch_size_);
-  const ParallelModel& last = parts_.back();
+  const ModelPart& last = parts_.back();
   return runner_->evaluate(
       [&](const at::Tensor& output, int m) {
         nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
@@ -215,4 +215,4 @@ std::vector<std::string> Pipeline::describe() const {
   return out;
 }
 
-}  // namespace titan::llama3
+}  // namespace titan::distributed::pipeline

@@ -1,0 +1,240 @@
+#include "titan/models/common/decoder_args.h"
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan::models {
+
+using json = nlohmann::json;
+
+int64_t DecoderArgs::ffn_hidden_dim() const {
+  if (hidden_dim) return *hidden_dim;
+  int64_t hidden = static_cast<int64_t>(2.0 * (4 * dim) / 3.0);
+  if (ffn_dim_multiplier) hidden = static_cast<int64_t>(*ffn_dim_multiplier * static_cast<double>(hidden));
+  return multiple_of * ((hidden + multiple_of - 1) / multiple_of);
+}
+
+void DecoderArgs::check() const {
+  if (dim <= 0 || n_layers <= 0 || n_heads <= 0 || vocab_size <= 0 || multiple_of <= 0)
+    fail("model dimensions must be positive (dim ", dim, ", n_layers ", n_layers, ", n_heads ", n_heads, ", vocab_size ",
+         vocab_size, ")");
+  if (hidden_dim && *hidden_dim <= 0) fail("the feed-forward hidden_dim must be positive, got ", *hidden_dim);
+  if (ffn_dim_multiplier && !(*ffn_dim_multiplier > 0)) fail("ffn_dim_multiplier must be positive, got ", *ffn_dim_multiplier);
+  if (!(norm_eps > 0)) fail("norm_eps must be positive, got ", norm_eps);
+  if (!(rope_theta > 0)) fail("rope_theta must be positive, got ", rope_theta);
+  if (max_seq_len <= 0) fail("max_seq_len must be positive, got ", max_seq_len);
+  if (rope_scaling.enabled &&
+      (!(rope_scaling.factor > 0) || !(rope_scaling.low_freq_factor > 0) ||
+       !(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor) || rope_scaling.original_max_position_embeddings <= 0))
+    fail("RoPE scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0; got factor ",
+         rope_scaling.factor, ", low_freq_factor ", rope_scaling.low_freq_factor, ", high_freq_factor ",
+         rope_scaling.high_freq_factor, ", original_max_position_embeddings ", rope_scaling.original_max_position_embeddings);
+  if (head_dim_value) {
+    if (*head_dim_value <= 0) fail("head_dim must be positive, got ", *head_dim_value);
+  } else if (dim % n_heads != 0) {
+    fail("model dim ", dim, " is not divisible by n_heads ", n_heads);
+  }
+  if (head_dim() % 2 != 0) fail("head_dim ", head_dim(), " must be even for rotary embeddings");
+  if (kv_heads() <= 0 || n_heads % kv_heads() != 0)
+    fail("n_heads ", n_heads, " must be a multiple of n_kv_heads ", kv_heads());
+}
+
+std::vector<ParameterShape> DecoderArgs::parameter_shapes() const {
+  std::vector<ParameterShape> out;
+  const int64_t d = dim, hd = head_dim(), h = n_heads, kv = kv_heads(), f = ffn_hidden_dim();
+  out.push_back({"tok_embeddings.weight", {vocab_size, d}});
+  for (int64_t i = 0; i < n_layers; ++i) {
+    std::string p = "layers." + std::to_string(i) + ".";
+    out.push_back({p + "attention.wq.weight", {h * hd, d}});
+    out.push_back({p + "attention.wk.weight", {kv * hd, d}});
+    out.push_back({p + "attention.wv.weight", {kv * hd, d}});
+    out.push_back({p + "attention.wo.weight", {d, h * hd}});
+    if (qk_norm) {
+      out.push_back({p + "attention.q_norm.weight", {hd}});
+      out.push_back({p + "attention.k_norm.weight", {hd}});
+    }
+    out.push_back({p + "feed_forward.w1.weight", {f, d}});
+    out.push_back({p + "feed_forward.w2.weight", {d, f}});
+    out.push_back({p + "feed_forward.w3.weight", {f, d}});
+    out.push_back({p + "attention_norm.weight", {d}});
+    out.push_back({p + "ffn_norm.weight", {d}});
+  }
+  out.push_back({"norm.weight", {d}});
+  if (!tie_word_embeddings) out.push_back({"output.weight", {vocab_size, d}});
+  return out;
+}
+
+int64_t DecoderArgs::reported_parameters() const {
+  const int64_t stored = stored_parameters();
+  return tie_word_embeddings && !counts_tied_output ? stored - embedding_parameters() : stored;
+}
+
+double DecoderArgs::flops_per_token(int64_t seq_len) const {
+  double dense = static_cast<double>(stored_parameters() - embedding_parameters());
+  if (tie_word_embeddings && counts_tied_output) dense += static_cast<double>(vocab_size * dim);
+  double attention = 12.0 * static_cast<double>(n_layers) * static_cast<double>(n_heads) * static_cast<double>(head_dim()) *
+                     static_cast<double>(seq_len);
+  return 6.0 * dense + attention;
+}
+
+namespace {
+
+json rope_scaling_json(const RopeScaling& r) {
+  if (!r.enabled) return nullptr;
+  return {{"factor", r.factor},
+          {"low_freq_factor", r.low_freq_factor},
+          {"high_freq_factor", r.high_freq_factor},
+          {"original_max_position_embeddings", r.original_max_position_embeddings}};
+}
+
+// Typed field access with errors that name the source and the field.
+struct Fields {
+  const json& object;
+  std::string where;
+
+  const json* find(const std::string& key) const {
+    auto it = object.find(key);
+    return it == object.end() || it->is_null() ? nullptr : &*it;
+  }
+  int64_t integer(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) fail(where, ": no ", key);
+    if (!v->is_number_integer()) fail(where, ": ", key, " must be an integer, got ", v->dump());
+    return v->get<int64_t>();
+  }
+  double number(const std::string& key, double fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number()) fail(where, ": ", key, " must be a number, got ", v->dump());
+    return v->get<double>();
+  }
+  bool boolean(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) fail(where, ": ", key, " must be true or false, got ", v->dump());
+    return v->get<bool>();
+  }
+};
+
+const char* layout_name(RopeLayout l) { return l == RopeLayout::interleaved ? "interleaved" : "half_split"; }
+
+}  // namespace
+
+json DecoderArgs::to_json() const {
+  json j = {{"family", family_name},
+            {"dim", dim},
+            {"n_layers", n_layers},
+            {"n_heads", n_heads},
+            {"n_kv_heads", kv_heads()},
+            {"head_dim", head_dim()},
+            {"vocab_size", vocab_size},
+            {"ffn_hidden_dim", ffn_hidden_dim()},
+            {"norm_eps", norm_eps},
+            {"rope_theta", rope_theta},
+            {"rope_layout", layout_name(rope_layout)},
+            {"qk_norm", qk_norm},
+            {"max_seq_len", max_seq_len},
+            {"tie_word_embeddings", tie_word_embeddings},
+            {"depth_init", depth_init}};
+  j["rope_scaling"] = rope_scaling_json(rope_scaling);
+  return j;
+}
+
+DecoderArgs decoder_args_from_json(const json& j, const std::string& where, const std::string& family) {
+  if (!j.is_object()) fail(where, ": model arguments must be a JSON object");
+  Fields f{j, where};
+  DecoderArgs a;
+  a.family_name = family;
+  if (const json* name = f.find("family")) {
+    if (!name->is_string()) fail(where, ": family must be a string, got ", name->dump());
+    a.family_name = name->get<std::string>();
+  }
+  a.dim = f.integer("dim");
+  a.n_layers = f.integer("n_layers");
+  a.n_heads = f.integer("n_heads");
+  a.n_kv_heads = f.integer("n_kv_heads");
+  // Written since head_dim could differ from dim / n_heads; older metadata implies the quotient.
+  if (f.find("head_dim") && (a.n_heads <= 0 || f.integer("head_dim") != a.dim / a.n_heads || a.dim % a.n_heads != 0))
+    a.head_dim_value = f.integer("head_dim");
+  a.vocab_size = f.integer("vocab_size");
+  a.hidden_dim = f.integer("ffn_hidden_dim");
+  a.multiple_of = 1;
+  a.norm_eps = f.number("norm_eps", a.norm_eps);
+  a.rope_theta = f.number("rope_theta", a.rope_theta);
+  a.max_seq_len = f.integer("max_seq_len");
+  a.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
+  a.depth_init = f.boolean("depth_init", true);
+  a.qk_norm = f.boolean("qk_norm", false);
+  if (const json* layout = f.find("rope_layout")) {
+    if (*layout == "interleaved") a.rope_layout = RopeLayout::interleaved;
+    else if (*layout == "half_split") a.rope_layout = RopeLayout::half_split;
+    else fail(where, ": rope_layout must be \"interleaved\" or \"half_split\", got ", layout->dump());
+  }
+  const json* rope = f.find("rope_scaling");
+  a.rope_scaling.enabled = rope != nullptr;
+  if (rope) {
+    Fields r{*rope, where + ": rope_scaling"};
+    a.rope_scaling.factor = r.number("factor", a.rope_scaling.factor);
+    a.rope_scaling.low_freq_factor = r.number("low_freq_factor", a.rope_scaling.low_freq_factor);
+    a.rope_scaling.high_freq_factor = r.number("high_freq_factor", a.rope_scaling.high_freq_factor);
+    a.rope_scaling.original_max_position_embeddings = r.integer("original_max_position_embeddings");
+  }
+  try {
+    a.check();
+  } catch (const UserError& e) {
+    fail(where, ": ", e.what());
+  }
+  return a;
+}
+
+std::shared_ptr<const protocols::ModelArgs> DecoderArgs::parse_json(const json& j, const std::string& where) const {
+  auto out = std::make_shared<DecoderArgs>(decoder_args_from_json(j, where, family_name));
+  out->counts_tied_output = counts_tied_output;
+  return out;
+}
+
+std::vector<std::string> DecoderArgs::computation_differences(const protocols::ModelArgs& other_args) const {
+  std::vector<std::string> out;
+  auto compare = [&](const char* name, auto x, auto y) {
+    if (x != y) out.push_back(cat(name, ": ", x, " vs ", y));
+  };
+  compare("model family (model.name)", family_name, other_args.family());
+  const auto* other = dynamic_cast<const DecoderArgs*>(&other_args);
+  if (!other) return out;
+  const DecoderArgs &a = *this, &b = *other;
+  compare("dim (hidden_size)", a.dim, b.dim);
+  compare("n_layers (num_hidden_layers)", a.n_layers, b.n_layers);
+  compare("n_heads (num_attention_heads)", a.n_heads, b.n_heads);
+  compare("n_kv_heads (num_key_value_heads)", a.kv_heads(), b.kv_heads());
+  compare("head_dim", a.head_dim(), b.head_dim());
+  compare("vocab_size", a.vocab_size, b.vocab_size);
+  compare("feed-forward hidden dim (intermediate_size)", a.ffn_hidden_dim(), b.ffn_hidden_dim());
+  compare("norm_eps (rms_norm_eps)", a.norm_eps, b.norm_eps);
+  compare("rope_theta", a.rope_theta, b.rope_theta);
+  compare("q/k norms (qk_norm)", a.qk_norm ? "true" : "false", b.qk_norm ? "true" : "false");
+  compare("rotary layout", layout_name(a.rope_layout), layout_name(b.rope_layout));
+  compare("tie_word_embeddings", a.tie_word_embeddings ? "true" : "false", b.tie_word_embeddings ? "true" : "false");
+  compare("rope scaling (rope_scaling)", a.rope_scaling.enabled ? "llama3" : "none", b.rope_scaling.enabled ? "llama3" : "none");
+  if (a.rope_scaling.enabled && b.rope_scaling.enabled) {
+    compare("rope_scaling factor", a.rope_scaling.factor, b.rope_scaling.factor);
+    compare("rope_scaling low_freq_factor", a.rope_scaling.low_freq_factor, b.rope_scaling.low_freq_factor);
+    compare("rope_scaling high_freq_factor", a.rope_scaling.high_freq_factor, b.rope_scaling.high_freq_factor);
+    compare("rope_scaling original_max_position_embeddings", a.rope_scaling.original_max_position_embeddings,
+            b.rope_scaling.original_max_position_embeddings);
+  }
+  return out;
+}
+
+std::shared_ptr<const protocols::ModelArgs> DecoderArgs::with_context_length(int64_t length) const {
+  auto out = std::make_shared<DecoderArgs>(*this);
+  out->max_seq_len = length;
+  return out;
+}
+
+const DecoderArgs& as_decoder(const protocols::ModelArgs& args, const std::string& what) {
+  const auto* d = dynamic_cast<const DecoderArgs*>(&args);
+  if (!d) fail(what, " supports the dense decoder families (llama3, qwen3); model.name = ", quote(args.family()), " is not one");
+  return *d;
+}
+
+}  // namespace titan::models

@@ -1,0 +1,29 @@
+// Mapping between the decoders' (torchtitan) parameter names and layout and Hugging Face's LlamaForCausalLM and
+// Qwen3ForCausalLM: names (model.layers.N.self_attn.q_proj.weight, ...) and, for Llama's interleaved rotary layout,
+// the q/k row permutation to HF's half-split one (Qwen3 is half-split in both).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+#include "titan/models/common/decoder_args.h"
+
+namespace titan::models {
+
+// HF name for a titan name, or nullopt for names HF does not store.
+std::optional<std::string> to_hf_name(const std::string& titan_name);
+std::optional<std::string> from_hf_name(const std::string& hf_name);
+
+// Converts a tensor stored under `titan_name` to HF layout (permutes wq/wk rows), and back.
+at::Tensor to_hf_tensor(const std::string& titan_name, const at::Tensor& t, const DecoderArgs& args);
+at::Tensor from_hf_tensor(const std::string& titan_name, const at::Tensor& t, const DecoderArgs& args);
+
+// Rows per head of a tensor whose rows the HF layout permutes within each head (wq, wk of an interleaved-layout
+// model), or 0 for any other:
+// a reader of part of such a tensor must read whole heads.
+int64_t permuted_rows_per_head(const std::string& titan_name, const DecoderArgs& args);
+// from_hf_tensor for a block of whole heads of such a tensor.
+at::Tensor from_hf_head_rows(const at::Tensor& hf_rows, int64_t rows_per_head);
+
+}  // namespace titan::models

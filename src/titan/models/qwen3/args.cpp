@@ -1,0 +1,72 @@
+#include "titan/models/qwen3/args.h"
+
+#include <map>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan::qwen3 {
+
+DecoderArgs base_args() {
+  DecoderArgs a;
+  a.family_name = "qwen3";
+  a.qk_norm = true;
+  a.rope_layout = models::RopeLayout::half_split;
+  a.rope_scaling.enabled = false;
+  a.norm_eps = 1e-6;
+  a.rope_theta = 1000000;
+  a.multiple_of = 1;
+  a.max_seq_len = 4096;
+  a.counts_tied_output = false;
+  return a;
+}
+
+namespace {
+
+DecoderArgs make(int64_t dim, int64_t layers, int64_t heads, int64_t kv_heads, int64_t vocab, int64_t hidden, bool tied) {
+  DecoderArgs a = base_args();
+  a.dim = dim;
+  a.n_layers = layers;
+  a.n_heads = heads;
+  a.n_kv_heads = kv_heads;
+  a.head_dim_value = 128;
+  a.vocab_size = vocab;
+  a.hidden_dim = hidden;
+  a.tie_word_embeddings = tied;
+  return a;
+}
+
+const std::map<std::string, DecoderArgs>& flavors() {
+  static const std::map<std::string, DecoderArgs> table = {
+      {"debugmodel", make(256, 8, 16, 8, 2048, 3072, true)},
+      {"0.6B", make(1024, 28, 16, 8, 151936, 3072, true)},
+      {"1.7B", make(2048, 28, 16, 8, 151936, 6144, true)},
+      {"4B", make(2560, 36, 32, 8, 151936, 9728, true)},
+      {"8B", make(4096, 36, 32, 8, 151936, 12288, false)},
+      {"14B", make(5120, 40, 40, 8, 151936, 17408, false)},
+      {"32B", make(5120, 64, 64, 8, 151936, 25600, false)},
+  };
+  return table;
+}
+
+}  // namespace
+
+std::vector<std::string> flavor_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, args] : flavors()) names.push_back(name);
+  return names;
+}
+
+DecoderArgs flavor(const std::string& name) {
+  auto it = flavors().find(name);
+  if (it == flavors().end()) {
+    std::string hint = closest_match(name, flavor_names());
+    const bool moe = name.find("moe") != std::string::npos || name.find("-A") != std::string::npos;
+    fail("unknown qwen3 flavor ", quote(name), "; known flavors: ", join(flavor_names(), ", "),
+         moe ? " (the Mixture-of-Experts flavors are not available yet)" : "",
+         hint.empty() ? "" : cat(" (did you mean ", quote(hint), "?)"));
+  }
+  return it->second;
+}
+
+}  // namespace titan::qwen3

@@ -1,0 +1,130 @@
+#include "titan/models/qwen3/hf_config.h"
+
+#include <fstream>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+
+namespace titan::qwen3 {
+
+using json = nlohmann::json;
+
+json to_hf_config(const DecoderArgs& args, const std::string& torch_dtype) {
+  json c;
+  c["architectures"] = {"Qwen3ForCausalLM"};
+  c["model_type"] = "qwen3";
+  c["hidden_size"] = args.dim;
+  c["intermediate_size"] = args.ffn_hidden_dim();
+  c["num_hidden_layers"] = args.n_layers;
+  c["num_attention_heads"] = args.n_heads;
+  c["num_key_value_heads"] = args.kv_heads();
+  c["head_dim"] = args.head_dim();
+  c["vocab_size"] = args.vocab_size;
+  c["rms_norm_eps"] = args.norm_eps;
+  c["rope_theta"] = args.rope_theta;
+  c["rope_scaling"] = nullptr;
+  c["max_position_embeddings"] = args.max_seq_len;
+  c["tie_word_embeddings"] = args.tie_word_embeddings;
+  c["hidden_act"] = "silu";
+  c["attention_bias"] = false;
+  c["attention_dropout"] = 0.0;
+  c["use_sliding_window"] = false;
+  c["max_window_layers"] = args.n_layers;
+  c["torch_dtype"] = torch_dtype;
+  return c;
+}
+
+namespace {
+
+struct Fields {
+  const json& object;
+  std::string path;
+
+  const json* find(const std::string& key) const {
+    auto it = object.find(key);
+    return it == object.end() || it->is_null() ? nullptr : &*it;
+  }
+  int64_t integer(const std::string& key) const {
+    const json* v = find(key);
+    if (!v) fail(path, ": no ", key, "; a Qwen3 config.json must give it");
+    if (!v->is_number_integer()) fail(path, ": ", key, " must be an integer, got ", v->dump());
+    return v->get<int64_t>();
+  }
+  double number(const std::string& key, double fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_number()) fail(path, ": ", key, " must be a number, got ", v->dump());
+    return v->get<double>();
+  }
+  bool boolean(const std::string& key, bool fallback) const {
+    const json* v = find(key);
+    if (!v) return fallback;
+    if (!v->is_boolean()) fail(path, ": ", key, " must be true or false, got ", v->dump());
+    return v->get<bool>();
+  }
+};
+
+}  // namespace
+
+DecoderArgs from_hf_config(const json& config, const std::string& path) {
+  if (!config.is_object()) fail(path, ": expected a JSON object (a Hugging Face config.json)");
+  Fields f{config, path};
+  if (const json* type = f.find("model_type"); type && *type != "qwen3")
+    fail(path, ": model_type = ", type->dump(), "; titan's qwen3 family reads model_type \"qwen3\" (dense Qwen3)");
+  DecoderArgs a = base_args();
+  a.dim = f.integer("hidden_size");
+  a.n_layers = f.integer("num_hidden_layers");
+  a.n_heads = f.integer("num_attention_heads");
+  a.n_kv_heads = f.find("num_key_value_heads") ? f.integer("num_key_value_heads") : a.n_heads;
+  // Qwen3Config's default head_dim is hidden_size / num_attention_heads.
+  a.head_dim_value = f.find("head_dim") ? f.integer("head_dim") : (a.n_heads > 0 ? a.dim / a.n_heads : 0);
+  a.vocab_size = f.integer("vocab_size");
+  a.hidden_dim = f.integer("intermediate_size");
+  // Qwen3Config's defaults where a field is absent: rms_norm_eps 1e-6, rope_theta 10000, untied, 32768 positions.
+  a.norm_eps = f.number("rms_norm_eps", 1e-6);
+  a.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
+  a.max_seq_len = f.find("max_position_embeddings") ? f.integer("max_position_embeddings") : 32768;
+  if (const json* act = f.find("hidden_act"); act && *act != "silu")
+    fail(path, ": hidden_act = ", act->dump(), "; Qwen3's feed-forward uses \"silu\" (SwiGLU)");
+  if (f.boolean("attention_bias", false)) fail(path, ": attention_bias = true; titan's Qwen3 has no biases");
+  if (f.boolean("use_sliding_window", false))
+    fail(path, ": use_sliding_window = true; titan's Qwen3 computes full causal attention in every layer");
+  if (const json* types = f.find("layer_types"); types && types->is_array())
+    for (const auto& t : *types)
+      if (t != "full_attention")
+        fail(path, ": layer_types holds ", t.dump(), "; titan's Qwen3 computes full causal attention in every layer");
+  a.rope_theta = f.number("rope_theta", 10000.0);
+  // transformers 5 nests theta (and any scaling) in rope_parameters.
+  for (const char* field : {"rope_parameters", "rope_scaling"}) {
+    const json* rope = f.find(field);
+    if (!rope) continue;
+    if (!rope->is_object()) fail(path, ": ", field, " must be an object or null, got ", rope->dump());
+    Fields r{*rope, cat(path, ": ", field)};
+    if (r.find("rope_theta")) a.rope_theta = r.number("rope_theta", a.rope_theta);
+    const json* type = r.find("rope_type");
+    if (!type) type = r.find("type");
+    if (type && *type != "default")
+      fail(path, ": ", field, " type ", type->dump(), " is not supported; titan's Qwen3 uses unscaled RoPE");
+  }
+  if (!(a.rope_theta > 0)) fail(path, ": rope_theta must be positive, got ", a.rope_theta);
+  try {
+    a.check();
+  } catch (const UserError& e) {
+    fail(path, ": ", e.what());
+  }
+  return a;
+}
+
+DecoderArgs read_hf_config(const std::string& config_json_path) {
+  std::ifstream in(config_json_path);
+  if (!in) fail("cannot read ", quote(config_json_path), "; expected a Hugging Face config.json");
+  json c;
+  try {
+    c = json::parse(in);
+  } catch (const json::exception& e) {
+    fail(config_json_path, ": not valid JSON: ", e.what());
+  }
+  return from_hf_config(c, config_json_path);
+}
+
+}  // namespace titan::qwen3

@@ -1,0 +1,23 @@
+// The registered model families, by model.name (torchtitan's train-spec registry), and the family a job trains.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "titan/config/loader.h"
+#include "titan/protocols/model_spec.h"
+
+namespace titan::models {
+
+std::vector<std::string> model_names();
+// Throws UserError naming the registered families (and the closest) for an unknown name.
+const protocols::ModelSpec& model_spec(const std::string& name);
+// The family whose Hugging Face config.json has this model_type, or null.
+const protocols::ModelSpec* spec_for_hf_model_type(const std::string& model_type);
+// The family of a Hugging Face directory's config.json (UserError naming the file when none is registered for it).
+const protocols::ModelSpec& spec_for_hf_directory(const std::string& directory);
+
+// The family a job trains: model.name; when the job starts from Hugging Face weights, their config.json's model_type
+// picks it if model.name is not set, and must name the same family if it is.
+const protocols::ModelSpec& job_spec(const config::LoadedConfig& loaded);
+
+}  // namespace titan::models

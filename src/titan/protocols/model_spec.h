@@ -1,0 +1,86 @@
+// What a model family registers (torchtitan's TrainSpec): its arguments and flavors, how the job's configuration
+// picks its shape, how to build it without storage, how it is parallelized and split into pipeline stages, its
+// memory estimate, and its Hugging Face state-dict adapter and config.json. The trainer, the checkpointer, `titan
+// plan`/`estimate`/`convert` and the CLI reach a family only through its spec (models/registry.h).
+#pragma once
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "titan/config/loader.h"
+#include "titan/distributed/model_part.h"
+#include "titan/nn/model.h"
+#include "titan/nn/storage.h"
+#include "titan/protocols/memory_estimate.h"
+#include "titan/protocols/model_args.h"
+
+namespace titan::protocols {
+
+// The model a job trains: its arguments and a name for logs and checkpoint metadata (the flavor, "<flavor> with
+// <keys> set", or the config.json it came from).
+struct JobModel {
+  std::shared_ptr<const ModelArgs> args;
+  std::string name;
+};
+
+// Hugging Face names and layouts of one model's parameters, both ways (torchtitan's StateDictAdapter), and its
+// config.json.
+class StateDictAdapter {
+ public:
+  virtual ~StateDictAdapter() = default;
+  // HF name for a titan name, or nullopt for names HF does not store; and back.
+  virtual std::optional<std::string> to_hf_name(const std::string& titan_name) const = 0;
+  virtual std::optional<std::string> from_hf_name(const std::string& hf_name) const = 0;
+  // A tensor stored under `titan_name` in HF's layout, and back.
+  virtual at::Tensor to_hf_tensor(const std::string& titan_name, const at::Tensor& t) const = 0;
+  virtual at::Tensor from_hf_tensor(const std::string& titan_name, const at::Tensor& t) const = 0;
+  // Rows per head of a tensor whose rows the HF layout permutes within each head, or 0: a reader of part of such a
+  // tensor must read whole heads, and converts a block of them with from_hf_head_rows.
+  virtual int64_t permuted_rows_per_head(const std::string& titan_name) const = 0;
+  virtual at::Tensor from_hf_head_rows(const at::Tensor& hf_rows, int64_t rows_per_head) const = 0;
+  // The config.json fields of the model; `torch_dtype` is "float32", "bfloat16" or "float16".
+  virtual nlohmann::json hf_config(const std::string& torch_dtype) const = 0;
+  // One line per field where the model a config.json describes computes differently from this one (UserError naming
+  // the file when it cannot be read as this family's).
+  virtual std::vector<std::string> hf_config_differences(const std::string& config_json_path) const = 0;
+};
+
+struct ModelSpec {
+  std::string name;                          // model.name
+  std::vector<std::string> hf_model_types;   // config.json model_type values this family reads ("llama", "qwen3")
+  std::function<std::vector<std::string>()> flavor_names;
+  // Throws UserError naming the known flavors for an unknown one.
+  std::function<std::shared_ptr<const ModelArgs>(const std::string& flavor)> flavor;
+  // The job's model: model.flavor ("hf": config.json's shape), the [model] shape keys, checked against the HF
+  // weights the job starts from.
+  std::function<JobModel(const config::LoadedConfig& loaded)> job_model;
+  // Arguments from checkpoint metadata (ModelArgs::to_json); `where` names the source in errors.
+  std::function<std::shared_ptr<const ModelArgs>(const nlohmann::json& j, const std::string& where)> args_from_json;
+  // The arguments a Hugging Face config.json describes (UserError naming the file and field otherwise).
+  std::function<std::shared_ptr<const ModelArgs>(const std::string& config_json_path)> read_hf_config;
+  // The model, its parameters created with `options` (without storage when options.allocate is false).
+  std::function<std::shared_ptr<nn::Model>(const ModelArgs& args, const nn::ParameterOptions& options)> build;
+  // Every check of the layout against the model, before anything is built or communicated.
+  std::function<void(const ModelArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config)>
+      check_parallelism;
+  // The family's plan for one part of the model (torchtitan's parallelize_fn).
+  std::function<distributed::ModelPart(nn::Model& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
+                                       const distributed::FsdpOptions& fsdp, const distributed::ModuleRange& part,
+                                       bool split_backward)>
+      parallelize;
+  // Whether the output reads the embedding's table (the two then share a pipeline stage and an FSDP unit).
+  std::function<bool(const ModelArgs& args)> tied_embeddings;
+  // Bytes one rank needs to train (docs/metrics.md): see models/common/decoder_memory.h for the arguments.
+  std::function<MemoryEstimate(const ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
+                               bool autocast, double runtime_bytes, Execution execution, int64_t pipeline_rank,
+                               FusedKernels kernels)>
+      estimate_memory;
+  std::function<std::unique_ptr<StateDictAdapter>(const ModelArgs& args)> state_dict_adapter;
+};
+
+}  // namespace titan::protocols
