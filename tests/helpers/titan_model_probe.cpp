@@ -1,18 +1,21 @@
-// Test helper: loads Hugging Face-layout weights into titan's Llama 3, runs forward + loss + backward on given
-// tokens (optionally with activation checkpointing) and writes logits, loss and gradients in HF layout.
-// usage: titan_model_probe --flavor F|--hf-config config.json --weights W.safetensors --batch B.safetensors --out O.safetensors
-//                          [--ac-mode none|full|selective] [--ac-option N|op] [--autocast-bf16]
+// Test helper: loads Hugging Face-layout weights into a registered family's model (through its spec and state-dict
+// adapter), runs forward + loss + backward on given tokens (optionally with activation checkpointing) and writes
+// logits, loss and gradients in HF layout.
+// usage: titan_model_probe [--model llama3|qwen3] --flavor F|--hf-config DIR/config.json --weights W.safetensors
+//                          --batch B.safetensors --out O.safetensors [--ac-mode none|full|selective] [--ac-option N|op]
+//                          [--autocast-bf16]
+// With --hf-config the family is config.json's model_type.
 #include <ATen/autocast_mode.h>
 
+#include <filesystem>
 #include <iostream>
 
 #include "titan/components/checkpoint/safetensors.h"
 #include "titan/components/loss.h"
 #include "titan/config/job_config.h"
-#include "titan/models/llama3/hf_config.h"
-#include "titan/models/common/decoder_parallelize.h"
 #include "titan/models/common/decoder.h"
-#include "titan/models/common/decoder_hf.h"
+#include "titan/models/common/decoder_parallelize.h"
+#include "titan/models/registry.h"
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"--ac-mode", "none"}, {"--ac-option", "1"}};
@@ -24,18 +27,22 @@ int main(int argc, char** argv) {
   }
   try {
     // The shape: a flavor, or a Hugging Face config.json (--hf-config).
-    auto args = opt.count("--hf-config") ? titan::llama3::read_hf_config(opt.at("--hf-config"))
-                                         : titan::llama3::flavor(opt.at("--flavor"));
+    const bool from_hf = opt.count("--hf-config") > 0;
+    const auto& spec = from_hf ? titan::models::spec_for_hf_directory(std::filesystem::path(opt.at("--hf-config")).parent_path().string())
+                               : titan::models::model_spec(opt.count("--model") ? opt.at("--model") : "llama3");
+    auto configured = from_hf ? spec.read_hf_config(opt.at("--hf-config")) : spec.flavor(opt.at("--flavor"));
     titan::safetensors::File batch(opt.at("--batch"));
     at::Tensor inputs = batch.load("inputs"), labels = batch.load("labels");
-    args.max_seq_len = inputs.size(1);
-    auto model = std::make_shared<titan::models::Decoder>(args);
+    const auto args = configured->with_context_length(inputs.size(1));
+    auto built = spec.build(*args, {});
+    auto model = std::dynamic_pointer_cast<titan::models::Decoder>(built);
+    const auto adapter = spec.state_dict_adapter(*args);
     titan::safetensors::File weights(opt.at("--weights"));
     {
       at::NoGradGuard no_grad;
       for (auto& item : model->named_parameters()) {
-        auto hf = titan::models::to_hf_name(item.key());
-        item.value().copy_(titan::models::from_hf_tensor(item.key(), weights.load(*hf), args));
+        auto hf = adapter->to_hf_name(item.key());
+        item.value().copy_(adapter->from_hf_tensor(item.key(), weights.load(*hf)));
       }
     }
     titan::config::ActivationCheckpoint ac;
@@ -60,8 +67,7 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", logits.detach().to(at::kFloat)},
                                                            {"loss", loss.detach().reshape({1})}};
     for (auto& item : model->named_parameters())
-      out.emplace_back("grad." + *titan::models::to_hf_name(item.key()),
-                       titan::models::to_hf_tensor(item.key(), item.value().grad(), args));
+      out.emplace_back("grad." + *adapter->to_hf_name(item.key()), adapter->to_hf_tensor(item.key(), item.value().grad()));
     titan::safetensors::save(opt.at("--out"), out);
   } catch (const std::exception& e) {
     std::cerr << "titan_model_probe: " << e.what() << "\n";

@@ -256,6 +256,10 @@ void write_dcp(const Source& s, const std::string& to) {
   std::vector<TensorToWrite> tensors;
   std::vector<ObjectToWrite> objects;
   for (const auto& [name, t] : s.weights) tensors.push_back({name, {name}, t});
+  // torchtitan's model state dict holds a tied weight under both names (its optimizer state once).
+  for (const auto& [alias, stored] : s.args->tied_aliases())
+    for (const auto& [name, t] : s.weights)
+      if (name == stored) tensors.push_back({alias, {alias}, t});
   if (s.training_state) {
     const auto& o = s.optimizer_settings;
     if (o.is_null())

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace titan::protocols {
@@ -24,6 +25,9 @@ class ModelArgs {
   virtual std::string family() const = 0;
   // Every parameter the model stores, in registration order (a tied weight once).
   virtual std::vector<ParameterShape> parameter_shapes() const = 0;
+  // Parameters stored once under another name that torchtitan's state dicts also carry: (alias, stored name), e.g.
+  // a tied output projection ("output.weight", "tok_embeddings.weight").
+  virtual std::vector<std::pair<std::string, std::string>> tied_aliases() const { return {}; }
   // Elements of all stored parameters.
   int64_t stored_parameters() const;
   // The parameter count and the embedding's part of it as torchtitan's get_nparams_and_flops reports them.

@@ -20,6 +20,8 @@ bool Checkpointer::load_torch_dcp(CheckpointedState& state, const std::string& d
   // The model: torchtitan keeps its weights at the top level under the same names as titan's parameters.
   std::set<std::string> expected;
   for (const auto& p : state.model_args.parameter_shapes()) expected.insert(p.name);
+  // torchtitan saves a tied weight under both names (a tied output projection as output.weight too).
+  for (const auto& [alias, stored] : state.model_args.tied_aliases()) expected.insert(alias);
   for (const auto& [key, item] : reader.tensors()) {
     const bool other_state = starts_with(key, "optimizer.") || starts_with(key, "lr_scheduler.") ||
                              starts_with(key, "train_state.") || starts_with(key, "dataloader.");

@@ -57,6 +57,10 @@ struct DecoderArgs : protocols::ModelArgs {
 
   std::string family() const override { return family_name; }
   std::vector<ParameterShape> parameter_shapes() const override;
+  std::vector<std::pair<std::string, std::string>> tied_aliases() const override {
+    if (!tie_word_embeddings) return {};
+    return {{"output.weight", "tok_embeddings.weight"}};
+  }
   int64_t reported_parameters() const override;
   int64_t embedding_parameters() const override { return vocab_size * dim; }
   // 6 x (parameters - embedding) + 12 x layers x heads x head_dim x seq_len (torchtitan's formula).

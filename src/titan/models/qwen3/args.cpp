@@ -62,8 +62,10 @@ DecoderArgs flavor(const std::string& name) {
   if (it == flavors().end()) {
     std::string hint = closest_match(name, flavor_names());
     const bool moe = name.find("moe") != std::string::npos || name.find("-A") != std::string::npos;
+    if (moe)
+      fail("qwen3 flavor ", quote(name), " is a Mixture-of-Experts model, which titan cannot train yet; the dense flavors are ",
+           join(flavor_names(), ", "));
     fail("unknown qwen3 flavor ", quote(name), "; known flavors: ", join(flavor_names(), ", "),
-         moe ? " (the Mixture-of-Experts flavors are not available yet)" : "",
          hint.empty() ? "" : cat(" (did you mean ", quote(hint), "?)"));
   }
   return it->second;

