@@ -3,8 +3,8 @@
 
 Under autocast (float32 parameters, bfloat16 compute, no FSDP) LibTorch keeps a weight's bfloat16 copy only until
 the forward ends: every micro-batch's forward casts every weight again, and activation checkpointing casts it once
-more in backward. titan keeps the copies over the whole step (TITAN_WEIGHT_CASTS=step, the default); the peer here
-is the same binary with TITAN_WEIGHT_CASTS=forward (LibTorch's behaviour), run interleaved, fresh process each.
+more in backward. titan keeps the copies over the whole step (training.autocast_weight_casts = "step", the default); the peer here
+is the same binary with --training.autocast_weight_casts forward (LibTorch's behaviour), run interleaved, fresh process each.
 Prints tokens/s (median of the steps after the first, median over repeats) and peak memory per layout, and the
 ratio. The printed losses (every step of the last repeat, as the log rounds them) should agree; the script says
 so when they do not (tests/unit/test_trainer.cpp checks them bit for bit). Never passes or fails on time.
@@ -37,8 +37,9 @@ def run(layout, casts, args):
         cmd = [binary, "train", "--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--model.flavor", args.flavor,
                "--job.dump_folder", dump, "--training.steps", str(args.steps), "--training.seq_len", str(args.seq),
                "--training.local_batch_size", str(local), "--training.global_batch_size", str(global_batch),
-               "--metrics.log_freq", "1", "--training.mixed_precision_param", "bfloat16", *ac]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, NO_COLOR="1", TITAN_WEIGHT_CASTS=casts))
+               "--metrics.log_freq", "1", "--training.mixed_precision_param", "bfloat16",
+               "--training.autocast_weight_casts", casts, *ac]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, NO_COLOR="1"))
     if out.returncode != 0:
         sys.exit(f"titan failed ({' '.join(cmd)}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     steps = [(int(s), l, float(m), float(t.replace(",", ""))) for s, l, m, t in STEP.findall(out.stdout)]

@@ -89,7 +89,7 @@ def test_checkpoint_loads_under_other_layouts(tmp_path):
 def test_a_save_killed_anywhere_leaves_the_previous_checkpoint(tmp_path, crash, mode):
     dump = tmp_path / "run"
     train(dump, 2, 10)
-    killed = train(dump, 2, 20, env={"TITAN_CHECKPOINT_CRASH": crash, "TITAN_CHECKPOINT_CRASH_RANK": "0"}, check=False,
+    killed = train(dump, 2, 20, env={"TITAN_TEST_CHECKPOINT_CRASH": crash, "TITAN_TEST_CHECKPOINT_CRASH_RANK": "0"}, check=False,
                    extra=["--checkpoint.async_mode", mode])
     assert killed.returncode != 0
     folder = dump / "checkpoint"

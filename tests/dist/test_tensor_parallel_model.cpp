@@ -3,7 +3,7 @@
 // autograd on the whole model.
 #include <gtest/gtest.h>
 
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 #include "titan/config/job_config.h"
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/parallel_dims.h"

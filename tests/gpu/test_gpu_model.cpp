@@ -5,7 +5,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 #include "titan/config/job_config.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"

@@ -53,7 +53,7 @@ TEST(CudaTrainer, PicksTheGpuAndBfloat16AutocastLowersTheLoss) {
   titan_gpu_test::ScratchDir dump("titan_gpu_trainer");
   titan::Trainer trainer(titan::config::load_job_config(titan_gpu_test::debug_trainer_args(dump.path(), {"--training.steps", "30"})));
   if (titan_gpu_test::cuda_available()) {
-    EXPECT_TRUE(trainer.device().is_cuda()) << "the trainer chose " << trainer.device().str() << " on a machine with a GPU";
+    EXPECT_TRUE(trainer.compute_device().is_cuda()) << "the trainer chose " << trainer.compute_device().str() << " on a machine with a GPU";
     for (const auto& p : trainer.parameters()) EXPECT_TRUE(p.local.is_cuda()) << p.name;
     EXPECT_EQ(trainer.mesh().world()->backend(), "local");  // one process: no NCCL needed
   }

@@ -11,7 +11,7 @@
 #include <iostream>
 
 #include "titan/components/checkpoint/safetensors.h"
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 #include "titan/config/job_config.h"
 #include "titan/models/common/decoder.h"
 #include "titan/models/common/decoder_parallelize.h"

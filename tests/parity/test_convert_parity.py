@@ -117,7 +117,7 @@ def test_convert_errors_name_the_problem(trained, tmp_path):
 def test_torch_save_export_loads_in_python(trained, tmp_path, dtype, zip64):
     """The seed's dcp_to_llama use case: a .pt of the weights that Python's torch.load (weights_only) reads."""
     out = tmp_path / "consolidated.pt"
-    env = {"TITAN_TORCH_SAVE_FORCE_ZIP64": "1"} if zip64 else None
+    env = {"TITAN_TEST_TORCH_SAVE_FORCE_ZIP64": "1"} if zip64 else None
     run([binary("titan"), "convert", "--from", str(trained), "--to", str(out), "--dtype", dtype], env=env)
     state = torch.load(str(out), weights_only=True)
     mmapped = torch.load(str(out), weights_only=True, mmap=True)  # storages are 64-byte aligned, as torch writes them

@@ -3,7 +3,7 @@
 
 #include "test_util.h"
 #include "titan/common/error.h"
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 #include "titan/components/lr_scheduler.h"
 
 using titan::LRScheduler;

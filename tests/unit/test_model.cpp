@@ -4,7 +4,7 @@
 
 #include "titan/common/error.h"
 #include "titan/distributed/ddp.h"
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 #include "titan/components/metrics/allocation_tracker.h"
 #include "titan/config/job_config.h"
 #include "titan/models/common/decoder_parallelize.h"

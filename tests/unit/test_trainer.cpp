@@ -91,23 +91,6 @@ TEST(Trainer, ActivationCheckpointingUnderAutocastKeepsLossesAcrossSteps) {
 
 namespace {
 
-// Sets an environment variable for one scope, then restores what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_) setenv(name_, old_->c_str(), 1);
-    else unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
 struct StepCasts {
   std::vector<double> losses, grad_norms;
   int64_t most_casts_of_one_weight = 0;  // in the last step
@@ -170,7 +153,7 @@ StepCasts train_counting_casts(const std::vector<std::string>& extra, int steps)
 
 TEST(Trainer, EachWeightIsCastOncePerStepUnderAutocast) {
   // Two micro-batches with every block checkpointed: LibTorch's autocast alone casts each weight in both forwards
-  // and both recomputations (TITAN_WEIGHT_CASTS=forward); titan's default keeps the copies over the step. The
+  // and both recomputations (training.autocast_weight_casts = "forward"); titan's default keeps the copies over the step. The
   // losses and gradient norms are the same bit for bit either way, and the same as without checkpointing.
   if (!std::filesystem::exists("/usr/share/games/fortunes")) GTEST_SKIP() << "fortunes package not installed";
   const std::vector<std::string> job = {"--training.steps", "3", "--debug.seed", "5", "--optimizer.lr", "3e-3", "--debug.deterministic",
@@ -178,15 +161,11 @@ TEST(Trainer, EachWeightIsCastOncePerStepUnderAutocast) {
   std::vector<std::string> no_ac = job;
   no_ac.back() = "none";
   StepCasts once, every_use, plain;
-  {
-    ScopedEnv env("TITAN_WEIGHT_CASTS", "step");
-    once = train_counting_casts(job, 3);
-    plain = train_counting_casts(no_ac, 3);
-  }
-  {
-    ScopedEnv env("TITAN_WEIGHT_CASTS", "forward");
-    every_use = train_counting_casts(job, 3);
-  }
+  std::vector<std::string> forward = job;
+  forward.insert(forward.end(), {"--training.autocast_weight_casts", "forward"});
+  once = train_counting_casts(job, 3);
+  plain = train_counting_casts(no_ac, 3);
+  every_use = train_counting_casts(forward, 3);
 
   EXPECT_GE(once.weights_cast, 6 * 7 + 1) << "the debug model: six blocks of seven matrices, and the output";
   EXPECT_EQ(once.most_casts_of_one_weight, 1);
@@ -201,11 +180,12 @@ TEST(Trainer, EachWeightIsCastOncePerStepUnderAutocast) {
 }
 
 TEST(Trainer, RefusesAnUnknownWeightCastSetting) {
-  ScopedEnv env("TITAN_WEIGHT_CASTS", "sometimes");
   try {
-    titan::Trainer trainer(titan::config::load_job_config(tiny_job({"--training.steps", "1"})));
-    FAIL() << "TITAN_WEIGHT_CASTS=sometimes was accepted";
+    titan::Trainer trainer(
+        titan::config::load_job_config(tiny_job({"--training.steps", "1", "--training.autocast_weight_casts", "sometimes"})));
+    FAIL() << "training.autocast_weight_casts = sometimes was accepted";
   } catch (const titan::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("TITAN_WEIGHT_CASTS=\"sometimes\""), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("training.autocast_weight_casts"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sometimes"), std::string::npos) << e.what();
   }
 }

@@ -102,11 +102,4 @@ void AdamW::step(const at::Tensor& skip) {
   }
 }
 
-void scale_gradients_(const std::vector<at::Tensor>& grads, const at::Tensor& total_norm, double max_norm) {
-  at::NoGradGuard no_grad;
-  if (grads.empty()) return;
-  at::Tensor coef = at::clamp(max_norm / (total_norm + 1e-6), std::nullopt, 1.0);
-  at::_foreach_mul_(grads, coef);
-}
-
 }  // namespace titan

@@ -43,8 +43,4 @@ class AdamW {
   std::string implementation_;
 };
 
-// Scales gradients so that their global L2 norm (already reduced across ranks: distributed/grad_norm.h) is at
-// most max_norm: coefficient max_norm / (norm + 1e-6), at most 1, as PyTorch's clip_grad_norm_.
-void scale_gradients_(const std::vector<at::Tensor>& grads, const at::Tensor& total_norm, double max_norm);
-
 }  // namespace titan

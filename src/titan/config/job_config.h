@@ -123,6 +123,9 @@ struct Training {
   int64_t skip_nonfinite_steps = 0;
   // titan.cpp: fused CPU kernels (kernels/fused_ops.h); false = plain ATen compositions.
   bool fused_kernels = true;
+  // titan.cpp: under autocast, each weight's bf16 copy is kept for the whole step ("step") or made again in every
+  // forward and recomputation ("forward", LibTorch's own behaviour).
+  std::string autocast_weight_casts = "step";
 };
 
 struct Parallelism {

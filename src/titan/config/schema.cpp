@@ -232,6 +232,10 @@ std::vector<KeySpec> describe(JobConfig& c) {
                  "skip steps whose loss or gradient norm is NaN/inf (no update), up to this many in a row; 0 = stop at the first (titan.cpp)"), 0);
   b.add("fused_kernels", &c.training.fused_kernels,
         "titan's fused CPU kernels (attention, RMSNorm, SwiGLU, RoPE); false composes ATen ops instead (titan.cpp)");
+  choices(b.add("autocast_weight_casts", &c.training.autocast_weight_casts,
+                "under autocast, keep each weight's bf16 copy for the whole step (step) or cast again in every forward "
+                "and recomputation (forward, LibTorch's behaviour) (titan.cpp)"),
+          {"step", "forward"});
 
   b.in("parallelism");
   at_least(b.add("data_parallel_replicate_degree", &c.parallelism.data_parallel_replicate_degree,

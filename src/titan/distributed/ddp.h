@@ -24,7 +24,6 @@ class Ddp final : public DataParallel {
   std::string describe() const override;
   int64_t bytes_communicated() const override;
   double wait_seconds() const override { return wait_seconds_; }
-  size_t bucket_count() const { return buckets_.size(); }
   ~Ddp() override;
 
  private:

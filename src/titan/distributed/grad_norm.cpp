@@ -1,6 +1,5 @@
 #include "titan/distributed/grad_norm.h"
 
-#include "titan/components/optimizer.h"
 
 namespace titan::distributed {
 
@@ -34,6 +33,13 @@ at::Tensor clip_grad_norm(const std::vector<ShardedParameter>& params, double ma
     if (p.local.grad().defined()) grads.push_back(p.local.grad());
   scale_gradients_(grads, total, max_norm);
   return total;
+}
+
+void scale_gradients_(const std::vector<at::Tensor>& grads, const at::Tensor& total_norm, double max_norm) {
+  at::NoGradGuard no_grad;
+  if (grads.empty()) return;
+  at::Tensor coef = at::clamp(max_norm / (total_norm + 1e-6), std::nullopt, 1.0);
+  at::_foreach_mul_(grads, coef);
 }
 
 }  // namespace titan::distributed

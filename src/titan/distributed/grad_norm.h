@@ -19,4 +19,8 @@ at::Tensor owned_grad_squares(const std::vector<ShardedParameter>& params);
 // device, whatever `world`'s device is). Collective over `world`: one all-reduce of one value.
 at::Tensor clip_grad_norm(const std::vector<ShardedParameter>& params, double max_norm, Communicator& world);
 
+// Scales gradients so that their global L2 norm (already reduced across ranks) is at most max_norm: coefficient
+// max_norm / (norm + 1e-6), at most 1, as PyTorch's clip_grad_norm_.
+void scale_gradients_(const std::vector<at::Tensor>& grads, const at::Tensor& total_norm, double max_norm);
+
 }  // namespace titan::distributed

@@ -97,10 +97,6 @@ bool TensorLayout::has_partial() const {
   return std::any_of(levels_.begin(), levels_.end(), [](const Level& l) { return l.placement.is_partial(); });
 }
 
-bool TensorLayout::is_sharded() const {
-  return std::any_of(levels_.begin(), levels_.end(), [](const Level& l) { return l.placement.is_shard() && l.size > 1; });
-}
-
 std::string TensorLayout::str() const {
   if (levels_.empty()) return "Replicate()";
   std::string out;

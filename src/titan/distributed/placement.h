@@ -78,7 +78,6 @@ class TensorLayout {
   // element once and checkpoints write it once by reading only owners' pieces.
   bool owner() const;
   bool has_partial() const;
-  bool is_sharded() const;
   // "Shard(0)@tp(2) Shard(0)@dp_shard(4) Replicate()@dp_replicate(2)"; "Replicate()" when there are no levels.
   std::string str() const;
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "titan/common/test_faults.h"
 #include "titan/kernels/cpu_isa.h"
 
 namespace titan::nn {
@@ -63,14 +64,9 @@ struct Bf16LinearInFloat : torch::autograd::Function<Bf16LinearInFloat> {
 bool emulates_bf16_gemm() {
   const int forced = g_forced.load();
   if (forced >= 0) return forced == 1;
-  // TITAN_TEST_BF16_PRODUCTS_IN_FLOAT=1 (or 0) takes the other path on any CPU: tests run the AVX2 machines' path
-  // (its memory, its numerics) on AVX-512 ones.
-  static const bool rule = [] {
-    const char* env = std::getenv("TITAN_TEST_BF16_PRODUCTS_IN_FLOAT");
-    if (env && std::string(env) == "1") return true;
-    if (env && std::string(env) == "0") return false;
-    return cpu_lacks_fast_bf16_gemm();
-  }();
+  // Tests take the other path on any CPU (common/test_faults.h): the AVX2 machines' path, its memory and numerics,
+  // on AVX-512 ones.
+  static const bool rule = test_faults::bf16_products_in_float().value_or(cpu_lacks_fast_bf16_gemm());
   return rule;
 }
 

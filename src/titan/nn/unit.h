@@ -1,5 +1,5 @@
-// Unit: a torch::nn::Module with a uniform forward (tensors + Context) that wrappers can surround from outside
-// (activation checkpointing now, FSDP gathering later) without the model code knowing about them.
+// Unit: a torch::nn::Module with a uniform forward (tensors + Context) that wrappers surround from outside (tensor
+// and context parallelism, activation checkpointing, FSDP's gathers) without the model code knowing about them.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -37,7 +37,6 @@ class Unit : public torch::nn::Module {
   // Adds a wrapper closest to forward(), inside every wrapper already added (one that replaces the computation).
   void add_innermost_wrapper(std::string name, Wrapper wrapper);
   bool has_wrapper(const std::string& name) const;
-  void clear_wrappers() { wrappers_.clear(); }
 
  protected:
   virtual at::Tensor forward(const Inputs& inputs, const Context& context) = 0;

@@ -13,6 +13,7 @@
 #include "titan/common/error.h"
 #include "titan/common/files.h"
 #include "titan/common/strings.h"
+#include "titan/common/test_faults.h"
 
 namespace titan::checkpoint {
 
@@ -26,31 +27,7 @@ constexpr const char* kChecksumKey = "metadata_crc32";
 // pieces are boxes ({"offsets": [...], "lengths": [...]}); version 1 had dim-0 rows ("rows": [a, b]).
 constexpr int kVersion = 3;
 
-// Fault injection for crash tests: TITAN_CHECKPOINT_CRASH = "bytes:K" kills the process (SIGKILL, as kill -9)
-// once this rank has written K bytes of its data file; "before_metadata" / "before_rename" kill rank 0 at those
-// points of the commit. TITAN_CHECKPOINT_CRASH_RANK restricts it to one rank.
-struct CrashPlan {
-  int64_t after_bytes = -1;
-  std::string at;
-  int rank = -1;
-};
-
-CrashPlan crash_plan() {
-  CrashPlan plan;
-  if (const char* v = std::getenv("TITAN_CHECKPOINT_CRASH")) {
-    std::string s = v;
-    if (starts_with(s, "bytes:")) plan.after_bytes = std::stoll(s.substr(6));
-    else plan.at = s;
-  }
-  if (const char* r = std::getenv("TITAN_CHECKPOINT_CRASH_RANK")) plan.rank = std::atoi(r);
-  return plan;
-}
-
-bool crash_applies(int rank) {
-  static const CrashPlan plan = crash_plan();
-  return plan.rank < 0 || plan.rank == rank;
-}
-
+// Crash tests kill a rank at chosen points of a save (common/test_faults.h: TITAN_TEST_CHECKPOINT_CRASH).
 void crash_now() {
   std::fflush(nullptr);
   std::raise(SIGKILL);
@@ -90,8 +67,8 @@ RankWriter::~RankWriter() {
 }
 
 void RankWriter::write(const void* data, size_t n) {
-  static const CrashPlan plan = crash_plan();
-  if (plan.after_bytes >= 0 && crash_applies(rank_) && written_ + n > static_cast<uint64_t>(plan.after_bytes)) {
+  const auto& plan = test_faults::checkpoint_crash();
+  if (plan.after_bytes >= 0 && plan.applies_to(rank_) && written_ + n > static_cast<uint64_t>(plan.after_bytes)) {
     const size_t part = static_cast<size_t>(static_cast<uint64_t>(plan.after_bytes) - written_);
     std::fwrite(data, 1, part, file_);
     crash_now();
@@ -171,12 +148,12 @@ uint32_t metadata_checksum(const nlohmann::json& metadata) {
 }  // namespace
 
 void commit(const std::string& partial_directory, const std::string& final_directory, const nlohmann::json& metadata) {
-  if (crash_plan().at == "before_metadata" && crash_applies(0)) crash_now();
+  if (test_faults::checkpoint_crash().at == "before_metadata" && test_faults::checkpoint_crash().applies_to(0)) crash_now();
   nlohmann::json sealed = metadata;
   sealed[kChecksumKey] = metadata_checksum(metadata);
   write_file(partial_directory + "/metadata.json", sealed.dump(1) + "\n", /*durable=*/true);
   fsync_path(partial_directory, true);
-  if (crash_plan().at == "before_rename" && crash_applies(0)) crash_now();
+  if (test_faults::checkpoint_crash().at == "before_rename" && test_faults::checkpoint_crash().applies_to(0)) crash_now();
   std::error_code ec;
   fs::rename(partial_directory, final_directory, ec);
   if (ec) fail("cannot rename ", quote(partial_directory), " to ", quote(final_directory), ": ", ec.message());

@@ -9,6 +9,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/common/test_faults.h"
 #include "titan/components/checkpoint/pickle_writer.h"
 
 namespace titan::checkpoint {
@@ -17,10 +18,9 @@ namespace {
 
 constexpr uint32_t kMax32 = 0xFFFFFFFFu;
 
-// ZIP64 records are used from 4 GiB on; TITAN_TORCH_SAVE_FORCE_ZIP64=1 uses them always (tests exercise the large-file
-// layout without writing gigabytes).
+// ZIP64 records are used from 4 GiB on, or always for tests of the large-file layout (common/test_faults.h).
 uint64_t zip64_threshold() {
-  static const uint64_t threshold = std::getenv("TITAN_TORCH_SAVE_FORCE_ZIP64") ? 0 : kMax32;
+  static const uint64_t threshold = test_faults::torch_save_force_zip64() ? 0 : kMax32;
   return threshold;
 }
 

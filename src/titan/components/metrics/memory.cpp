@@ -10,6 +10,7 @@
 #include <malloc.h>
 #endif
 
+#include "titan/common/test_faults.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/metrics/cuda_device.h"
@@ -30,9 +31,7 @@ int64_t status_kib(const char* field) {
 }  // namespace
 
 AvailableMemory available_memory(const at::Device& device, int local_ranks) {
-  // Fault injection for tests: pretend this much memory is available.
-  if (const char* fake = std::getenv("TITAN_TEST_AVAILABLE_MEMORY_BYTES"))
-    return {std::atof(fake), "TITAN_TEST_AVAILABLE_MEMORY_BYTES"};
+  if (const auto fake = test_faults::available_memory_bytes()) return {*fake, "TITAN_TEST_AVAILABLE_MEMORY_BYTES"};
   if (device.is_cuda())
     return {cuda_usable_memory_bytes(device.index()), cat("free memory of ", cuda_device_name(device.index()))};
   const double mine = static_cast<double>(current_rss_bytes()), ranks = std::max(1, local_ranks);

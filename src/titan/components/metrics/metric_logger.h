@@ -24,7 +24,6 @@ class MetricLogger {
   MetricLogger& operator=(const MetricLogger&) = delete;
 
   void log(int64_t step, const Scalars& scalars);
-  std::string tensorboard_path() const { return tensorboard_ ? tensorboard_->path() : std::string(); }
 
  private:
   int rank_;

@@ -25,8 +25,6 @@ const Tables& tables() {
 
 }  // namespace
 
-const std::array<std::string, 256>& byte_to_char() { return tables().utf8; }
-
 std::optional<uint8_t> char_to_byte(uint32_t cp) {
   if (cp < 256) {
     const auto& t = tables();

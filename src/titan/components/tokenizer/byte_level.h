@@ -9,8 +9,6 @@
 
 namespace titan::tokenizer {
 
-// UTF-8 of the character that stands for each byte.
-const std::array<std::string, 256>& byte_to_char();
 // The byte a character stands for, if it is part of the alphabet.
 std::optional<uint8_t> char_to_byte(uint32_t code_point);
 // Maps every byte of `bytes` to its character.

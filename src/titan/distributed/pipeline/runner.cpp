@@ -13,6 +13,7 @@
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/common/test_faults.h"
 #include "titan/distributed/pipeline/zero_bubble.h"
 
 namespace titan::distributed::pipeline {
@@ -20,20 +21,6 @@ namespace {
 
 constexpr int kHeaderLength = 8;         // an activation's dtype, rank and sizes, sent before it
 constexpr size_t kReceiveLookahead = 3;  // actions whose receives are posted before they run
-
-// TITAN_TEST_STOP_BEFORE=<step>:<action> (e.g. "4:1B0"): the rank that runs that action stops itself (SIGSTOP)
-// just before it, a stage that hangs at a known point, for the failure tests.
-std::pair<int64_t, std::string> stop_before_from_environment() {
-  const char* v = std::getenv("TITAN_TEST_STOP_BEFORE");
-  if (!v || !*v) return {-1, ""};
-  const std::string text = v;
-  const auto colon = text.find(':');
-  char* end = nullptr;
-  const long long step = colon == std::string::npos ? -1 : std::strtoll(text.c_str(), &end, 10);
-  if (colon == std::string::npos || end != text.c_str() + colon || step < 1)
-    fail("TITAN_TEST_STOP_BEFORE=", text, ": expected <step>:<action>, e.g. 4:1B0");
-  return {step, text.substr(colon + 1)};
-}
 
 }  // namespace
 
@@ -91,7 +78,9 @@ PipelineRunner::PipelineRunner(Schedule schedule, std::vector<Stage> stages, std
     }
   }
   warm_channels();
-  std::tie(stop_step_, stop_action_) = stop_before_from_environment();
+  const auto stop = test_faults::stop_before();  // the failure tests' hanging stage
+  stop_step_ = stop.step;
+  stop_action_ = stop.action;
 }
 
 void PipelineRunner::warm_channels() {
@@ -119,8 +108,6 @@ void PipelineRunner::warm_channels() {
 }
 
 PipelineRunner::~PipelineRunner() = default;
-
-bool PipelineRunner::has_stage(int index) const { return stages_.count(index) > 0; }
 
 void PipelineRunner::set_timeout(std::chrono::seconds timeout) {
   for (auto* channels : {&activations_, &gradients_})

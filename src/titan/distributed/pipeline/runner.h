@@ -59,7 +59,6 @@ class PipelineRunner {
   const Schedule& schedule() const { return schedule_; }
   // For the communicators between stages (comm.train_timeout_seconds after the first step).
   void set_timeout(std::chrono::seconds timeout);
-  bool has_stage(int index) const;
   // Measured over every train() so far: the share of the steps' time this rank spent not computing.
   double bubble() const { return step_seconds_ > 0 ? 1.0 - compute_seconds_ / step_seconds_ : 0.0; }
   double step_seconds() const { return step_seconds_; }

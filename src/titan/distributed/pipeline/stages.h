@@ -58,6 +58,7 @@ class Pipeline {
   std::vector<ModelPart>& parts() { return parts_; }
   const StagePlan& plan() const { return plan_; }
   PipelineRunner& runner() { return *runner_; }
+  const at::Device& device() const { return device_; }
   std::vector<std::string> describe() const;
 
  private:

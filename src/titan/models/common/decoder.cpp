@@ -4,7 +4,7 @@
 #include <map>
 #include <torch/nn/modules/container/modulelist.h>
 
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/nn/matmul.h"

@@ -3,7 +3,7 @@
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 #include "titan/distributed/context_parallel.h"
 #include "titan/distributed/ddp.h"
 #include "titan/distributed/fsdp.h"

@@ -1,4 +1,4 @@
-#include "titan/components/loss.h"
+#include "titan/nn/loss.h"
 
 namespace titan {
 
