@@ -4,10 +4,10 @@
 #include <string>
 
 #include "fuzz_util.h"
-#include "titan/components/checkpoint/dcp.h"
-#include "titan/components/checkpoint/safetensors.h"
-#include "titan/components/checkpoint/torch_dcp.h"
-#include "titan/components/checkpoint/torch_load.h"
+#include "titan/components/checkpoint/formats/dcp.h"
+#include "titan/components/checkpoint/formats/safetensors.h"
+#include "titan/components/checkpoint/formats/torch_dcp.h"
+#include "titan/components/checkpoint/formats/torch_load.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;

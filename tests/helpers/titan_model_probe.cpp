@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "titan/components/checkpoint/safetensors.h"
+#include "titan/components/checkpoint/formats/safetensors.h"
 #include "titan/nn/loss.h"
 #include "titan/config/job_config.h"
 #include "titan/models/common/decoder.h"

@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "titan/common/error.h"
-#include "titan/components/checkpoint/safetensors.h"
+#include "titan/components/checkpoint/formats/safetensors.h"
 #include "titan/components/metrics/memory.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/mpi_runtime.h"

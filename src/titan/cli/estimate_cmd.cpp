@@ -5,6 +5,7 @@
 
 #include "titan/cli/commands.h"
 #include "titan/common/strings.h"
+#include "titan/config/dtypes.h"
 #include "titan/config/loader.h"
 #include "titan/models/registry.h"
 
@@ -32,7 +33,7 @@ int run_estimate(const std::vector<std::string>& raw_args) {
   const int64_t embedding = args_model.embedding_parameters();
   const double flops = args_model.flops_per_token(c.training.seq_len);
   // Parameters and gradients in training.dtype; AdamW keeps two moments of the same dtype per parameter.
-  const double bytes_per_value = c.training.dtype == "bfloat16" ? 2.0 : 4.0;
+  const double bytes_per_value = titan::config::dtype_bytes(c.training.dtype);
   const double state_bytes = static_cast<double>(args_model.stored_parameters()) * bytes_per_value * 4.0;
   if (as_json) {
     nlohmann::ordered_json j = {{"name", spec.name},

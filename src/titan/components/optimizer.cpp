@@ -7,15 +7,15 @@
 
 namespace titan {
 
-AdamW::AdamW(std::vector<at::Tensor> parameters, const config::Optimizer& c)
+Adam::Adam(std::vector<at::Tensor> parameters, const config::Optimizer& c)
     : params_(std::move(parameters)), lr_(c.lr), beta1_(c.beta1), beta2_(c.beta2), eps_(c.eps),
       weight_decay_(c.weight_decay), decoupled_(c.name == "AdamW"), implementation_(c.implementation) {}
 
-void AdamW::zero_grad() {
+void Adam::zero_grad() {
   for (auto& p : params_) p.mutable_grad() = at::Tensor();
 }
 
-void AdamW::init_state() {
+void Adam::init_state() {
   state_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (state_[i].exp_avg.defined()) continue;
@@ -27,9 +27,9 @@ void AdamW::init_state() {
   }
 }
 
-void AdamW::step() { step(at::Tensor()); }
+void Adam::step() { step(at::Tensor()); }
 
-void AdamW::step(const at::Tensor& skip) {
+void Adam::step(const at::Tensor& skip) {
   if (skip.defined() && !skips_on_device())
     fail("internal: optimizer.implementation = ", quote(implementation_), " cannot skip a step on the device");
   at::NoGradGuard no_grad;

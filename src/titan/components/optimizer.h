@@ -10,10 +10,11 @@
 
 namespace titan {
 
-class AdamW {
+// One class for both: Adam, and AdamW when the weight decay is decoupled (optimizer.name = "AdamW").
+class Adam {
  public:
-  // decoupled_weight_decay: true for AdamW, false for Adam (weight decay added to the gradient).
-  AdamW(std::vector<at::Tensor> parameters, const config::Optimizer& config);
+  // config.name "AdamW": decoupled weight decay; "Adam": weight decay added to the gradient.
+  Adam(std::vector<at::Tensor> parameters, const config::Optimizer& config);
 
   void zero_grad();
   void step();

@@ -16,13 +16,13 @@
 #include <chrono>
 
 #include "titan/common/error.h"
+#include "titan/config/dtypes.h"
 #include "titan/common/strings.h"
 #include "titan/nn/storage.h"
 
 namespace titan::distributed {
 namespace {
 
-std::string dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bfloat16" : t == at::kHalf ? "float16" : "float32"; }
 
 }  // namespace
 
@@ -254,7 +254,7 @@ std::string Fsdp::describe() const {
                                                         shard_group_->size(), " shards")
                                                   : cat("FSDP over ", shard_group_->size(), " ranks");
   return cat(mode, "; ", units_.size(), " units, ", with_thousands(local), " parameter elements on this rank; gather in ",
-             dtype_name(options_.param_dtype), ", reduce in ", dtype_name(options_.reduce_dtype),
+             titan::config::dtype_name(options_.param_dtype), ", reduce in ", titan::config::dtype_name(options_.reduce_dtype),
              ", reshard_after_forward ", options_.reshard_after_forward,
              options_.defer_gradient_reduction ? "; gradients reduced once per step (pipeline)" : "");
 }

@@ -1,5 +1,7 @@
 #include "titan/plan/step_time.h"
 
+#include "titan/config/dtypes.h"
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -71,7 +73,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double d_attn = static_cast<double>(a.n_heads * a.head_dim()), d_kv = static_cast<double>(a.kv_heads() * a.head_dim());
   const double hidden = static_cast<double>(a.ffn_hidden_dim()), seq = static_cast<double>(training.seq_len);
   const double c = protocols::compute_dtype_bytes(config, dims);
-  const double p_bytes = training.dtype == "bfloat16" ? 2.0 : 4.0;
+  const double p_bytes = titan::config::dtype_bytes(training.dtype);
 
   // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer
   // each); the step is paced by the busiest rank, so its share is used.
@@ -185,7 +187,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
                          (parallelism.fsdp_reshard_after_forward == "default" && !pipelined);
     const double gather_bytes = speed.float8_all_gather ? 1.0 : c;
-    const double reduce_bytes = training.mixed_precision_reduce == "bfloat16" ? 2.0 : 4.0;
+    const double reduce_bytes = titan::config::dtype_bytes(training.mixed_precision_reduce);
     const double fraction = (shard_group - 1) / shard_group;
     const double bytes = fraction * rank_params * (gather_bytes * (reshard ? 2 : 1) + reduce_bytes);
     data_parallel = bytes / link(span);
@@ -195,7 +197,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     const double rep = static_cast<double>(dims.dp_replicate);
     const double span = rep * shard_group * tp;
     // HSDP all-reduces the reduce-scattered shards in mixed_precision_reduce; DDP the whole gradients in their dtype.
-    const double bytes_per_value = shard_group > 1 ? (training.mixed_precision_reduce == "bfloat16" ? 2.0 : 4.0) : p_bytes;
+    const double bytes_per_value = shard_group > 1 ? titan::config::dtype_bytes(training.mixed_precision_reduce) : p_bytes;
     const double bytes = 2 * (rep - 1) / rep * local_params * bytes_per_value;
     data_parallel += bytes / link(span);
     dp_detail += cat(dp_detail.empty() ? "" : "; ", shard_group > 1 ? "HSDP" : "DDP", " all-reduce over ",

@@ -3,13 +3,13 @@
 #include <algorithm>
 
 #include "titan/common/error.h"
+#include "titan/config/dtypes.h"
 #include "titan/common/strings.h"
 
 namespace titan::protocols {
 
 namespace {
 
-double bytes_of(const std::string& dtype) { return dtype == "bfloat16" ? 2.0 : 4.0; }
 
 std::string human(double bytes) {
   if (bytes >= 1024.0 * 1024.0 * 1024.0) return strprintf("%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
@@ -24,8 +24,8 @@ bool computes_under_autocast(const config::JobConfig& config, const distributed:
 
 double compute_dtype_bytes(const config::JobConfig& config, const distributed::ParallelDims& dims) {
   const auto& training = config.training;
-  if (dims.fsdp_enabled()) return bytes_of(training.dtype == "float32" ? training.mixed_precision_param : training.dtype);
-  return computes_under_autocast(config, dims) ? 2.0 : bytes_of(training.dtype);
+  if (dims.fsdp_enabled()) return titan::config::dtype_bytes(training.dtype == "float32" ? training.mixed_precision_param : training.dtype);
+  return computes_under_autocast(config, dims) ? 2.0 : titan::config::dtype_bytes(training.dtype);
 }
 
 double MemoryEstimate::total() const {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "titan/config/loader.h"
+#include "titan/distributed/context_parallel.h"
 #include "titan/distributed/model_part.h"
 #include "titan/nn/model.h"
 #include "titan/nn/storage.h"
@@ -68,10 +69,11 @@ struct ModelSpec {
   // Every check of the layout against the model, before anything is built or communicated.
   std::function<void(const ModelArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config)>
       check_parallelism;
-  // The family's plan for one part of the model (torchtitan's parallelize_fn).
+  // The family's plan for one part of the model (torchtitan's parallelize_fn); `cp` is the job's one
+  // ContextParallel under context parallelism (null otherwise).
   std::function<distributed::ModelPart(nn::Model& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
                                        const distributed::FsdpOptions& fsdp, const distributed::ModuleRange& part,
-                                       bool split_backward)>
+                                       bool split_backward, const std::shared_ptr<distributed::ContextParallel>& cp)>
       parallelize;
   // Whether the output reads the embedding's table (the two then share a pipeline stage and an FSDP unit).
   std::function<bool(const ModelArgs& args)> tied_embeddings;

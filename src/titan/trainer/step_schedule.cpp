@@ -10,14 +10,11 @@ namespace {
 class SingleStage : public StepSchedule {
  public:
   SingleStage(nn::Model& model, const protocols::ModelSpec& spec, const distributed::DeviceMesh& mesh,
-              const config::JobConfig& config, const distributed::FsdpOptions& fsdp, std::optional<at::ScalarType> autocast_dtype)
-      : model_(model), autocast_dtype_(autocast_dtype), block_causal_(config.model.attn_mask_type == "block_causal"),
-        device_(fsdp.device) {
-    parts_.push_back(spec.parallelize(model, mesh, config, fsdp, distributed::ModuleRange::whole(model), false));
-    const auto& p = config.parallelism;
-    if (mesh.dims().cp > 1)
-      cp_ = std::make_unique<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
-                                                           distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
+              const config::JobConfig& config, const distributed::FsdpOptions& fsdp, std::optional<at::ScalarType> autocast_dtype,
+              std::shared_ptr<distributed::ContextParallel> cp)
+      : model_(model), cp_(std::move(cp)), autocast_dtype_(autocast_dtype),
+        block_causal_(config.model.attn_mask_type == "block_causal"), device_(fsdp.device) {
+    parts_.push_back(spec.parallelize(model, mesh, config, fsdp, distributed::ModuleRange::whole(model), false, cp_));
   }
 
   at::Tensor train(const std::vector<data::Batch>& microbatches, double global_valid, int64_t) override {
@@ -75,7 +72,7 @@ class SingleStage : public StepSchedule {
 
   nn::Model& model_;
   std::vector<distributed::ModelPart> parts_;
-  std::unique_ptr<distributed::ContextParallel> cp_;
+  std::shared_ptr<distributed::ContextParallel> cp_;  // the job's one ContextParallel (the attention's too), or null
   std::optional<at::ScalarType> autocast_dtype_;
   bool block_causal_;
   at::Device device_;
@@ -85,13 +82,13 @@ class Pipelined : public StepSchedule {
  public:
   Pipelined(nn::Model& model, const protocols::ModelSpec& spec, const protocols::ModelArgs& args,
             const distributed::DeviceMesh& mesh, const config::JobConfig& config, const distributed::FsdpOptions& fsdp,
-            std::optional<at::ScalarType> autocast_dtype)
+            std::optional<at::ScalarType> autocast_dtype, const std::shared_ptr<distributed::ContextParallel>& cp)
       : pipeline_(model, args.layers(), spec.tied_embeddings(args),
-                  [&spec, &config](nn::Model& m, const distributed::DeviceMesh& mesh_, const distributed::FsdpOptions& options,
-                                   const distributed::ModuleRange& part, bool split_backward) {
-                    return spec.parallelize(m, mesh_, config, options, part, split_backward);
+                  [&spec, &config, cp](nn::Model& m, const distributed::DeviceMesh& mesh_, const distributed::FsdpOptions& options,
+                                       const distributed::ModuleRange& part, bool split_backward) {
+                    return spec.parallelize(m, mesh_, config, options, part, split_backward, cp);
                   },
-                  mesh, config, fsdp, autocast_dtype),
+                  mesh, config, fsdp, autocast_dtype, cp),
         pp_(mesh.get("pp")),
         cp_(mesh.dims().cp > 1 ? mesh.get("cp") : nullptr),
         block_causal_(config.model.attn_mask_type == "block_causal") {
@@ -140,8 +137,15 @@ std::unique_ptr<StepSchedule> make_step_schedule(nn::Model& model, const protoco
                                                  const protocols::ModelArgs& args, const distributed::DeviceMesh& mesh,
                                                  const config::JobConfig& config, const distributed::FsdpOptions& fsdp,
                                                  std::optional<at::ScalarType> autocast_dtype) {
-  if (mesh.dims().pp > 1) return std::make_unique<Pipelined>(model, spec, args, mesh, config, fsdp, autocast_dtype);
-  return std::make_unique<SingleStage>(model, spec, mesh, config, fsdp, autocast_dtype);
+  // Context parallelism is built once: batches are cut and the attention runs over the same ContextParallel.
+  std::shared_ptr<distributed::ContextParallel> cp;
+  if (mesh.dims().cp > 1) {
+    const auto& p = config.parallelism;
+    cp = std::make_shared<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
+                                                        distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
+  }
+  if (mesh.dims().pp > 1) return std::make_unique<Pipelined>(model, spec, args, mesh, config, fsdp, autocast_dtype, cp);
+  return std::make_unique<SingleStage>(model, spec, mesh, config, fsdp, autocast_dtype, cp);
 }
 
 }  // namespace titan

@@ -17,6 +17,7 @@
 #include "titan/common/strings.h"
 #include "titan/components/data/builtin.h"
 #include "titan/components/metrics/cuda_device.h"
+#include "titan/config/dtypes.h"
 #include "titan/config/support.h"
 #include "titan/distributed/context_parallel.h"
 #include "titan/distributed/functional_collectives.h"
@@ -30,12 +31,6 @@
 #include "titan/nn/matmul.h"
 
 namespace titan {
-namespace {
-
-at::ScalarType dtype_from_name(const std::string& name) { return name == "bfloat16" ? at::kBFloat16 : at::kFloat; }
-
-}  // namespace
-
 Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   const distributed::ParallelDims dims = check_job();
   start_process(dims);
@@ -142,7 +137,7 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   const protocols::ModelArgs& args = *model_args_;
   // The model is built without storage; the parallelisms shard it, and each rank then allocates and initialises
   // only its own pieces, with values that depend on the seed alone (nn/init.h), not on the layout.
-  const at::ScalarType param_dtype = dtype_from_name(c.training.dtype);
+  const at::ScalarType param_dtype = titan::config::dtype_from_name(c.training.dtype, "training.dtype");
   model_ = spec_->build(args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
   model_->move_buffers(device_);
   hf_adapter_ = spec_->state_dict_adapter(args);
@@ -152,14 +147,14 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
 
   // Mixed precision as torchtitan: FSDP gathers parameters in mixed_precision_param and reduces gradients in
   // mixed_precision_reduce; single-device, TP-only and DDP runs compute under autocast instead.
-  const at::ScalarType mp_param = dtype_from_name(c.training.mixed_precision_param);
+  const at::ScalarType mp_param = titan::config::dtype_from_name(c.training.mixed_precision_param, "training.mixed_precision_param");
   distributed::FsdpOptions fsdp;
   fsdp.device = device_;
   fsdp.shard_dtype = param_dtype;
   fsdp.param_dtype = param_dtype == at::kFloat ? mp_param : param_dtype;
-  fsdp.reduce_dtype = dtype_from_name(c.training.mixed_precision_reduce);
+  fsdp.reduce_dtype = titan::config::dtype_from_name(c.training.mixed_precision_reduce, "training.mixed_precision_reduce");
   fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
-  if (!dims.fsdp_enabled() && param_dtype == at::kFloat && mp_param == at::kBFloat16) autocast_dtype_ = at::kBFloat16;
+  if (protocols::computes_under_autocast(c, dims)) autocast_dtype_ = at::kBFloat16;
   schedule_ = make_step_schedule(*model_, *spec_, args, *mesh_, c, fsdp, autocast_dtype_);
   for (const auto& line : schedule_->describe()) log::info(line);
   for (auto& part : model_parts())
@@ -190,7 +185,7 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
 
 void Trainer::build_training(const distributed::ParallelDims& dims) {
   const config::JobConfig& c = loaded_.config;
-  optimizer_ = std::make_unique<AdamW>(distributed::local_tensors(parameters_), c.optimizer);
+  optimizer_ = std::make_unique<Adam>(distributed::local_tensors(parameters_), c.optimizer);
   lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);
   optimizer_->set_lr(lr_scheduler_->current_lr());
 

@@ -47,7 +47,7 @@ class Trainer {
 
   nn::Model& model() { return *model_; }
   const protocols::ModelArgs& model_args() const { return *model_args_; }
-  AdamW& optimizer() { return *optimizer_; }
+  Adam& optimizer() { return *optimizer_; }
   LRScheduler& lr_scheduler() { return *lr_scheduler_; }
   const tokenizer::Tokenizer& tokenizer() const { return *tokenizer_; }
   const config::JobConfig& config() const { return loaded_.config; }
@@ -114,7 +114,7 @@ class Trainer {
   std::shared_ptr<nn::Model> model_;
   std::unique_ptr<StepSchedule> schedule_;      // this rank's model parts and how a step runs through them
   std::vector<distributed::ShardedParameter> parameters_;
-  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<Adam> optimizer_;
   std::unique_ptr<LRScheduler> lr_scheduler_;
   std::unique_ptr<data::DataLoader> dataloader_;
   std::unique_ptr<Validator> validator_;

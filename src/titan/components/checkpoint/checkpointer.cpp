@@ -18,9 +18,10 @@
 #include "titan/common/files.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
-#include "titan/components/checkpoint/dcp.h"
+#include "titan/config/dtypes.h"
+#include "titan/components/checkpoint/formats/dcp.h"
 #include "titan/components/checkpoint/hf.h"
-#include "titan/components/checkpoint/torch_dcp.h"
+#include "titan/components/checkpoint/formats/torch_dcp.h"
 
 namespace titan::checkpoint {
 
@@ -74,9 +75,7 @@ std::optional<int64_t> step_of(const fs::path& p) {
   return std::stoll(m[1]);
 }
 
-at::ScalarType export_dtype(const std::string& name) {
-  return name == "bfloat16" ? at::kBFloat16 : name == "float16" ? at::kHalf : at::kFloat;
-}
+at::ScalarType export_dtype(const std::string& name) { return titan::config::dtype_from_name(name, "checkpoint.export_dtype"); }
 
 json rng_state() {
   at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();

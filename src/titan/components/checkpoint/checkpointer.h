@@ -33,7 +33,7 @@ struct CheckpointedState {
   std::vector<distributed::ShardedParameter>& parameters;
   const protocols::ModelArgs& model_args;            // the model's shapes and metadata
   const protocols::StateDictAdapter& hf_adapter;     // Hugging Face names, layouts and config.json
-  AdamW& optimizer;
+  Adam& optimizer;
   LRScheduler& lr_scheduler;
   data::DataLoader& dataloader;
   TrainState& train;

@@ -4,8 +4,8 @@
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/checkpointer.h"
-#include "titan/components/checkpoint/torch_dcp.h"
-#include "titan/components/checkpoint/torchtitan_checkpoint.h"
+#include "titan/components/checkpoint/formats/torch_dcp.h"
+#include "titan/components/checkpoint/formats/torchtitan_checkpoint.h"
 
 namespace titan::checkpoint {
 

@@ -7,7 +7,8 @@
 #include "titan/common/files.h"
 #include "titan/common/progress.h"
 #include "titan/common/strings.h"
-#include "titan/components/checkpoint/safetensors.h"
+#include "titan/components/checkpoint/formats/safetensors.h"
+#include "titan/config/dtypes.h"
 
 namespace titan::checkpoint {
 
@@ -15,7 +16,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 json hf_config(const protocols::StateDictAdapter& adapter, at::ScalarType dtype) {
-  return adapter.hf_config(dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32");
+  return adapter.hf_config(titan::config::dtype_name(dtype));
 }
 
 void check_hf_config(const std::string& directory, const protocols::StateDictAdapter& adapter) {

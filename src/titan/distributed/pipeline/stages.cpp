@@ -126,16 +126,14 @@ StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobC
 
 Pipeline::Pipeline(nn::Model& model, int64_t n_layers, bool tied_embeddings, const ParallelizeFunction& parallelize,
                    const DeviceMesh& mesh, const config::JobConfig& config, const FsdpOptions& fsdp,
-                   std::optional<at::ScalarType> autocast_dtype)
-    : model_(model), autocast_dtype_(autocast_dtype), device_(fsdp.device) {
+                   std::optional<at::ScalarType> autocast_dtype, std::shared_ptr<ContextParallel> cp)
+    : model_(model), autocast_dtype_(autocast_dtype), cp_(std::move(cp)), device_(fsdp.device) {
   const auto& p = config.parallelism;
   const int pp = static_cast<int>(mesh.dims().pp);
   plan_ = plan_stages(n_layers, tied_embeddings, config, pp);
   const Schedule& schedule = *plan_.actions;
   microbatch_size_ = p.pipeline_parallel_microbatch_size;
-  if (mesh.dims().cp > 1)
-    cp_ = std::make_unique<ContextParallel>(mesh.get("cp"), parse_cp_load_balancer(p.context_parallel_load_balancer),
-                                            parse_cp_rotate_method(p.context_parallel_rotate_method));
+  if (mesh.dims().cp > 1 && !cp_) fail("internal: a pipeline under context parallelism needs its ContextParallel");
   FsdpOptions options = fsdp;
   options.defer_gradient_reduction = true;
   std::vector<Stage> runner_stages;

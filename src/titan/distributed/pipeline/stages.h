@@ -42,10 +42,11 @@ StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobC
 // This rank's stages of a pipelined model and the schedule runner that drives them.
 class Pipeline {
  public:
-  // `parallelize` is the family's (ModelSpec::parallelize bound to the job's configuration).
+  // `parallelize` is the family's (ModelSpec::parallelize bound to the job's configuration); `cp`, under context
+  // parallelism, the one ContextParallel the parts' attention also uses.
   Pipeline(nn::Model& model, int64_t n_layers, bool tied_embeddings, const ParallelizeFunction& parallelize,
            const DeviceMesh& mesh, const config::JobConfig& config, const FsdpOptions& fsdp,
-           std::optional<at::ScalarType> autocast_dtype);
+           std::optional<at::ScalarType> autocast_dtype, std::shared_ptr<ContextParallel> cp);
 
   // One local batch through the schedule with gradients: `tokens`, `labels` and (block-causal) `document_positions`
   // (batch, seq) are cut into micro-batches; each micro-batch's loss sum is divided by `global_valid`. Returns the
@@ -72,7 +73,7 @@ class Pipeline {
   int64_t microbatch_size_ = 1, seq_len_ = 0;
   int64_t trained_seq_len_ = -1;  // of the last training batch: activations keep their shape while it stays
   std::vector<at::Tensor> tokens_, labels_, positions_;
-  std::unique_ptr<ContextParallel> cp_;  // cuts every sequence over the "cp" group (context parallelism)
+  std::shared_ptr<ContextParallel> cp_;  // cuts every sequence over the "cp" group (context parallelism)
   at::Tensor rope_positions_;                         // under CP: this rank's global positions
   at::Device device_;
 };

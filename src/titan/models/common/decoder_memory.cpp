@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "titan/common/error.h"
+#include "titan/config/dtypes.h"
 #include "titan/common/strings.h"
 #include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/schedule.h"
@@ -14,7 +15,6 @@ namespace titan::models {
 
 namespace {
 
-double bytes_of(const std::string& dtype) { return dtype == "bfloat16" ? 2.0 : 4.0; }
 
 
 // Bytes one block saves for backward per token, counted from what titan's block keeps alive (model.cpp): the
@@ -70,10 +70,10 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   if (execution != Execution::titan || !config.training.fused_kernels) kernels = FusedKernels::none;
   const auto& training = config.training;
   const auto& parallelism = config.parallelism;
-  const double p_bytes = bytes_of(training.dtype);
+  const double p_bytes = titan::config::dtype_bytes(training.dtype);
   const bool fsdp = dims.fsdp_enabled();
   // Compute dtype: FSDP gathers in mixed_precision_param; autocast computes in bfloat16; else the parameters'.
-  const double c = fsdp ? (training.dtype == "float32" ? bytes_of(training.mixed_precision_param) : p_bytes)
+  const double c = fsdp ? (training.dtype == "float32" ? titan::config::dtype_bytes(training.mixed_precision_param) : p_bytes)
                         : (autocast ? 2.0 : p_bytes);
   const double tp = static_cast<double>(dims.tp), shards = static_cast<double>(dims.dp_shard * dims.cp);
 
@@ -121,7 +121,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
                          (parallelism.fsdp_reshard_after_forward == "default" && !pipelined);
     const double unit = std::max(per_layer, embed) / tp;
-    copies = reshard ? 2 * unit * c + unit * bytes_of(training.mixed_precision_reduce) : rank_params / tp * c;
+    copies = reshard ? 2 * unit * c + unit * titan::config::dtype_bytes(training.mixed_precision_reduce) : rank_params / tp * c;
   }
   e.terms.push_back({"weight copies", copies});
   // torchtitan's pipeline keeps FSDP from reduce-scattering until the last micro-batch: the stage's gradients

@@ -136,7 +136,8 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
 }  // namespace
 
 ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
-                          const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward) {
+                      const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward,
+                      std::shared_ptr<distributed::ContextParallel> cp) {
   const auto& dims = mesh.dims();
   const auto& p = config.parallelism;
   const int64_t n = static_cast<int64_t>(model.layers.size());
@@ -149,8 +150,9 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   check_parallelism(model.args(), dims, config);
   if (dims.cp > 1) {
     // The attention core of every block runs over the whole sequence from this rank's part of it.
-    auto cp = std::make_shared<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
-                                                             distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
+    if (!cp)
+      cp = std::make_shared<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
+                                                          distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
     for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size())))
       model.layers[static_cast<size_t>(i)]->attention->inner_attention->add_innermost_wrapper(
           "context_parallel", [cp](const nn::Unit::Inputs& in, const nn::Context& context, const nn::Unit::Next&) {

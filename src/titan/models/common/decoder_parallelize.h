@@ -12,6 +12,7 @@
 
 #include "titan/config/job_config.h"
 #include "titan/distributed/activation_checkpoint.h"
+#include "titan/distributed/context_parallel.h"
 #include "titan/distributed/data_parallel.h"
 #include "titan/distributed/parallel_dims.h"
 #include "titan/distributed/sharded_parameter.h"
@@ -47,7 +48,9 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Decoder&
 // may be built without storage (on fsdp.device, in fsdp.shard_dtype): each rank then allocates only its pieces,
 // whose values are set afterwards by distributed::initialize or a checkpoint load. `split_backward` (zero-bubble
 // schedules) makes the blocks' matmul weight gradients deferrable (distributed/pipeline/zero_bubble.h).
+// `cp`: the job's one ContextParallel under context parallelism (made here when null).
 ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
-                          const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward = false);
+                      const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward = false,
+                      std::shared_ptr<distributed::ContextParallel> cp = nullptr);
 
 }  // namespace titan::models

@@ -65,10 +65,11 @@ protocols::ModelSpec decoder_spec(const DecoderFamilySpec& f) {
     check_parallelism(as_decoder(args, "the parallelism checks"), dims, config);
   };
   s.parallelize = [](nn::Model& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
-                     const distributed::FsdpOptions& fsdp, const distributed::ModuleRange& part, bool split_backward) {
+                     const distributed::FsdpOptions& fsdp, const distributed::ModuleRange& part, bool split_backward,
+                     const std::shared_ptr<distributed::ContextParallel>& cp) {
     auto* decoder = dynamic_cast<Decoder*>(&model);
     TORCH_CHECK(decoder, "internal: the decoder plan was given another model");
-    return parallelize(*decoder, mesh, config, fsdp, part, split_backward);
+    return parallelize(*decoder, mesh, config, fsdp, part, split_backward, cp);
   };
   s.tied_embeddings = [](const protocols::ModelArgs& args) { return as_decoder(args, "pipeline stages").tie_word_embeddings; };
   s.estimate_memory = [](const protocols::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,

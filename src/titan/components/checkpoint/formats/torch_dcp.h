@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "titan/components/checkpoint/pickle.h"
+#include "titan/components/checkpoint/formats/pickle.h"
 
 namespace titan::checkpoint::torch_dcp {
 

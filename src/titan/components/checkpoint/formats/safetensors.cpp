@@ -1,4 +1,4 @@
-#include "titan/components/checkpoint/safetensors.h"
+#include "titan/components/checkpoint/formats/safetensors.h"
 
 #include <unistd.h>
 

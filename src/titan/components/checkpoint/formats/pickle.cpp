@@ -1,4 +1,4 @@
-#include "titan/components/checkpoint/pickle.h"
+#include "titan/components/checkpoint/formats/pickle.h"
 
 #include <cstring>
 #include <map>

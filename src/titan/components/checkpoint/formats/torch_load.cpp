@@ -1,4 +1,4 @@
-#include "titan/components/checkpoint/torch_load.h"
+#include "titan/components/checkpoint/formats/torch_load.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -12,7 +12,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
-#include "titan/components/checkpoint/pickle.h"
+#include "titan/components/checkpoint/formats/pickle.h"
 
 namespace titan::checkpoint {
 

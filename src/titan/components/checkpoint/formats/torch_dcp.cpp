@@ -1,4 +1,4 @@
-#include "titan/components/checkpoint/torch_dcp.h"
+#include "titan/components/checkpoint/formats/torch_dcp.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -14,9 +14,10 @@
 #include "titan/common/files.h"
 #include "titan/common/progress.h"
 #include "titan/common/strings.h"
-#include "titan/components/checkpoint/pickle_writer.h"
-#include "titan/components/checkpoint/torch_load.h"
-#include "titan/components/checkpoint/torch_save.h"
+#include "titan/components/checkpoint/formats/pickle_writer.h"
+#include "titan/components/checkpoint/formats/torch_load.h"
+#include "titan/components/checkpoint/formats/torch_save.h"
+#include "titan/config/dtypes.h"
 
 namespace titan::checkpoint::torch_dcp {
 
@@ -29,19 +30,7 @@ namespace {
 constexpr const char* kMetadataModule = "torch.distributed.checkpoint.metadata";
 constexpr const char* kFilesystemModule = "torch.distributed.checkpoint.filesystem";
 
-const std::map<std::string, at::ScalarType>& dtype_names() {
-  static const std::map<std::string, at::ScalarType> names = {
-      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16}, {"float16", at::kHalf},  {"float64", at::kDouble},
-      {"int64", at::kLong},    {"int32", at::kInt},         {"int16", at::kShort},   {"int8", at::kChar},
-      {"uint8", at::kByte},    {"bool", at::kBool}};
-  return names;
-}
-
-std::string dtype_name(at::ScalarType t) {
-  for (const auto& [name, type] : dtype_names())
-    if (type == t) return name;
-  fail("torch DCP: unsupported dtype ", c10::toString(t));
-}
+std::string dtype_name(at::ScalarType t) { return titan::config::dtype_name(t); }
 
 // Reading the Metadata tree; every complaint names the file and what was expected.
 struct Parser {
@@ -85,10 +74,11 @@ struct Parser {
     else
       d = field(properties, "dtype");
     if (!d || !d->is(Kind::global) || d->module != "torch") bad("a tensor's dtype is not a torch dtype");
-    auto it = dtype_names().find(d->name);
-    if (it == dtype_names().end())
+    try {
+      return titan::config::dtype_from_name(d->name, path);
+    } catch (const UserError&) {
       fail(path, ": tensors of dtype torch.", d->name, " are not supported (float32, bfloat16, float16, float64 and integer types are)");
-    return it->second;
+    }
   }
 };
 

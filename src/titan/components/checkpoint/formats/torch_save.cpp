@@ -1,4 +1,4 @@
-#include "titan/components/checkpoint/torch_save.h"
+#include "titan/components/checkpoint/formats/torch_save.h"
 
 #include <zlib.h>
 
@@ -10,7 +10,7 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/common/test_faults.h"
-#include "titan/components/checkpoint/pickle_writer.h"
+#include "titan/components/checkpoint/formats/pickle_writer.h"
 
 namespace titan::checkpoint {
 

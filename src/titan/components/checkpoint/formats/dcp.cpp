@@ -1,4 +1,4 @@
-#include "titan/components/checkpoint/dcp.h"
+#include "titan/components/checkpoint/formats/dcp.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -14,6 +14,7 @@
 #include "titan/common/files.h"
 #include "titan/common/strings.h"
 #include "titan/common/test_faults.h"
+#include "titan/config/dtypes.h"
 
 namespace titan::checkpoint {
 
@@ -33,26 +34,12 @@ void crash_now() {
   std::raise(SIGKILL);
 }
 
-const std::map<std::string, at::ScalarType>& dtype_names() {
-  static const std::map<std::string, at::ScalarType> names = {
-      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16}, {"float16", at::kHalf}, {"float64", at::kDouble},
-      {"int64", at::kLong},    {"int32", at::kInt},         {"uint8", at::kByte}};
-  return names;
-}
 
 }  // namespace
 
-std::string dtype_string(at::ScalarType dtype) {
-  for (const auto& [name, t] : dtype_names())
-    if (t == dtype) return name;
-  fail("checkpoint: unsupported dtype ", c10::toString(dtype));
-}
+std::string dtype_string(at::ScalarType dtype) { return titan::config::dtype_name(dtype); }
 
-at::ScalarType parse_dtype(const std::string& name, const std::string& where) {
-  auto it = dtype_names().find(name);
-  if (it == dtype_names().end()) fail(where, ": unknown dtype ", quote(name));
-  return it->second;
-}
+at::ScalarType parse_dtype(const std::string& name, const std::string& where) { return titan::config::dtype_from_name(name, where); }
 
 RankWriter::RankWriter(const std::string& directory, int rank)
     : directory_(directory), name_(strprintf("rank-%05d.bin", rank)), path_(directory + "/" + name_) {

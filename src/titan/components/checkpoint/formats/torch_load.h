@@ -8,7 +8,7 @@
 #include <map>
 #include <string>
 
-#include "titan/components/checkpoint/pickle.h"
+#include "titan/components/checkpoint/formats/pickle.h"
 
 namespace titan::checkpoint {
 
