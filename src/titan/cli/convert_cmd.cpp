@@ -89,8 +89,8 @@ Source read_titan(const std::string& from, const std::string& model_name, const 
   const auto& meta = reader.metadata();
   Source s;
   s.description = "titan checkpoint " + from;
-  // The family it was trained as (checkpoints from before families were recorded hold Llama 3).
-  std::string family = "llama3";
+  // The family it was trained as (checkpoints from before families were recorded hold the default family's model).
+  std::string family = models::default_model_spec().name;
   if (meta.contains("model") && meta.at("model").contains("family") && meta.at("model").at("family").is_string())
     family = meta.at("model").at("family").get<std::string>();
   if (!model_name.empty() && model_name != family)
@@ -141,7 +141,7 @@ Source read_torch_dcp(const std::string& from, const std::string& model_name, co
   Source s;
   s.description = "torch DCP checkpoint " + from;
   s.flavor_name = flavor_name;
-  s.spec = &models::model_spec(model_name.empty() ? "llama3" : model_name);
+  s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
   s.args = flavor_for(*s.spec, flavor_name, s.description);
   take_weights(s, [&](const std::string& name) { return reader.has_tensor(name) ? reader.read(name) : at::Tensor(); });
   return s;
@@ -178,7 +178,7 @@ Source read_pth(const std::vector<std::string>& parts, const std::string& from, 
   Source s;
   s.description = parts.size() == 1 ? parts[0] : from;
   s.flavor_name = flavor_name;
-  s.spec = &models::model_spec(model_name.empty() ? "llama3" : model_name);
+  s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
   s.args = flavor_for(*s.spec, flavor_name, s.description);
   std::vector<std::map<std::string, at::Tensor>> shards;
   for (const auto& part : parts) {

@@ -6,12 +6,15 @@
 
 #include "titan/cli/commands.h"
 #include "titan/common/error.h"
+#include "titan/common/strings.h"
 #include "titan/distributed/mpi_runtime.h"
+#include "titan/models/registry.h"
 
 namespace {
 
-const char* kUsage =
-    "titan.cpp " TITAN_VERSION " - native Llama 3 pretraining\n"
+std::string usage() {
+  return
+    "titan.cpp " TITAN_VERSION " - native LLM pretraining\n"
     "\n"
     "usage: titan <command> [options]\n"
     "\n"
@@ -21,14 +24,18 @@ const char* kUsage =
     "  data        pre-tokenize datasets into token shards, inspect shards (`titan data --help`)\n"
     "  convert     checkpoints between titan, Hugging Face safetensors, torch.save .pt and Meta .pth (`titan convert --help`)\n"
     "  estimate    parameters, FLOPs per token and training-state memory of a job's model\n"
-    "  plan        memory per rank, step time, tokens/s and MFU of a layout on a GPU cluster; --search finds the best\n";
+    "  plan        memory per rank, step time, tokens/s and MFU of a layout on a GPU cluster; --search finds the best\n"
+    "\n"
+    "model families (model.name): " +
+         titan::join(titan::models::model_names(), ", ") + "\n";
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
-    std::fputs(kUsage, args.empty() ? stderr : stdout);
+    std::fputs(usage().c_str(), args.empty() ? stderr : stdout);
     return args.empty() ? 2 : 0;
   }
   if (args[0] == "--version") {
@@ -50,7 +57,7 @@ int main(int argc, char** argv) {
     if (command == "plan") return titan::cli::run_plan(rest);
     if (command == "data") return titan::cli::run_data(rest);
     if (command == "convert") return titan::cli::run_convert(rest);
-    std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), kUsage);
+    std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), usage().c_str());
     return 2;
   } catch (const titan::UserError& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -46,7 +46,7 @@ struct Model {
   StringList converters;
   bool print_after_conversion = false;
   std::string attn_mask_type = "causal";  // causal | block_causal (documents in a window do not attend to each other)
-  // titan.cpp additions: any Llama 3-architecture shape. Each key that is set replaces the flavor's value.
+  // titan.cpp additions: any shape of the family. Each key that is set replaces the flavor's value.
   std::optional<int64_t> dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, multiple_of, hidden_dim, max_seq_len;
   std::optional<double> ffn_dim_multiplier, norm_eps, rope_theta;
   std::string rope_scaling = "flavor";  // "flavor" (its own) | "llama3" | "none"

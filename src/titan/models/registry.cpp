@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/models/common/json_fields.h"
 #include "titan/models/llama3/spec.h"
 #include "titan/models/qwen3/spec.h"
 
@@ -23,14 +23,7 @@ const std::vector<protocols::ModelSpec>& registered() {
 
 // config.json's model_type, or "" when the file has none.
 std::string hf_model_type(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail("cannot read ", quote(path), "; expected a Hugging Face config.json");
-  nlohmann::json c;
-  try {
-    c = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    fail(path, ": not valid JSON: ", e.what());
-  }
+  const nlohmann::json c = read_json_file(path, "a Hugging Face config.json");
   auto it = c.find("model_type");
   if (it == c.end() || it->is_null()) return "";
   if (!it->is_string()) fail(path, ": model_type must be a string, got ", it->dump());
@@ -52,6 +45,8 @@ std::vector<std::string> model_names() {
   return out;
 }
 
+const protocols::ModelSpec& default_model_spec() { return registered().front(); }
+
 const protocols::ModelSpec& model_spec(const std::string& name) {
   for (const auto& s : registered())
     if (s.name == name) return s;
@@ -70,8 +65,8 @@ const protocols::ModelSpec* spec_for_hf_model_type(const std::string& model_type
 const protocols::ModelSpec& spec_for_hf_directory(const std::string& directory) {
   const std::string path = (std::filesystem::path(directory) / "config.json").string();
   const std::string type = hf_model_type(path);
-  // A config.json without model_type is read as Llama's, as titan did before families were registered.
-  if (type.empty()) return model_spec("llama3");
+  // A config.json without model_type is read as the default family's, as titan did before families were registered.
+  if (type.empty()) return default_model_spec();
   const auto* spec = spec_for_hf_model_type(type);
   if (!spec) fail(path, ": model_type = ", quote(type), " is not a family titan trains; registered model types: ", hf_types());
   return *spec;

@@ -9,6 +9,9 @@
 namespace titan::models {
 
 std::vector<std::string> model_names();
+// The family of weights that do not record one (torch DCP directories, .pth files, titan checkpoints written before
+// families were recorded): the first registered, Llama 3, as model.name's default.
+const protocols::ModelSpec& default_model_spec();
 // Throws UserError naming the registered families (and the closest) for an unknown name.
 const protocols::ModelSpec& model_spec(const std::string& name);
 // The family whose Hugging Face config.json has this model_type, or null.

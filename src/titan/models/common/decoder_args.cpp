@@ -2,6 +2,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/models/common/json_fields.h"
 
 namespace titan::models {
 
@@ -87,34 +88,6 @@ json rope_scaling_json(const RopeScaling& r) {
           {"original_max_position_embeddings", r.original_max_position_embeddings}};
 }
 
-// Typed field access with errors that name the source and the field.
-struct Fields {
-  const json& object;
-  std::string where;
-
-  const json* find(const std::string& key) const {
-    auto it = object.find(key);
-    return it == object.end() || it->is_null() ? nullptr : &*it;
-  }
-  int64_t integer(const std::string& key) const {
-    const json* v = find(key);
-    if (!v) fail(where, ": no ", key);
-    if (!v->is_number_integer()) fail(where, ": ", key, " must be an integer, got ", v->dump());
-    return v->get<int64_t>();
-  }
-  double number(const std::string& key, double fallback) const {
-    const json* v = find(key);
-    if (!v) return fallback;
-    if (!v->is_number()) fail(where, ": ", key, " must be a number, got ", v->dump());
-    return v->get<double>();
-  }
-  bool boolean(const std::string& key, bool fallback) const {
-    const json* v = find(key);
-    if (!v) return fallback;
-    if (!v->is_boolean()) fail(where, ": ", key, " must be true or false, got ", v->dump());
-    return v->get<bool>();
-  }
-};
 
 const char* layout_name(RopeLayout l) { return l == RopeLayout::interleaved ? "interleaved" : "half_split"; }
 
@@ -142,7 +115,7 @@ json DecoderArgs::to_json() const {
 
 DecoderArgs decoder_args_from_json(const json& j, const std::string& where, const std::string& family) {
   if (!j.is_object()) fail(where, ": model arguments must be a JSON object");
-  Fields f{j, where};
+  JsonFields f{j, where, ""};
   DecoderArgs a;
   a.family_name = family;
   if (const json* name = f.find("family")) {
@@ -173,7 +146,7 @@ DecoderArgs decoder_args_from_json(const json& j, const std::string& where, cons
   const json* rope = f.find("rope_scaling");
   a.rope_scaling.enabled = rope != nullptr;
   if (rope) {
-    Fields r{*rope, where + ": rope_scaling"};
+    JsonFields r{*rope, where + ": rope_scaling", ""};
     a.rope_scaling.factor = r.number("factor", a.rope_scaling.factor);
     a.rope_scaling.low_freq_factor = r.number("low_freq_factor", a.rope_scaling.low_freq_factor);
     a.rope_scaling.high_freq_factor = r.number("high_freq_factor", a.rope_scaling.high_freq_factor);
@@ -229,6 +202,21 @@ std::shared_ptr<const protocols::ModelArgs> DecoderArgs::with_context_length(int
   auto out = std::make_shared<DecoderArgs>(*this);
   out->max_seq_len = length;
   return out;
+}
+
+std::vector<std::string> flavor_names(const std::map<std::string, DecoderArgs>& table) {
+  std::vector<std::string> names;
+  for (const auto& [name, args] : table) names.push_back(name);
+  return names;
+}
+
+DecoderArgs find_flavor(const std::map<std::string, DecoderArgs>& table, const std::string& family, const std::string& name) {
+  auto it = table.find(name);
+  if (it != table.end()) return it->second;
+  const auto names = flavor_names(table);
+  const std::string hint = closest_match(name, names);
+  fail("unknown ", family, " flavor ", quote(name), "; known flavors: ", join(names, ", "),
+       hint.empty() ? "" : cat(" (did you mean ", quote(hint), "?)"));
 }
 
 const DecoderArgs& as_decoder(const protocols::ModelArgs& args, const std::string& what) {

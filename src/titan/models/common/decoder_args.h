@@ -3,6 +3,7 @@
 // flavors fill them (models/<family>/args.h).
 #pragma once
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -73,6 +74,11 @@ struct DecoderArgs : protocols::ModelArgs {
   std::vector<std::string> computation_differences(const protocols::ModelArgs& other) const override;
   std::shared_ptr<const protocols::ModelArgs> with_context_length(int64_t length) const override;
 };
+
+// A family's named flavors: their names, and the one called `name` (UserError naming the family, the known flavors
+// and the closest one otherwise).
+std::vector<std::string> flavor_names(const std::map<std::string, DecoderArgs>& table);
+DecoderArgs find_flavor(const std::map<std::string, DecoderArgs>& table, const std::string& family, const std::string& name);
 
 // The decoder arguments behind `args`; throws UserError naming the family when it is another kind of model.
 const DecoderArgs& as_decoder(const protocols::ModelArgs& args, const std::string& what);

@@ -49,20 +49,8 @@ const std::map<std::string, DecoderArgs>& flavors() {
 
 }  // namespace
 
-std::vector<std::string> flavor_names() {
-  std::vector<std::string> names;
-  for (const auto& [name, args] : flavors()) names.push_back(name);
-  return names;
-}
+std::vector<std::string> flavor_names() { return models::flavor_names(flavors()); }
 
-DecoderArgs flavor(const std::string& name) {
-  auto it = flavors().find(name);
-  if (it == flavors().end()) {
-    std::string hint = closest_match(name, flavor_names());
-    fail("unknown llama3 flavor ", quote(name), "; known flavors: ", join(flavor_names(), ", "),
-         hint.empty() ? "" : cat(" (did you mean ", quote(hint), "?)"));
-  }
-  return it->second;
-}
+DecoderArgs flavor(const std::string& name) { return models::find_flavor(flavors(), "llama3", name); }
 
 }  // namespace titan::llama3

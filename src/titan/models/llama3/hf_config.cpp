@@ -1,9 +1,8 @@
 #include "titan/models/llama3/hf_config.h"
 
-#include <fstream>
-
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/models/common/json_fields.h"
 
 namespace titan::llama3 {
 
@@ -46,45 +45,10 @@ json to_hf_config(const DecoderArgs& args, const std::string& torch_dtype) {
   return c;
 }
 
-namespace {
-
-// Typed field access with errors that name the file and the field.
-struct Fields {
-  const json& object;
-  std::string path;
-
-  const json* find(const std::string& key) const {
-    auto it = object.find(key);
-    return it == object.end() || it->is_null() ? nullptr : &*it;
-  }
-  int64_t integer(const std::string& key) const {
-    const json* v = find(key);
-    if (!v) fail(path, ": no ", key, "; a Llama config.json must give it");
-    return integer_value(key, *v);
-  }
-  int64_t integer_value(const std::string& key, const json& v) const {
-    if (!v.is_number_integer()) fail(path, ": ", key, " must be an integer, got ", v.dump());
-    return v.get<int64_t>();
-  }
-  double number(const std::string& key, double fallback) const {
-    const json* v = find(key);
-    if (!v) return fallback;
-    if (!v->is_number()) fail(path, ": ", key, " must be a number, got ", v->dump());
-    return v->get<double>();
-  }
-  bool boolean(const std::string& key, bool fallback) const {
-    const json* v = find(key);
-    if (!v) return fallback;
-    if (!v->is_boolean()) fail(path, ": ", key, " must be true or false, got ", v->dump());
-    return v->get<bool>();
-  }
-};
-
-}  // namespace
 
 DecoderArgs from_hf_config(const json& config, const std::string& path) {
   if (!config.is_object()) fail(path, ": expected a JSON object (a Hugging Face config.json)");
-  Fields f{config, path};
+  models::JsonFields f{config, path, "a Llama config.json"};
   if (const json* type = f.find("model_type"); type && *type != "llama")
     fail(path, ": model_type = ", type->dump(), "; titan trains Llama models (model_type \"llama\")");
   DecoderArgs a;
@@ -116,7 +80,7 @@ DecoderArgs from_hf_config(const json& config, const std::string& path) {
   a.rope_scaling.enabled = false;
   if (rope) {
     const std::string field = f.find("rope_parameters") ? "rope_parameters" : "rope_scaling";
-    Fields r{*rope, cat(path, ": ", field)};
+    models::JsonFields r{*rope, cat(path, ": ", field), ""};
     if (r.find("rope_theta")) a.rope_theta = r.number("rope_theta", a.rope_theta);
     const json* type = r.find("rope_type");
     if (!type) type = r.find("type");
@@ -143,15 +107,7 @@ DecoderArgs from_hf_config(const json& config, const std::string& path) {
 }
 
 DecoderArgs read_hf_config(const std::string& config_json_path) {
-  std::ifstream in(config_json_path);
-  if (!in) fail("cannot read ", quote(config_json_path), "; expected a Hugging Face config.json");
-  json c;
-  try {
-    c = json::parse(in);
-  } catch (const json::exception& e) {
-    fail(config_json_path, ": not valid JSON: ", e.what());
-  }
-  return from_hf_config(c, config_json_path);
+  return from_hf_config(models::read_json_file(config_json_path, "a Hugging Face config.json"), config_json_path);
 }
 
 }  // namespace titan::llama3

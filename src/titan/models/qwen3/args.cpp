@@ -51,24 +51,14 @@ const std::map<std::string, DecoderArgs>& flavors() {
 
 }  // namespace
 
-std::vector<std::string> flavor_names() {
-  std::vector<std::string> names;
-  for (const auto& [name, args] : flavors()) names.push_back(name);
-  return names;
-}
+std::vector<std::string> flavor_names() { return models::flavor_names(flavors()); }
 
 DecoderArgs flavor(const std::string& name) {
-  auto it = flavors().find(name);
-  if (it == flavors().end()) {
-    std::string hint = closest_match(name, flavor_names());
-    const bool moe = name.find("moe") != std::string::npos || name.find("-A") != std::string::npos;
-    if (moe)
-      fail("qwen3 flavor ", quote(name), " is a Mixture-of-Experts model, which titan cannot train yet; the dense flavors are ",
-           join(flavor_names(), ", "));
-    fail("unknown qwen3 flavor ", quote(name), "; known flavors: ", join(flavor_names(), ", "),
-         hint.empty() ? "" : cat(" (did you mean ", quote(hint), "?)"));
-  }
-  return it->second;
+  const bool moe = name.find("moe") != std::string::npos || name.find("-A") != std::string::npos;
+  if (moe && !flavors().count(name))
+    fail("qwen3 flavor ", quote(name), " is a Mixture-of-Experts model, which titan cannot train yet; the dense flavors are ",
+         join(flavor_names(), ", "));
+  return models::find_flavor(flavors(), "qwen3", name);
 }
 
 }  // namespace titan::qwen3
