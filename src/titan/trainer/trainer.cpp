@@ -141,9 +141,8 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   model_ = spec_->build(args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
   model_->move_buffers(device_);
   hf_adapter_ = spec_->state_dict_adapter(args);
-  const double flops_per_token = args.flops_per_token(c.training.seq_len);
   log::info("Model ", spec_->name, " ", model_name_, " size: ", with_thousands(args.reported_parameters()), " total parameters; ",
-            strprintf("%.2f", flops_per_token / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
+            strprintf("%.2f", args.flops_per_token(c.training.seq_len) / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
 
   // Mixed precision as torchtitan: FSDP gathers parameters in mixed_precision_param and reduces gradients in
   // mixed_precision_reduce; single-device, TP-only and DDP runs compute under autocast instead.
@@ -179,8 +178,6 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   if (device_.is_cpu() && bf16_compute && nn::emulates_bf16_gemm())
     log::info("bf16 matrix products computed in float32 and rounded to bf16 (nn/matmul.h): LibTorch's bf16 GEMM is a "
               "scalar loop on CPUs without AVX-512, about 1/80 of the float32 rate");
-  metrics_->set_flops(flops_per_token, metrics::peak_flops(device_, autocast_dtype_.value_or(param_dtype),
-                                                           /*may_cache=*/launch_.local_world_size == 1));
 }
 
 void Trainer::build_training(const distributed::ParallelDims& dims) {
@@ -212,6 +209,10 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
     auto view = checkpoint_view();
     if (checkpointer_->load(view)) optimizer_->set_lr(lr_scheduler_->current_lr());
   }
+  // The device's peak for MFU, measured (on a CPU) once everything is built, as the first step will find the machine.
+  const at::ScalarType param_dtype = titan::config::dtype_from_name(c.training.dtype, "training.dtype");
+  metrics_->set_flops(model_args_->flops_per_token(c.training.seq_len),
+                      metrics::peak_flops(device_, autocast_dtype_.value_or(param_dtype), /*may_cache=*/launch_.local_world_size == 1));
   log::info(metrics_->memory().describe(), "; ", metrics_->peak().derivation);
 }
 
