@@ -40,8 +40,14 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const ParameterOptions& options) : dim
 }
 
 at::Tensor RMSNorm::forward(const Inputs& inputs, const Context&) {
-  if (kernels::fused_applies(kernels::Op::rms_norm, {inputs[0], weight})) return kernels::rms_norm(inputs[0], weight, eps_);
-  return at::rms_norm(inputs[0], {dim_}, weight, eps_);
+  const at::Tensor& x = inputs[0];
+  if (x.scalar_type() != weight.scalar_type()) {
+    // Under autocast a norm can meet a bf16 input (Qwen3's q/k norms after their projections) and its float32
+    // weight: normalised in float32, as transformers' Qwen3RMSNorm does, and handed on in the input's dtype.
+    return at::rms_norm(x.to(at::kFloat), {dim_}, weight.to(at::kFloat), eps_).to(x.scalar_type());
+  }
+  if (kernels::fused_applies(kernels::Op::rms_norm, {x, weight})) return kernels::rms_norm(x, weight, eps_);
+  return at::rms_norm(x, {dim_}, weight, eps_);
 }
 
 at::Tensor SwiGLU::forward(const Inputs& inputs, const Context&) {
