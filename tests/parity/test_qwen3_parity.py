@@ -77,6 +77,28 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
     assert worst < 1e-3
 
 
+def test_bf16_autocast_is_close_to_the_float32_reference(tmp_path):
+    """Under bf16 autocast the q/k norms meet bf16 projections and float32 weights (normalised in float32)."""
+    model = hf_model("untied_gqa", seed=3)
+    hf_dir = tmp_path / "hf"
+    model.config.save_pretrained(hf_dir)
+    inputs, labels = make_batch(seed=7)
+    weights, batch, out = tmp_path / "w.safetensors", tmp_path / "b.safetensors", tmp_path / "o.safetensors"
+    save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()}, str(weights))
+    save_file({"inputs": inputs, "labels": labels}, str(batch))
+    result = run([binary("titan_model_probe"), "--hf-config", str(hf_dir / "config.json"), "--weights", str(weights),
+                  "--batch", str(batch), "--out", str(out), "--autocast-bf16"])
+    assert "Mismatch dtype" not in result.stderr, result.stderr
+    got = load_file(str(out))
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    valid = (labels != -100).sum()
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
+    # bfloat16 matmuls: a few parts in a thousand.
+    assert abs(got["loss"].item() - loss.item()) < 2e-2 * loss.item()
+    assert all(torch.isfinite(v).all() for k, v in got.items() if k.startswith("grad."))
+
+
 @pytest.mark.parametrize("name", ["tied_wide_heads", "untied_narrow_heads"])
 def test_hugging_face_round_trip_is_bitwise(tmp_path, name):
     model = hf_model(name, seed=2)
