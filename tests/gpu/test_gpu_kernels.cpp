@@ -44,7 +44,7 @@ TEST(GpuKernels, SwiGluMatchesAtenInFloat64) {
     at::Tensor up = at::randn({3, 1031, 97}, opts).transpose(1, 2);  // not contiguous
     at::Tensor grad = at::randn({3, 97, 1031}, opts);
     at::Tensor g1 = leaf(gate), u1 = leaf(up);
-    ASSERT_TRUE(titan::kernels::fused_applies(titan::kernels::Op::swiglu, {g1, u1}));
+    ASSERT_TRUE(titan::kernels::fused_kernel_applies(titan::kernels::Op::swiglu, {g1, u1}));
     at::Tensor y = titan::kernels::swiglu(g1, u1);
     y.backward(grad);
     at::Tensor g2 = leaf(host64(gate)), u2 = leaf(host64(up));
@@ -179,7 +179,7 @@ TEST(GpuKernels, FirstCallChecksAgreeWithAten) {
   }
   EXPECT_EQ(lines.size(), 6u);  // 3 kernels x 2 dtypes
   for (auto op : {titan::kernels::Op::swiglu, titan::kernels::Op::rope, titan::kernels::Op::cross_entropy})
-    EXPECT_TRUE(titan::kernels::fused_applies(op, {at::ones({2}, at::TensorOptions().device(device).dtype(at::kBFloat16))}));
+    EXPECT_TRUE(titan::kernels::fused_kernel_applies(op, {at::ones({2}, at::TensorOptions().device(device).dtype(at::kBFloat16))}));
   figure("cuda kernel first-call checks agreeing", static_cast<double>(lines.size()));
 }
 

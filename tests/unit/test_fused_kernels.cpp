@@ -273,7 +273,7 @@ TEST(FusedKernels, CrossEntropyRowsMatchFloat64) {
     SCOPED_TRACE("variant " + variant);
     const Isa isa = variant == "aten" ? Isa::generic : runnable_isas()[&variant - variants.data()];
     IsaGuard guard(isa);
-    titan::kernels::set_fused_enabled(variant != "aten");
+    titan::kernels::set_fused_kernels_enabled(variant != "aten");
     for (auto dtype : {at::kFloat, at::kBFloat16}) {
       SCOPED_TRACE(testing::Message() << dtype);
       at::Tensor logits = (at::randn({9, 1003}) * 4).to(dtype);
@@ -303,7 +303,7 @@ TEST(FusedKernels, CrossEntropyRowsMatchFloat64) {
       EXPECT_EQ(grad[5].abs().sum().item<double>(), 0.0);
     }
   }
-  titan::kernels::set_fused_enabled(true);
+  titan::kernels::set_fused_kernels_enabled(true);
 }
 
 // The comparison a CUDA kernel runs against ATen on its first call (kernels/fused_ops.h), run here on the CPU
@@ -359,20 +359,20 @@ TEST(FusedKernels, FirstCallComparisonAgreesOnCorrectKernels) {
 }
 
 TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {
-  using titan::kernels::fused_applies;
+  using titan::kernels::fused_kernel_applies;
   using titan::kernels::Op;
   auto x = at::randn({2, 3});
   for (Op op : {Op::attention, Op::rms_norm, Op::swiglu, Op::rope, Op::cross_entropy}) {
-    EXPECT_TRUE(fused_applies(op, {x, x}));
-    EXPECT_TRUE(fused_applies(op, {x.to(at::kBFloat16)}));
-    EXPECT_FALSE(fused_applies(op, {x, x.to(at::kBFloat16)}));  // mixed dtypes
-    EXPECT_FALSE(fused_applies(op, {x.to(at::kDouble)}));
-    EXPECT_FALSE(fused_applies(op, {x, at::Tensor()}));
-    EXPECT_FALSE(fused_applies(op, {x, x.narrow(0, 0, 0)}));  // empty
-    EXPECT_FALSE(fused_applies(op, {x.to(at::kMeta)}));      // neither the CPU nor a CUDA GPU
-    titan::kernels::set_fused_enabled(false);
-    EXPECT_FALSE(fused_applies(op, {x}));
-    titan::kernels::set_fused_enabled(true);
+    EXPECT_TRUE(fused_kernel_applies(op, {x, x}));
+    EXPECT_TRUE(fused_kernel_applies(op, {x.to(at::kBFloat16)}));
+    EXPECT_FALSE(fused_kernel_applies(op, {x, x.to(at::kBFloat16)}));  // mixed dtypes
+    EXPECT_FALSE(fused_kernel_applies(op, {x.to(at::kDouble)}));
+    EXPECT_FALSE(fused_kernel_applies(op, {x, at::Tensor()}));
+    EXPECT_FALSE(fused_kernel_applies(op, {x, x.narrow(0, 0, 0)}));  // empty
+    EXPECT_FALSE(fused_kernel_applies(op, {x.to(at::kMeta)}));      // neither the CPU nor a CUDA GPU
+    titan::kernels::set_fused_kernels_enabled(false);
+    EXPECT_FALSE(fused_kernel_applies(op, {x}));
+    titan::kernels::set_fused_kernels_enabled(true);
   }
   EXPECT_TRUE(titan::kernels::cuda_kernel_checks().empty());  // no CUDA kernel ran in this CPU test
 }

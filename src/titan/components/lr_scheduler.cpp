@@ -38,4 +38,17 @@ double LRScheduler::factor(int64_t step) const {
   return min_lr_factor_ + (1.0 - min_lr_factor_) * f;
 }
 
+protocols::SavedState LRScheduler::state_dict(const protocols::SaveOptions&) const {
+  protocols::SavedState saved;
+  saved.global = {{"lr_scheduler", {{"completed", completed_}}}};
+  return saved;
+}
+
+void LRScheduler::load_state_dict(protocols::StateSource& source) {
+  const auto& meta = source.metadata();
+  // A checkpoint without a schedule (torchtitan's saved without one) leaves it where training starts.
+  if (meta.contains("lr_scheduler") && meta["lr_scheduler"].contains("completed"))
+    completed_ = meta["lr_scheduler"]["completed"].get<int64_t>();
+}
+
 }  // namespace titan

@@ -6,10 +6,12 @@
 #include <string>
 
 #include "titan/config/job_config.h"
+#include "titan/protocols/stateful.h"
 
 namespace titan {
 
-class LRScheduler {
+// Checkpointed as the metadata field lr_scheduler.completed (the scheduler steps taken).
+class LRScheduler : public protocols::Stateful {
  public:
   LRScheduler(const config::LRScheduler& config, double base_lr, int64_t training_steps);
 
@@ -19,6 +21,9 @@ class LRScheduler {
   void step() { ++completed_; }
   int64_t completed() const { return completed_; }
   void set_completed(int64_t completed) { completed_ = completed; }
+
+  protocols::SavedState state_dict(const protocols::SaveOptions& options) const override;
+  void load_state_dict(protocols::StateSource& source) override;
 
   int64_t warmup_steps() const { return warmup_; }
   int64_t stable_steps() const { return stable_; }

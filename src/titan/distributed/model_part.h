@@ -35,9 +35,9 @@ struct ModelPart {
   LossFunction loss;
   // The fused output projection and loss (training.fused_kernels, unless TP gathers the logits): the model's forward
   // takes the labels and returns the summed loss itself, and `loss` is not used.
-  bool fused_loss = false;
+  bool loss_in_forward = false;
   // The summed loss of a forward's result: that result under the fused loss, else `loss` of its logits.
-  at::Tensor loss_sum(const at::Tensor& output, const at::Tensor& labels) const { return fused_loss ? output : loss(output, labels); }
+  at::Tensor loss_sum(const at::Tensor& output, const at::Tensor& labels) const { return loss_in_forward ? output : loss(output, labels); }
   std::vector<std::string> description;  // one line per parallelism, for the start-up log
   std::shared_ptr<Communicator> tp_group;  // null without tensor parallelism
 

@@ -293,8 +293,8 @@ class Rope : public torch::autograd::Function<Rope> {
 
 }  // namespace
 
-bool fused_enabled() { return g_fused.load(); }
-void set_fused_enabled(bool enabled) { g_fused = enabled; }
+bool fused_kernels_enabled() { return g_fused.load(); }
+void set_fused_kernels_enabled(bool enabled) { g_fused = enabled; }
 
 namespace {
 
@@ -547,8 +547,8 @@ double compare_with_aten(Op op, const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK(false, "compare_with_aten: no comparison for attention or RMSNorm (they have no CUDA kernel of titan's)");
 }
 
-bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors) {
-  if (!fused_enabled() || tensors.size() == 0 || !tensors.begin()->defined()) return false;
+bool fused_kernel_applies(Op op, std::initializer_list<at::Tensor> tensors) {
+  if (!fused_kernels_enabled() || tensors.size() == 0 || !tensors.begin()->defined()) return false;
   const at::ScalarType dtype = tensors.begin()->scalar_type();
   const at::Device device = tensors.begin()->device();
   if (dtype != at::kFloat && dtype != at::kBFloat16) return false;
@@ -662,7 +662,7 @@ CrossEntropyRowStats cross_entropy_row_stats(const at::Tensor& logits, const at:
   TORCH_CHECK(logits.size(1) > 0, "cross-entropy rows: no vocabulary columns");
   TORCH_CHECK(local_label.device() == logits.device(), "cross-entropy rows: labels on ", local_label.device(),
               ", logits on ", logits.device());
-  if (!fused_applies(Op::cross_entropy, {logits})) return row_stats_aten(logits, local_label);
+  if (!fused_kernel_applies(Op::cross_entropy, {logits})) return row_stats_aten(logits, local_label);
 #ifdef TITAN_WITH_CUDA
   if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, logits.scalar_type(),
                                                 [&] { return std::vector<at::Tensor>{logits, local_label}; }))
@@ -678,7 +678,7 @@ void cross_entropy_row_grad_(const at::Tensor& logits, const at::Tensor& local_l
               "cross-entropy rows: gradient arguments do not fit logits ", logits.sizes());
   TORCH_CHECK(local_label.device() == logits.device() && lse.device() == logits.device() && scale.device() == logits.device(),
               "cross-entropy rows: labels, log-sum-exp and scale must be on the logits' device ", logits.device());
-  if (!fused_applies(Op::cross_entropy, {logits}) || !logits.is_contiguous())
+  if (!fused_kernel_applies(Op::cross_entropy, {logits}) || !logits.is_contiguous())
     return row_grad_aten_(logits, local_label, lse, scale);
 #ifdef TITAN_WITH_CUDA
   if (logits.is_cuda() && !cuda_kernel_trusted(Op::cross_entropy, logits.scalar_type(),

@@ -7,7 +7,7 @@
 // A CUDA kernel checks itself on its first call in a process (per dtype): it runs on a slice of that call's inputs
 // beside the ATen composition, forward and backward, and is used only if they agree within the dtype's rounding.
 // The start-up log says which were checked and how closely they agreed; one that disagrees is reported as a warning
-// and replaced by the ATen composition for the rest of the process (fused_applies() then says false). The check
+// and replaced by the ATen composition for the rest of the process (fused_kernel_applies() then says false). The check
 // guards the values on its slice (the first batch row's first 64 positions, 64 rows, 65,536 elements); it cannot
 // see a fault outside that slice, and a kernel that faults leaves the CUDA context unusable whatever follows.
 #pragma once
@@ -20,15 +20,15 @@
 namespace titan::kernels {
 
 // The process-wide switch (training.fused_kernels; on by default).
-bool fused_enabled();
-void set_fused_enabled(bool enabled);
+bool fused_kernels_enabled();
+void set_fused_kernels_enabled(bool enabled);
 
 enum class Op { attention, rms_norm, swiglu, rope, cross_entropy };
 
 // Whether titan's fused kernel for `op` takes tensors like these: the switch is on, all are float32 or bfloat16
 // tensors of one dtype on one device, and that device is the CPU, or a CUDA GPU for SwiGLU, RoPE and the
 // cross-entropy rows (unless that kernel's first-call check failed in this process).
-bool fused_applies(Op op, std::initializer_list<at::Tensor> tensors);
+bool fused_kernel_applies(Op op, std::initializer_list<at::Tensor> tensors);
 
 // The comparison behind those checks, on any device a fused kernel runs on (tests call it on the CPU): the worst
 // difference between the fused kernel and the ATen composition, forward and backward, on a slice of these inputs,

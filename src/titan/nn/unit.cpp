@@ -46,12 +46,12 @@ at::Tensor RMSNorm::forward(const Inputs& inputs, const Context&) {
     // weight: normalised in float32, as transformers' Qwen3RMSNorm does, and handed on in the input's dtype.
     return at::rms_norm(x.to(at::kFloat), {dim_}, weight.to(at::kFloat), eps_).to(x.scalar_type());
   }
-  if (kernels::fused_applies(kernels::Op::rms_norm, {x, weight})) return kernels::rms_norm(x, weight, eps_);
+  if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, weight})) return kernels::rms_norm(x, weight, eps_);
   return at::rms_norm(x, {dim_}, weight, eps_);
 }
 
 at::Tensor SwiGLU::forward(const Inputs& inputs, const Context&) {
-  if (kernels::fused_applies(kernels::Op::swiglu, {inputs[0], inputs[1]})) return kernels::swiglu(inputs[0], inputs[1]);
+  if (kernels::fused_kernel_applies(kernels::Op::swiglu, {inputs[0], inputs[1]})) return kernels::swiglu(inputs[0], inputs[1]);
   return kernels::swiglu_reference(inputs[0], inputs[1]);
 }
 

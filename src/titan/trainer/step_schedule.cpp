@@ -61,7 +61,7 @@ class SingleStage : public StepSchedule {
       documents = to_device(batch.positions);
     }
     nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
-    return part.loss_sum(model_.forward(inputs, positions, documents, part.fused_loss ? labels : at::Tensor()), labels);
+    return part.loss_sum(model_.forward(inputs, positions, documents, part.loss_in_forward ? labels : at::Tensor()), labels);
   }
 
   at::Tensor to_device(const at::Tensor& t) const {

@@ -43,7 +43,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 distributed::ParallelDims Trainer::check_job() {
   const config::JobConfig& c = loaded_.config;
   config::require_supported(loaded_);
-  kernels::set_fused_enabled(c.training.fused_kernels);
+  kernels::set_fused_kernels_enabled(c.training.fused_kernels);
   weight_casts_per_step_ = c.training.autocast_weight_casts == "step";
   launch_ = distributed::detect_launch();
   log::set_enabled(rank_logs(launch_.rank));
@@ -205,9 +205,18 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
   if (c.validation.enable) validator_ = std::make_unique<Validator>(c, *tokenizer_, *mesh_, device_);
 
   if (c.checkpoint.enable || c.checkpoint.initial_load_path) {
-    checkpointer_ = std::make_unique<checkpoint::Checkpointer>(loaded_, *mesh_);
-    auto view = checkpoint_view();
-    if (checkpointer_->load(view)) optimizer_->set_lr(lr_scheduler_->current_lr());
+    checkpointer_ = std::make_unique<checkpoint::Checkpointer>(c.checkpoint, c.job.dump_folder,
+                                                               static_cast<double>(c.comm.train_timeout_seconds) + 600.0, *mesh_);
+    model_weights_ = std::make_unique<checkpoint::ModelWeights>(
+        parameters_, *model_args_, c.model.flavor, std::filesystem::absolute(tokenizer_->source_path()).string());
+    optimizer_state_ = std::make_unique<OptimizerState>(*optimizer_, parameters_, c.optimizer);
+    // One data-parallel rank's stream is read by every rank of its TP/CP/PP group; the first of them saves it.
+    const bool saves_data = mesh_->coordinate("tp") == 0 && mesh_->coordinate("cp") == 0 && mesh_->coordinate("pp") == 0;
+    dataloader_state_ = std::make_unique<data::DataLoaderState>(*dataloader_, saves_data);
+    checkpoint_parts_ = {{"model", model_weights_.get()}, {"optimizer", optimizer_state_.get()},
+                         {"lr_scheduler", lr_scheduler_.get()}, {"dataloader", dataloader_state_.get()},
+                         {"train_state", &train_state_}};
+    if (checkpointer_->load(checkpoint_parts_, hf_model())) optimizer_->set_lr(lr_scheduler_->current_lr());
   }
   // The device's peak for MFU, measured (on a CPU) once everything is built, as the first step will find the machine.
   const at::ScalarType param_dtype = titan::config::dtype_from_name(c.training.dtype, "training.dtype");
@@ -387,11 +396,6 @@ void Trainer::write_pipeline_timeline() {
   pipeline()->runner().clear_timeline();
 }
 
-checkpoint::CheckpointedState Trainer::checkpoint_view() {
-  return checkpoint::CheckpointedState{parameters_,  *model_args_, *hf_adapter_, *optimizer_, *lr_scheduler_,
-                                       *dataloader_, train_state_,  tokenizer_.get()};
-}
-
 double Trainer::validate() {
   if (!validator_) fail("validation is off (validation.enable = false)");
   const ValidationResult result = validator_->run(*schedule_);
@@ -406,8 +410,7 @@ int Trainer::create_seed_checkpoint() {
     fail("checkpoint.create_seed_checkpoint runs on a single process (it saves the unsharded initial model); got ",
          mesh_->world()->size(), " ranks");
   if (!checkpointer_ || !loaded_.config.checkpoint.enable) fail("checkpoint.create_seed_checkpoint needs checkpoint.enable = true");
-  auto view = checkpoint_view();
-  checkpointer_->save(view, /*last=*/true);
+  save_checkpoint(/*last=*/true);
   checkpointer_->wait();
   log::info("Created seed checkpoint at step 0 in ", checkpointer_->folder());
   return 0;
@@ -423,8 +426,7 @@ int Trainer::stop_for_signal(int signal, int64_t first_step, std::vector<data::L
   const bool enabled = checkpointer_ && c.checkpoint.enable && step > first_step;
   if (enabled && !checkpointer_->should_save(step, step == c.training.steps)) {
     dataloader_->rewind_reported_position(std::move(position_before));
-    auto view = checkpoint_view();
-    checkpointer_->save(view, /*last=*/false);
+    save_checkpoint(/*last=*/false);
   }
   if (checkpointer_) checkpointer_->wait();
   log::warn("received ", signal_name(signal), ": stopped cleanly after step ", step, " of ", c.training.steps,
@@ -451,8 +453,7 @@ void Trainer::after_step(std::optional<StepResult> r, int64_t first_step) {
   if ((log_now || save_now || validate_now || step == c.training.steps) && !r) r = settle_pending();
   if (log_now) metrics_->log_step(step, *r, train_state_.tokens_seen);
   if (save_now) {
-    auto view = checkpoint_view();
-    checkpointer_->save(view, step == c.training.steps);
+    save_checkpoint(step == c.training.steps);
     metrics_->restart_clock();  // saving time does not count against training throughput
   }
   if (validate_now) {

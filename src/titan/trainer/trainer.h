@@ -9,9 +9,12 @@
 #include <vector>
 
 #include "titan/components/checkpoint/checkpointer.h"
+#include "titan/components/checkpoint/model_weights.h"
+#include "titan/components/data/dataloader_state.h"
 #include "titan/components/data/dataloader.h"
 #include "titan/components/lr_scheduler.h"
 #include "titan/components/optimizer.h"
+#include "titan/components/optimizer_state.h"
 #include "titan/components/profiling.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/config/loader.h"
@@ -24,6 +27,7 @@
 #include "titan/trainer/control.h"
 #include "titan/trainer/metrics_processor.h"
 #include "titan/trainer/step_schedule.h"
+#include "titan/trainer/train_state.h"
 #include "titan/trainer/validator.h"
 
 namespace titan {
@@ -119,8 +123,15 @@ class Trainer {
   std::unique_ptr<data::DataLoader> dataloader_;
   std::unique_ptr<Validator> validator_;
   std::unique_ptr<checkpoint::Checkpointer> checkpointer_;
-  checkpoint::TrainState train_state_;  // the step and tokens seen (the loop's counters live here)
-  checkpoint::CheckpointedState checkpoint_view();
+  TrainState train_state_;  // the step and tokens seen (the loop's counters live here)
+  // What checkpoints hold (the model's weights, the optimizer's state, the data position; with the LR schedule and
+  // the train state), in torchtitan's order, and what Hugging Face imports and exports need.
+  std::unique_ptr<checkpoint::ModelWeights> model_weights_;
+  std::unique_ptr<OptimizerState> optimizer_state_;
+  std::unique_ptr<data::DataLoaderState> dataloader_state_;
+  protocols::StatefulParts checkpoint_parts_;
+  checkpoint::HfModel hf_model() const { return {*model_args_, *hf_adapter_, tokenizer_.get()}; }
+  void save_checkpoint(bool last) { checkpointer_->save(checkpoint_parts_, hf_model(), train_state_.step, last); }
   std::unique_ptr<MetricsProcessor> metrics_;
   std::unique_ptr<Profiler> profiler_;
   std::optional<at::ScalarType> autocast_dtype_;

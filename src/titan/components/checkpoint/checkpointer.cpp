@@ -1,6 +1,5 @@
 #include "titan/components/checkpoint/checkpointer.h"
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -77,12 +76,6 @@ std::optional<int64_t> step_of(const fs::path& p) {
 
 at::ScalarType export_dtype(const std::string& name) { return titan::config::dtype_from_name(name, "checkpoint.export_dtype"); }
 
-json rng_state() {
-  at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
-  const auto* p = state.data_ptr<uint8_t>();
-  return std::vector<uint8_t>(p, p + state.numel());
-}
-
 // The fields the loader relies on, checked before anything is read, so that a damaged or hand-edited metadata (the
 // checksum guards version 3 only) is refused naming the field instead of loading something else.
 void check_metadata(const json& meta, const std::string& path, const std::string& directory, bool weights_only) {
@@ -123,9 +116,10 @@ void check_metadata(const json& meta, const std::string& path, const std::string
 
 }  // namespace
 
-Checkpointer::Checkpointer(const config::LoadedConfig& loaded, const distributed::DeviceMesh& mesh)
-    : loaded_(loaded), config_(loaded.config.checkpoint), mesh_(mesh),
-      root_((fs::path(loaded.config.job.dump_folder) / config_.folder).string()) {
+Checkpointer::Checkpointer(const config::Checkpoint& config, const std::string& dump_folder, double background_timeout_seconds,
+                           const distributed::DeviceMesh& mesh)
+    : config_(config), mesh_(mesh), root_((fs::path(dump_folder) / config_.folder).string()),
+      background_timeout_seconds_(background_timeout_seconds) {
   if (config_.interval < 1) fail("checkpoint.interval must be at least 1, got ", config_.interval);
 }
 
@@ -193,27 +187,94 @@ void Checkpointer::purge(int64_t newest_step) {
 
 namespace {
 
-struct SnapshotItem {
-  std::string key;
-  at::Tensor tensor;             // the piece to write
-  std::vector<int64_t> offsets;  // where it starts in the global tensor
-  std::vector<int64_t> shape;    // the global tensor's shape
-};
-
+// The metadata document: the files and pieces every rank wrote, the parts' global fields (rank 0's), their gathered
+// fields united over the ranks, and unless model-only every rank's own fields.
 json metadata_for(std::vector<json> parts, const json& global) {
-  json ranks = json::array(), steps = json::object();
-  for (auto& part : parts) {
-    ranks.push_back(part["rank_state"]);
-    for (const auto& [k, v] : part["rank_state"]["optimizer_steps"].items()) steps[k] = v;
-  }
+  json ranks = json::array();
+  for (auto& part : parts) ranks.push_back(part["rank_state"]);
   json metadata = merge_rank_parts(parts);
   for (const auto& [k, v] : global.items()) metadata[k] = v;
-  if (!global.value("model_only", false)) {
-    metadata["optimizer"] = {{"steps", steps}};
-    metadata["ranks"] = ranks;
-  }
+  for (const auto& part : parts) metadata.merge_patch(part["gathered"]);
+  if (!global.value("model_only", false)) metadata["ranks"] = ranks;
   return metadata;
 }
+
+// Adds `fields` to `into`; two parts writing the same metadata field is a programming error.
+void add_fields(json& into, const json& fields, const std::string& part) {
+  for (const auto& [k, v] : fields.items()) {
+    if (into.contains(k)) fail("internal: checkpoint part ", quote(part), " writes metadata field ", quote(k), ", which another part writes");
+    into[k] = v;
+  }
+}
+
+// A titan checkpoint directory as the parts read it.
+class TitanSource : public protocols::StateSource {
+ public:
+  TitanSource(Reader& reader, bool model_only, int rank, int world_size) : reader_(reader), model_only_(model_only) {
+    const json& meta = reader.metadata();
+    if (meta.contains("ranks") && meta["ranks"].is_array()) ranks_ = meta["ranks"];
+    if (static_cast<int>(ranks_.size()) == world_size) own_ = &ranks_[static_cast<size_t>(rank)];
+  }
+  std::string name() const override { return "checkpoint " + reader_.directory(); }
+  std::vector<std::string> keys() const override {
+    std::vector<std::string> keys;
+    for (const auto& [key, entry] : reader_.tensors()) keys.push_back(key);
+    return keys;
+  }
+  std::optional<Entry> entry(const std::string& key) const override {
+    if (!reader_.contains(key)) return std::nullopt;
+    const auto& e = reader_.tensors().at(key);
+    return Entry{e.shape, e.dtype};
+  }
+  void read_box(const std::string& key, const std::vector<int64_t>& offsets, at::Tensor out) override {
+    reader_.read_box(key, offsets, std::move(out));
+  }
+  const json& metadata() const override { return reader_.metadata(); }
+  const json& ranks() const override { return ranks_; }
+  const json* own_rank() const override { return own_; }
+  bool exact_dtypes() const override { return !model_only_; }
+
+ private:
+  Reader& reader_;
+  bool model_only_;
+  json ranks_ = json::array();
+  const json* own_ = nullptr;
+};
+
+// A Hugging Face directory: the model's weights only.
+class HfSource : public protocols::StateSource {
+ public:
+  HfSource(const std::string& directory, const HfModel& hf)
+      : directory_(directory), reader_(directory, hf.args, hf.adapter) {
+    for (const auto& p : hf.args.parameter_shapes()) shapes_["model." + p.name] = {p.name, p.shape};
+  }
+  std::string name() const override { return "Hugging Face directory " + directory_; }
+  std::string key_name(const std::string& key) const override {
+    auto it = shapes_.find(key);
+    return it == shapes_.end() ? key : it->second.first;
+  }
+  std::vector<std::string> keys() const override {
+    std::vector<std::string> keys;
+    for (const auto& [key, shape] : shapes_) keys.push_back(key);
+    return keys;
+  }
+  std::optional<Entry> entry(const std::string& key) const override {
+    auto it = shapes_.find(key);
+    if (it == shapes_.end()) return std::nullopt;
+    return Entry{it->second.second, reader_.dtype(it->second.first)};
+  }
+  void read_box(const std::string& key, const std::vector<int64_t>& offsets, at::Tensor out) override {
+    reader_.read_box(shapes_.at(key).first, offsets, out);
+  }
+  const json& metadata() const override { return empty_; }
+  const json& ranks() const override { return no_ranks_; }
+
+ private:
+  std::string directory_;
+  HfReader reader_;
+  std::map<std::string, std::pair<std::string, std::vector<int64_t>>> shapes_;  // titan key -> (name, shape)
+  json empty_ = json::object(), no_ranks_ = json::array();
+};
 
 uint64_t directory_bytes(const fs::path& dir) {
   uint64_t bytes = 0;
@@ -223,11 +284,10 @@ uint64_t directory_bytes(const fs::path& dir) {
 
 }  // namespace
 
-void Checkpointer::save(CheckpointedState& state, bool last) {
+void Checkpointer::save(const protocols::StatefulParts& parts, const HfModel& hf, int64_t step, bool last) {
   const double start = now_seconds();
   auto world = mesh_.world();
   const int rank = world->rank(), world_size = world->size();
-  const int64_t step = state.train.step;
   const bool model_only = last && config_.last_save_model_only;
   const bool hf_export = model_only && config_.last_save_in_hf;
   const bool async = config_.async_mode != "disabled" && !hf_export;  // the export reads the committed checkpoint
@@ -249,56 +309,28 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
                  " (checkpoint.folder = ", quote(config_.folder), " under job.dump_folder)");
   }
 
-  // What this rank writes: the pieces of every parameter (and its optimizer state) it owns -- replicated copies are
-  // written by one rank only -- copied to host memory in async mode so training can change the originals while
-  // the copy is written.
-  std::vector<SnapshotItem> items;
-  const auto& opt_state = state.optimizer.state();
-  json optimizer_steps = json::object();
-  std::vector<std::string> step_names;
-  std::vector<at::Tensor> steps;
+  // What this rank writes: each part's pieces (a replicated piece is written by one rank only), copied to host
+  // memory in async mode so that training can change the originals while the copy is written.
+  protocols::SaveOptions options;
+  options.model_only = model_only;
+  if (model_only) options.weights_dtype = export_dtype(config_.export_dtype);
+  std::vector<protocols::TensorPiece> items;
+  json global = metadata_header(step, model_only, world_size, ""), global_fields = json::object();
+  json rank_state = {{"rank", rank}}, gathered = json::object();
   HostStaging staging(async ? (config_.async_mode == "async_with_pinned_mem" ? &pinned_buffers_ : nullptr) : nullptr, async);
-  for (size_t i = 0; i < state.parameters.size(); ++i) {
-    const auto& p = state.parameters[i];
-    if (!p.layout.owner()) continue;
-    const auto offsets = p.layout.local_box().offsets;
-    const auto& shape = p.layout.global_shape();
-    at::Tensor piece = p.piece().detach();
-    const std::string model_key = "model." + p.name;
-    items.push_back({model_key, staging.take(model_key, model_only ? piece.to(export_dtype(config_.export_dtype)) : piece), offsets, shape});
-    if (model_only || i >= opt_state.size() || !opt_state[i].exp_avg.defined()) continue;
-    for (const auto& [key, moment] : {std::pair{"optimizer.exp_avg." + p.name, &opt_state[i].exp_avg},
-                                      std::pair{"optimizer.exp_avg_sq." + p.name, &opt_state[i].exp_avg_sq}})
-      items.push_back({key, staging.take(key, distributed::unpadded(*moment, p.layout)), offsets, shape});
-    step_names.push_back(p.name);
-    const at::Tensor step_count = opt_state[i].step.detach().reshape({}).to(at::kDouble);
-    steps.push_back(steps.empty() ? step_count : step_count.to(steps.front().device()));
-  }
-  if (!steps.empty()) {
-    // One read of every parameter's step count (on a GPU, one transfer instead of one per parameter).
-    const at::Tensor host_steps = at::stack(steps).cpu();
-    for (size_t i = 0; i < step_names.size(); ++i) optimizer_steps[step_names[i]] = host_steps[static_cast<int64_t>(i)].item<double>();
+  for (const auto& [name, part] : parts) {
+    if (model_only && name != "model") continue;
+    protocols::SavedState saved = part->state_dict(options);
+    for (auto& piece : saved.tensors) {
+      piece.tensor = staging.take(piece.key, piece.tensor);
+      items.push_back(std::move(piece));
+    }
+    add_fields(global_fields, saved.global, name);
+    add_fields(gathered, saved.gathered, name);
+    add_fields(rank_state, saved.rank, name);
   }
   staging.finish();  // the copies to host memory are complete before training changes the originals
-  json rank_state = {{"rank", rank}, {"optimizer_steps", optimizer_steps}};
-  if (!model_only) {
-    // One data-parallel rank's stream is read by all ranks of its TP/CP/PP group; one of them saves it.
-    if (mesh_.coordinate("tp") == 0 && mesh_.coordinate("cp") == 0 && mesh_.coordinate("pp") == 0)
-      rank_state["dataloader"] = state.dataloader.state_dict();
-    rank_state["rng"] = rng_state();
-  }
-  json global = metadata_header(step, model_only, world_size, loaded_.config.model.flavor);
-  global["model"] = state.model_args.to_json();
-  if (state.tokenizer) global["tokenizer"] = fs::absolute(state.tokenizer->source_path()).string();
-  if (!model_only) {
-    global["train_state"] = {{"step", step}, {"tokens_seen", state.train.tokens_seen}};
-    global["lr_scheduler"] = {{"completed", state.lr_scheduler.completed()}};
-    // What an export to torchtitan's layout needs for its optimizer's param_groups (titan convert --format dcp).
-    const auto& o = loaded_.config.optimizer;
-    global["optimizer_settings"] = {{"name", o.name}, {"lr", state.optimizer.lr()}, {"initial_lr", o.lr},
-                                    {"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps},
-                                    {"weight_decay", o.weight_decay}, {"implementation", o.implementation}};
-  }
+  for (const auto& [k, v] : global_fields.items()) global[k] = v;
   const std::string what = cat(final_dir.string(), model_only ? cat(" (model only, ", config_.export_dtype, ")") : std::string());
 
   if (!async) {
@@ -306,6 +338,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
     for (const auto& item : items) writer.add(item.key, item.tensor, item.offsets, item.shape);
     json part = writer.finish();
     part["rank_state"] = rank_state;
+    part["gathered"] = gathered;
     auto parts_text = distributed::all_gather_strings(*world, part.dump());
     if (rank == 0) {
       std::vector<json> parts;
@@ -317,7 +350,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
       std::string error;
       if (rank == 0) {
         try {
-          export_hf_in_place(state, final_dir.string());
+          export_hf_in_place(hf, final_dir.string());
         } catch (const std::exception& e) {
           error = e.what();
         }
@@ -346,8 +379,8 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
   const double blocked = now_seconds() - start;
   log::info(strprintf("Checkpoint step %lld: state copied to host memory, training blocked %.3f s; writing in the background",
                       static_cast<long long>(step), blocked));
-  const double timeout = static_cast<double>(loaded_.config.comm.train_timeout_seconds) + 600.0;
-  background_ = std::thread([this, items = std::move(items), rank_state, global, partial_dir, final_dir, rank, world_size,
+  const double timeout = background_timeout_seconds_;
+  background_ = std::thread([this, items = std::move(items), rank_state, gathered, global, partial_dir, final_dir, rank, world_size,
                              step, what, start, timeout]() mutable {
     try {
       RankWriter writer(partial_dir.string(), rank);
@@ -355,6 +388,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
       items.clear();
       json part = writer.finish();
       part["rank_state"] = rank_state;
+      part["gathered"] = gathered;
       const fs::path part_path = partial_dir / strprintf("rank-%05d.json", rank);
       write_file(part_path.string(), part.dump(), /*durable=*/true);
       if (rank != 0) return;
@@ -384,7 +418,7 @@ void Checkpointer::save(CheckpointedState& state, bool last) {
   });
 }
 
-bool Checkpointer::load(CheckpointedState& state) {
+bool Checkpointer::load(const protocols::StatefulParts& parts, const HfModel& hf) {
   auto world = mesh_.world();
   if (world->rank() == 0 && fs::is_directory(root_)) {
     std::vector<fs::path> entries;
@@ -423,11 +457,11 @@ bool Checkpointer::load(CheckpointedState& state) {
     if (config_.initial_load_path) {
       const std::string& path = *config_.initial_load_path;
       if (config_.initial_load_in_hf) {
-        load_hf_weights(state, path);
+        load_hf_weights(parts, hf, path);
         return true;
       }
-      if (torch_dcp::is_checkpoint(path)) return load_torch_dcp(state, path, config_.initial_load_model_only);
-      return load_directory(state, path, config_.initial_load_model_only);
+      if (torch_dcp::is_checkpoint(path)) return load_torch_dcp(parts, path, config_.initial_load_model_only);
+      return load_directory(parts, path, config_.initial_load_model_only);
     }
     log::info("No checkpoint in ", root_, "; training starts from scratch");
     return false;
@@ -438,17 +472,17 @@ bool Checkpointer::load(CheckpointedState& state) {
       fail("checkpoint ", directory, " is torchtitan's model-only save (no optimizer or train state): a run cannot resume "
            "from it, and would start over from step 1 at every restart. Set checkpoint.initial_load_path to it to start "
            "from its weights, and move it out of checkpoint.folder");
-    return load_torch_dcp(state, directory, false);
+    return load_torch_dcp(parts, directory, false);
   }
-  return load_directory(state, directory, false);
+  return load_directory(parts, directory, false);
 }
 
-void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std::string& directory) {
+void Checkpointer::export_hf_in_place(const HfModel& hf, const std::string& directory) {
   const double start = now_seconds();
   Reader reader(directory);
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   at::ScalarType dtype = at::kFloat;
-  for (const auto& p : state.model_args.parameter_shapes()) {
+  for (const auto& p : hf.args.parameter_shapes()) {
     const auto& entry = reader.tensors().at("model." + p.name);
     at::Tensor full = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
     reader.read_box("model." + p.name, std::vector<int64_t>(entry.shape.size(), 0), full);
@@ -457,7 +491,7 @@ void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std:
   }
   const std::string partial = directory + ".hf.partial", aside = directory + ".model-only";
   fs::remove_all(partial);
-  save_hf(partial, state.model_args, state.hf_adapter, tensors, dtype, int64_t{5} * 1000 * 1000 * 1000, state.tokenizer);
+  save_hf(partial, hf.args, hf.adapter, tensors, dtype, int64_t{5} * 1000 * 1000 * 1000, hf.tokenizer);
   for (const auto& e : fs::directory_iterator(partial)) fsync_path(e.path().string(), false);
   // torchtitan's last_save_in_hf layout: the export takes step-N's place. The titan copy moves aside first and goes
   // last, so a crash in between leaves the weights in step-N.model-only (a complete titan checkpoint).
@@ -470,111 +504,38 @@ void Checkpointer::export_hf_in_place(const CheckpointedState& state, const std:
                       directory.c_str(), now_seconds() - start));
 }
 
-void Checkpointer::load_hf_weights(CheckpointedState& state, const std::string& directory) {
+void Checkpointer::load_parts(const protocols::StatefulParts& parts, protocols::StateSource& source, bool weights_only) {
+  const auto& excluded = config_.exclude_from_loading;
+  for (const auto& [name, part] : parts) {
+    if (weights_only && name != "model") continue;
+    if (std::find(excluded.begin(), excluded.end(), name) != excluded.end()) continue;  // keeps its state
+    part->load_state_dict(source);
+  }
+}
+
+void Checkpointer::load_hf_weights(const protocols::StatefulParts& parts, const HfModel& hf, const std::string& directory) {
   const double start = now_seconds();
-  HfReader reader(directory, state.model_args, state.hf_adapter);
-  at::NoGradGuard no_grad;
-  // Each rank reads only the rows its pieces need.
-  for (auto& p : state.parameters) reader.read_box(p.name, p.layout.local_box().offsets, p.piece().detach());
+  HfSource source(directory, hf);  // checks config.json against the model and every weight's shape
+  load_parts(parts, source, /*weights_only=*/true);  // each rank reads only the rows its pieces need
   log::info(strprintf("Loaded Hugging Face weights from %s in %.2f s (checkpoint.initial_load_in_hf); training starts at step 1",
                       directory.c_str(), now_seconds() - start));
 }
 
-bool Checkpointer::load_directory(CheckpointedState& state, const std::string& directory, bool weights_only) {
+bool Checkpointer::load_directory(const protocols::StatefulParts& parts, const std::string& directory, bool weights_only) {
   const double start = now_seconds();
   Reader reader(directory);
   const json& meta = reader.metadata();
   check_metadata(meta, directory + "/metadata.json", directory, weights_only);
   const bool model_only = weights_only || meta.value("model_only", false);
-  const int64_t saved_step = meta.value("step", 0);
-  auto excluded = [&](const std::string& part) {
-    return std::find(config_.exclude_from_loading.begin(), config_.exclude_from_loading.end(), part) !=
-           config_.exclude_from_loading.end();
-  };
-
-  // The model: every parameter must be there with its shape; nothing else may be.
-  // Every parameter of the model, not just this rank's (a pipeline stage holds some of them).
-  std::set<std::string> expected;
-  for (const auto& p : state.model_args.parameter_shapes()) expected.insert("model." + p.name);
-  for (const auto& [key, entry] : reader.tensors())
-    if (starts_with(key, "model.") && !expected.count(key))
-      fail("checkpoint ", reader.directory(), " has tensor ", quote(key), ", which model flavor ",
-           quote(loaded_.config.model.flavor), " does not have; it was saved from flavor ", quote(meta.value("flavor", "?")));
-  at::NoGradGuard no_grad;
-  for (const auto& p : state.parameters) {
-    if (excluded("model")) break;  // checkpoint.exclude_from_loading = model: the initialised weights stay
-    const std::string key = "model." + p.name;
-    if (!reader.contains(key))
-      fail("checkpoint ", reader.directory(), " has no tensor ", quote(key), "; it was saved from flavor ",
-           quote(meta.value("flavor", "?")), ", this run uses ", quote(loaded_.config.model.flavor));
-    const auto& entry = reader.tensors().at(key);
-    if (entry.shape != p.layout.global_shape())
-      fail("checkpoint tensor ", quote(key), " has shape [", join_ints(entry.shape), "], the model expects [",
-           join_ints(p.layout.global_shape()), "]");
-    if (entry.dtype != p.local.scalar_type() && !model_only)
-      fail("checkpoint tensor ", quote(key), " is ", dtype_string(entry.dtype), ", the model trains in ",
-           dtype_string(p.local.scalar_type()), "; a resumable checkpoint must match training.dtype");
-    reader.read_box(key, p.layout.local_box().offsets, p.piece().detach());
-  }
-  if (!excluded("model") && meta.contains("model")) {
-    // Same shapes can still compute differently (RoPE base and scaling, norm epsilon): say so, as long-context
-    // extension changes them on purpose.
-    const auto differences =
-        state.model_args.parse_json(meta.at("model"), directory + "/metadata.json: model")->computation_differences(state.model_args);
-    if (!differences.empty())
-      log::warn("checkpoint ", reader.directory(), " was saved from a model that computes differently than this run's (saved vs now): ",
-                join(differences, "; "));
-  } else if (!excluded("model") && meta.at("flavor").get<std::string>() != loaded_.config.model.flavor) {
-    log::warn("checkpoint ", reader.directory(), " was saved from model flavor ", quote(meta.at("flavor").get<std::string>()),
-              ", this run uses ", quote(loaded_.config.model.flavor), "; every tensor's shape matches, so it loads");
-  }
+  auto world = mesh_.world();
+  TitanSource source(reader, model_only, world->rank(), world->size());
+  load_parts(parts, source, model_only);
   if (model_only) {
     log::info("Loaded model weights from ", reader.directory(), " (model only: training starts at step 1)");
     return true;
   }
-  if (!excluded("optimizer")) {
-    state.optimizer.init_state();
-    auto& opt = state.optimizer.mutable_state();
-    const json& steps = meta.at("optimizer").at("steps");
-    for (size_t i = 0; i < state.parameters.size(); ++i) {
-      const auto& p = state.parameters[i];
-      if (!steps.contains(p.name)) continue;  // saved before the first optimizer step
-      const auto offsets = p.layout.local_box().offsets;
-      for (const char* moment : {"exp_avg", "exp_avg_sq"}) {
-        const std::string key = cat("optimizer.", moment, ".", p.name);
-        if (!reader.contains(key)) fail("checkpoint ", reader.directory(), " has no tensor ", quote(key));
-        const auto& entry = reader.tensors().at(key);
-        at::Tensor& buffer = std::string(moment) == "exp_avg" ? opt[i].exp_avg : opt[i].exp_avg_sq;
-        if (entry.shape != p.layout.global_shape() || entry.dtype != buffer.scalar_type())
-          fail("checkpoint tensor ", quote(key), " is ", dtype_string(entry.dtype), " [", join_ints(entry.shape),
-               "]; the optimizer keeps ", dtype_string(buffer.scalar_type()), " [", join_ints(p.layout.global_shape()), "]");
-        reader.read_box(key, offsets, distributed::unpadded(buffer, p.layout));
-      }
-      opt[i].step.fill_(steps[p.name].get<double>());
-    }
-  }
-  if (!excluded("lr_scheduler")) state.lr_scheduler.set_completed(meta.at("lr_scheduler").at("completed").get<int64_t>());
-  if (!excluded("train_state")) {
-    state.train.step = meta.at("train_state").at("step").get<int64_t>();
-    state.train.tokens_seen = meta.at("train_state").at("tokens_seen").get<int64_t>();
-  }
-  const json& ranks = meta.at("ranks");
-  auto world = mesh_.world();
-  if (!excluded("dataloader")) {
-    std::vector<std::string> states;
-    for (const auto& r : ranks)
-      if (r.contains("dataloader")) states.push_back(r["dataloader"].get<std::string>());
-    state.dataloader.load_state_dict(states);
-  }
-  if (static_cast<int>(ranks.size()) == world->size() && ranks[world->rank()].contains("rng")) {
-    auto bytes = ranks[world->rank()]["rng"].get<std::vector<uint8_t>>();
-    at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
-    at::Generator generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(t);
-  }
   log::info(strprintf("Loaded checkpoint %s (step %lld, saved by %d rank(s)) in %.2f s", reader.directory().c_str(),
-                      static_cast<long long>(saved_step), meta.value("world_size", 0), now_seconds() - start));
+                      static_cast<long long>(meta.value("step", 0)), meta.value("world_size", 0), now_seconds() - start));
   return true;
 }
 

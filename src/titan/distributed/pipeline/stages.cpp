@@ -142,13 +142,13 @@ Pipeline::Pipeline(nn::Model& model, int64_t n_layers, bool tied_embeddings, con
     stage_of_part_.push_back(stage);
     const ModuleRange range = plan_.ranges[static_cast<size_t>(stage)];
     // The last stage's forward returns the loss itself under the fused output projection and loss.
-    const bool fused_loss = parts_.back().fused_loss && range.end == model.module_count();
-    runner_stages.push_back({stage, [this, range, fused_loss](const at::Tensor& input, int m) {
+    const bool loss_in_forward = parts_.back().loss_in_forward && range.end == model.module_count();
+    runner_stages.push_back({stage, [this, range, loss_in_forward](const at::Tensor& input, int m) {
                                nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
                                const auto idx = static_cast<size_t>(m);
                                return model_.forward_modules(range.begin == 0 ? tokens_[idx] : input, range.begin, range.end, seq_len_,
                                                              rope_positions_, positions_.empty() ? at::Tensor() : positions_[idx],
-                                                             fused_loss ? labels_[idx] : at::Tensor());
+                                                             loss_in_forward ? labels_[idx] : at::Tensor());
                              }});
   }
   runner_ = std::make_unique<PipelineRunner>(schedule, std::move(runner_stages), mesh.get("pp"), device_);

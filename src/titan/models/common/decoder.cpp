@@ -69,7 +69,7 @@ at::Tensor pairs_to_halves(const at::Tensor& t) {
 at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
   const bool masked = context.attn_mask.defined();
-  if (kernels::fused_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined()))
+  if (kernels::fused_kernel_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined()))
     return kernels::attention(q, k, v, masked ? context.documents : at::Tensor());
   return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
                                           /*dropout_p=*/0.0, /*is_causal=*/!masked,
@@ -92,7 +92,7 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
     q = halves_to_pairs(q);
     k = halves_to_pairs(k);
   }
-  if (kernels::fused_applies(kernels::Op::rope, {q, k})) {
+  if (kernels::fused_kernel_applies(kernels::Op::rope, {q, k})) {
     std::tie(q, k) = kernels::rope(q, k, context.rope, context.positions);
   } else {
     q = kernels::rope_reference(q, context.rope, context.positions);

@@ -202,8 +202,8 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
-  const bool fused_loss = execution == Execution::titan && training.fused_kernels && (dims.tp == 1 || !parallelism.disable_loss_parallel);
-  if (holds_last && fused_loss) {
+  const bool loss_in_forward = execution == Execution::titan && training.fused_kernels && (dims.tp == 1 || !parallelism.disable_loss_parallel);
+  if (holds_last && loss_in_forward) {
     // The fused projection and loss: one chunk's logits in the compute dtype, the weight-gradient product of a
     // chunk before it is added in float32 (bf16 only), and, kept from forward to backward, d loss / d x and the
     // float32 weight gradient, which backward casts to the compute dtype.

@@ -145,7 +145,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   for (auto& param : distributed::describe_parameters(model))
     if (part.contains(model.module_of(param.name))) out.parameters.push_back(param);
   out.loss = [](const at::Tensor& logits, const at::Tensor& labels) { return cross_entropy_sum(logits, labels); };
-  out.fused_loss = kernels::fused_enabled() && (dims.tp == 1 || !p.disable_loss_parallel);
+  out.loss_in_forward = kernels::fused_kernels_enabled() && (dims.tp == 1 || !p.disable_loss_parallel);
 
   check_parallelism(model.args(), dims, config);
   if (dims.cp > 1) {

@@ -1,0 +1,74 @@
+#include "titan/components/checkpoint/model_weights.h"
+
+#include <set>
+
+#include "titan/common/error.h"
+#include "titan/common/logging.h"
+#include "titan/common/strings.h"
+#include "titan/config/dtypes.h"
+
+namespace titan::checkpoint {
+
+using json = nlohmann::json;
+
+ModelWeights::ModelWeights(std::vector<distributed::ShardedParameter>& parameters, const protocols::ModelArgs& args,
+                           std::string flavor, std::string tokenizer_path)
+    : parameters_(parameters), args_(args), flavor_(std::move(flavor)), tokenizer_path_(std::move(tokenizer_path)) {}
+
+protocols::SavedState ModelWeights::state_dict(const protocols::SaveOptions& options) const {
+  protocols::SavedState saved;
+  for (const auto& p : parameters_) {
+    if (!p.layout.owner()) continue;
+    at::Tensor piece = p.piece().detach();
+    if (options.weights_dtype) piece = piece.to(*options.weights_dtype);
+    saved.tensors.push_back({key(p.name), piece, p.layout.local_box().offsets, p.layout.global_shape()});
+  }
+  saved.global = {{"flavor", flavor_}, {"model", args_.to_json()}};
+  if (!tokenizer_path_.empty()) saved.global["tokenizer"] = tokenizer_path_;
+  return saved;
+}
+
+void ModelWeights::load_state_dict(protocols::StateSource& source) {
+  const json& meta = source.metadata();
+  const std::string saved_flavor = meta.contains("flavor") && meta["flavor"].is_string() ? meta["flavor"].get<std::string>() : "?";
+  // Every parameter of the model, not just this rank's (a pipeline stage holds some of them); tied aliases are the
+  // names torchtitan's state dicts also carry.
+  std::set<std::string> expected;
+  for (const auto& p : args_.parameter_shapes()) expected.insert(key(p.name));
+  for (const auto& [alias, stored] : args_.tied_aliases()) expected.insert(key(alias));
+  for (const auto& k : source.keys())
+    if (starts_with(k, "model.") && !expected.count(k))
+      fail(source.name(), " has tensor ", quote(source.key_name(k)), ", which this run's model does not have (flavor ",
+           quote(flavor_), "); it was saved from ", saved_flavor == "?" ? std::string("a model of another shape or family")
+                                                                         : cat("flavor ", quote(saved_flavor)));
+  at::NoGradGuard no_grad;
+  for (auto& p : parameters_) {
+    const std::string k = key(p.name);
+    const auto entry = source.entry(k);
+    if (!entry)
+      fail(source.name(), " has no tensor ", quote(source.key_name(k)), "; it was saved from ",
+           saved_flavor == "?" ? std::string("a model of another shape or family") : cat("flavor ", quote(saved_flavor)),
+           ", this run uses ", quote(flavor_));
+    if (entry->shape != p.layout.global_shape())
+      fail(source.name(), ": tensor ", quote(source.key_name(k)), " has shape [", join_ints(entry->shape),
+           "], the model expects [", join_ints(p.layout.global_shape()), "]");
+    if (source.exact_dtypes() && entry->dtype != p.local.scalar_type())
+      fail(source.name(), ": tensor ", quote(source.key_name(k)), " is ", titan::config::dtype_name(entry->dtype),
+           ", the model trains in ", titan::config::dtype_name(p.local.scalar_type()),
+           "; a resumable checkpoint must match training.dtype");
+    source.read_box(k, p.layout.local_box().offsets, p.piece().detach());
+  }
+  if (meta.contains("model")) {
+    // Same shapes can still compute differently (RoPE base and scaling, norm epsilon): say so, as long-context
+    // extension changes them on purpose.
+    const auto differences = args_.parse_json(meta.at("model"), source.name() + ": metadata field model")->computation_differences(args_);
+    if (!differences.empty())
+      log::warn(source.name(), " was saved from a model that computes differently than this run's (saved vs now): ",
+                join(differences, "; "));
+  } else if (saved_flavor != "?" && saved_flavor != flavor_) {
+    log::warn(source.name(), " was saved from model flavor ", quote(saved_flavor), ", this run uses ", quote(flavor_),
+              "; every tensor's shape matches, so it loads");
+  }
+}
+
+}  // namespace titan::checkpoint
