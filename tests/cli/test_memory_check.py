@@ -20,6 +20,8 @@ PEAK = re.compile(r"^(?:\[1,(\d+)\]<stdout>:)?.*memory: +([\d.]+)GiB\(", re.M)
 MODEL_100M = [*UNFUSED, "--model.flavor", "100M", "--training.local_batch_size", "2", "--training.seq_len", "1024",
               "--activation_checkpoint.mode", "none"]
 NO_FSDP = ["--parallelism.data_parallel_shard_degree", "1"]
+QWEN3_DEBUG = ["--model.name", "qwen3", "--model.flavor", "debugmodel", "--training.local_batch_size", "2",
+               "--training.seq_len", "1024", "--activation_checkpoint.mode", "none"]
 # (ranks, options): activation checkpointing modes, compute dtypes, two flavors and every parallelism, each big
 # enough that the model and its activations, not the runtime, dominate the peak.
 LAYOUTS = {
@@ -29,6 +31,8 @@ LAYOUTS = {
     "100M FSDP 2": (2, MODEL_100M + ["--parallelism.data_parallel_shard_degree", "2"]),
     "100M DDP 2": (2, MODEL_100M + NO_FSDP + ["--parallelism.data_parallel_replicate_degree", "2"]),
     "100M PP 2 (1F1B)": (2, MODEL_100M + NO_FSDP + ["--parallelism.pipeline_parallel_degree", "2"]),
+    # Qwen3's debug flavor: queries four times as wide as the residual stream (16 heads of 128), per-head q/k norms.
+    "qwen3 debug, no AC, 2 x 1024": (1, UNFUSED + QWEN3_DEBUG),
 }
 # Kept in view with a wider bound (docs/metrics.md). Measured on 2026-11-24 with the host block cache: the debug
 # model's selective AC 0.95x, its full AC 0.98x (its peak of about 0.45 GiB above the runtime varies by a few percent
@@ -52,6 +56,8 @@ FUSED = {
     "fused: debug op-level AC, seq 1024": (1, ["--training.seq_len", "1024", "--activation_checkpoint.selective_ac_option", "op"]),
     "fused: 100M no AC, 2 x 1024": (1, MODEL_100M[2:]),
     "fused: 100M TP 2": (2, MODEL_100M[2:] + NO_FSDP + ["--parallelism.tensor_parallel_degree", "2"]),
+    # Measured 1.05x on 2026-11-27 (0.72x before Qwen3's q/k norms ran the fused kernel under autocast).
+    "fused: qwen3 debug, no AC, 2 x 1024": (1, QWEN3_DEBUG),
     "fused: Llama 3 vocabulary, 2 x 1024": (1, ["--model.vocab_size", "128256", "--training.local_batch_size", "2",
                                                 "--training.seq_len", "1024", "--activation_checkpoint.mode", "none"]),
 }

@@ -10,6 +10,7 @@
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
 #include "titan/nn/autocast.h"
+#include "titan/nn/unit.h"
 
 namespace {
 
@@ -143,6 +144,37 @@ TEST(FusedKernels, RmsNormMatchesAten) {
       }
     }
   }
+}
+
+// Qwen3's q/k norms under autocast: a bf16 input meets the float32 weight. The fused kernel takes the weight in
+// bf16 and keeps only the bf16 input; the result, the input's gradient and the float32 weight's gradient agree with
+// the float64 norm of the same inputs within bf16's rounding, fused or not.
+TEST(FusedKernels, RmsNormOfABf16InputWithAFloat32WeightMatchesFloat64) {
+  at::manual_seed(5);
+  const int64_t dim = 128;
+  titan::nn::RMSNorm norm(dim, 1e-6, titan::nn::ParameterOptions{});
+  {
+    at::NoGradGuard no_grad;
+    norm.weight.copy_(at::rand({dim}) + 0.5);
+  }
+  const at::Tensor x = (at::randn({2, 7, 4, dim}) * 3).to(at::kBFloat16), grad = at::randn({2, 7, 4, dim}).to(at::kBFloat16);
+  at::Tensor x2 = leaf(x.to(at::kDouble)), w2 = leaf(norm.weight.detach().to(at::kDouble));
+  at::Tensor ref = at::rms_norm(x2, {dim}, w2, 1e-6);
+  ref.backward(grad.to(at::kDouble));
+  for (bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused" : "ATen");
+    titan::kernels::set_fused_kernels_enabled(fused);
+    norm.weight.mutable_grad() = at::Tensor();
+    at::Tensor x1 = leaf(x);
+    at::Tensor y = norm.call({x1}, titan::nn::Context{});
+    y.backward(grad);
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(norm.weight.grad().scalar_type(), at::kFloat);
+    EXPECT_LT(relative_error(y, ref), 1e-2);
+    EXPECT_LT(relative_error(x1.grad(), x2.grad()), 1e-2);
+    EXPECT_LT(relative_error(norm.weight.grad(), w2.grad()), 1e-2);
+  }
+  titan::kernels::set_fused_kernels_enabled(true);
 }
 
 TEST(FusedKernels, SwiGluMatchesAten) {

@@ -43,7 +43,11 @@ at::Tensor RMSNorm::forward(const Inputs& inputs, const Context&) {
   const at::Tensor& x = inputs[0];
   if (x.scalar_type() != weight.scalar_type()) {
     // Under autocast a norm can meet a bf16 input (Qwen3's q/k norms after their projections) and its float32
-    // weight: normalised in float32, as transformers' Qwen3RMSNorm does, and handed on in the input's dtype.
+    // weight: normalised in float32, as transformers' Qwen3RMSNorm does, and handed on in the input's dtype. The
+    // fused kernel takes the weight in the input's dtype (as FSDP's mixed precision hands it over) and keeps the
+    // bf16 input for backward; the ATen composition keeps float32 copies, four times the memory.
+    const at::Tensor cast_weight = weight.to(x.scalar_type());
+    if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, cast_weight})) return kernels::rms_norm(x, cast_weight, eps_);
     return at::rms_norm(x.to(at::kFloat), {dim_}, weight.to(at::kFloat), eps_).to(x.scalar_type());
   }
   if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, weight})) return kernels::rms_norm(x, weight, eps_);
