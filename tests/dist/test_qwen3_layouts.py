@@ -1,8 +1,8 @@
 """Qwen3 (q/k norms, an explicit head_dim wider than dim / n_heads, the half-split rotary layout) through the same
 trainer and parallelisms as Llama 3, on real MPI ranks against one process at the same global batch: FSDP 2,
-TP 2 x FSDP 2, PP 2 (1F1B) and CP 2 give the same losses and gradient norms (1e-5 relative) and final weights
-over 10 float32 steps; a checkpoint saved on TP 2 x FSDP 2 resumes on one process and continues as the
-uninterrupted run does."""
+TP 2 x FSDP 2, PP 2 (1F1B) and CP 2, with full, per-layer and op-level activation checkpointing among them, give the
+same losses, gradient norms and learning rates (1e-5 relative) over 10 float32 steps; a checkpoint saved on
+TP 2 x FSDP 2 resumes on one process and continues as the uninterrupted run does."""
 import json
 import os
 import re
@@ -47,12 +47,17 @@ def reference(tmp_path_factory):
     return probe(tmp_path_factory.mktemp("single"), "single", 1, ["--training.local_batch_size", "2"], steps=12)
 
 
+# Each layout also runs one activation checkpointing mode (the reference runs none): recomputation must not change
+# a float32 step.
 CASES = {  # name: (ranks, data-parallel ranks, options)
-    "fsdp2": (2, 2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
-    "tp2_fsdp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-                         "--training.local_batch_size", "2"]),
-    "pp2_1F1B": (2, 1, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-                        "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4"]),
+    "fsdp2_full_ac": (2, 2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2",
+                             "--activation_checkpoint.mode", "full"]),
+    "tp2_fsdp2_selective_ac_1": (4, 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                                        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
+                                        "--activation_checkpoint.selective_ac_option", "1"]),
+    "pp2_1F1B_op_ac": (2, 1, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+                              "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4",
+                              "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
     "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                    "--training.local_batch_size", "2"]),
 }

@@ -21,6 +21,7 @@
 #include "titan/components/checkpoint/formats/dcp.h"
 #include "titan/components/checkpoint/hf.h"
 #include "titan/components/checkpoint/formats/torch_dcp.h"
+#include "titan/components/checkpoint/torch_dcp_source.h"
 
 namespace titan::checkpoint {
 
@@ -536,6 +537,23 @@ bool Checkpointer::load_directory(const protocols::StatefulParts& parts, const s
   }
   log::info(strprintf("Loaded checkpoint %s (step %lld, saved by %d rank(s)) in %.2f s", reader.directory().c_str(),
                       static_cast<long long>(meta.value("step", 0)), meta.value("world_size", 0), now_seconds() - start));
+  return true;
+}
+
+bool Checkpointer::load_torch_dcp(const protocols::StatefulParts& parts, const std::string& directory, bool weights_only) {
+  const double start = now_seconds();
+  TorchDcpSource source(directory, weights_only);
+  const bool model_only = weights_only || !source.step();
+  load_parts(parts, source, model_only);
+  if (model_only) {
+    log::info("Loaded model weights from torch DCP checkpoint ", directory,
+              source.step() ? " (model only: training starts at step 1)"
+                            : " (it holds model weights only, as torchtitan's last save: training starts at step 1)",
+              strprintf(" in %.2f s", now_seconds() - start));
+    return true;
+  }
+  log::info(strprintf("Loaded torch DCP checkpoint %s (step %lld: model, optimizer, LR schedule) in %.2f s", directory.c_str(),
+                      static_cast<long long>(*source.step()), now_seconds() - start));
   return true;
 }
 

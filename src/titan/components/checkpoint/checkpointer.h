@@ -16,7 +16,7 @@
 #include "titan/config/job_config.h"
 #include "titan/distributed/parallel_dims.h"
 #include "titan/protocols/model_args.h"
-#include "titan/protocols/model_spec.h"
+#include "titan/protocols/state_dict_adapter.h"
 #include "titan/protocols/stateful.h"
 
 namespace titan::checkpoint {
@@ -68,7 +68,7 @@ class Checkpointer {
   // Replaces the committed model-only checkpoint `directory` by a Hugging Face directory of the same weights.
   void export_hf_in_place(const HfModel& hf, const std::string& directory);
   // torchtitan's checkpoints (torch DCP directories): weights, and unless weights_only the AdamW state, step,
-  // token count and LR schedule (checkpointer_torch_dcp.cpp).
+  // token count and LR schedule (torch_dcp_source.h).
   bool load_torch_dcp(const protocols::StatefulParts& parts, const std::string& directory, bool weights_only);
   const config::Checkpoint& config_;
   const distributed::DeviceMesh& mesh_;

@@ -12,7 +12,7 @@
 
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/protocols/model_args.h"
-#include "titan/protocols/model_spec.h"
+#include "titan/protocols/state_dict_adapter.h"
 
 namespace titan::checkpoint {
 

@@ -6,8 +6,9 @@
 
 namespace titan::checkpoint::torchtitan {
 
+inline constexpr const char* kOptimizerStatePrefix = "optimizer.state.";
 inline std::string optimizer_key(const std::string& parameter, const std::string& field) {
-  return "optimizer.state." + parameter + "." + field;
+  return kOptimizerStatePrefix + parameter + "." + field;
 }
 inline constexpr const char* kStepKey = "train_state.step";
 inline constexpr const char* kTokensKey = "train_state.ntokens_seen";
