@@ -26,13 +26,17 @@ def titan_run(tmp_path, implementation, extra=()):
     return out
 
 
-def python_loop(out, implementation):
+def python_loop(out, implementation, convert=None):
+    """The reference loop on the batches titan's probe wrote; `convert` (e.g. torchao's float8 conversion) is applied
+    to the model after its initial weights are loaded."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 
     meta = json.loads((out / "metrics.json").read_text())
     model = hf_model(16)
     model.load_state_dict(load_file(str(out / "initial.safetensors")), strict=True)
+    if convert:
+        convert(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                   fused=implementation == "fused", foreach=implementation == "foreach")
     schedule = build_lr_schedulers([optimizer], LRSchedulerConfig(warmup_steps=3, decay_ratio=0.5, decay_type="cosine",

@@ -16,7 +16,6 @@ SupportReport check_supported(const LoadedConfig& loaded) {
   for (auto [key, value, what] : {std::tuple{"parallelism.expert_parallel_degree", p.expert_parallel_degree, "expert parallelism"},
                                   std::tuple{"parallelism.expert_tensor_parallel_degree", p.expert_tensor_parallel_degree, "expert tensor parallelism"}})
     if (value > 1) not_yet(key, std::to_string(value), what);
-  if (!c.model.converters.empty()) not_yet("model.converters", join(c.model.converters, ","), "model conversion (float8/MX)");
   if (c.metrics.enable_wandb) not_yet("metrics.enable_wandb", "true", "Weights & Biases logging");
   if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
   if (c.memory_estimation.enable) not_yet("memory_estimation.enable", "true", "memory estimation");

@@ -17,6 +17,7 @@
 #include "titan/common/strings.h"
 #include "titan/components/data/builtin.h"
 #include "titan/components/metrics/cuda_device.h"
+#include "titan/components/quantization/float8.h"
 #include "titan/config/dtypes.h"
 #include "titan/config/support.h"
 #include "titan/distributed/context_parallel.h"
@@ -138,8 +139,12 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   // The model is built without storage; the parallelisms shard it, and each rank then allocates and initialises
   // only its own pieces, with values that depend on the seed alone (nn/init.h), not on the layout.
   const at::ScalarType param_dtype = titan::config::dtype_from_name(c.training.dtype, "training.dtype");
+  if (const auto errors = quantization::float8_config_errors(loaded_, device_); !errors.empty())
+    fail("this configuration asks for float8 training titan.cpp cannot run:\n  - ", join(errors, "\n  - "));
   model_ = spec_->build(args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
   model_->move_buffers(device_);
+  // Converters run between building and parallelizing (torchtitan's order: converters, TP, CP, AC, FSDP).
+  if (quantization::float8_enabled(c)) quantization::convert_to_float8(*model_, c);
   hf_adapter_ = spec_->state_dict_adapter(args);
   log::info("Model ", spec_->name, " ", model_name_, " size: ", with_thousands(args.reported_parameters()), " total parameters; ",
             strprintf("%.2f", args.flops_per_token(c.training.seq_len) / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);

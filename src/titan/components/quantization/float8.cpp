@@ -1,0 +1,132 @@
+#include "titan/components/quantization/float8.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "titan/common/error.h"
+#include "titan/common/logging.h"
+#include "titan/common/strings.h"
+#include "titan/nn/float8.h"
+#include "titan/nn/unit.h"
+
+namespace titan::quantization {
+
+namespace {
+
+constexpr const char* kAutoFilter = "auto_filter_small_kn";
+
+std::string recipe_name(const config::Float8Linear& s) { return s.recipe_name.value_or("tensorwise"); }
+
+bool is_float8_converter(const std::string& name) { return name == "quantize.linear.float8" || name == "float8"; }
+
+}  // namespace
+
+bool float8_enabled(const config::JobConfig& config) {
+  const auto& converters = config.model.converters;
+  return std::any_of(converters.begin(), converters.end(), is_float8_converter);
+}
+
+std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
+  const config::JobConfig& c = loaded.config;
+  std::vector<std::string> errors;
+  int float8_count = 0;
+  for (const auto& name : c.model.converters) {
+    if (is_float8_converter(name)) {
+      ++float8_count;
+    } else if (name == "quantize.linear.mx" || name == "mx") {
+      errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
+                           ": MXFP8 linears are not supported yet (float8 linears are: \"quantize.linear.float8\")"));
+    } else {
+      errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
+                           ": not a converter; expected \"quantize.linear.float8\" (or its short name \"float8\")"));
+    }
+  }
+  if (float8_count > 1)
+    errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists the float8 converter twice"));
+  if (float8_count == 0) return errors;
+  const auto& s = c.quantize.linear.float8;
+  const std::string recipe = recipe_name(s);
+  const auto& names = nn::float8::recipe_names();
+  if (std::find(names.begin(), names.end(), recipe) == names.end()) {
+    errors.push_back(cat("quantize.linear.float8.recipe_name = ", quote(recipe), " ", loaded.where("quantize.linear.float8.recipe_name"),
+                         ": not a float8 recipe; expected one of ", join(names, ", ")));
+    return errors;
+  }
+  if (recipe == "rowwise_with_gw_hp" && std::find(s.filter_fqns.begin(), s.filter_fqns.end(), kAutoFilter) != s.filter_fqns.end())
+    errors.push_back(cat("quantize.linear.float8.filter_fqns lists ", quote(kAutoFilter), " ", loaded.where("quantize.linear.float8.filter_fqns"),
+                         ", which has no size thresholds for recipe \"rowwise_with_gw_hp\" (torchao has them for tensorwise and "
+                         "rowwise); name the layers to keep in high precision instead"));
+  if (s.enable_fsdp_float8_all_gather) {
+    if (recipe != "tensorwise")
+      errors.push_back(cat("quantize.linear.float8.enable_fsdp_float8_all_gather = true ", loaded.where("quantize.linear.float8.enable_fsdp_float8_all_gather"),
+                           " needs recipe \"tensorwise\" (with recipe ", quote(recipe),
+                           " each matmul casts its own operands, so the gathered weight stays in high precision, as in torchao)"));
+    else
+      errors.push_back(cat("quantize.linear.float8.enable_fsdp_float8_all_gather = true ", loaded.where("quantize.linear.float8.enable_fsdp_float8_all_gather"),
+                           ": float8 FSDP all-gathers are not supported yet (float8 linears with bf16 gathers are)"));
+  }
+  if (s.precompute_float8_dynamic_scale_for_fsdp)
+    errors.push_back(cat("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp = true ",
+                         loaded.where("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
+                         ": precomputed scales belong to float8 FSDP all-gathers, which are not supported yet"));
+  if (c.parallelism.tensor_parallel_degree > 1)
+    errors.push_back(cat("parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree, " ",
+                         loaded.where("parallelism.tensor_parallel_degree"),
+                         " with float8 linears (model.converters): float8 tensor parallelism is not supported yet"));
+  std::string why;
+  if (!s.emulate && !nn::float8::has_float8_matmul(device, &why))
+    errors.push_back(cat("model.converters asks for float8 linears ", loaded.where("model.converters"), ", but ", why,
+                         "; quantize.linear.float8.emulate = true runs them emulated (float8 values, float32 matmuls)"));
+  return errors;
+}
+
+bool float8_converts(const std::string& fqn, int64_t out_features, int64_t in_features, const config::Float8Linear& settings) {
+  bool auto_filter = false;
+  for (const auto& f : settings.filter_fqns) {
+    if (f == kAutoFilter) {
+      auto_filter = true;
+      continue;
+    }
+    if (!f.empty() && fqn.find(f) != std::string::npos) return false;
+  }
+  const int64_t n = out_features, k = in_features;
+  if (n % 16 != 0 || k % 16 != 0) return false;  // float8 matmuls need both dimensions in multiples of 16
+  if (!auto_filter) return true;
+  // torchao's thresholds below which the float8 casts cost more than the faster matmul saves (measured on H100).
+  if (recipe_name(settings) == "tensorwise") return !(k <= 4096 && n <= 1024);
+  return !(n <= 2048 || k <= 1024 || (n <= 4096 && k <= 2048));
+}
+
+Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& config) {
+  const auto& settings = config.quantize.linear.float8;
+  auto recipe = std::make_shared<const nn::float8::Recipe>(nn::float8::recipe(recipe_name(settings)));
+  const bool emulate = settings.emulate;
+  Float8Conversion result;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const std::string& fqn = item.key();
+    auto* linear = dynamic_cast<nn::Linear*>(item.value().get());
+    if (!linear) {
+      // A projection that is not a plain linear unit (the output projection, which computes the loss with its
+      // matmul) stays in high precision; torchtitan's float8 TOMLs filter "output" anyway.
+      const auto* weight = item.value()->named_parameters(/*recurse=*/false).find("weight");
+      if (weight && weight->dim() == 2 && !dynamic_cast<nn::Embedding*>(item.value().get())) result.kept.push_back(fqn);
+      continue;
+    }
+    if (!float8_converts(fqn, linear->weight.size(0), linear->weight.size(1), settings)) {
+      result.kept.push_back(fqn);
+      continue;
+    }
+    // Innermost: tensor parallelism, activation checkpointing and FSDP wrap it as they wrap the plain linear, and
+    // it reads the weight as they leave it (the local shard, the gathered copy).
+    linear->add_innermost_wrapper("float8", [linear, recipe, emulate](const nn::Unit::Inputs& inputs, const nn::Context&,
+                                                                      const nn::Unit::Next&) {
+      return nn::float8::linear(inputs[0], linear->weight, *recipe, emulate);
+    });
+    result.converted.push_back(fqn);
+  }
+  log::info("Float8 linears (", recipe->name, emulate ? ", emulated" : "", "): ", result.converted.size(), " converted",
+            result.kept.empty() ? std::string() : cat(", ", result.kept.size(), " kept in high precision (", join(result.kept, ", "), ")"));
+  return result;
+}
+
+}  // namespace titan::quantization

@@ -1,0 +1,33 @@
+// torchtitan's float8 converter (model.converters = ["quantize.linear.float8"], or "float8"): between building a
+// model and parallelizing it, the selected linear units get an innermost wrapper that computes them as float8
+// linears (nn/float8.h) with the [quantize.linear.float8] recipe. The model code, its parameters and checkpoints
+// stay as they are: a checkpoint saved with float8 loads without it and the other way round.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "titan/config/loader.h"
+#include "titan/nn/model.h"
+
+namespace titan::quantization {
+
+// Whether model.converters asks for float8 linears.
+bool float8_enabled(const config::JobConfig& config);
+// Errors for what the [quantize.linear.float8] keys and model.converters ask that titan cannot run, each naming the
+// key (empty: runnable). `device` is where training runs (a device without a float8 matmul needs emulate = true).
+std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device);
+
+// Whether a linear layer of weight shape [out_features, in_features] named `fqn` is converted: both dimensions
+// divide by 16, no entry of filter_fqns is a substring of the name, and with "auto_filter_small_kn" among them the
+// shape is above torchao's thresholds for the recipe.
+bool float8_converts(const std::string& fqn, int64_t out_features, int64_t in_features, const config::Float8Linear& settings);
+
+struct Float8Conversion {
+  std::vector<std::string> converted, kept;  // the linear units' names
+};
+// Wraps the selected linear units of `model` (before any parallelism) and logs which were converted.
+Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& config);
+
+}  // namespace titan::quantization

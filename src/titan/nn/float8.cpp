@@ -1,0 +1,190 @@
+#include "titan/nn/float8.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/_scaled_mm.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#ifdef TITAN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+#include <limits>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/nn/matmul.h"
+
+namespace titan::nn::float8 {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr double kAmaxFloor = 1e-12;  // torchao's EPS
+
+double format_max(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat8_e4m3fn: return 448.0;
+    case at::kFloat8_e5m2: return 57344.0;
+    default: fail("float8: ", c10::toString(dtype), " is not a float8 format titan casts to (float8_e4m3fn, float8_e5m2)");
+  }
+}
+
+// The casts below run on float32 tensors; autocast (thread-local, possibly on) must not change their dtypes.
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{
+      c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
+};
+
+Cast high_precision() { return {Scaling::high_precision, at::kFloat8_e4m3fn}; }
+Cast tensorwise(at::ScalarType dtype) { return {Scaling::tensorwise, dtype}; }
+Cast axiswise() { return {Scaling::axiswise, at::kFloat8_e4m3fn}; }
+
+// at::_scaled_mm wants scales of one granularity: a per-tensor scale beside a per-row one is repeated along the rows.
+at::Tensor matching_scale(const at::Tensor& scale, const at::Tensor& other, int64_t rows, bool is_a) {
+  if (scale.dim() == 2 || other.dim() != 2) return scale;
+  return is_a ? scale.reshape({1, 1}).expand({rows, 1}).contiguous() : scale.reshape({1, 1}).expand({1, rows}).contiguous();
+}
+
+}  // namespace
+
+const std::vector<std::string>& recipe_names() {
+  static const std::vector<std::string> names = {"tensorwise", "rowwise", "rowwise_with_gw_hp"};
+  return names;
+}
+
+Recipe recipe(const std::string& name) {
+  Recipe r;
+  r.name = name;
+  if (name == "tensorwise") {
+    // Inputs and weights in E4M3, gradients in E5M2, one scale per tensor, every matmul in float8.
+    r.input = r.weight = r.input_for_grad_weight = r.weight_for_grad_input = tensorwise(at::kFloat8_e4m3fn);
+    r.grad_output = r.grad_output_for_grad_weight = tensorwise(at::kFloat8_e5m2);
+  } else if (name == "rowwise") {
+    // E4M3 everywhere, a power-of-two scale per row along each matmul's contraction dimension.
+    r.input = r.weight = r.grad_output = r.input_for_grad_weight = r.weight_for_grad_input = r.grad_output_for_grad_weight = axiswise();
+    r.power_of_two_scales = true;
+  } else if (name == "rowwise_with_gw_hp") {
+    // As rowwise for the output and the input gradient (the weight there per tensor); the weight gradient in high
+    // precision.
+    r.input = r.weight = r.grad_output = axiswise();
+    r.weight_for_grad_input = tensorwise(at::kFloat8_e4m3fn);
+    r.input_for_grad_weight = r.grad_output_for_grad_weight = high_precision();
+    r.power_of_two_scales = true;
+  } else {
+    fail("quantize.linear.float8.recipe_name = ", quote(name), " is not a float8 recipe; expected one of ",
+         join(recipe_names(), ", "));
+  }
+  return r;
+}
+
+at::Tensor amax_to_scale(const at::Tensor& amax, at::ScalarType float8_dtype, bool power_of_two) {
+  at::Tensor scale = (format_max(float8_dtype) / amax.to(at::kDouble).clamp_min(kAmaxFloor)).to(at::kFloat);
+  if (power_of_two) scale = at::exp2(at::floor(at::log2(scale)));
+  return scale;
+}
+
+Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_scales) {
+  if (c.scaling == Scaling::high_precision) return {x, at::Tensor()};
+  NoAutocast no_autocast;
+  at::NoGradGuard no_grad;
+  const at::Tensor magnitude = x.abs();
+  const at::Tensor amax = c.scaling == Scaling::tensorwise ? magnitude.max() : magnitude.amax({dim}, /*keepdim=*/true);
+  const at::Tensor scale = amax_to_scale(amax, c.dtype, power_of_two_scales);
+  const double limit = format_max(c.dtype);
+  // Saturating: values beyond the format's largest finite one become it.
+  const at::Tensor data = (x.to(at::kFloat) * scale).clamp(-limit, limit).to(c.dtype);
+  return {data, scale};
+}
+
+at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool emulate, bool fast_accumulation) {
+  TORCH_CHECK(a.quantized() == b.quantized(), "float8::mm: one operand quantized and the other not");
+  NoAutocast no_autocast;
+  if (!a.quantized()) return nn::mm(a.data, b.data).to(out_dtype);
+  if (emulate || !a.data.is_cuda()) {
+    // Dequantised to float32 and multiplied there (torchao's emulation, operation for operation).
+    return at::mm(a.data.to(at::kFloat) / a.scale, b.data.to(at::kFloat) / b.scale).to(out_dtype);
+  }
+  // at::_scaled_mm: a row-major, b column-major, and the reciprocal scales.
+  const at::Tensor a_data = a.data.is_contiguous() ? a.data : a.data.contiguous();
+  const at::Tensor b_data = b.data.t().is_contiguous() ? b.data : b.data.t().contiguous().t();
+  const at::Tensor a_scale = matching_scale(a.scale, b.scale, a_data.size(0), true).reciprocal();
+  const at::Tensor b_scale = matching_scale(b.scale, a.scale, b_data.size(1), false).reciprocal();
+  return at::_scaled_mm(a_data, b_data, a_scale, b_scale, std::nullopt, std::nullopt, out_dtype, fast_accumulation);
+}
+
+namespace {
+
+struct Float8Linear : torch::autograd::Function<Float8Linear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe,
+                            bool emulate) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["emulate"] = emulate;
+    ctx->saved_data["recipe"] = recipe.name;
+    const Recipe* r = &recipe;
+    const int64_t k = x.size(-1);
+    const at::Tensor x2 = x.reshape({-1, k});
+    // Output = x W^T: contraction over K, the input per row (dim 1), W^T per column (dim 0).
+    const Operand xq = cast(x2, r->input, 1, r->power_of_two_scales);
+    const Operand wq = cast(weight.t(), r->weight, 0, r->power_of_two_scales);
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = weight.size(0);
+    return mm(xq, wq, x.scalar_type(), emulate, /*fast_accumulation=*/true).reshape(out_shape);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const bool emulate = ctx->saved_data["emulate"].toBool();
+    const Recipe r = recipe(ctx->saved_data["recipe"].toStringRef());
+    const int64_t n = weight.size(0), k = weight.size(1);
+    const at::Tensor g = grads[0].reshape({-1, n});
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) {
+      // dx = g W: contraction over N, g per row, W (kept as W^T, cast per row of W^T) per column.
+      const Operand gq = cast(g, r.grad_output, 1, r.power_of_two_scales);
+      const Operand wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales).t();
+      dx = mm(gq, wq, grads[0].scalar_type(), emulate, false).reshape(x.sizes());
+    }
+    if (ctx->needs_input_grad(1)) {
+      // dW = g^T x: contraction over the tokens, g and x per column.
+      const Operand gq = cast(g, r.grad_output_for_grad_weight, 0, r.power_of_two_scales).t();
+      const Operand xq = cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales);
+      dw = mm(gq, xq, grads[0].scalar_type(), emulate, false).to(weight.scalar_type());
+    }
+    return {dx, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate) {
+  // Under autocast the input is first cast to the autocast dtype, as torchao's Float8Linear does; the weight is
+  // cast to float8 from whatever dtype it has (the float32 master, or FSDP's gathered bf16 copy).
+  const auto device = x.device().type();
+  if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()))
+    return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate);
+  return Float8Linear::apply(x, weight, recipe, emulate);
+}
+
+bool has_float8_matmul(const at::Device& device, std::string* why) {
+  if (device.is_cuda()) {
+#ifdef TITAN_WITH_CUDA
+    const auto* properties = at::cuda::getDeviceProperties(device.index());
+    if (properties->major > 8 || (properties->major == 8 && properties->minor >= 9)) return true;
+    if (why) *why = cat(properties->name, " (compute capability ", properties->major, ".", properties->minor,
+                        ") has no float8 tensor cores; they start at 8.9 (Ada, Hopper and newer)");
+    return false;
+#else
+    if (why) *why = "this build of titan has no CUDA";
+    return false;
+#endif
+  }
+  if (why) *why = cat("the ", device.str(), " has no float8 matmul titan uses (LibTorch's CPU at::_scaled_mm is a reference loop)");
+  return false;
+}
+
+}  // namespace titan::nn::float8

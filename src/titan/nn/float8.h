@@ -1,0 +1,63 @@
+// Float8 linear layers with torchao's dynamic scaling (the library torchtitan's float8 converter uses): each operand
+// of each of a linear's three matmuls (the output, the input gradient, the weight gradient) is cast as its recipe
+// says -- per tensor or per row along the matmul's contraction dimension, to E4M3 or E5M2, or left in high
+// precision -- with scale = max_of_format / max(amax, 1e-12) computed in float64 and kept in float32 (rounded down
+// to a power of two for the rowwise recipes) and a saturating cast; the product gets the reciprocal scales.
+//
+// Where the matmul runs: LibTorch's at::_scaled_mm on CUDA devices with float8 tensor cores (compute capability 8.9
+// and newer); everywhere else, and whenever `emulate` is set, the emulation torchao uses for its own tests: the
+// float8 values dequantised to float32 and multiplied in float32. LibTorch 2.15 also has a CPU at::_scaled_mm, but it
+// is a reference loop (measured on 2026-11-27 below 0.1 GFLOP/s at 1024^3, against about 50 for the emulation on
+// the same 2 cores), so the CPU emulates. See docs/float8.md.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+namespace titan::nn::float8 {
+
+// How one operand is cast (torchao's CastConfig).
+enum class Scaling { high_precision, tensorwise, axiswise };
+struct Cast {
+  Scaling scaling = Scaling::tensorwise;
+  at::ScalarType dtype = at::kFloat8_e4m3fn;
+};
+
+// torchao's recipes: the casts of every operand of the three matmuls.
+struct Recipe {
+  std::string name;
+  Cast input, weight, grad_output;                                               // output and input gradient
+  Cast input_for_grad_weight, weight_for_grad_input, grad_output_for_grad_weight;
+  bool power_of_two_scales = false;
+};
+// "tensorwise", "rowwise" or "rowwise_with_gw_hp"; UserError naming the others.
+Recipe recipe(const std::string& name);
+const std::vector<std::string>& recipe_names();
+
+// A cast operand: `data` (float8, or the high-precision tensor itself) and the scale that multiplied it (float32: a
+// scalar, or keepdim-shaped along the reduced dimension); data / scale approximates the original.
+struct Operand {
+  at::Tensor data, scale;
+  bool quantized() const { return scale.defined(); }
+  Operand t() const { return {data.t(), scale.defined() && scale.dim() == 2 ? scale.t() : scale}; }
+};
+
+// Casts a 2-D `x` as `cast` says; axiswise scales reduce over dimension `dim` (the contraction dimension of the
+// matmul the operand is for).
+Operand cast(const at::Tensor& x, const Cast& cast, int64_t dim, bool power_of_two_scales);
+// The scale of a tensor whose absolute maximum (per tensor, or keepdim along a dimension) is `amax`.
+at::Tensor amax_to_scale(const at::Tensor& amax, at::ScalarType float8_dtype, bool power_of_two);
+
+// a [M, K] @ b [K, N] in `out_dtype`: both quantized (scaled matmul or its emulation) or both high precision.
+at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool emulate, bool fast_accumulation);
+
+// x [..., K] @ weight [N, K]^T with the recipe's casts, differentiable in x and weight. The output (and the input
+// gradient) is in x's dtype, the weight gradient in the weight's. Saves x and weight for backward (as torchao).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate);
+
+// Whether `device` has a float8 matmul titan uses (CUDA compute capability 8.9 or newer); when not, `why` says
+// what it lacks.
+bool has_float8_matmul(const at::Device& device, std::string* why);
+
+}  // namespace titan::nn::float8

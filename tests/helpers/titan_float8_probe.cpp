@@ -1,0 +1,25 @@
+// Test helper: one float8 linear (nn/float8.h), forward and backward, on given tensors.
+// usage: titan_float8_probe --in IN.safetensors --recipe tensorwise|rowwise|rowwise_with_gw_hp --out OUT.safetensors
+// IN holds x [..., K], weight [N, K] and grad [..., N] (any float dtypes); OUT gets y, grad_x and grad_weight.
+#include <iostream>
+#include <map>
+
+#include "titan/components/checkpoint/formats/safetensors.h"
+#include "titan/nn/float8.h"
+
+int main(int argc, char** argv) {
+  std::map<std::string, std::string> opt;
+  for (int i = 1; i + 1 < argc; i += 2) opt[argv[i]] = argv[i + 1];
+  try {
+    titan::safetensors::File in(opt.at("--in"));
+    at::Tensor x = in.load("x").requires_grad_(), weight = in.load("weight").requires_grad_();
+    const auto recipe = titan::nn::float8::recipe(opt.at("--recipe"));
+    at::Tensor y = titan::nn::float8::linear(x, weight, recipe, /*emulate=*/true);
+    y.backward(in.load("grad"));
+    titan::safetensors::save(opt.at("--out"), {{"y", y.detach()}, {"grad_x", x.grad()}, {"grad_weight", weight.grad()}});
+  } catch (const std::exception& e) {
+    std::cerr << "titan_float8_probe: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
