@@ -33,7 +33,7 @@
 # Checks: titan_gpu_tests (tests/gpu: the model on CUDA against the CPU in float32, titan's CUDA kernels against
 # ATen in float64, NCCL collectives on one rank,
 # the trainer on the GPU, checkpoint round trips, GPU memory and peak-FLOPs metrics), then `titan train` on the
-# GPU: bf16-autocast and bf16-parameter runs whose loss must fall, a resume from a checkpoint that must continue
+# GPU: bf16-autocast, bf16-parameter and float8 runs whose loss must fall, a resume from a checkpoint that must continue
 # the uninterrupted run, the step line's memory field, tokens/s and MFU of the 1B flavor, and titan_bench_kernels
 # --device cuda (titan's CUDA kernels against ATen at Llama 3 8B's shapes) (figures only: speed
 # never passes or fails). The CLI corpus is the Python standard library's source (present wherever python3 is),
@@ -502,6 +502,16 @@ run_cli() {
   if within_budget cli.bf16_params 30 && train bf16_params "${debug[@]}" --training.steps 30 --training.dtype bfloat16; then
     checker loss-falls "$LOGS/train-bf16_params.log" --name cli.bf16_params.loss_falls --min-drop 0.5
   fi
+  # Float8 linears (torchao's tensorwise recipe, the output projection in bf16): the loss falls. at::_scaled_mm needs
+  # compute capability 8.9 or newer; older GPUs and the dry run emulate.
+  local float8=(--model.converters float8 --quantize.linear.float8.filter_fqns output)
+  local capability
+  capability=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' .')
+  if [[ "$DRY_RUN" == 1 || -z "$capability" || "$capability" -lt 89 ]]; then float8+=(--quantize.linear.float8.emulate); fi
+  if within_budget cli.float8 40 && train float8 "${debug[@]}" --training.steps 40 "${float8[@]}"; then
+    checker loss-falls "$LOGS/train-float8.log" --name cli.float8.loss_falls --min-drop 1.0
+    figure cli.float8.layers "$(grep -m1 -o 'Float8 linears.*' "$LOGS/train-float8.log")"
+  fi
   # Resume: 10 steps in one go against 5 steps' checkpoint (copied from that run) resumed to 10.
   local resume=("${debug[@]}" --training.steps 10 --checkpoint.enable --checkpoint.interval 5 --checkpoint.keep_latest_k 0
                 --checkpoint.no_last_save_model_only --debug.deterministic --debug.deterministic_warn_only)
@@ -526,6 +536,10 @@ run_cli() {
     --training.steps "$BENCH_STEPS" --metrics.log_freq 5 --activation_checkpoint.mode none --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5
   run_bench bench_8B_4_layers 1 "selective AC" --model.flavor 8B --model.n_layers 4 "${data[@]}" --training.seq_len 8192 \
     --training.steps 15 --metrics.log_freq 5 --activation_checkpoint.mode selective --optimizer.lr 3e-4 --lr_scheduler.warmup_steps 5
+  # The same with float8 linears (tensorwise), against the bf16 figure above.
+  run_bench bench_8B_4_layers_float8 1 "selective AC, float8 tensorwise" --model.flavor 8B --model.n_layers 4 "${data[@]}" \
+    --training.seq_len 8192 --training.steps 15 --metrics.log_freq 5 --activation_checkpoint.mode selective --optimizer.lr 3e-4 \
+    --lr_scheduler.warmup_steps 5 "${float8[@]}"
 }
 
 run_bench() {  # run_bench name local_batch "AC description" args...: tokens/s, MFU and memory as figures; half the batch on OOM

@@ -11,6 +11,7 @@
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
+#include "titan/nn/float8.h"
 
 namespace {
 
@@ -181,6 +182,34 @@ TEST(GpuKernels, FirstCallChecksAgreeWithAten) {
   for (auto op : {titan::kernels::Op::swiglu, titan::kernels::Op::rope, titan::kernels::Op::cross_entropy})
     EXPECT_TRUE(titan::kernels::fused_kernel_applies(op, {at::ones({2}, at::TensorOptions().device(device).dtype(at::kBFloat16))}));
   figure("cuda kernel first-call checks agreeing", static_cast<double>(lines.size()));
+}
+
+// Float8 linears through at::_scaled_mm (compute capability 8.9 and newer) against the emulation of the same casts
+// on the host: every recipe, bf16, an odd token count. The emulation multiplies in float32; the GPU accumulates in
+// float32 too (with fast accumulation in the forward matmul) and rounds to bf16.
+TEST(GpuKernels, Float8LinearsMatchTheirEmulation) {
+  TITAN_REQUIRE_CUDA();
+  const at::Device device = test_device();
+  std::string why;
+  if (!titan::nn::float8::has_float8_matmul(device, &why)) GTEST_SKIP() << why;
+  at::manual_seed(13);
+  for (const auto& name : titan::nn::float8::recipe_names()) {
+    SCOPED_TRACE(name);
+    const auto recipe = titan::nn::float8::recipe(name);
+    const at::Tensor x = (at::randn({3, 333, 256}) * 2).to(at::kBFloat16), w = (at::randn({512, 256}) * 0.05).to(at::kBFloat16);
+    const at::Tensor grad = at::randn({3, 333, 512}).to(at::kBFloat16);
+    at::Tensor x1 = leaf(x.to(device)), w1 = leaf(w.to(device));
+    at::Tensor y = titan::nn::float8::linear(x1, w1, recipe, /*emulate=*/false);
+    y.backward(grad.to(device));
+    at::Tensor x2 = leaf(x), w2 = leaf(w);
+    at::Tensor ref = titan::nn::float8::linear(x2, w2, recipe, /*emulate=*/true);
+    ref.backward(grad);
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_LT(max_relative_difference(y, ref.to(at::kDouble)), 1.6e-2);
+    EXPECT_LT(max_relative_difference(x1.grad(), x2.grad().to(at::kDouble)), 1.6e-2);
+    EXPECT_LT(max_relative_difference(w1.grad(), w2.grad().to(at::kDouble)), 1.6e-2);
+  }
+  figure("float8 recipes checked on the GPU", static_cast<double>(titan::nn::float8::recipe_names().size()));
 }
 
 }  // namespace
