@@ -3,6 +3,9 @@
 // Never passes or fails on time. With --device cuda: titan's CUDA kernels (SwiGLU, RoPE, the fused loss's row
 // passes) at Llama 3 8B's shapes, each call followed by a device synchronisation (scripts/test_gpu.sh runs it).
 //
+// Float8 linears (nn/float8.h, every recipe) against LibTorch's bf16 linear, forward and backward: on the CPU emulated
+// (float8 values, float32 matmuls: expected slower than bf16), on CUDA through at::_scaled_mm where the GPU has it.
+//
 // usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512|avx512bf16] [--device cpu|cuda]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -23,6 +26,7 @@
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
+#include "titan/nn/float8.h"
 
 namespace {
 
@@ -133,6 +137,23 @@ void loss(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t vocab) {
          fused, aten, 6.0 * static_cast<double>(tokens) * static_cast<double>(dim) * static_cast<double>(vocab));
 }
 
+void float8_linear(int64_t tokens, int64_t k, int64_t n) {
+  auto opts = at::TensorOptions().dtype(at::kBFloat16).device(g_device);
+  const bool emulate = !titan::nn::float8::has_float8_matmul(g_device, nullptr);
+  at::Tensor x = at::randn({tokens, k}, opts), w = at::randn({n, k}, opts) * 0.02, g = at::randn({tokens, n}, opts);
+  at::AutoGradMode grad_mode(true);
+  const double bf16 = median_ms([&] { at::linear(leaf(x), leaf(w)).backward(g); });
+  const double flops = 6.0 * static_cast<double>(tokens) * static_cast<double>(k) * static_cast<double>(n);
+  for (const auto& name : titan::nn::float8::recipe_names()) {
+    const auto recipe = titan::nn::float8::recipe(name);
+    const double f8 = median_ms([&] { titan::nn::float8::linear(leaf(x), leaf(w), recipe, emulate).backward(g); });
+    std::printf("float8 %-18s linear fwd+bwd %lldx%lldx%lld%s  float8 %8.2f ms (%6.1f GFLOP/s)   bf16 %8.2f ms (%6.1f GFLOP/s)"
+                "   bf16/float8 %5.2fx\n",
+                name.c_str(), static_cast<long long>(tokens), static_cast<long long>(k), static_cast<long long>(n),
+                emulate ? " (emulated)" : "", f8, flops / f8 / 1e6, bf16, flops / bf16 / 1e6, bf16 / f8);
+  }
+}
+
 titan::kernels::Isa isa_named(const std::string& name) {
   using titan::kernels::Isa;
   for (Isa isa : {Isa::generic, Isa::avx2, Isa::avx512, Isa::avx512bf16})
@@ -176,6 +197,8 @@ int main(int argc, char** argv) {
       loss(dtype, 8192, 4096, 128256);
     }
     for (const auto& line : titan::kernels::cuda_kernel_checks()) std::printf("first-call check: %s\n", line.c_str());
+    float8_linear(8192, 4096, 14336);  // Llama 3 8B's feed-forward, one 8,192-token sequence
+    float8_linear(8192, 4096, 4096);   // its attention output projection
     return 0;
   }
   std::printf("titan fused CPU kernels (%s copy) against ATen, %d threads, median of %d\n",
@@ -188,5 +211,7 @@ int main(int argc, char** argv) {
     elementwise(dtype, 4096, 768, 2048, 12, 64);
     loss(dtype, 2048, 256, 32768);
   }
+  float8_linear(2048, 768, 2048);   // the 100M flavor's feed-forward, 2 x 1024 tokens
+  float8_linear(2048, 1024, 4096);
   return 0;
 }
