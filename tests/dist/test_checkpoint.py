@@ -45,18 +45,29 @@ def losses(stdout):
     return [(int(m.group(1)), m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)]
 
 
+@pytest.fixture(scope="module")
+def straight_runs():
+    return {}
+
+
 @pytest.mark.parametrize("layout,mode", [(1, "disabled"), (2, "disabled"), (4, "disabled"), (1, "async"), (2, "async"),
                                          (4, "async")])
-def test_resume_is_bitwise_identical(tmp_path, layout, mode):
+def test_resume_is_bitwise_identical(tmp_path, tmp_path_factory, straight_runs, layout, mode):
+    """20 straight steps against 10 + save + a new process + 10. One straight run per layout serves both save modes
+    (a background save must not change training either: the resumed run's losses and step-20 state are held to the
+    straight run's, whatever mode that one saved in)."""
     extra = ["--checkpoint.async_mode", mode]
-    straight = train(tmp_path / "straight", layout, 20, extra=extra)
+    if layout not in straight_runs:
+        folder = tmp_path_factory.mktemp(f"straight{layout}")
+        straight_runs[layout] = (folder, train(folder, layout, 20, extra=extra))
+    folder, straight = straight_runs[layout]
     train(tmp_path / "resumed", layout, 10, extra=extra)
     resumed = train(tmp_path / "resumed", layout, 20, extra=extra)
     if mode == "async":
         assert "training blocked" in resumed.stdout and "in the background" in resumed.stdout
     assert f"Loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / 'step-10'}" in resumed.stdout
     assert losses(resumed.stdout) == losses(straight.stdout)[10:]
-    meta_a, a = read_checkpoint(tmp_path / "straight" / "checkpoint" / "step-20")
+    meta_a, a = read_checkpoint(folder / "checkpoint" / "step-20")
     meta_b, b = read_checkpoint(tmp_path / "resumed" / "checkpoint" / "step-20")
     assert sorted(a) == sorted(b) and len(a) == 3 * 57  # model, exp_avg, exp_avg_sq of 57 parameters
     for key in a:
@@ -83,12 +94,19 @@ def test_checkpoint_loads_under_other_layouts(tmp_path):
             np.testing.assert_allclose(got[key], ref, rtol=1e-3, atol=2e-5, err_msg=f"{layout} {key}")
 
 
+@pytest.fixture(scope="module")
+def ten_steps_on_two_ranks(tmp_path_factory):
+    dump = tmp_path_factory.mktemp("prefix") / "run"
+    train(dump, 2, 10)
+    return dump
+
+
 @pytest.mark.parametrize("crash,mode", [("bytes:0", "disabled"), ("bytes:1000", "disabled"), ("bytes:20000000", "disabled"),
                                         ("before_metadata", "disabled"), ("before_rename", "disabled"),
                                         ("bytes:20000000", "async"), ("before_rename", "async")])
-def test_a_save_killed_anywhere_leaves_the_previous_checkpoint(tmp_path, crash, mode):
+def test_a_save_killed_anywhere_leaves_the_previous_checkpoint(tmp_path, ten_steps_on_two_ranks, crash, mode):
     dump = tmp_path / "run"
-    train(dump, 2, 10)
+    shutil.copytree(ten_steps_on_two_ranks, dump, symlinks=True)  # the same first 10 steps and step-10 checkpoint
     killed = train(dump, 2, 20, env={"TITAN_TEST_CHECKPOINT_CRASH": crash, "TITAN_TEST_CHECKPOINT_CRASH_RANK": "0"}, check=False,
                    extra=["--checkpoint.async_mode", mode])
     assert killed.returncode != 0

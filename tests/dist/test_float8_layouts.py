@@ -4,7 +4,12 @@ high precision), so no scale depends on how the batch is split: the first step e
 precision; later steps drift as float32 rounding differences (another summation order of the gradients) flip
 elements to the neighbouring float8 value, within what test_float8_parity measures between two float8 runs started
 one rounding apart (up to 6e-4 relative loss over 10 steps). Measured on 2026-11-27: FSDP 2 1.2e-7, PP 2 3.7e-7 over
-10 steps (no flip at this size)."""
+10 steps (no flip at this size).
+
+Float8 FSDP all-gathers (tensorwise): each rank casts its float32 shard with the whole weight's scale, so the gathered
+float8 weight is exactly what casting the gathered float32 weight gives. With float32 gathers a run with them equals
+the same layout without them bitwise, precomputed scales or not; the bytes they send per step are checked against the
+analytic figure, and with bf16 gathers against half of bf16's."""
 import json
 import os
 
@@ -19,17 +24,26 @@ COMMON = ["--model.flavor", "debugmodel", "--model.dim", "64", "--model.n_layers
           "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "3",
           "--training.max_norm", "0.5", "--debug.seed", "0", "--metrics.log_freq", "1", "--training.data_lanes", "4",
           "--activation_checkpoint.mode", "none", "--training.steps", str(STEPS),
-          "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise_with_gw_hp",
-          "--quantize.linear.float8.emulate", "--quantize.linear.float8.filter_fqns", "output"]
+          "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate",
+          "--quantize.linear.float8.filter_fqns", "output"]
+# The converted weights' elements: per block wq, wo (64 x 64), wk, wv (32 x 64), w1, w3 (128 x 64), w2 (64 x 128).
+CONVERTED_ELEMENTS = 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]
+ALL_GATHER = ["--quantize.linear.float8.enable_fsdp_float8_all_gather"]
+PRECOMPUTE = ALL_GATHER + ["--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"]
 
 
-def probe(tmp_path, name, np, extra):
+def probe(tmp_path, name, np, extra, recipe="rowwise_with_gw_hp"):
     out = tmp_path / name
     mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(np)]
     cmd = ([] if np == 1 else mpirun) + [binary("titan_train_probe"), "--probe.out", str(out),
-                                         "--job.dump_folder", str(tmp_path / name / "dump"), *COMMON, *extra]
+                                         "--job.dump_folder", str(tmp_path / name / "dump"), *COMMON,
+                                         "--quantize.linear.float8.recipe_name", recipe, *extra]
     result = run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
-    assert "Float8 linears (rowwise_with_gw_hp, emulated): 14 converted, 1 kept in high precision (output)" in result.stdout
+    assert f"Float8 linears ({recipe}, emulated" in result.stdout
+    assert "14 converted, 1 kept in high precision (output)" in result.stdout
+    if "--quantize.linear.float8.enable_fsdp_float8_all_gather" in extra:
+        assert "float8 linear weights (" in result.stdout and "gathered in float8" in result.stdout, result.stdout[-3000:]
     return json.loads((out / "metrics.json").read_text())["steps"]
 
 
@@ -53,4 +67,59 @@ def test_float8_layout_matches_one_process(tmp_path, reference, name, np, extra)
         if mine["step"] == 1:
             assert rel <= 1e-6 and abs(mine["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (mine, ref)
     print(f"float8 {name}: worst relative loss difference from one process over {STEPS} steps {worst:.2e}")
+    assert worst <= 2e-3
+
+
+def relative(steps, reference, key):
+    return max(abs(a[key] - b[key]) / b[key] for a, b in zip(steps, reference))
+
+
+def test_float8_all_gather_equals_the_bf16_gather_bitwise_and_sends_one_byte_per_element(tmp_path):
+    """FSDP 2, tensorwise, float32 gathers: without float8 all-gathers, with them, and with precomputed scales."""
+    f32 = ["--training.mixed_precision_param", "float32"]
+    plain = probe(tmp_path, "plain", 2, FSDP2 + f32, recipe="tensorwise")
+    gathered = probe(tmp_path, "float8_gather", 2, FSDP2 + f32 + ALL_GATHER, recipe="tensorwise")
+    precomputed = probe(tmp_path, "precomputed", 2, FSDP2 + f32 + PRECOMPUTE, recipe="tensorwise")
+    for run_ in (gathered, precomputed):
+        assert [(s["loss"], s["grad_norm"]) for s in run_] == [(s["loss"], s["grad_norm"]) for s in plain]
+    # Bytes this rank sends per step: each converted weight's shard (half of it on 2 ranks) is gathered twice (forward,
+    # and backward after resharding), at 1 byte per element instead of 4; the scales' amax all-reduces cost
+    # 2 (n - 1) / n x 4 bytes per weight: for each of the 2 blocks' 7 weights at each gather, or once per step for all
+    # 14 after the optimizer step when precomputed (the first step also computes them before its first gather).
+    shard = CONVERTED_ELEMENTS // 2
+    for step, (a, b, c) in enumerate(zip(plain, gathered, precomputed), 1):
+        assert a["data_parallel_bytes"] - b["data_parallel_bytes"] == 2 * shard * (4 - 1) - 4 * 7 * 4, (step, a, b)
+        assert b["data_parallel_bytes"] - c["data_parallel_bytes"] == 4 * 7 * 4 - 14 * 4 * (2 if step == 1 else 1), (step, b, c)
+
+
+def test_float8_all_gather_sends_half_of_bf16s_bytes(tmp_path):
+    """bf16 gathers (the default mixed precision) against float8 ones: the converted weights' gather bytes halve, and
+    the losses stay within float8 rounding of each other (the float8 weights now come from the float32 shards, as in
+    torchao, rather than from the bf16 copies)."""
+    plain = probe(tmp_path, "bf16", 2, FSDP2 + ["--training.mixed_precision_param", "bfloat16"], recipe="tensorwise")
+    gathered = probe(tmp_path, "float8", 2, FSDP2 + ["--training.mixed_precision_param", "bfloat16"] + PRECOMPUTE, recipe="tensorwise")
+    shard = CONVERTED_ELEMENTS // 2
+    for step, (a, b) in enumerate(zip(plain, gathered), 1):
+        bf16_bytes = 2 * shard * 2  # the converted weights' share of the bf16 run's gathers
+        assert a["data_parallel_bytes"] - b["data_parallel_bytes"] == bf16_bytes / 2 - 14 * 4 * (2 if step == 1 else 1), (step, a, b)
+    worst = relative(gathered, plain, "loss")
+    print(f"float8 against bf16 all-gathers: worst relative loss difference {worst:.2e} over {STEPS} steps")
+    assert worst <= 2e-3
+
+
+def test_float8_all_gather_on_pp2_fsdp2(tmp_path, reference):
+    """PP 2 x FSDP 2 (1F1B) with full activation checkpointing (the recomputed forward reads the float8 weight that
+    backward re-gathered), tensorwise with precomputed scales, float32 gathers: equal to the same layout without
+    float8 all-gathers bitwise; against one process within the drift the rowwise_with_gw_hp layouts above show plus
+    what tensorwise adds: its input scales come from each rank's local batch (as in torchtitan), so they differ from
+    one process's from the first step on."""
+    pp = ["--activation_checkpoint.mode", "full", "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+          "--training.mixed_precision_param", "float32", "--parallelism.data_parallel_shard_degree", "2",
+          "--training.local_batch_size", "4"]
+    plain = probe(tmp_path, "pp_plain", 4, pp, recipe="tensorwise")
+    gathered = probe(tmp_path, "pp_float8", 4, pp + PRECOMPUTE, recipe="tensorwise")
+    assert [(s["loss"], s["grad_norm"]) for s in gathered] == [(s["loss"], s["grad_norm"]) for s in plain]
+    one = probe(tmp_path, "one_tensorwise", 1, ["--training.local_batch_size", "8"], recipe="tensorwise")
+    worst = relative(gathered, one, "loss")
+    print(f"float8 all-gather on PP 2 x FSDP 2 against one process (tensorwise): worst relative loss difference {worst:.2e}")
     assert worst <= 2e-3

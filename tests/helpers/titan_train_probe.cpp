@@ -79,8 +79,15 @@ int main(int argc, char** argv) {
         batches.emplace_back(p + "inputs", microbatches[m].inputs);
         batches.emplace_back(p + "labels", microbatches[m].labels);
       }
+      auto data_parallel_bytes = [&trainer] {
+        int64_t bytes = 0;
+        for (auto& part : trainer.model_parts()) bytes += part.data_parallel->bytes_communicated();
+        return bytes;
+      };
+      const int64_t bytes_before = data_parallel_bytes();
       auto r = trainer.train_step(microbatches);
-      steps.push_back({{"step", step}, {"loss", r.loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"tokens", r.tokens}});
+      steps.push_back({{"step", step}, {"loss", r.loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"tokens", r.tokens},
+                       {"data_parallel_bytes", data_parallel_bytes() - bytes_before}});
     }
     if (writer && single) titan::safetensors::save(out_dir + "/batches.safetensors", batches);  // local batches only
     auto final_weights = hf_weights(trainer);

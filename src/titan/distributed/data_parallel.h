@@ -5,9 +5,12 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "titan/nn/float8.h"
 
 namespace titan::distributed {
 
@@ -30,6 +33,8 @@ class DataParallel {
   // Collective: make the model's parameters hold their full values (FSDP gathers them), and release them again.
   virtual void unshard_all() {}
   virtual void reshard_all() {}
+  // Called after every optimizer step (FSDP precomputes its float8 scales there).
+  virtual void after_optimizer_step() {}
 };
 
 // One data-parallel rank: gradients are final after backward.
@@ -51,6 +56,16 @@ struct FsdpOptions {
   // Pipeline parallelism: gradients accumulate unsharded over all micro-batches (whose backwards interleave, and
   // may be split into input and weight steps) and are reduce-scattered once, in finish_gradients().
   bool defer_gradient_reduction = false;
+  // Float8 all-gathers (quantize.linear.float8.enable_fsdp_float8_all_gather): the float8 linears' weights, each
+  // with the slot its linear reads (nn/float8.h). Each rank casts its shard to E4M3 with the scale of the whole
+  // weight (the amax all-reduced over the shard group, or precomputed after the optimizer step), the gather moves
+  // one byte per element, and the gathered float8 weight serves the forward and the input gradient; the model's
+  // parameter itself is never gathered.
+  struct Float8AllGather {
+    std::map<const c10::TensorImpl*, c10::intrusive_ptr<nn::float8::PrecastWeight>> weights;
+    bool precompute_scales = false;  // quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+  };
+  std::shared_ptr<const Float8AllGather> float8;
 };
 
 }  // namespace titan::distributed

@@ -47,8 +47,15 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
         param.rows = p.size(0);
         param.row_numel = param.rows == 0 ? 0 : p.numel() / param.rows;
         param.shard_rows = (param.rows + n - 1) / n;
+        if (options_.float8) {
+          auto it = options_.float8->weights.find(p.unsafeGetTensorImpl());
+          if (it != options_.float8->weights.end()) param.float8 = it->second;
+        }
         param.offset = unit.local_numel;
         unit.local_numel += param.shard_numel();
+        int64_t& gather_numel = param.float8 ? unit.gather_numel8 : unit.gather_numel;
+        param.gather_offset = gather_numel;
+        gather_numel += param.shard_numel();
         // This rank's rows, zero-padded, in the training dtype: the tensor the optimizer owns.
         TensorLayout layout = entry->layout.then(shard_dim, n, rank, Placement::shard(0));
         if (replicas > 1) layout = layout.then("dp_replicate", replicas, replicate_group_->rank(), Placement::replicate());
@@ -115,12 +122,73 @@ void Fsdp::start_gather(size_t u) {
   Unit& unit = units_[u];
   if (unit.state != Unit::State::Sharded) return;
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> pieces;
-  for (auto& p : unit.params) pieces.push_back(p.shard.detach().reshape(-1));
-  at::Tensor local = at::cat(pieces).to(options_.param_dtype);
-  unit.gathered = at::empty({local.numel() * shard_group_->size()}, local.options());
-  unit.gather_work = shard_group_->all_gather_into(unit.gathered, local, /*async=*/true);
+  const int64_t n = shard_group_->size();
+  if (unit.gather_numel8 > 0) {
+    // Float8 weights: each shard cast to E4M3 with its whole weight's scale, gathered as bytes.
+    unit.scales8 = float8_scales(u);
+    std::vector<at::Tensor> pieces;
+    int64_t i = 0;
+    for (auto& p : unit.params)
+      if (p.float8)
+        pieces.push_back(nn::float8::scaled_cast(p.shard.detach().reshape(-1), unit.scales8[i++], at::kFloat8_e4m3fn).view(at::kByte));
+    at::Tensor local = at::cat(pieces);
+    unit.gathered8 = at::empty({local.numel() * n}, local.options());
+    unit.gather_work8 = shard_group_->all_gather_into(unit.gathered8, local, /*async=*/true);
+    bytes_gathered_ += (n - 1) * local.numel();
+    float8_bytes_gathered_ += (n - 1) * local.numel();
+  }
+  if (unit.gather_numel > 0) {
+    std::vector<at::Tensor> pieces;
+    for (auto& p : unit.params)
+      if (!p.float8) pieces.push_back(p.shard.detach().reshape(-1));
+    at::Tensor local = at::cat(pieces).to(options_.param_dtype);
+    unit.gathered = at::empty({local.numel() * n}, local.options());
+    unit.gather_work = shard_group_->all_gather_into(unit.gathered, local, /*async=*/true);
+    bytes_gathered_ += (n - 1) * local.numel() * local.element_size();
+  }
   unit.state = Unit::State::Gathering;
+}
+
+at::Tensor Fsdp::float8_scales(size_t u) {
+  std::vector<at::Tensor> scales;
+  if (options_.float8->precompute_scales) {
+    // The first gather after a start or a checkpoint load computes every weight's scale; after that the optimizer
+    // step does (after_optimizer_step).
+    if (!float8_scales_fresh_) precompute_float8_scales();
+    for (auto& p : units_[u].params)
+      if (p.float8) scales.push_back(p.float8_scale);
+    return at::stack(scales);
+  }
+  // torchao's dynamic scale: the amax of the whole weight, from each rank's shard (padding is zeros), one
+  // all-reduce for the unit's float8 weights.
+  std::vector<at::Tensor> amax;
+  for (auto& p : units_[u].params)
+    if (p.float8) amax.push_back(p.shard.detach().abs().max().to(at::kFloat));
+  at::Tensor all = at::stack(amax);
+  shard_group_->all_reduce(all, ReduceOp::Max);
+  return nn::float8::amax_to_scale(all, at::kFloat8_e4m3fn, /*power_of_two=*/false);
+}
+
+void Fsdp::precompute_float8_scales() {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> amax;
+  for (auto& unit : units_)
+    for (auto& p : unit.params)
+      if (p.float8) amax.push_back(p.shard.detach().abs().max().to(at::kFloat));
+  if (amax.empty()) return;
+  at::Tensor all = at::stack(amax);
+  shard_group_->all_reduce(all, ReduceOp::Max);
+  const at::Tensor scales = nn::float8::amax_to_scale(all, at::kFloat8_e4m3fn, /*power_of_two=*/false);
+  int64_t i = 0;
+  for (auto& unit : units_)
+    for (auto& p : unit.params)
+      if (p.float8) p.float8_scale = scales[i++];
+  float8_scales_fresh_ = true;
+}
+
+void Fsdp::after_optimizer_step() {
+  // torchtitan's optimizer post-step hook: the scales the next step's float8 gathers use, in one all-reduce.
+  if (options_.float8 && options_.float8->precompute_scales) precompute_float8_scales();
 }
 
 void Fsdp::unshard(size_t u) {
@@ -128,33 +196,52 @@ void Fsdp::unshard(size_t u) {
   if (unit.state == Unit::State::Unsharded) return;
   start_gather(u);
   auto start = std::chrono::steady_clock::now();
-  unit.gather_work->wait();
+  if (unit.gather_work) unit.gather_work->wait();
+  if (unit.gather_work8) unit.gather_work8->wait();
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   at::NoGradGuard no_grad;
   const int64_t n = shard_group_->size();
-  at::Tensor all = unit.gathered.view({n, unit.local_numel});
-  for (auto& p : unit.params) {
-    nn::allocate_storage(p.module_param);
-    // variable_data(): write the values without bumping the parameter's version (autograd saved it in forward).
-    at::Tensor target = p.module_param.variable_data().view({p.rows, p.row_numel});
-    at::Tensor source = all.narrow(1, p.offset, p.shard_numel()).view({n, p.shard_rows, p.row_numel});
+  // Rank i's rows of a parameter sit at [offset, offset + shard numel) of block i of its buffer.
+  auto unpack = [n](const at::Tensor& all, const Param& p, const at::Tensor& target) {
+    at::Tensor source = all.narrow(1, p.gather_offset, p.shard_numel()).view({n, p.shard_rows, p.row_numel});
     for (int64_t i = 0; i < n; ++i) {
       const int64_t begin = i * p.shard_rows, count = std::min(p.shard_rows, p.rows - begin);
       if (count <= 0) break;
       target.narrow(0, begin, count).copy_(source[i].narrow(0, 0, count));
     }
+  };
+  int64_t float8_index = 0;
+  for (auto& p : unit.params) {
+    if (p.float8) {
+      // The float8 weight goes to its linear's slot; the parameter itself stays without storage.
+      at::Tensor full = at::empty({p.rows, p.row_numel}, unit.gathered8.options());
+      unpack(unit.gathered8.view({n, unit.gather_numel8}), p, full);
+      p.float8->weight = {full.view(at::kFloat8_e4m3fn).view(p.full_shape), unit.scales8[float8_index++]};
+      continue;
+    }
+    nn::allocate_storage(p.module_param);
+    // variable_data(): write the values without bumping the parameter's version (autograd saved it in forward).
+    unpack(unit.gathered.view({n, unit.gather_numel}), p, p.module_param.variable_data().view({p.rows, p.row_numel}));
   }
-  unit.gathered = at::Tensor();
+  unit.gathered = unit.gathered8 = at::Tensor();
   unit.gather_work.reset();
+  unit.gather_work8.reset();
   unit.state = Unit::State::Unsharded;
 }
 
 void Fsdp::reshard(size_t u) {
   Unit& unit = units_[u];
-  if (unit.state == Unit::State::Gathering) unit.gather_work->wait();
-  for (auto& p : unit.params) nn::free_storage(p.module_param);
-  unit.gathered = at::Tensor();
+  if (unit.state == Unit::State::Gathering) {
+    if (unit.gather_work) unit.gather_work->wait();
+    if (unit.gather_work8) unit.gather_work8->wait();
+  }
+  for (auto& p : unit.params) {
+    if (p.float8) p.float8->weight = {};
+    else nn::free_storage(p.module_param);
+  }
+  unit.gathered = unit.gathered8 = unit.scales8 = at::Tensor();
   unit.gather_work.reset();
+  unit.gather_work8.reset();
   unit.state = Unit::State::Sharded;
 }
 
@@ -256,7 +343,18 @@ std::string Fsdp::describe() const {
   return cat(mode, "; ", units_.size(), " units, ", with_thousands(local), " parameter elements on this rank; gather in ",
              titan::config::dtype_name(options_.param_dtype), ", reduce in ", titan::config::dtype_name(options_.reduce_dtype),
              ", reshard_after_forward ", options_.reshard_after_forward,
-             options_.defer_gradient_reduction ? "; gradients reduced once per step (pipeline)" : "");
+             options_.defer_gradient_reduction ? "; gradients reduced once per step (pipeline)" : "", float8_summary());
+}
+
+std::string Fsdp::float8_summary() const {
+  int64_t weights = 0, elements = 0;
+  for (const auto& unit : units_) {
+    elements += unit.gather_numel8;
+    for (const auto& p : unit.params) weights += p.float8 ? 1 : 0;
+  }
+  if (weights == 0) return "";
+  return cat("; ", weights, " float8 linear weights (", with_thousands(elements), " elements on this rank) gathered in float8",
+             options_.float8->precompute_scales ? " with scales precomputed after each optimizer step" : "");
 }
 
 int64_t Fsdp::bytes_communicated() const {

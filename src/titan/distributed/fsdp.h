@@ -43,13 +43,21 @@ class Fsdp final : public DataParallel {
 
   void unshard_all() override;
   void reshard_all() override;
+  void after_optimizer_step() override;
+  // Bytes this rank has sent in parameter all-gathers, and of them in float8 all-gathers (one byte per element).
+  int64_t bytes_gathered() const { return bytes_gathered_; }
+  int64_t float8_bytes_gathered() const { return float8_bytes_gathered_; }
 
  private:
   struct Param {
     at::Tensor module_param;  // the model's parameter: full shape, param dtype, storage freed while sharded
     at::Tensor shard;         // this rank's rows, training dtype, padded: what the optimizer updates
     std::vector<int64_t> full_shape;
-    int64_t rows = 0, shard_rows = 0, row_numel = 1, offset = 0;
+    // `offset`: in its unit's flat gradient buffer; `gather_offset`: in its unit's gather buffer, the float8 one
+    // when `float8` is set (a float8 linear's weight, gathered in E4M3 into that slot), else the compute-dtype one.
+    int64_t rows = 0, shard_rows = 0, row_numel = 1, offset = 0, gather_offset = 0;
+    c10::intrusive_ptr<nn::float8::PrecastWeight> float8;
+    at::Tensor float8_scale;  // precomputed after the last optimizer step (precompute_float8_dynamic_scale_for_fsdp)
     int64_t shard_numel() const { return shard_rows * row_numel; }
   };
   struct Pending {
@@ -60,11 +68,12 @@ class Fsdp final : public DataParallel {
   struct Unit {
     std::string name;
     std::vector<Param> params;
-    int64_t local_numel = 0;
+    int64_t local_numel = 0;                     // per rank, all parameters
+    int64_t gather_numel = 0, gather_numel8 = 0;  // per rank, in the compute-dtype and the float8 gather buffers
     bool reshard_after_forward = true;
     enum class State { Sharded, Gathering, Unsharded } state = State::Sharded;
-    at::Tensor gathered;
-    std::shared_ptr<Work> gather_work;
+    at::Tensor gathered, gathered8, scales8;
+    std::shared_ptr<Work> gather_work, gather_work8;
     int64_t grads_ready = 0;
     bool reduced_this_backward = false;
   };
@@ -76,6 +85,9 @@ class Fsdp final : public DataParallel {
   void on_gradient(size_t u);
   void reduce(size_t u);
   void accumulate(size_t count);  // waits for the first `count` pending reductions and adds them to shard gradients
+  at::Tensor float8_scales(size_t u);  // the scales of unit u's float8 weights, in order
+  void precompute_float8_scales();     // every float8 weight's scale, one all-reduce for all
+  std::string float8_summary() const;
 
   std::vector<Unit> units_;
   std::shared_ptr<Communicator> shard_group_, replicate_group_;
@@ -87,6 +99,8 @@ class Fsdp final : public DataParallel {
   std::vector<Pending> pending_;
   size_t earlier_pending_ = 0;  // pending_ entries from micro-batches before the current one
   double wait_seconds_ = 0;
+  int64_t bytes_gathered_ = 0, float8_bytes_gathered_ = 0;
+  bool float8_scales_fresh_ = false;  // the precomputed scales match the shards
 };
 
 }  // namespace titan::distributed

@@ -93,10 +93,15 @@ Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_
   const at::Tensor magnitude = x.abs();
   const at::Tensor amax = c.scaling == Scaling::tensorwise ? magnitude.max() : magnitude.amax({dim}, /*keepdim=*/true);
   const at::Tensor scale = amax_to_scale(amax, c.dtype, power_of_two_scales);
-  const double limit = format_max(c.dtype);
+  return {scaled_cast(x, scale, c.dtype), scale};
+}
+
+at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype) {
+  NoAutocast no_autocast;
+  at::NoGradGuard no_grad;
+  const double limit = format_max(dtype);
   // Saturating: values beyond the format's largest finite one become it.
-  const at::Tensor data = (x.to(at::kFloat) * scale).clamp(-limit, limit).to(c.dtype);
-  return {data, scale};
+  return (x.to(at::kFloat) * scale).clamp(-limit, limit).to(dtype);
 }
 
 at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool emulate, bool fast_accumulation) {
@@ -119,16 +124,18 @@ namespace {
 
 struct Float8Linear : torch::autograd::Function<Float8Linear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe,
-                            bool emulate) {
+                            bool emulate, const c10::intrusive_ptr<PrecastWeight>& precast) {
+    const bool use_precast = precast && precast->weight.data.defined();
     ctx->save_for_backward({x, weight});
     ctx->saved_data["emulate"] = emulate;
     ctx->saved_data["recipe"] = recipe.name;
+    if (use_precast) ctx->saved_data["precast"] = at::IValue::make_capsule(precast);
     const Recipe* r = &recipe;
     const int64_t k = x.size(-1);
     const at::Tensor x2 = x.reshape({-1, k});
     // Output = x W^T: contraction over K, the input per row (dim 1), W^T per column (dim 0).
     const Operand xq = cast(x2, r->input, 1, r->power_of_two_scales);
-    const Operand wq = cast(weight.t(), r->weight, 0, r->power_of_two_scales);
+    const Operand wq = use_precast ? precast->weight.t() : cast(weight.t(), r->weight, 0, r->power_of_two_scales);
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
     return mm(xq, wq, x.scalar_type(), emulate, /*fast_accumulation=*/true).reshape(out_shape);
@@ -146,7 +153,16 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     if (ctx->needs_input_grad(0)) {
       // dx = g W: contraction over N, g per row, W (kept as W^T, cast per row of W^T) per column.
       const Operand gq = cast(g, r.grad_output, 1, r.power_of_two_scales);
-      const Operand wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales).t();
+      Operand wq;
+      if (ctx->saved_data.count("precast")) {
+        // The tensorwise cast of W the forward used: the same scale and values as casting W^T per tensor here.
+        auto precast = c10::static_intrusive_pointer_cast<PrecastWeight>(ctx->saved_data["precast"].toCapsule());
+        if (!precast->weight.data.defined())
+          fail("float8: a linear's float8 weight (FSDP's float8 all-gather) was released before its backward");
+        wq = precast->weight;
+      } else {
+        wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales).t();
+      }
       dx = mm(gq, wq, grads[0].scalar_type(), emulate, false).reshape(x.sizes());
     }
     if (ctx->needs_input_grad(1)) {
@@ -155,19 +171,22 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
       const Operand xq = cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales);
       dw = mm(gq, xq, grads[0].scalar_type(), emulate, false).to(weight.scalar_type());
     }
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate,
+                  const c10::intrusive_ptr<PrecastWeight>& precast) {
+  if (precast && precast->weight.data.defined() && recipe.name != "tensorwise")
+    fail("float8: a weight cast before its linear (FSDP's float8 all-gather) needs recipe \"tensorwise\", not ", quote(recipe.name));
   // Under autocast the input is first cast to the autocast dtype, as torchao's Float8Linear does; the weight is
   // cast to float8 from whatever dtype it has (the float32 master, or FSDP's gathered bf16 copy).
   const auto device = x.device().type();
   if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()))
-    return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate);
-  return Float8Linear::apply(x, weight, recipe, emulate);
+    return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate, precast);
+  return Float8Linear::apply(x, weight, recipe, emulate, precast);
 }
 
 bool has_float8_matmul(const at::Device& device, std::string* why) {

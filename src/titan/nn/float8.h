@@ -11,6 +11,7 @@
 // the same 2 cores), so the CPU emulates. See docs/float8.md.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
 
 #include <string>
 #include <vector>
@@ -43,6 +44,8 @@ struct Operand {
   Operand t() const { return {data.t(), scale.defined() && scale.dim() == 2 ? scale.t() : scale}; }
 };
 
+// `x` times `scale`, saturated to the format's largest finite value and cast to `dtype` (a float8 format).
+at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
 // Casts a 2-D `x` as `cast` says; axiswise scales reduce over dimension `dim` (the contraction dimension of the
 // matmul the operand is for).
 Operand cast(const at::Tensor& x, const Cast& cast, int64_t dim, bool power_of_two_scales);
@@ -52,9 +55,20 @@ at::Tensor amax_to_scale(const at::Tensor& amax, at::ScalarType float8_dtype, bo
 // a [M, K] @ b [K, N] in `out_dtype`: both quantized (scaled matmul or its emulation) or both high precision.
 at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool emulate, bool fast_accumulation);
 
+// A converted linear's weight cast to float8 before it reached the linear: FSDP's float8 all-gather casts each
+// rank's shard with the scale of the whole weight and gathers the float8 bytes (distributed/fsdp.h). While the
+// weight is gathered, `weight` holds the full [out, in] E4M3 tensor and its per-tensor scale; otherwise it is empty.
+struct PrecastWeight : torch::CustomClassHolder {
+  Operand weight;
+};
+
 // x [..., K] @ weight [N, K]^T with the recipe's casts, differentiable in x and weight. The output (and the input
 // gradient) is in x's dtype, the weight gradient in the weight's. Saves x and weight for backward (as torchao).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate);
+// When `precast` holds a weight (recipe tensorwise only), the forward and the input gradient use it instead of
+// casting `weight`, whose values are then never read (FSDP leaves it without storage): backward reads `precast`
+// again, which FSDP has re-gathered by then.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate,
+                  const c10::intrusive_ptr<PrecastWeight>& precast = {});
 
 // Whether `device` has a float8 matmul titan uses (CUDA compute capability 8.9 or newer); when not, `why` says
 // what it lacks.

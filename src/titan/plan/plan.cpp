@@ -71,10 +71,8 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
   }
   plan.time = estimate_step_time(models::as_decoder(args, "titan plan's step-time model"), config, dims, cluster, execution);
   const Speedups s = speedups_of(config);
-  // Float8 linears run (docs/float8.md); their FSDP all-gathers and tensor-parallel styles not yet.
-  static const std::string float8_gathers = "float8 FSDP all-gathers (quantize.linear.float8.enable_fsdp_float8_all_gather)",
-                           float8_tp = "float8 linear layers with tensor parallelism", compile = "torch.compile (compile.enable)";
-  if (s.float8_all_gather) plan.not_runnable.push_back(float8_gathers);
+  // Float8 linears and their FSDP all-gathers run (docs/float8.md); the float8 tensor-parallel styles not yet.
+  static const std::string float8_tp = "float8 linear layers with tensor parallelism", compile = "torch.compile (compile.enable)";
   if (s.float8 && dims.tp > 1) plan.not_runnable.push_back(float8_tp);
   if (s.compile) plan.not_runnable.push_back(compile);
   return plan;

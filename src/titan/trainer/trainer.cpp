@@ -144,7 +144,8 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   model_ = spec_->build(args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
   model_->move_buffers(device_);
   // Converters run between building and parallelizing (torchtitan's order: converters, TP, CP, AC, FSDP).
-  if (quantization::float8_enabled(c)) quantization::convert_to_float8(*model_, c);
+  std::shared_ptr<distributed::FsdpOptions::Float8AllGather> fsdp_float8;
+  if (quantization::float8_enabled(c)) fsdp_float8 = quantization::convert_to_float8(*model_, c).fsdp_float8;
   hf_adapter_ = spec_->state_dict_adapter(args);
   log::info("Model ", spec_->name, " ", model_name_, " size: ", with_thousands(args.reported_parameters()), " total parameters; ",
             strprintf("%.2f", args.flops_per_token(c.training.seq_len) / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
@@ -158,6 +159,7 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   fsdp.param_dtype = param_dtype == at::kFloat ? mp_param : param_dtype;
   fsdp.reduce_dtype = titan::config::dtype_from_name(c.training.mixed_precision_reduce, "training.mixed_precision_reduce");
   fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
+  fsdp.float8 = fsdp_float8;
   if (protocols::computes_under_autocast(c, dims)) autocast_dtype_ = at::kBFloat16;
   schedule_ = make_step_schedule(*model_, *spec_, args, *mesh_, c, fsdp, autocast_dtype_);
   for (const auto& line : schedule_->describe()) log::info(line);
@@ -309,6 +311,7 @@ void Trainer::update(DeviceStep& step, const at::Tensor& nonfinite) {
     if (step.settled->skipped) optimizer_->zero_grad();  // no update from this step; the schedule still advances
     else optimizer_->step();
   }
+  for (auto& part : model_parts()) part.data_parallel->after_optimizer_step();
   lr_scheduler_->step();
   optimizer_->set_lr(lr_scheduler_->current_lr());
 }

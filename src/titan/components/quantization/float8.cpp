@@ -56,19 +56,14 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
     errors.push_back(cat("quantize.linear.float8.filter_fqns lists ", quote(kAutoFilter), " ", loaded.where("quantize.linear.float8.filter_fqns"),
                          ", which has no size thresholds for recipe \"rowwise_with_gw_hp\" (torchao has them for tensorwise and "
                          "rowwise); name the layers to keep in high precision instead"));
-  if (s.enable_fsdp_float8_all_gather) {
-    if (recipe != "tensorwise")
-      errors.push_back(cat("quantize.linear.float8.enable_fsdp_float8_all_gather = true ", loaded.where("quantize.linear.float8.enable_fsdp_float8_all_gather"),
-                           " needs recipe \"tensorwise\" (with recipe ", quote(recipe),
-                           " each matmul casts its own operands, so the gathered weight stays in high precision, as in torchao)"));
-    else
-      errors.push_back(cat("quantize.linear.float8.enable_fsdp_float8_all_gather = true ", loaded.where("quantize.linear.float8.enable_fsdp_float8_all_gather"),
-                           ": float8 FSDP all-gathers are not supported yet (float8 linears with bf16 gathers are)"));
-  }
-  if (s.precompute_float8_dynamic_scale_for_fsdp)
+  if (s.enable_fsdp_float8_all_gather && recipe != "tensorwise")
+    errors.push_back(cat("quantize.linear.float8.enable_fsdp_float8_all_gather = true ", loaded.where("quantize.linear.float8.enable_fsdp_float8_all_gather"),
+                         " needs recipe \"tensorwise\" (with recipe ", quote(recipe),
+                         " each matmul casts its own operands, so the gathered weight stays in high precision, as in torchao)"));
+  if (s.precompute_float8_dynamic_scale_for_fsdp && !s.enable_fsdp_float8_all_gather)
     errors.push_back(cat("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp = true ",
                          loaded.where("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
-                         ": precomputed scales belong to float8 FSDP all-gathers, which are not supported yet"));
+                         " precomputes the scales of float8 FSDP all-gathers: it needs quantize.linear.float8.enable_fsdp_float8_all_gather = true"));
   if (c.parallelism.tensor_parallel_degree > 1)
     errors.push_back(cat("parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree, " ",
                          loaded.where("parallelism.tensor_parallel_degree"),
@@ -102,6 +97,10 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
   auto recipe = std::make_shared<const nn::float8::Recipe>(nn::float8::recipe(recipe_name(settings)));
   const bool emulate = settings.emulate;
   Float8Conversion result;
+  if (settings.enable_fsdp_float8_all_gather) {
+    result.fsdp_float8 = std::make_shared<distributed::FsdpOptions::Float8AllGather>();
+    result.fsdp_float8->precompute_scales = settings.precompute_float8_dynamic_scale_for_fsdp;
+  }
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const std::string& fqn = item.key();
     auto* linear = dynamic_cast<nn::Linear*>(item.value().get());
@@ -118,13 +117,22 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
     }
     // Innermost: tensor parallelism, activation checkpointing and FSDP wrap it as they wrap the plain linear, and
     // it reads the weight as they leave it (the local shard, the gathered copy).
-    linear->add_innermost_wrapper("float8", [linear, recipe, emulate](const nn::Unit::Inputs& inputs, const nn::Context&,
-                                                                      const nn::Unit::Next&) {
-      return nn::float8::linear(inputs[0], linear->weight, *recipe, emulate);
+    // With float8 all-gathers, FSDP fills the slot with the gathered float8 weight while the unit is unsharded
+    // (without FSDP it stays empty and the linear casts its weight itself).
+    c10::intrusive_ptr<nn::float8::PrecastWeight> precast;
+    if (result.fsdp_float8) {
+      precast = c10::make_intrusive<nn::float8::PrecastWeight>();
+      result.fsdp_float8->weights[linear->weight.unsafeGetTensorImpl()] = precast;
+    }
+    linear->add_innermost_wrapper("float8", [linear, recipe, emulate, precast](const nn::Unit::Inputs& inputs, const nn::Context&,
+                                                                               const nn::Unit::Next&) {
+      return nn::float8::linear(inputs[0], linear->weight, *recipe, emulate, precast);
     });
     result.converted.push_back(fqn);
   }
-  log::info("Float8 linears (", recipe->name, emulate ? ", emulated" : "", "): ", result.converted.size(), " converted",
+  log::info("Float8 linears (", recipe->name, emulate ? ", emulated" : "",
+            result.fsdp_float8 ? (result.fsdp_float8->precompute_scales ? ", float8 FSDP all-gathers with precomputed scales" : ", float8 FSDP all-gathers") : "",
+            "): ", result.converted.size(), " converted",
             result.kept.empty() ? std::string() : cat(", ", result.kept.size(), " kept in high precision (", join(result.kept, ", "), ")"));
   return result;
 }

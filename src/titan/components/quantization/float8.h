@@ -5,10 +5,12 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "titan/config/loader.h"
+#include "titan/distributed/data_parallel.h"
 #include "titan/nn/model.h"
 
 namespace titan::quantization {
@@ -26,6 +28,8 @@ bool float8_converts(const std::string& fqn, int64_t out_features, int64_t in_fe
 
 struct Float8Conversion {
   std::vector<std::string> converted, kept;  // the linear units' names
+  // With enable_fsdp_float8_all_gather: the converted weights, by parameter, with the slots FSDP fills.
+  std::shared_ptr<distributed::FsdpOptions::Float8AllGather> fsdp_float8;
 };
 // Wraps the selected linear units of `model` (before any parallelism) and logs which were converted.
 Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& config);
