@@ -39,8 +39,11 @@ def probe(tmp_path, name, np, extra, recipe="rowwise_with_gw_hp"):
     cmd = ([] if np == 1 else mpirun) + [binary("titan_train_probe"), "--probe.out", str(out),
                                          "--job.dump_folder", str(tmp_path / name / "dump"), *COMMON,
                                          "--quantize.linear.float8.recipe_name", recipe, *extra]
+    if recipe.startswith("mxfp8"):  # the MX converter instead of the float8 one
+        cmd = [a if a != "quantize.linear.float8" else "mx" for a in cmd]
+        cmd += ["--quantize.linear.mx.recipe_name", recipe, "--quantize.linear.mx.emulate"]
     result = run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
-    assert f"Float8 linears ({recipe}, emulated" in result.stdout
+    assert (f"MXFP8 linears ({recipe}" if recipe.startswith("mxfp8") else f"Float8 linears ({recipe}, emulated") in result.stdout
     assert "14 converted, 1 kept in high precision (output)" in result.stdout
     if "--quantize.linear.float8.enable_fsdp_float8_all_gather" in extra:
         assert "float8 linear weights (" in result.stdout and "gathered in float8" in result.stdout, result.stdout[-3000:]
@@ -123,3 +126,18 @@ def test_float8_all_gather_on_pp2_fsdp2(tmp_path, reference):
     worst = relative(gathered, one, "loss")
     print(f"float8 all-gather on PP 2 x FSDP 2 against one process (tensorwise): worst relative loss difference {worst:.2e}")
     assert worst <= 2e-3
+
+
+def test_mxfp8_layouts_match_one_process(tmp_path):
+    """MXFP8 (mxfp8_cublas_rceil, emulated): every block of 32 lies within one token's row or, for the weight
+    gradient, within 32 consecutive tokens of one sequence (seq_len 32), so no scale depends on how the batch is
+    split: FSDP 2 and PP 2 x FSDP 2 follow one process to float32 precision."""
+    one = probe(tmp_path, "mx_one", 1, ["--training.local_batch_size", "8"], recipe="mxfp8_cublas_rceil")
+    for name, np_, extra in [("mx_fsdp2", 2, FSDP2),
+                             ("mx_pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                                                  "1F1B", "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"])]:
+        steps = probe(tmp_path, name, np_, extra, recipe="mxfp8_cublas_rceil")
+        worst = relative(steps, one, "loss")
+        print(f"MXFP8 {name}: worst relative loss difference from one process over {STEPS} steps {worst:.2e}")
+        assert abs(steps[0]["loss"] - one[0]["loss"]) <= 1e-6 * one[0]["loss"]
+        assert worst <= 1e-5

@@ -1,5 +1,6 @@
-// Test helper: one float8 linear (nn/float8.h), forward and backward, on given tensors.
-// usage: titan_float8_probe --in IN.safetensors --recipe tensorwise|rowwise|rowwise_with_gw_hp --out OUT.safetensors
+// Test helper: one float8 or MXFP8 linear (nn/float8.h), forward and backward, on given tensors.
+// usage: titan_float8_probe --in IN.safetensors --recipe RECIPE --out OUT.safetensors
+// RECIPE: tensorwise|rowwise|rowwise_with_gw_hp (float8, emulated) or mxfp8_cublas|mxfp8_cublas_rceil (MXFP8, emulated).
 // IN holds x [..., K], weight [N, K] and grad [..., N] (any float dtypes); OUT gets y, grad_x and grad_weight.
 #include <iostream>
 #include <map>
@@ -13,8 +14,10 @@ int main(int argc, char** argv) {
   try {
     titan::safetensors::File in(opt.at("--in"));
     at::Tensor x = in.load("x").requires_grad_(), weight = in.load("weight").requires_grad_();
-    const auto recipe = titan::nn::float8::recipe(opt.at("--recipe"));
-    at::Tensor y = titan::nn::float8::linear(x, weight, recipe, /*emulate=*/true);
+    const std::string name = opt.at("--recipe");
+    at::Tensor y = name.rfind("mxfp8", 0) == 0
+                       ? titan::nn::float8::mx_linear(x, weight, titan::nn::float8::mx_recipe(name))
+                       : titan::nn::float8::linear(x, weight, titan::nn::float8::recipe(name), /*emulate=*/true);
     y.backward(in.load("grad"));
     titan::safetensors::save(opt.at("--out"), {{"y", y.detach()}, {"grad_x", x.grad()}, {"grad_weight", weight.grad()}});
   } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
-"""Float8 linears (model.converters = ["quantize.linear.float8"]) against torchao, the library torchtitan's float8
-converter uses: one linear's output and both gradients for every recipe against torchao's Float8Linear (emulated, on
-CPU), in float32 and bfloat16 with odd token counts; and a bad float8 configuration is refused naming its key."""
+"""Float8 linears (model.converters = ["quantize.linear.float8"]) and MXFP8 linears ("quantize.linear.mx") against
+torchao, the library torchtitan's converters use: one linear's output and both gradients for every recipe against
+torchao's Float8Linear and MXFP8Linear (emulated, on CPU), in float32 and bfloat16; ten training steps against HF's
+Llama converted by torchao; and a bad configuration is refused naming its key."""
 import dataclasses
 
 import pytest
@@ -53,8 +54,55 @@ def test_a_float8_linear_equals_torchao(tmp_path, recipe, dtype):
                 assert torch.equal(got[name], expected), (recipe, dtype, lead, name, (got[name].float() - expected.float()).abs().max())
 
 
+MX_MODES = {"mxfp8_cublas": "FLOOR", "mxfp8_cublas_rceil": "RCEIL"}
+
+
+def torchao_mx_linear(x, weight, grad, recipe):
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    linear = MXFP8Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, kernel_preference=KernelPreference.EMULATED,
+                         scale_calculation_mode=getattr(ScaleCalculationMode, MX_MODES[recipe]))
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    x = x.clone().requires_grad_()
+    y = linear(x)
+    y.backward(grad)
+    return y.detach(), x.grad, linear.weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", list(MX_MODES))
+def test_an_mxfp8_linear_equals_torchao_bitwise(tmp_path, recipe, dtype):
+    """Blocks of 32 along each matmul's contraction dimension (K, N and the tokens), a 3-D and a 2-D input; values
+    over six decades so that blocks get very different scales and some saturate, a block of zeros and one of values
+    below the smallest normal float32's reach."""
+    torch.manual_seed(0)
+    for lead, k, n in [((2, 48), 64, 96), ((64,), 96, 32)]:
+        x = torch.randn(*lead, k) * torch.logspace(-3, 3, k)
+        x.reshape(-1, k)[0, :32] = 0
+        x.reshape(-1, k)[1, 32:64] *= 1e-38
+        x = x.to(dtype)
+        weight = (torch.randn(n, k) * 0.1).to(dtype)
+        grad = (torch.randn(*lead, n) * torch.logspace(-3, 1, n)).to(dtype)
+        save_file({"x": x, "weight": weight, "grad": grad}, str(tmp_path / "in.safetensors"))
+        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", recipe,
+             "--out", str(tmp_path / "out.safetensors")])
+        got = load_file(str(tmp_path / "out.safetensors"))
+        for name, expected in zip(["y", "grad_x", "grad_weight"], torchao_mx_linear(x, weight, grad, recipe)):
+            assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
+            assert torch.equal(got[name], expected), (recipe, dtype, lead, name, (got[name].float() - expected.float()).abs().max())
+
+
 @pytest.mark.parametrize("options, needle", [
-    (["--model.converters", "quantize.linear.mx"], "MXFP8 linears are not supported yet"),
+    (["--model.converters", "quantize.linear.mx"], ("quantize.linear.mx.recipe_name = \"mxfp8_cublas\"", "compute capability 10.0",
+                                                    "quantize.linear.mx.emulate = true")),
+    (["--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp4_cutlass"],
+     ("quantize.linear.mx.recipe_name = \"mxfp4_cutlass\"", "expected one of mxfp8_cublas, mxfp8_cublas_rceil, mxfp8_emulated")),
+    (["--model.converters", "mx", "--quantize.linear.mx.emulate", "--training.seq_len", "48"],
+     ("training.seq_len = 48", "multiples of 32 tokens")),
+    (["--model.converters", "mx,float8", "--quantize.linear.mx.emulate", "--quantize.linear.float8.emulate"],
+     "lists both the float8 and the MX converter"),
     (["--model.converters", "int4"], ("model.converters lists \"int4\"", "not a converter; expected \"quantize.linear.float8\"")),
     (["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", "blockwise"],
      ("recipe_name = \"blockwise\"", "not a float8 recipe; expected one of tensorwise, rowwise, rowwise_with_gw_hp")),
@@ -116,4 +164,45 @@ def test_ten_float8_training_steps_match_torchao_converted_reference(tmp_path, r
     own_norm = max(worst_differences(run, reference)[1] for run in spread)
     print(f"{recipe}: worst relative difference over {STEPS} steps from the reference: titan loss {titan_loss:.2e}, "
           f"gradient norm {titan_norm:.2e}; the reference nudged by one rounding, worst of 3: {own_loss:.2e}, {own_norm:.2e}")
+    assert titan_loss <= max(3 * own_loss, 1e-6) and titan_norm <= max(3 * own_norm, 1e-6)
+
+
+def test_ten_mxfp8_training_steps_match_torchao_converted_reference(tmp_path):
+    """As above, with MXFP8 linears (recipe mxfp8_cublas, emulated) against HF's Llama whose linears (all but the
+    output projection) are torchao's MXFP8Linear (emulated, FLOOR scales) holding the same weights."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    from test_train_parity import STEPS, python_loop, titan_run
+
+    out = titan_run(tmp_path, "fused", ["--model.converters", "mx", "--quantize.linear.mx.emulate"])
+
+    def convert(model, nudge=0):
+        if nudge:
+            torch.manual_seed(nudge)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1 + torch.randint(-1, 2, p.shape).float() * 2.0**-24)
+        swapped = 0
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if type(child) is torch.nn.Linear and child_name != "lm_head":
+                    mx = MXFP8Linear(child.in_features, child.out_features, bias=False, kernel_preference=KernelPreference.EMULATED,
+                                     scale_calculation_mode=ScaleCalculationMode.FLOOR)
+                    with torch.no_grad():
+                        mx.weight.copy_(child.weight)
+                    setattr(module, child_name, mx)
+                    swapped += 1
+        assert swapped == 6 * 7
+
+    meta, reference, _ = python_loop(out, "fused", convert)
+    spread = [python_loop(out, "fused", lambda model, seed=seed: convert(model, nudge=seed))[1] for seed in (1, 2, 3)]
+    assert len(meta["steps"]) == STEPS
+    first_loss, first_norm = worst_differences(meta["steps"][:1], reference[:1])
+    assert first_loss <= 1e-6 and first_norm <= 1e-5, (first_loss, first_norm)
+    titan_loss, titan_norm = worst_differences(meta["steps"], reference)
+    own_loss = max(worst_differences(run_, reference)[0] for run_ in spread)
+    own_norm = max(worst_differences(run_, reference)[1] for run_ in spread)
+    print(f"mxfp8: worst relative difference over {STEPS} steps from the reference: titan loss {titan_loss:.2e}, gradient "
+          f"norm {titan_norm:.2e}; the reference nudged by one rounding, worst of 3: {own_loss:.2e}, {own_norm:.2e}")
     assert titan_loss <= max(3 * own_loss, 1e-6) and titan_norm <= max(3 * own_norm, 1e-6)

@@ -203,6 +203,7 @@ struct MXLinear {
   std::string mxfp8_dim1_cast_kernel_choice = "triton";
   std::string recipe_name = "mxfp8_cublas";
   StringList filter_fqns = {"output"};
+  bool emulate = false;  // titan's key: MX matmuls emulated (dequantised, multiplied in high precision) on any device
 };
 
 struct Float8GroupedMM {

@@ -329,6 +329,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
           {"triton", "cuda", "torch"});
   b.add("recipe_name", &c.quantize.linear.mx.recipe_name, "MX recipe");
   b.add("filter_fqns", &c.quantize.linear.mx.filter_fqns, "linear layers to keep in high precision");
+  b.add("emulate", &c.quantize.linear.mx.emulate, "emulate MX matmuls (titan's key; any device)");
 
   b.in("quantize.grouped_mm.float8");
   b.add("fqns", &c.quantize.grouped_mm.float8.fqns, "MoE layers with float8 grouped matmuls");

@@ -5,6 +5,7 @@
 
 #include "titan/common/error.h"
 #include "titan/nn/autocast.h"
+#include "titan/nn/float8.h"
 
 namespace titan::distributed {
 namespace {
@@ -65,9 +66,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 }  // namespace
 
 at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next,
-                             const std::vector<at::Tensor>& parameters) {
+                             const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>* cast_ahead) {
   if (!at::GradMode::is_enabled()) return next(inputs, context);
-  nn::cast_weights_ahead(parameters);  // the forward below runs without gradients
+  nn::cast_weights_ahead(cast_ahead ? *cast_ahead : parameters);  // the forward below runs without gradients
   auto closure = c10::make_intrusive<Closure>();
   closure->next = next;
   closure->context = context;
@@ -83,7 +84,14 @@ void checkpoint_unit(nn::Unit& unit) {
   nn::Unit* self = &unit;
   unit.add_wrapper("activation_checkpoint", [self](const nn::Unit::Inputs& inputs, const nn::Context& context,
                                                    const nn::Unit::Next& next) {
-    return checkpointed_call(inputs, context, next, self->parameters());
+    // Float8 linears cast their weights to float8 from the float32 masters: a bf16 copy of those would go unused.
+    std::vector<at::Tensor> cast_ahead;
+    for (const auto& module : self->modules()) {
+      const auto* unit = dynamic_cast<const nn::Unit*>(module.get());
+      if (unit && unit->has_wrapper(nn::float8::kWrapperName)) continue;
+      for (const auto& p : module->parameters(/*recurse=*/false)) cast_ahead.push_back(p);
+    }
+    return checkpointed_call(inputs, context, next, self->parameters(), &cast_ahead);
   });
 }
 

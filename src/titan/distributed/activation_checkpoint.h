@@ -10,9 +10,10 @@
 namespace titan::distributed {
 
 // Runs `next` without saving activations; backward recomputes it (under the forward's autocast state) and
-// differentiates with respect to `inputs` and `parameters`.
+// differentiates with respect to `inputs` and `parameters`. Under autocast with the step's weight casts held, the
+// matrices among `cast_ahead` (default: `parameters`) get their low-precision copies first (nn/autocast.h).
 at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next,
-                             const std::vector<at::Tensor>& parameters);
+                             const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>* cast_ahead = nullptr);
 
 // Wraps `unit` so that every call goes through checkpointed_call.
 void checkpoint_unit(nn::Unit& unit);

@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include <cmath>
 #include <limits>
 
 #include "titan/common/error.h"
@@ -187,6 +188,125 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& r
   if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()))
     return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate, precast);
   return Float8Linear::apply(x, weight, recipe, emulate, precast);
+}
+
+const std::vector<std::string>& mx_recipe_names() {
+  static const std::vector<std::string> names = {"mxfp8_cublas", "mxfp8_cublas_rceil", "mxfp8_emulated"};
+  return names;
+}
+
+MxScaleRounding mx_recipe(const std::string& name) {
+  if (name == "mxfp8_cublas" || name == "mxfp8_emulated") return MxScaleRounding::floor;
+  if (name == "mxfp8_cublas_rceil") return MxScaleRounding::rceil;
+  fail("quantize.linear.mx.recipe_name = ", quote(name), " is not an MX recipe titan runs; expected one of ", join(mx_recipe_names(), ", "));
+}
+
+namespace {
+
+constexpr int64_t kMxBlock = 32;
+constexpr int64_t kE8M0Bias = 127;
+constexpr int64_t kE8M0Nan = 255;
+
+}  // namespace
+
+MxOperand mx_cast(const at::Tensor& x, MxScaleRounding rounding) {
+  NoAutocast no_autocast;
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kMxBlock == 0, "mx_cast: expected a 2-D tensor whose rows divide into blocks of 32, got ",
+              x.sizes());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const at::Tensor blocks = x.contiguous().view({rows, cols / kMxBlock, kMxBlock});
+  const at::Tensor amax = blocks.abs().amax({-1}, /*keepdim=*/true).to(at::kFloat);
+  const at::Tensor values = blocks.to(at::kFloat);
+  const double limit = format_max(at::kFloat8_e4m3fn);
+  at::Tensor exponent, scaled;
+  if (rounding == MxScaleRounding::floor) {
+    // The amax's own power of two (its float32 exponent field), less E4M3's largest (2^8), within E8M0's range.
+    const at::Tensor power = at::bitwise_and(at::bitwise_right_shift(amax.view(at::kInt), 23), 0xFF) - kE8M0Bias;
+    at::Tensor biased = ((power - 8).clamp(-kE8M0Bias, kE8M0Bias + 1) + kE8M0Bias).to(at::kByte);
+    biased = at::where(at::isnan(amax), at::scalar_tensor(kE8M0Nan, biased.options()), biased);
+    // The scale as a float32 with that exponent field, at least the smallest normal float32.
+    const at::Tensor scale = at::bitwise_left_shift(biased.to(at::kInt), 23).view(at::kFloat).clamp_min(std::ldexp(1.0, -126));
+    exponent = biased;
+    scaled = values / scale;
+  } else {
+    // The smallest power of two at least amax / 448 (cuBLAS's rounding of the scale), as its reciprocal.
+    const at::Tensor descale = amax / limit;
+    const at::Tensor normal = (at::ceil(at::log2(descale)).clamp(-kE8M0Bias, kE8M0Bias) + kE8M0Bias).to(at::kByte);
+    exponent = at::where(at::isnan(descale), at::scalar_tensor(kE8M0Nan, normal.options()),
+                         at::where(at::isinf(descale), at::scalar_tensor(254, normal.options()), normal));
+    const at::Tensor reciprocal =
+        at::where(exponent == kE8M0Nan, descale,
+                  at::where(exponent == 254, at::scalar_tensor(std::ldexp(1.0, -127), descale.options()),
+                            at::where(exponent == 0, at::scalar_tensor(1.0, descale.options()),
+                                      at::exp2(kE8M0Bias - exponent.to(at::kFloat)))));
+    scaled = values * reciprocal;
+  }
+  const at::Tensor data = scaled.clamp(-limit, limit).to(at::kFloat8_e4m3fn).view({rows, cols});
+  return {data, exponent.view({rows, cols / kMxBlock})};
+}
+
+at::Tensor mx_dequantize(const MxOperand& a, at::ScalarType dtype) {
+  NoAutocast no_autocast;
+  at::NoGradGuard no_grad;
+  const int64_t rows = a.data.size(0), cols = a.data.size(1);
+  at::Tensor scale = at::pow(at::full_like(a.exponent, 2.0, a.exponent.options().dtype(at::kFloat)), a.exponent.to(at::kShort) - kE8M0Bias);
+  scale = at::where(a.exponent != kE8M0Nan, scale, at::scalar_tensor(std::numeric_limits<float>::quiet_NaN(), scale.options()));
+  return (a.data.to(dtype).view({rows, cols / kMxBlock, kMxBlock}) * scale.to(dtype).unsqueeze(-1)).view({rows, cols});
+}
+
+namespace {
+
+// torchao's emulated MX matmul: a [M, K] (blocks along K) @ b^T where b is [N, K] (blocks along K), in `dtype`.
+at::Tensor mx_mm_nt(const MxOperand& a, const MxOperand& b, at::ScalarType dtype) {
+  NoAutocast no_autocast;
+  return at::mm(mx_dequantize(a, dtype), mx_dequantize(b, dtype).t());
+}
+
+struct MxLinear : torch::autograd::Function<MxLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, int64_t rounding) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["rounding"] = rounding;
+    const auto r = static_cast<MxScaleRounding>(rounding);
+    const int64_t k = x.size(-1);
+    auto out_shape = x.sizes().vec();
+    out_shape.back() = weight.size(0);
+    // Output = x W^T: both along K.
+    return mx_mm_nt(mx_cast(x.reshape({-1, k}), r), mx_cast(weight, r), x.scalar_type()).reshape(out_shape);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const auto r = static_cast<MxScaleRounding>(ctx->saved_data["rounding"].toInt());
+    const int64_t n = weight.size(0), k = weight.size(1);
+    const at::Tensor g = grads[0].contiguous().reshape({-1, n});
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0))  // dx = g W: g along N, W^T along N
+      dx = mx_mm_nt(mx_cast(g, r), mx_cast(weight.t().contiguous(), r), g.scalar_type()).reshape(x.sizes());
+    if (ctx->needs_input_grad(1)) {  // dW = g^T x: both along the tokens
+      const at::Tensor x2 = x.reshape({-1, k});
+      if (x2.size(0) % kMxBlock != 0)
+        fail("MXFP8 linears need a multiple of 32 tokens per matmul (the weight gradient's blocks run along the tokens); "
+             "this one has ", x2.size(0), ": choose training.seq_len and training.local_batch_size so that each rank's "
+             "micro-batch holds a multiple of 32 tokens");
+      dw = mx_mm_nt(mx_cast(g.t().contiguous(), r), mx_cast(x2.t().contiguous(), r), g.scalar_type()).to(weight.scalar_type());
+    }
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding) {
+  // Under autocast the input is cast to the autocast dtype first; the weight's values are cast to the input's dtype
+  // after dequantising (exactly: E4M3 values times powers of two fit bf16).
+  const auto device = x.device().type();
+  const at::Tensor input = at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type())
+                               ? x.to(at::autocast::get_autocast_dtype(device))
+                               : x;
+  return MxLinear::apply(input, weight, static_cast<int64_t>(rounding));
 }
 
 bool has_float8_matmul(const at::Device& device, std::string* why) {

@@ -18,6 +18,9 @@
 
 namespace titan::nn::float8 {
 
+// The name of the wrapper the float8 converter gives the linear units it converts (nn/unit.h).
+inline constexpr const char* kWrapperName = "float8";
+
 // How one operand is cast (torchao's CastConfig).
 enum class Scaling { high_precision, tensorwise, axiswise };
 struct Cast {
@@ -69,6 +72,30 @@ struct PrecastWeight : torch::CustomClassHolder {
 // again, which FSDP has re-gathered by then.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate,
                   const c10::intrusive_ptr<PrecastWeight>& precast = {});
+
+// MXFP8 (the OCP microscaling format torchao's MX linears use): blocks of 32 consecutive elements along a row, each
+// with a power-of-two scale kept as its biased 8-bit exponent (E8M0), the elements in E4M3.
+enum class MxScaleRounding {
+  floor,  // torchao's FLOOR: the block amax's power of two minus E4M3's (8), so large values may saturate
+  rceil,  // torchao's RCEIL (cuBLAS's): the smallest power of two with amax / 448 <= it
+};
+// "mxfp8_cublas" (floor), "mxfp8_cublas_rceil" (rceil) or "mxfp8_emulated" (floor); UserError naming the others.
+MxScaleRounding mx_recipe(const std::string& name);
+const std::vector<std::string>& mx_recipe_names();
+
+struct MxOperand {
+  at::Tensor data;      // E4M3, [rows, cols]
+  at::Tensor exponent;  // uint8 biased exponents, [rows, cols / 32]; 255 marks a block with a NaN
+};
+// Casts a 2-D `x` (cols a multiple of 32) in blocks of 32 along each row, as torchao's to_mx.
+MxOperand mx_cast(const at::Tensor& x, MxScaleRounding rounding);
+// The values an MX operand stands for, in `dtype` (multiplied there, as torchao dequantizes).
+at::Tensor mx_dequantize(const MxOperand& a, at::ScalarType dtype);
+
+// x [..., K] @ weight [N, K]^T with every operand of the three matmuls cast to MXFP8 along its matmul's contraction
+// dimension (K, N, and the tokens: their count must be a multiple of 32), emulated: dequantised and multiplied in
+// the operands' dtype (torchao's emulated MX matmul). Differentiable in x and weight.
+at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding);
 
 // Whether `device` has a float8 matmul titan uses (CUDA compute capability 8.9 or newer); when not, `why` says
 // what it lacks.

@@ -18,6 +18,35 @@ constexpr const char* kAutoFilter = "auto_filter_small_kn";
 std::string recipe_name(const config::Float8Linear& s) { return s.recipe_name.value_or("tensorwise"); }
 
 bool is_float8_converter(const std::string& name) { return name == "quantize.linear.float8" || name == "float8"; }
+bool is_mx_converter(const std::string& name) { return name == "quantize.linear.mx" || name == "mx"; }
+
+std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded) {
+  const config::JobConfig& c = loaded.config;
+  const auto& s = c.quantize.linear.mx;
+  std::vector<std::string> errors;
+  const auto& names = nn::float8::mx_recipe_names();
+  if (std::find(names.begin(), names.end(), s.recipe_name) == names.end()) {
+    errors.push_back(cat("quantize.linear.mx.recipe_name = ", quote(s.recipe_name), " ", loaded.where("quantize.linear.mx.recipe_name"),
+                         ": not an MX recipe titan runs; expected one of ", join(names, ", "), " (MXFP4 is not supported)"));
+    return errors;
+  }
+  if (!s.emulate && s.recipe_name != "mxfp8_emulated")
+    errors.push_back(cat("quantize.linear.mx.recipe_name = ", quote(s.recipe_name), " ", loaded.where("quantize.linear.mx.recipe_name"),
+                         " asks for LibTorch's blockwise-scaled matmul (NVIDIA compute capability 10.0 and newer), which titan does "
+                         "not call yet; quantize.linear.mx.emulate = true (or recipe_name = \"mxfp8_emulated\") runs MXFP8 linears "
+                         "emulated on any device (MXFP8 values, high-precision matmuls)"));
+  const int64_t cp = std::max<int64_t>(1, c.parallelism.context_parallel_degree);
+  if ((c.training.seq_len / cp) % 32 != 0)
+    errors.push_back(cat("training.seq_len = ", c.training.seq_len, " ", loaded.where("training.seq_len"),
+                         cp > 1 ? cat(" over context_parallel_degree = ", cp) : std::string(),
+                         ": MXFP8 linears need each rank's sequences in multiples of 32 tokens (the weight gradient's blocks "
+                         "of 32 run along the tokens)"));
+  if (c.parallelism.tensor_parallel_degree > 1)
+    errors.push_back(cat("parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree, " ",
+                         loaded.where("parallelism.tensor_parallel_degree"),
+                         " with MXFP8 linears (model.converters): MX tensor parallelism is not supported yet"));
+  return errors;
+}
 
 }  // namespace
 
@@ -29,20 +58,26 @@ bool float8_enabled(const config::JobConfig& config) {
 std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
   const config::JobConfig& c = loaded.config;
   std::vector<std::string> errors;
-  int float8_count = 0;
+  int float8_count = 0, mx_count = 0;
   for (const auto& name : c.model.converters) {
     if (is_float8_converter(name)) {
       ++float8_count;
-    } else if (name == "quantize.linear.mx" || name == "mx") {
-      errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
-                           ": MXFP8 linears are not supported yet (float8 linears are: \"quantize.linear.float8\")"));
+    } else if (is_mx_converter(name)) {
+      ++mx_count;
     } else {
       errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
-                           ": not a converter; expected \"quantize.linear.float8\" (or its short name \"float8\")"));
+                           ": not a converter; expected \"quantize.linear.float8\" (or its short name \"float8\") or "
+                           "\"quantize.linear.mx\" (\"mx\")"));
     }
   }
-  if (float8_count > 1)
-    errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists the float8 converter twice"));
+  if (float8_count > 1 || mx_count > 1)
+    errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists the ", float8_count > 1 ? "float8" : "MX",
+                         " converter twice"));
+  if (float8_count > 0 && mx_count > 0)
+    errors.push_back(cat("model.converters ", loaded.where("model.converters"),
+                         " lists both the float8 and the MX converter; a linear layer takes one of them"));
+  if (mx_count > 0)
+    for (auto& e : mx_config_errors(loaded)) errors.push_back(std::move(e));
   if (float8_count == 0) return errors;
   const auto& s = c.quantize.linear.float8;
   const std::string recipe = recipe_name(s);
@@ -73,6 +108,17 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
     errors.push_back(cat("model.converters asks for float8 linears ", loaded.where("model.converters"), ", but ", why,
                          "; quantize.linear.float8.emulate = true runs them emulated (float8 values, float32 matmuls)"));
   return errors;
+}
+
+bool mx_enabled(const config::JobConfig& config) {
+  const auto& converters = config.model.converters;
+  return std::any_of(converters.begin(), converters.end(), is_mx_converter);
+}
+
+bool mx_converts(const std::string& fqn, int64_t out_features, int64_t in_features, const config::MXLinear& settings) {
+  for (const auto& f : settings.filter_fqns)
+    if (!f.empty() && fqn.find(f) != std::string::npos) return false;
+  return out_features % 32 == 0 && in_features % 32 == 0;
 }
 
 bool float8_converts(const std::string& fqn, int64_t out_features, int64_t in_features, const config::Float8Linear& settings) {
@@ -124,7 +170,7 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
       precast = c10::make_intrusive<nn::float8::PrecastWeight>();
       result.fsdp_float8->weights[linear->weight.unsafeGetTensorImpl()] = precast;
     }
-    linear->add_innermost_wrapper("float8", [linear, recipe, emulate, precast](const nn::Unit::Inputs& inputs, const nn::Context&,
+    linear->add_innermost_wrapper(nn::float8::kWrapperName, [linear, recipe, emulate, precast](const nn::Unit::Inputs& inputs, const nn::Context&,
                                                                                const nn::Unit::Next&) {
       return nn::float8::linear(inputs[0], linear->weight, *recipe, emulate, precast);
     });
@@ -133,6 +179,38 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
   log::info("Float8 linears (", recipe->name, emulate ? ", emulated" : "",
             result.fsdp_float8 ? (result.fsdp_float8->precompute_scales ? ", float8 FSDP all-gathers with precomputed scales" : ", float8 FSDP all-gathers") : "",
             "): ", result.converted.size(), " converted",
+            result.kept.empty() ? std::string() : cat(", ", result.kept.size(), " kept in high precision (", join(result.kept, ", "), ")"));
+  return result;
+}
+
+}  // namespace titan::quantization
+
+namespace titan::quantization {
+
+Float8Conversion convert_to_mx(nn::Model& model, const config::JobConfig& config) {
+  const auto& settings = config.quantize.linear.mx;
+  const nn::float8::MxScaleRounding rounding = nn::float8::mx_recipe(settings.recipe_name);
+  Float8Conversion result;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const std::string& fqn = item.key();
+    auto* linear = dynamic_cast<nn::Linear*>(item.value().get());
+    if (!linear) {
+      const auto* weight = item.value()->named_parameters(/*recurse=*/false).find("weight");
+      if (weight && weight->dim() == 2 && !dynamic_cast<nn::Embedding*>(item.value().get())) result.kept.push_back(fqn);
+      continue;
+    }
+    if (!mx_converts(fqn, linear->weight.size(0), linear->weight.size(1), settings)) {
+      result.kept.push_back(fqn);
+      continue;
+    }
+    linear->add_innermost_wrapper(nn::float8::kWrapperName, [linear, rounding](const nn::Unit::Inputs& inputs, const nn::Context&,
+                                                                                const nn::Unit::Next&) {
+      return nn::float8::mx_linear(inputs[0], linear->weight, rounding);
+    });
+    result.converted.push_back(fqn);
+  }
+  log::info("MXFP8 linears (", settings.recipe_name, ", ", rounding == nn::float8::MxScaleRounding::rceil ? "rceil" : "floor",
+            " scales, emulated): ", result.converted.size(), " converted",
             result.kept.empty() ? std::string() : cat(", ", result.kept.size(), " kept in high precision (", join(result.kept, ", "), ")"));
   return result;
 }

@@ -17,8 +17,8 @@ namespace titan::quantization {
 
 // Whether model.converters asks for float8 linears.
 bool float8_enabled(const config::JobConfig& config);
-// Errors for what the [quantize.linear.float8] keys and model.converters ask that titan cannot run, each naming the
-// key (empty: runnable). `device` is where training runs (a device without a float8 matmul needs emulate = true).
+// Errors for what model.converters and the [quantize.linear.float8] / [quantize.linear.mx] keys ask that titan cannot
+// run, each naming the key (empty: runnable). `device` is where training runs (a device without a float8 matmul needs emulate = true).
 std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device);
 
 // Whether a linear layer of weight shape [out_features, in_features] named `fqn` is converted: both dimensions
@@ -33,5 +33,13 @@ struct Float8Conversion {
 };
 // Wraps the selected linear units of `model` (before any parallelism) and logs which were converted.
 Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& config);
+
+// Whether model.converters asks for MXFP8 linears ("quantize.linear.mx", or "mx").
+bool mx_enabled(const config::JobConfig& config);
+// Whether a linear layer is converted to MXFP8: both dimensions divide by 32 (the block size) and no entry of
+// quantize.linear.mx.filter_fqns is a substring of its name.
+bool mx_converts(const std::string& fqn, int64_t out_features, int64_t in_features, const config::MXLinear& settings);
+// Wraps the selected linear units of `model` as MXFP8 linears (emulated) and logs which were converted.
+Float8Conversion convert_to_mx(nn::Model& model, const config::JobConfig& config);
 
 }  // namespace titan::quantization
