@@ -69,7 +69,7 @@ def gib(value, unit):
 
 def measure(tmp_path, ranks, options):
     """Per rank: (estimate, runtime term, measured peak) in GiB, all from the rank's own log lines."""
-    command = [binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "4", *options]
+    command = [binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--training.steps", "2", *options]
     env = {"LOG_RANK": "all"}
     if ranks > 1:
         mpirun = os.environ.get("TITAN_MPIRUN", "mpirun")

@@ -9,6 +9,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/components/quantization/float8.h"
 #include "titan/distributed/pipeline/schedule.h"
 
 namespace titan::plan {
@@ -80,6 +81,19 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   double layer_params = 0;
   for (const auto& p : a.parameter_shapes())
     if (p.name.rfind("layers.0.", 0) == 0 && p.shape.size() == 2) layer_params += static_cast<double>(p.numel());
+  // The block's linear weights the float8 converter converts: its own selection (filter_fqns, the sizes).
+  double float8_params = 0;
+  if (speed.float8)
+    for (const auto& p : a.parameter_shapes()) {
+      const std::string suffix = ".weight";
+      if (p.name.rfind("layers.0.", 0) != 0 || p.shape.size() != 2 || p.name.size() <= suffix.size() ||
+          p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) != 0)
+        continue;
+      const std::string module = p.name.substr(0, p.name.size() - suffix.size());
+      if (quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8))
+        float8_params += static_cast<double>(p.numel());
+    }
+  const double float8_share = layer_params > 0 ? float8_params / layer_params : 0;
   const bool pipelined = dims.pp > 1;
   int64_t stages_per_rank = 1;
   double bubble = 0;
@@ -126,16 +140,17 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double peak = cluster.peak_bf16_flops * cluster.matmul_efficiency;
   const double layer_matmul_flops = tokens * layers * 2 * layer_params / tp * (3 + recompute_layers + op_matmul_recompute);
   const double output_flops = tokens * output_share * 2 * vocab * d / tp * 3;
-  // float8: the blocks' linear layers at the fp8 peak (the output projection stays in bf16), plus the casts.
+  // float8: the converted linear layers at the fp8 peak (the output projection stays in bf16), plus the casts.
   const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * kFloat8RelativeEfficiency : peak;
-  const double matmul_seconds = layer_matmul_flops / layer_rate + output_flops / peak;
+  const double float8_flops_share = layer_rate > peak ? float8_share : 0.0;
+  const double matmul_seconds = layer_matmul_flops * (float8_flops_share / layer_rate + (1 - float8_flops_share) / peak) + output_flops / peak;
   double cast_bytes = 0;
   if (speed.float8 && cluster.peak_fp8_flops > 0) {
     // Per linear: its input and, in backward, its output gradient, each cast twice (as is and transposed for the
     // weight gradient); column-parallel layers see the whole d input, row-parallel ones a 1/tp slice.
     const double inputs = 3 * d + d_attn / tp + 2 * d + hidden / tp;
     const double outputs = (d_attn + 2 * d_kv) / tp + d + 2 * hidden / tp + d;
-    cast_bytes = tokens * layers * kFloat8CastBytesPerElement * (2 * inputs + 2 * outputs + recompute_layers * inputs);
+    cast_bytes = tokens * layers * kFloat8CastBytesPerElement * (2 * inputs + 2 * outputs + recompute_layers * inputs) * float8_share;
   }
   // Causal attention: each query meets seq_len / 2 keys on average, 2 FLOPs per multiply-add, QK^T and PV.
   const double attention_forward = tokens * layers * 2 * seq * d_attn / tp;
@@ -186,10 +201,12 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     const double span = shard_group * tp;
     const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
                          (parallelism.fsdp_reshard_after_forward == "default" && !pipelined);
-    const double gather_bytes = speed.float8_all_gather ? 1.0 : c;
+    // Float8 all-gathers move the converted weights at one byte per element, the rest in the compute dtype.
+    const double float8_gathered = speed.float8_all_gather ? layers * float8_params / tp : 0.0;
+    const double gathered_bytes = float8_gathered + (rank_params - float8_gathered) * c;
     const double reduce_bytes = titan::config::dtype_bytes(training.mixed_precision_reduce);
     const double fraction = (shard_group - 1) / shard_group;
-    const double bytes = fraction * rank_params * (gather_bytes * (reshard ? 2 : 1) + reduce_bytes);
+    const double bytes = fraction * (gathered_bytes * (reshard ? 2 : 1) + rank_params * reduce_bytes);
     data_parallel = bytes / link(span);
     dp_detail = cat("FSDP over ", static_cast<int64_t>(shard_group), " ranks, ", strprintf("%.3g GB", bytes / 1e9), ", ", where(span));
   }
