@@ -13,9 +13,11 @@ analytic figure, and with bf16 gathers against half of bf16's."""
 import json
 import os
 
+import numpy as np
 import pytest
+from safetensors.torch import load_file
 
-from titan_testing import binary, run
+from titan_testing import binary, read_checkpoint, run
 
 STEPS = 10
 COMMON = ["--model.flavor", "debugmodel", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
@@ -141,3 +143,70 @@ def test_mxfp8_layouts_match_one_process(tmp_path):
         print(f"MXFP8 {name}: worst relative loss difference from one process over {STEPS} steps {worst:.2e}")
         assert abs(steps[0]["loss"] - one[0]["loss"]) <= 1e-6 * one[0]["loss"]
         assert worst <= 1e-5
+
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"]
+TP2_FSDP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]
+
+
+def test_float8_under_tensor_parallelism(tmp_path):
+    """Tensorwise float8 under TP: every per-tensor scale comes from the amax of the whole tensor (the weight, the
+    input, the output gradient), reduced over the TP ranks as torchao's casts of DTensors do, so TP 2 follows one
+    process to float32 precision; TP 2 x FSDP 2 with float8 all-gathers (the amax reduced over the shard and TP
+    groups) equals TP 2 x FSDP 2 without them bitwise (float32 gathers)."""
+    one = probe(tmp_path, "tw_one", 1, ["--training.local_batch_size", "8"], recipe="tensorwise")
+    tp = probe(tmp_path, "tw_tp2", 2, TP2, recipe="tensorwise")
+    worst = relative(tp, one, "loss")
+    norms = relative(tp, one, "grad_norm")
+    print(f"float8 TP 2 against one process (tensorwise): worst relative loss difference {worst:.2e}, gradient norm {norms:.2e}")
+    assert worst <= 1e-5 and norms <= 1e-5
+    mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2"]
+    refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "refused"), *COMMON, *TP2,
+                            "--quantize.linear.float8.recipe_name", "rowwise"], env={"OMP_NUM_THREADS": "1"}, check=False)
+    assert refused.returncode != 0 and "with float8 recipe \"rowwise\": float8 linears run under tensor parallelism with recipe \"tensorwise\" only" in refused.stderr
+    plain = probe(tmp_path, "tw_tp2_fsdp2", 4, TP2_FSDP2, recipe="tensorwise")
+    gathered = probe(tmp_path, "tw_tp2_fsdp2_float8", 4, TP2_FSDP2 + PRECOMPUTE, recipe="tensorwise")
+    assert [(s["loss"], s["grad_norm"]) for s in gathered] == [(s["loss"], s["grad_norm"]) for s in plain]
+
+
+def without_float8(args):
+    out, skip = [], 0
+    for i, a in enumerate(args):
+        if skip:
+            skip -= 1
+        elif a == "--model.converters":
+            skip = 1
+        elif a.startswith("--quantize.linear.float8."):
+            skip = 0 if a == "--quantize.linear.float8.emulate" or i + 1 == len(args) or args[i + 1].startswith("--") else 1
+        else:
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("saved_with_float8", [True, False])
+def test_a_checkpoint_moves_between_float8_and_high_precision(tmp_path, saved_with_float8):
+    """Saved at step 5 by TP 2 x FSDP 2 with float8 linears and float8 all-gathers, loaded by one process without
+    float8 (and the other way round): the loaded weights and AdamW moments are bitwise the saved ones, and training
+    continues from step 6."""
+    float8 = ["--quantize.linear.float8.recipe_name", "tensorwise", *PRECOMPUTE]
+    save = (4, COMMON + float8 + TP2_FSDP2) if saved_with_float8 else (1, without_float8(COMMON) + ["--training.local_batch_size", "8"])
+    load = (1, without_float8(COMMON) + ["--training.local_batch_size", "8"]) if saved_with_float8 else (4, COMMON + float8 + TP2_FSDP2)
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only"]
+    mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np"]
+    dump = tmp_path / "run"
+    ranks, args = save
+    run(([] if ranks == 1 else mpirun + [str(ranks)]) + [binary("titan"), "train", "--job.dump_folder", str(dump), *args, *checkpoint,
+                                                         "--training.steps", "5"], env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    _, stored = read_checkpoint(dump / "checkpoint" / "step-5")
+    ranks, args = load
+    out = tmp_path / "probe"
+    result = run(([] if ranks == 1 else mpirun + [str(ranks)]) + [
+        binary("titan_train_probe"), "--probe.out", str(out), "--probe.loaded_state", "--job.dump_folder", str(dump), *args,
+        *checkpoint, "--checkpoint.load_step", "5", "--training.steps", "8"], env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    assert ("Float8 linears" in result.stdout) == (not saved_with_float8)
+    state = load_file(str(out / "loaded_state.safetensors"))
+    assert sorted(state) == sorted(stored)
+    for key, value in stored.items():
+        assert np.array_equal(state[key].numpy(), value), key
+    steps = json.loads((out / "metrics.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [6, 7, 8]

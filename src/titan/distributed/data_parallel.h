@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "titan/distributed/communicator.h"
 #include "titan/nn/float8.h"
 
 namespace titan::distributed {
@@ -64,6 +65,9 @@ struct FsdpOptions {
   struct Float8AllGather {
     std::map<const c10::TensorImpl*, c10::intrusive_ptr<nn::float8::PrecastWeight>> weights;
     bool precompute_scales = false;  // quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+    // Under tensor parallelism each rank holds a TP shard of a weight: its amax is reduced over this group too,
+    // so the scale is the whole weight's.
+    std::shared_ptr<Communicator> tp_group;
   };
   std::shared_ptr<const Float8AllGather> float8;
 };

@@ -166,6 +166,7 @@ at::Tensor Fsdp::float8_scales(size_t u) {
     if (p.float8) amax.push_back(p.shard.detach().abs().max().to(at::kFloat));
   at::Tensor all = at::stack(amax);
   shard_group_->all_reduce(all, ReduceOp::Max);
+  if (options_.float8->tp_group && options_.float8->tp_group->size() > 1) options_.float8->tp_group->all_reduce(all, ReduceOp::Max);
   return nn::float8::amax_to_scale(all, at::kFloat8_e4m3fn, /*power_of_two=*/false);
 }
 
@@ -178,6 +179,7 @@ void Fsdp::precompute_float8_scales() {
   if (amax.empty()) return;
   at::Tensor all = at::stack(amax);
   shard_group_->all_reduce(all, ReduceOp::Max);
+  if (options_.float8->tp_group && options_.float8->tp_group->size() > 1) options_.float8->tp_group->all_reduce(all, ReduceOp::Max);
   const at::Tensor scales = nn::float8::amax_to_scale(all, at::kFloat8_e4m3fn, /*power_of_two=*/false);
   int64_t i = 0;
   for (auto& unit : units_)

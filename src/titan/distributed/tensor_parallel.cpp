@@ -10,7 +10,10 @@ namespace titan::distributed {
 namespace fc = functional;
 
 TensorParallel::TensorParallel(std::shared_ptr<Communicator> group, std::vector<ShardedParameter>& params)
-    : group_(std::move(group)), params_(params) {}
+    : group_(std::move(group)), params_(params) {
+  amax_reduction_ = c10::make_intrusive<nn::float8::AmaxReduction>(
+      [group = group_](at::Tensor& amax) { group->all_reduce(amax, ReduceOp::Max); });
+}
 
 ShardedParameter& TensorParallel::entry(const at::Tensor& weight) {
   ShardedParameter* p = find_parameter(params_, weight);
@@ -54,11 +57,15 @@ void TensorParallel::colwise(nn::Unit& module, at::Tensor& weight, Placement inp
   shard(weight, 0);
   auto group = group_;
   const bool gather_input = input.is_shard(), gather_output = output.is_replicate();
-  module.add_wrapper("tp_colwise", [group, gather_input, gather_output](const nn::Unit::Inputs& inputs, const nn::Context& context,
-                                                                          const nn::Unit::Next& next) {
+  module.add_wrapper("tp_colwise", [group, gather_input, gather_output, reduction = amax_reduction_](
+                                        const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     nn::Unit::Inputs in = inputs;
     if (gather_input) in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
-    at::Tensor y = next(in, context);
+    at::Tensor y;
+    {
+      nn::float8::AmaxReductionScope scope(reduction);  // a float8 linear's scales cover the whole weight and output
+      y = next(in, context);
+    }
     // Every rank computes the same thing from gathered outputs, so their gradient is the same on every rank.
     return gather_output ? fc::all_gather(y, -1, group, fc::GatheredGradient::Replicated) : y;
   });
@@ -72,9 +79,13 @@ void TensorParallel::rowwise(nn::Unit& module, at::Tensor& weight, Placement out
   const bool scatter = output.is_shard();
   auto deferred = std::make_shared<bool>(false);
   deferred_[&module] = deferred;
-  module.add_wrapper("tp_rowwise", [group, scatter, deferred](const nn::Unit::Inputs& inputs, const nn::Context& context,
-                                                              const nn::Unit::Next& next) {
-    at::Tensor partial = next(inputs, context);
+  module.add_wrapper("tp_rowwise", [group, scatter, deferred, reduction = amax_reduction_](
+                                        const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
+    at::Tensor partial;
+    {
+      nn::float8::AmaxReductionScope scope(reduction);  // a float8 linear's scales cover the whole weight and input
+      partial = next(inputs, context);
+    }
     if (*deferred) return partial;
     return scatter ? fc::reduce_scatter(partial, 1, group) : fc::all_reduce(partial, group);
   });

@@ -11,6 +11,7 @@
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/placement.h"
 #include "titan/distributed/sharded_parameter.h"
+#include "titan/nn/float8.h"
 #include "titan/nn/unit.h"
 
 namespace titan::distributed {
@@ -56,6 +57,8 @@ class TensorParallel {
 
   std::shared_ptr<Communicator> group_;
   std::vector<ShardedParameter>& params_;
+  // Float8 linears inside colwise and rowwise units take their per-tensor scales from amaxes reduced over the group.
+  c10::intrusive_ptr<nn::float8::AmaxReduction> amax_reduction_;
   // Rowwise units whose reduction a surrounding overlapped region does itself while the flag is set.
   std::map<const nn::Unit*, std::shared_ptr<bool>> deferred_;
 };

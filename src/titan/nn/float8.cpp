@@ -87,12 +87,27 @@ at::Tensor amax_to_scale(const at::Tensor& amax, at::ScalarType float8_dtype, bo
   return scale;
 }
 
-Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_scales) {
+namespace {
+thread_local c10::intrusive_ptr<AmaxReduction> current_reduction;
+}  // namespace
+
+AmaxReductionScope::AmaxReductionScope(c10::intrusive_ptr<AmaxReduction> reduction) : outer_(current_reduction) {
+  current_reduction = std::move(reduction);
+}
+AmaxReductionScope::~AmaxReductionScope() { current_reduction = outer_; }
+c10::intrusive_ptr<AmaxReduction> AmaxReductionScope::current() { return current_reduction; }
+
+Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction) {
   if (c.scaling == Scaling::high_precision) return {x, at::Tensor()};
   NoAutocast no_autocast;
   at::NoGradGuard no_grad;
   const at::Tensor magnitude = x.abs();
-  const at::Tensor amax = c.scaling == Scaling::tensorwise ? magnitude.max() : magnitude.amax({dim}, /*keepdim=*/true);
+  at::Tensor amax = c.scaling == Scaling::tensorwise ? magnitude.max() : magnitude.amax({dim}, /*keepdim=*/true);
+  if (reduction && c.scaling == Scaling::tensorwise) {
+    at::Tensor whole = amax.to(at::kFloat).reshape({1}).contiguous();
+    reduction->all_reduce_max(whole);
+    amax = whole.reshape({}).to(amax.scalar_type());
+  }
   const at::Tensor scale = amax_to_scale(amax, c.dtype, power_of_two_scales);
   return {scaled_cast(x, scale, c.dtype), scale};
 }
@@ -131,12 +146,14 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     ctx->saved_data["emulate"] = emulate;
     ctx->saved_data["recipe"] = recipe.name;
     if (use_precast) ctx->saved_data["precast"] = at::IValue::make_capsule(precast);
+    const auto reduction = AmaxReductionScope::current();
+    if (reduction) ctx->saved_data["amax_reduction"] = at::IValue::make_capsule(reduction);
     const Recipe* r = &recipe;
     const int64_t k = x.size(-1);
     const at::Tensor x2 = x.reshape({-1, k});
     // Output = x W^T: contraction over K, the input per row (dim 1), W^T per column (dim 0).
-    const Operand xq = cast(x2, r->input, 1, r->power_of_two_scales);
-    const Operand wq = use_precast ? precast->weight.t() : cast(weight.t(), r->weight, 0, r->power_of_two_scales);
+    const Operand xq = cast(x2, r->input, 1, r->power_of_two_scales, reduction.get());
+    const Operand wq = use_precast ? precast->weight.t() : cast(weight.t(), r->weight, 0, r->power_of_two_scales, reduction.get());
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
     return mm(xq, wq, x.scalar_type(), emulate, /*fast_accumulation=*/true).reshape(out_shape);
@@ -148,12 +165,16 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const at::Tensor& weight = saved[1];
     const bool emulate = ctx->saved_data["emulate"].toBool();
     const Recipe r = recipe(ctx->saved_data["recipe"].toStringRef());
+    c10::intrusive_ptr<AmaxReduction> reduction;
+    if (ctx->saved_data.count("amax_reduction"))
+      reduction = c10::static_intrusive_pointer_cast<AmaxReduction>(ctx->saved_data["amax_reduction"].toCapsule());
+    const AmaxReduction* reduce = reduction.get();
     const int64_t n = weight.size(0), k = weight.size(1);
     const at::Tensor g = grads[0].reshape({-1, n});
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) {
       // dx = g W: contraction over N, g per row, W (kept as W^T, cast per row of W^T) per column.
-      const Operand gq = cast(g, r.grad_output, 1, r.power_of_two_scales);
+      const Operand gq = cast(g, r.grad_output, 1, r.power_of_two_scales, reduce);
       Operand wq;
       if (ctx->saved_data.count("precast")) {
         // The tensorwise cast of W the forward used: the same scale and values as casting W^T per tensor here.
@@ -162,14 +183,14 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
           fail("float8: a linear's float8 weight (FSDP's float8 all-gather) was released before its backward");
         wq = precast->weight;
       } else {
-        wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales).t();
+        wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales, reduce).t();
       }
       dx = mm(gq, wq, grads[0].scalar_type(), emulate, false).reshape(x.sizes());
     }
     if (ctx->needs_input_grad(1)) {
       // dW = g^T x: contraction over the tokens, g and x per column.
-      const Operand gq = cast(g, r.grad_output_for_grad_weight, 0, r.power_of_two_scales).t();
-      const Operand xq = cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales);
+      const Operand gq = cast(g, r.grad_output_for_grad_weight, 0, r.power_of_two_scales, reduce).t();
+      const Operand xq = cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduce);
       dw = mm(gq, xq, grads[0].scalar_type(), emulate, false).to(weight.scalar_type());
     }
     return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};

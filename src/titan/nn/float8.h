@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,9 +50,29 @@ struct Operand {
 
 // `x` times `scale`, saturated to the format's largest finite value and cast to `dtype` (a float8 format).
 at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
+// Tensor parallelism: a linear whose weight and activations are split over ranks takes each per-tensor scale from
+// the amax of the whole tensor, as torchao's casts of DTensors do; `all_reduce_max` reduces a rank's amax over the
+// ranks. TP's wrappers set one around a linear's call (AmaxReductionScope); the float8 linear keeps it for backward.
+struct AmaxReduction : torch::CustomClassHolder {
+  explicit AmaxReduction(std::function<void(at::Tensor&)> f) : all_reduce_max(std::move(f)) {}
+  std::function<void(at::Tensor&)> all_reduce_max;
+};
+class AmaxReductionScope {
+ public:
+  explicit AmaxReductionScope(c10::intrusive_ptr<AmaxReduction> reduction);
+  ~AmaxReductionScope();
+  AmaxReductionScope(const AmaxReductionScope&) = delete;
+  AmaxReductionScope& operator=(const AmaxReductionScope&) = delete;
+  // The innermost scope's reduction on this thread, or null.
+  static c10::intrusive_ptr<AmaxReduction> current();
+
+ private:
+  c10::intrusive_ptr<AmaxReduction> outer_;
+};
+
 // Casts a 2-D `x` as `cast` says; axiswise scales reduce over dimension `dim` (the contraction dimension of the
-// matmul the operand is for).
-Operand cast(const at::Tensor& x, const Cast& cast, int64_t dim, bool power_of_two_scales);
+// matmul the operand is for). A per-tensor amax goes through `reduction` when given.
+Operand cast(const at::Tensor& x, const Cast& cast, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction = nullptr);
 // The scale of a tensor whose absolute maximum (per tensor, or keepdim along a dimension) is `amax`.
 at::Tensor amax_to_scale(const at::Tensor& amax, at::ScalarType float8_dtype, bool power_of_two);
 

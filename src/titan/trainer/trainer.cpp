@@ -160,6 +160,7 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   fsdp.param_dtype = param_dtype == at::kFloat ? mp_param : param_dtype;
   fsdp.reduce_dtype = titan::config::dtype_from_name(c.training.mixed_precision_reduce, "training.mixed_precision_reduce");
   fsdp.reshard_after_forward = c.parallelism.fsdp_reshard_after_forward;
+  if (fsdp_float8 && dims.tp > 1) fsdp_float8->tp_group = mesh_->get("tp");
   fsdp.float8 = fsdp_float8;
   if (protocols::computes_under_autocast(c, dims)) autocast_dtype_ = at::kBFloat16;
   schedule_ = make_step_schedule(*model_, *spec_, args, *mesh_, c, fsdp, autocast_dtype_);

@@ -99,10 +99,11 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
     errors.push_back(cat("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp = true ",
                          loaded.where("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
                          " precomputes the scales of float8 FSDP all-gathers: it needs quantize.linear.float8.enable_fsdp_float8_all_gather = true"));
-  if (c.parallelism.tensor_parallel_degree > 1)
+  if (c.parallelism.tensor_parallel_degree > 1 && recipe != "tensorwise")
     errors.push_back(cat("parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree, " ",
-                         loaded.where("parallelism.tensor_parallel_degree"),
-                         " with float8 linears (model.converters): float8 tensor parallelism is not supported yet"));
+                         loaded.where("parallelism.tensor_parallel_degree"), " with float8 recipe ", quote(recipe),
+                         ": float8 linears run under tensor parallelism with recipe \"tensorwise\" only (as torchao's float8 "
+                         "tensor-parallel styles)"));
   std::string why;
   if (!s.emulate && !nn::float8::has_float8_matmul(device, &why))
     errors.push_back(cat("model.converters asks for float8 linears ", loaded.where("model.converters"), ", but ", why,
