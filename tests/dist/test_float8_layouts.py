@@ -152,7 +152,7 @@ TP2_FSDP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_pa
 def test_float8_under_tensor_parallelism(tmp_path):
     """Tensorwise float8 under TP: every per-tensor scale comes from the amax of the whole tensor (the weight, the
     input, the output gradient), reduced over the TP ranks as torchao's casts of DTensors do, so TP 2 follows one
-    process to float32 precision; TP 2 x FSDP 2 with float8 all-gathers (the amax reduced over the shard and TP
+    process to float32 precision, while the sequence all-gathers move float8 (torchao's float8 TP styles); TP 2 x FSDP 2 with float8 all-gathers (the amax reduced over the shard and TP
     groups) equals TP 2 x FSDP 2 without them bitwise (float32 gathers)."""
     one = probe(tmp_path, "tw_one", 1, ["--training.local_batch_size", "8"], recipe="tensorwise")
     tp = probe(tmp_path, "tw_tp2", 2, TP2, recipe="tensorwise")
@@ -160,6 +160,21 @@ def test_float8_under_tensor_parallelism(tmp_path):
     norms = relative(tp, one, "grad_norm")
     print(f"float8 TP 2 against one process (tensorwise): worst relative loss difference {worst:.2e}, gradient norm {norms:.2e}")
     assert worst <= 1e-5 and norms <= 1e-5
+    # The TP all-gathers of the attention and feed-forward inputs (forward) and of wo's and w2's output gradients
+    # (backward) move E4M3 / E5M2 instead of float32: 4 per block of 8 x 16 x 64 elements on each rank, 3 bytes
+    # saved per element. The scales' amax all-reduces (4 bytes each on 2 ranks) add, per block, 2 + 2 for those
+    # casts and, for the linears, the weight of each of the 7 in forward and backward, wo's and w2's inputs in both,
+    # and wq/wk/wv/w1/w3's output gradient for each of their two backward matmuls: 32.
+    cmd = ["mpirun" if not os.environ.get("TITAN_MPIRUN") else os.environ["TITAN_MPIRUN"], "--oversubscribe", "--allow-run-as-root",
+           "--bind-to", "none", "-np", "2", binary("titan_train_probe"), "--probe.out", str(tmp_path / "tp2_plain"),
+           "--job.dump_folder", str(tmp_path / "tp2_plain" / "dump"), *without_float8(COMMON), *TP2]
+    run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    plain_tp = json.loads((tmp_path / "tp2_plain" / "metrics.json").read_text())["steps"]
+    saved, amax = 2 * 4 * (8 * 16 * 64) * (4 - 1), 2 * 32 * 4
+    for a, b in zip(plain_tp, tp):
+        assert a["tensor_parallel_bytes"] - b["tensor_parallel_bytes"] == saved - amax, (a, b)
+    print(f"TP bytes per step on each rank: {plain_tp[0]['tensor_parallel_bytes']:,} in float32, {tp[0]['tensor_parallel_bytes']:,} "
+          "with float8 linears")
     mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2"]
     refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "refused"), *COMMON, *TP2,
                             "--quantize.linear.float8.recipe_name", "rowwise"], env={"OMP_NUM_THREADS": "1"}, check=False)

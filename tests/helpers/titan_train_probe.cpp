@@ -84,10 +84,14 @@ int main(int argc, char** argv) {
         for (auto& part : trainer.model_parts()) bytes += part.data_parallel->bytes_communicated();
         return bytes;
       };
-      const int64_t bytes_before = data_parallel_bytes();
+      auto tensor_parallel_bytes = [&trainer] {
+        return trainer.mesh().dims().tp > 1 ? trainer.mesh().get("tp")->bytes_communicated() : int64_t{0};
+      };
+      const int64_t bytes_before = data_parallel_bytes(), tp_bytes_before = tensor_parallel_bytes();
       auto r = trainer.train_step(microbatches);
       steps.push_back({{"step", step}, {"loss", r.loss}, {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"tokens", r.tokens},
-                       {"data_parallel_bytes", data_parallel_bytes() - bytes_before}});
+                       {"data_parallel_bytes", data_parallel_bytes() - bytes_before},
+                       {"tensor_parallel_bytes", tensor_parallel_bytes() - tp_bytes_before}});
     }
     if (writer && single) titan::safetensors::save(out_dir + "/batches.safetensors", batches);  // local batches only
     auto final_weights = hf_weights(trainer);

@@ -111,7 +111,64 @@ struct Attached : torch::autograd::Function<Attached> {
   }
 };
 
+// Casts `x` (this rank's chunk) to `dtype` with the scale of the whole tensor over `group` and gathers the float8
+// bytes along `dim`.
+nn::float8::Operand gather_cast(const at::Tensor& x, int64_t dim, at::ScalarType dtype, Communicator& group) {
+  at::NoGradGuard no_grad;
+  at::Tensor amax = x.detach().abs().max().to(at::kFloat).reshape({1}).contiguous();
+  group.all_reduce(amax, ReduceOp::Max);
+  const at::Tensor scale = nn::float8::amax_to_scale(amax.reshape({}), dtype, /*power_of_two=*/false);
+  const at::Tensor x8 = nn::float8::scaled_cast(x.detach(), scale, dtype);
+  return {raw::all_gather(x8.view(at::kByte), dim, group).view(dtype), scale};
+}
+
+at::Tensor dequantized(const nn::float8::Operand& cast, at::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  return (cast.data.to(at::kFloat) / cast.scale).to(dtype);
+}
+
+struct CastHolder : torch::CustomClassHolder {
+  nn::float8::Operand cast;
+};
+
+struct AllGatherFloat8 : torch::autograd::Function<AllGatherFloat8> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::intrusive_ptr<GroupHolder> group,
+                            c10::intrusive_ptr<CastHolder> out) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    ctx->saved_data["dim"] = dim;
+    out->cast = gather_cast(x, dim, at::kFloat8_e4m3fn, *group->group);
+    return dequantized(out->cast, x.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {raw::reduce_scatter(grads[0], ctx->saved_data["dim"].toInt(), *group_of(ctx)), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ReduceScatterFloat8Backward : torch::autograd::Function<ReduceScatterFloat8Backward> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t dim, c10::intrusive_ptr<GroupHolder> group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    ctx->saved_data["dim"] = dim;
+    return raw::reduce_scatter(x, dim, *group->group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    nn::float8::Operand cast = gather_cast(grads[0], ctx->saved_data["dim"].toInt(), at::kFloat8_e5m2, *group_of(ctx));
+    at::Tensor grad = dequantized(cast, grads[0].scalar_type());
+    nn::float8::register_precast(grad, std::move(cast));  // for the float8 linear this gradient reaches next
+    return {grad, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+std::pair<at::Tensor, nn::float8::Operand> all_gather_float8(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group) {
+  auto holder = c10::make_intrusive<CastHolder>();
+  at::Tensor out = AllGatherFloat8::apply(x, dim, hold(group), holder);
+  return {out, holder->cast};
+}
+
+at::Tensor reduce_scatter_float8_backward(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group) {
+  return ReduceScatterFloat8Backward::apply(x, dim, hold(group));
+}
 
 double collective_seconds() { return g_seconds.load(); }
 

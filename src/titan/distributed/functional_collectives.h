@@ -5,8 +5,10 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <utility>
 
 #include "titan/distributed/communicator.h"
+#include "titan/nn/float8.h"
 
 namespace titan::distributed::functional {
 
@@ -26,6 +28,15 @@ at::Tensor all_reduce(const at::Tensor& x, const std::shared_ptr<Communicator>& 
 // Splits `x` into group-size chunks along `split_dim`, sends chunk j to rank j and concatenates what arrives along
 // `concat_dim` in rank order (Shard(concat_dim) -> Shard(split_dim)); backward is the reverse all-to-all.
 at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<Communicator>& group);
+
+// Float8 tensor parallelism (torchao's float8 styles; tensorwise scaling): the collectives move one byte per element.
+// all_gather_float8 is all_gather with partial gradients whose forward casts each rank's chunk to E4M3 with the
+// scale of the whole tensor (the amax all-reduced over the group) and gathers the float8 bytes; it returns the
+// gathered values dequantized in x's dtype and the float8 tensor they came from (for nn::float8::register_precast).
+// reduce_scatter_float8_backward is reduce_scatter whose backward gathers the gradient that way in E5M2 and
+// registers the cast for the float8 linear that receives it.
+std::pair<at::Tensor, nn::float8::Operand> all_gather_float8(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group);
+at::Tensor reduce_scatter_float8_backward(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group);
 
 // For collectives run asynchronously outside autograd (to overlap them with computation): attaches their result
 // to the graph. `gathered` must be the all-gather of `x` along `dim` (backward: the reduce-scatter of partial

@@ -77,9 +77,11 @@ void TensorParallel::rowwise(nn::Unit& module, at::Tensor& weight, Placement out
   shard(weight, 1);
   auto group = group_;
   const bool scatter = output.is_shard();
+  // A float8 linear's output gradient is all-gathered in float8 in backward (torchao's Float8RowwiseParallel).
+  const bool float8 = module.has_wrapper(nn::float8::kWrapperName);
   auto deferred = std::make_shared<bool>(false);
   deferred_[&module] = deferred;
-  module.add_wrapper("tp_rowwise", [group, scatter, deferred, reduction = amax_reduction_](
+  module.add_wrapper("tp_rowwise", [group, scatter, float8, deferred, reduction = amax_reduction_](
                                         const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     at::Tensor partial;
     {
@@ -87,7 +89,8 @@ void TensorParallel::rowwise(nn::Unit& module, at::Tensor& weight, Placement out
       partial = next(inputs, context);
     }
     if (*deferred) return partial;
-    return scatter ? fc::reduce_scatter(partial, 1, group) : fc::all_reduce(partial, group);
+    if (scatter) return float8 ? fc::reduce_scatter_float8_backward(partial, 1, group) : fc::reduce_scatter(partial, 1, group);
+    return fc::all_reduce(partial, group);
   });
 }
 
@@ -207,10 +210,32 @@ at::Tensor overlapped_region(const nn::Unit::Inputs& inputs, const nn::Context& 
 void TensorParallel::sequence_parallel_region(nn::Unit& module, nn::Unit& rowwise_output, int64_t overlap_chunks) {
   auto group = group_;
   if (overlap_chunks <= 1) {
-    module.add_wrapper("tp_gather_sequence", [group](const nn::Unit::Inputs& inputs, const nn::Context& context,
-                                                     const nn::Unit::Next& next) {
+    // When every linear that reads the gathered input is a float8 one, the input is cast before the all-gather,
+    // which then moves E4M3 (torchao's PrepareFloat8ModuleInput), and those linears use that cast.
+    bool float8 = false;
+    for (const auto& child : module.modules(/*include_self=*/false)) {
+      auto* linear = dynamic_cast<nn::Linear*>(child.get());
+      if (!linear || linear == &rowwise_output) continue;
+      if (!linear->has_wrapper(nn::float8::kWrapperName)) {
+        float8 = false;
+        break;
+      }
+      float8 = true;
+    }
+    module.add_wrapper("tp_gather_sequence", [group, float8](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                             const nn::Unit::Next& next) {
       nn::Unit::Inputs in = inputs;
-      in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
+      if (!float8) {
+        in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
+        return next(in, context);
+      }
+      auto [gathered, cast] = fc::all_gather_float8(in[0], 1, group);
+      in[0] = gathered;
+      nn::float8::register_precast(gathered, std::move(cast));
+      struct Unregister {
+        at::Tensor t;
+        ~Unregister() { nn::float8::unregister_precast(t); }
+      } unregister{gathered};
       return next(in, context);
     });
     return;

@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -138,11 +139,55 @@ at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool
 
 namespace {
 
+thread_local std::vector<std::pair<at::Tensor, Operand>> precast_activations;
+
+// The recipe casts an input (or output gradient) per tensor to `dtype` for both matmuls that take it.
+bool both_tensorwise(const Cast& a, const Cast& b, at::ScalarType dtype) {
+  return a.scaling == Scaling::tensorwise && b.scaling == Scaling::tensorwise && a.dtype == dtype && b.dtype == dtype;
+}
+
+}  // namespace
+
+void register_precast(const at::Tensor& hp, Operand cast) {
+  // A backward entry whose linear never came (nothing reads it) must not hold memory for ever.
+  if (precast_activations.size() >= 64) precast_activations.erase(precast_activations.begin());
+  precast_activations.emplace_back(hp, std::move(cast));
+}
+
+void unregister_precast(const at::Tensor& hp) {
+  auto& v = precast_activations;
+  v.erase(std::remove_if(v.begin(), v.end(), [&](const auto& e) { return e.first.is_same(hp); }), v.end());
+}
+
+std::optional<Operand> find_precast(const at::Tensor& hp, bool remove) {
+  auto& v = precast_activations;
+  for (auto it = v.begin(); it != v.end(); ++it)
+    if (it->first.is_same(hp)) {
+      Operand found = it->second;
+      if (remove) v.erase(it);
+      return found;
+    }
+  return std::nullopt;
+}
+
+namespace {
+
+struct PrecastInput : torch::CustomClassHolder {
+  Operand input;
+};
+
 struct Float8Linear : torch::autograd::Function<Float8Linear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe,
-                            bool emulate, const c10::intrusive_ptr<PrecastWeight>& precast) {
+                            bool emulate, const c10::intrusive_ptr<PrecastWeight>& precast,
+                            const c10::intrusive_ptr<PrecastInput>& precast_input) {
     const bool use_precast = precast && precast->weight.data.defined();
-    ctx->save_for_backward({x, weight});
+    // With the input cast before its all-gather, backward reads that cast, not the high-precision input.
+    ctx->save_for_backward({precast_input ? at::Tensor() : x, weight});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    if (precast_input) {
+      ctx->saved_data["x8"] = precast_input->input.data;
+      ctx->saved_data["x8_scale"] = precast_input->input.scale;
+    }
     ctx->saved_data["emulate"] = emulate;
     ctx->saved_data["recipe"] = recipe.name;
     if (use_precast) ctx->saved_data["precast"] = at::IValue::make_capsule(precast);
@@ -152,7 +197,8 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const int64_t k = x.size(-1);
     const at::Tensor x2 = x.reshape({-1, k});
     // Output = x W^T: contraction over K, the input per row (dim 1), W^T per column (dim 0).
-    const Operand xq = cast(x2, r->input, 1, r->power_of_two_scales, reduction.get());
+    const Operand xq = precast_input ? Operand{precast_input->input.data.reshape({-1, k}), precast_input->input.scale}
+                                     : cast(x2, r->input, 1, r->power_of_two_scales, reduction.get());
     const Operand wq = use_precast ? precast->weight.t() : cast(weight.t(), r->weight, 0, r->power_of_two_scales, reduction.get());
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
@@ -163,8 +209,12 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];
+    const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const bool emulate = ctx->saved_data["emulate"].toBool();
     const Recipe r = recipe(ctx->saved_data["recipe"].toStringRef());
+    // An output gradient cast before its all-gather (the backward of a float8 reduce-scatter) serves both matmuls.
+    std::optional<Operand> g_pre;
+    if (both_tensorwise(r.grad_output, r.grad_output_for_grad_weight, at::kFloat8_e5m2)) g_pre = find_precast(grads[0], /*remove=*/true);
     c10::intrusive_ptr<AmaxReduction> reduction;
     if (ctx->saved_data.count("amax_reduction"))
       reduction = c10::static_intrusive_pointer_cast<AmaxReduction>(ctx->saved_data["amax_reduction"].toCapsule());
@@ -174,7 +224,7 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) {
       // dx = g W: contraction over N, g per row, W (kept as W^T, cast per row of W^T) per column.
-      const Operand gq = cast(g, r.grad_output, 1, r.power_of_two_scales, reduce);
+      const Operand gq = g_pre ? Operand{g_pre->data.reshape({-1, n}), g_pre->scale} : cast(g, r.grad_output, 1, r.power_of_two_scales, reduce);
       Operand wq;
       if (ctx->saved_data.count("precast")) {
         // The tensorwise cast of W the forward used: the same scale and values as casting W^T per tensor here.
@@ -185,15 +235,18 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
       } else {
         wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales, reduce).t();
       }
-      dx = mm(gq, wq, grads[0].scalar_type(), emulate, false).reshape(x.sizes());
+      dx = mm(gq, wq, grads[0].scalar_type(), emulate, false).reshape(x_sizes);
     }
     if (ctx->needs_input_grad(1)) {
       // dW = g^T x: contraction over the tokens, g and x per column.
-      const Operand gq = cast(g, r.grad_output_for_grad_weight, 0, r.power_of_two_scales, reduce).t();
-      const Operand xq = cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduce);
+      const Operand gq = (g_pre ? Operand{g_pre->data.reshape({-1, n}), g_pre->scale}
+                                : cast(g, r.grad_output_for_grad_weight, 0, r.power_of_two_scales, reduce)).t();
+      const Operand xq = ctx->saved_data.count("x8")
+                             ? Operand{ctx->saved_data["x8"].toTensor().reshape({-1, k}), ctx->saved_data["x8_scale"].toTensor()}
+                             : cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduce);
       dw = mm(gq, xq, grads[0].scalar_type(), emulate, false).to(weight.scalar_type());
     }
-    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -205,10 +258,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& r
     fail("float8: a weight cast before its linear (FSDP's float8 all-gather) needs recipe \"tensorwise\", not ", quote(recipe.name));
   // Under autocast the input is first cast to the autocast dtype, as torchao's Float8Linear does; the weight is
   // cast to float8 from whatever dtype it has (the float32 master, or FSDP's gathered bf16 copy).
+  c10::intrusive_ptr<PrecastInput> precast_input;
+  if (both_tensorwise(recipe.input, recipe.input_for_grad_weight, at::kFloat8_e4m3fn))
+    if (auto found = find_precast(x, /*remove=*/false)) {
+      precast_input = c10::make_intrusive<PrecastInput>();
+      precast_input->input = *found;
+    }
   const auto device = x.device().type();
   if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()))
-    return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate, precast);
-  return Float8Linear::apply(x, weight, recipe, emulate, precast);
+    return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate, precast, precast_input);
+  return Float8Linear::apply(x, weight, recipe, emulate, precast, precast_input);
 }
 
 const std::vector<std::string>& mx_recipe_names() {

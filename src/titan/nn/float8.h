@@ -14,6 +14,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,15 @@ at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool
 struct PrecastWeight : torch::CustomClassHolder {
   Operand weight;
 };
+
+// Activations cast before a collective (torchao's float8 tensor-parallel styles, distributed/functional_collectives.h):
+// the high-precision tensor a collective returned, and the tensorwise cast it was made from (E4M3 for an input,
+// E5M2 for an output gradient). A float8 linear that meets `hp` as its input (forward) or its output gradient
+// (backward) uses `cast` instead of casting it again; a backward entry is removed when used, a forward one by
+// unregister_precast. Per thread.
+void register_precast(const at::Tensor& hp, Operand cast);
+void unregister_precast(const at::Tensor& hp);
+std::optional<Operand> find_precast(const at::Tensor& hp, bool remove);
 
 // x [..., K] @ weight [N, K]^T with the recipe's casts, differentiable in x and weight. The output (and the input
 // gradient) is in x's dtype, the weight gradient in the weight's. Saves x and weight for backward (as torchao).
