@@ -77,10 +77,10 @@ def main():
     analytic["fsdp_float8"] = analytic["fsdp"] - (n - 1) * gathered["float8_elements"] * 2 * (gather_bytes - 1) + 42 * 4 * 2 * (n - 1) / n
     rows.append(("FSDP, float8 linears and all-gathers", gathered, "fsdp_float8"))
     base = rows[0][1]["tokens_per_s"]
-    print(f"{'configuration':32} {'tokens/s':>10} {'vs 1x2':>7} {'step s':>7} {'blocked s':>9} {'in MPI s':>8} "
+    print(f"{'configuration':38} {'tokens/s':>10} {'vs 1x2':>7} {'step s':>7} {'blocked s':>9} {'in MPI s':>8} "
           f"{'MB/step':>8} {'analytic':>8} {'ratio':>6}")
     for name, r, kind in rows:
-        line = f"{name:32} {r['tokens_per_s']:10,.0f} {r['tokens_per_s'] / base:7.2f} {r['step']:7.3f}"
+        line = f"{name:38} {r['tokens_per_s']:10,.0f} {r['tokens_per_s'] / base:7.2f} {r['step']:7.3f}"
         if kind:
             mb = analytic[kind] / 1e6
             line += f" {r['wait']:9.3f} {r['busy']:8.3f} {r['mb']:8.2f} {mb:8.2f} {r['mb'] / mb:6.3f}"
