@@ -5,6 +5,7 @@ final weights over 10 float32 steps; a checkpoint saved under CP loads on other 
 sequence lengths and unsupported options are clear errors."""
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -106,16 +107,28 @@ def losses(stdout):
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", stdout)}
 
 
+@pytest.fixture(scope="module")
+def source_runs():
+    return {}
+
+
 @pytest.mark.parametrize("source,target", [("fsdp2_cp2", "single"), ("single", "tp2_cp2"), ("fsdp2_cp2", "cp4"),
                                            ("pp2_cp2", "fsdp2_cp2")])
-def test_a_checkpoint_saved_under_cp_loads_on_another_layout(tmp_path, source, target):
-    """20 straight steps on the source layout saving at step 10; the target layout loads step 10, holds exactly the
-    saved weights and AdamW moments, and its steps 11-20 give the source's losses."""
+def test_a_checkpoint_saved_under_cp_loads_on_another_layout(tmp_path_factory, tmp_path, source_runs, source, target):
+    """20 straight steps on the source layout saving at step 10 (one run per source layout, shared by its targets); the
+    target layout loads step 10, holds exactly the saved weights and AdamW moments, and its steps 11-20 give the
+    source's losses."""
+    if source not in source_runs:
+        dump = tmp_path_factory.mktemp(f"source_{source}") / "run"
+        ranks, args = LAYOUTS[source]
+        straight = losses(run(([] if ranks == 1 else mpirun(ranks)) + [
+            binary("titan"), "train", "--job.dump_folder", str(dump), *COMMON, "--training.local_batch_size", "4",
+            "--training.steps", "20", *CHECKPOINT, *args], env={"OMP_NUM_THREADS": "1"}, timeout=600).stdout)
+        source_runs[source] = (dump, straight)
+    source_dump, straight = source_runs[source]
+    # The target writes its own checkpoints: it starts from a copy of the source's folder.
     dump = tmp_path / "run"
-    ranks, args = LAYOUTS[source]
-    straight = losses(run(([] if ranks == 1 else mpirun(ranks)) + [
-        binary("titan"), "train", "--job.dump_folder", str(dump), *COMMON, "--training.local_batch_size", "4",
-        "--training.steps", "20", *CHECKPOINT, *args], env={"OMP_NUM_THREADS": "1"}, timeout=600).stdout)
+    shutil.copytree(source_dump, dump, symlinks=True)
     _, stored = read_checkpoint(dump / "checkpoint" / "step-10")
     ranks, args = LAYOUTS[target]
     out = tmp_path / "probe"
