@@ -29,6 +29,14 @@ def torchao_linear(x, weight, grad, recipe):
     return y.detach(), x.grad, converted.weight.grad
 
 
+def titan_linear(tmp_path, x, weight, grad, recipe):
+    """titan's float8 or MXFP8 linear (titan_float8_probe): y, grad_x and grad_weight."""
+    save_file({"x": x, "weight": weight, "grad": grad}, str(tmp_path / "in.safetensors"))
+    run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", recipe,
+         "--out", str(tmp_path / "out.safetensors")])
+    return load_file(str(tmp_path / "out.safetensors"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_a_float8_linear_equals_torchao(tmp_path, recipe, dtype):
@@ -38,10 +46,7 @@ def test_a_float8_linear_equals_torchao(tmp_path, recipe, dtype):
         x = (torch.randn(*lead, k) * torch.logspace(-2, 2, k)).to(dtype)
         weight = (torch.randn(n, k) * 0.1).to(dtype)
         grad = (torch.randn(*lead, n) * torch.logspace(-3, 1, n)).to(dtype)
-        save_file({"x": x, "weight": weight, "grad": grad}, str(tmp_path / "in.safetensors"))
-        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", recipe,
-             "--out", str(tmp_path / "out.safetensors")])
-        got = load_file(str(tmp_path / "out.safetensors"))
+        got = titan_linear(tmp_path, x, weight, grad, recipe)
         want = dict(zip(["y", "grad_x", "grad_weight"], torchao_linear(x, weight, grad, recipe)))
         for name, expected in want.items():
             assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
@@ -85,10 +90,7 @@ def test_an_mxfp8_linear_equals_torchao_bitwise(tmp_path, recipe, dtype):
         x = x.to(dtype)
         weight = (torch.randn(n, k) * 0.1).to(dtype)
         grad = (torch.randn(*lead, n) * torch.logspace(-3, 1, n)).to(dtype)
-        save_file({"x": x, "weight": weight, "grad": grad}, str(tmp_path / "in.safetensors"))
-        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", recipe,
-             "--out", str(tmp_path / "out.safetensors")])
-        got = load_file(str(tmp_path / "out.safetensors"))
+        got = titan_linear(tmp_path, x, weight, grad, recipe)
         for name, expected in zip(["y", "grad_x", "grad_weight"], torchao_mx_linear(x, weight, grad, recipe)):
             assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
             assert torch.equal(got[name], expected), (recipe, dtype, lead, name, (got[name].float() - expected.float()).abs().max())

@@ -1,6 +1,7 @@
 #include "titan/components/quantization/float8.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 
 #include "titan/common/error.h"
@@ -46,6 +47,32 @@ std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded) {
                          loaded.where("parallelism.tensor_parallel_degree"),
                          " with MXFP8 linears (model.converters): MX tensor parallelism is not supported yet"));
   return errors;
+}
+
+// Gives each linear unit of `model` that `selected` picks the innermost wrapper `make` returns, and lists the
+// converted and the kept 2-D projections in `result`. Innermost: tensor parallelism, activation checkpointing and
+// FSDP wrap it as they wrap the plain linear, and it reads the weight as they leave it (the local shard, the
+// gathered copy).
+void convert_linears(nn::Model& model, Float8Conversion& result,
+                     const std::function<bool(const std::string&, const nn::Linear&)>& selected,
+                     const std::function<nn::Unit::Wrapper(nn::Linear*)>& make) {
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const std::string& fqn = item.key();
+    auto* linear = dynamic_cast<nn::Linear*>(item.value().get());
+    if (!linear) {
+      // A projection that is not a plain linear unit (the output projection, which computes the loss with its
+      // matmul) stays in high precision; torchtitan's float8 TOMLs filter "output" anyway.
+      const auto* weight = item.value()->named_parameters(/*recurse=*/false).find("weight");
+      if (weight && weight->dim() == 2 && !dynamic_cast<nn::Embedding*>(item.value().get())) result.kept.push_back(fqn);
+      continue;
+    }
+    if (!selected(fqn, *linear)) {
+      result.kept.push_back(fqn);
+      continue;
+    }
+    linear->add_innermost_wrapper(nn::float8::kWrapperName, make(linear));
+    result.converted.push_back(fqn);
+  }
 }
 
 }  // namespace
@@ -148,22 +175,9 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
     result.fsdp_float8 = std::make_shared<distributed::FsdpOptions::Float8AllGather>();
     result.fsdp_float8->precompute_scales = settings.precompute_float8_dynamic_scale_for_fsdp;
   }
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    const std::string& fqn = item.key();
-    auto* linear = dynamic_cast<nn::Linear*>(item.value().get());
-    if (!linear) {
-      // A projection that is not a plain linear unit (the output projection, which computes the loss with its
-      // matmul) stays in high precision; torchtitan's float8 TOMLs filter "output" anyway.
-      const auto* weight = item.value()->named_parameters(/*recurse=*/false).find("weight");
-      if (weight && weight->dim() == 2 && !dynamic_cast<nn::Embedding*>(item.value().get())) result.kept.push_back(fqn);
-      continue;
-    }
-    if (!float8_converts(fqn, linear->weight.size(0), linear->weight.size(1), settings)) {
-      result.kept.push_back(fqn);
-      continue;
-    }
-    // Innermost: tensor parallelism, activation checkpointing and FSDP wrap it as they wrap the plain linear, and
-    // it reads the weight as they leave it (the local shard, the gathered copy).
+  convert_linears(model, result, [&](const std::string& fqn, const nn::Linear& linear) {
+    return float8_converts(fqn, linear.weight.size(0), linear.weight.size(1), settings);
+  }, [&](nn::Linear* linear) -> nn::Unit::Wrapper {
     // With float8 all-gathers, FSDP fills the slot with the gathered float8 weight while the unit is unsharded
     // (without FSDP it stays empty and the linear casts its weight itself).
     c10::intrusive_ptr<nn::float8::PrecastWeight> precast;
@@ -171,12 +185,10 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
       precast = c10::make_intrusive<nn::float8::PrecastWeight>();
       result.fsdp_float8->weights[linear->weight.unsafeGetTensorImpl()] = precast;
     }
-    linear->add_innermost_wrapper(nn::float8::kWrapperName, [linear, recipe, emulate, precast](const nn::Unit::Inputs& inputs, const nn::Context&,
-                                                                               const nn::Unit::Next&) {
+    return [linear, recipe, emulate, precast](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
       return nn::float8::linear(inputs[0], linear->weight, *recipe, emulate, precast);
-    });
-    result.converted.push_back(fqn);
-  }
+    };
+  });
   log::info("Float8 linears (", recipe->name, emulate ? ", emulated" : "",
             result.fsdp_float8 ? (result.fsdp_float8->precompute_scales ? ", float8 FSDP all-gathers with precomputed scales" : ", float8 FSDP all-gathers") : "",
             "): ", result.converted.size(), " converted",
@@ -184,32 +196,17 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
   return result;
 }
 
-}  // namespace titan::quantization
-
-namespace titan::quantization {
-
 Float8Conversion convert_to_mx(nn::Model& model, const config::JobConfig& config) {
   const auto& settings = config.quantize.linear.mx;
   const nn::float8::MxScaleRounding rounding = nn::float8::mx_recipe(settings.recipe_name);
   Float8Conversion result;
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    const std::string& fqn = item.key();
-    auto* linear = dynamic_cast<nn::Linear*>(item.value().get());
-    if (!linear) {
-      const auto* weight = item.value()->named_parameters(/*recurse=*/false).find("weight");
-      if (weight && weight->dim() == 2 && !dynamic_cast<nn::Embedding*>(item.value().get())) result.kept.push_back(fqn);
-      continue;
-    }
-    if (!mx_converts(fqn, linear->weight.size(0), linear->weight.size(1), settings)) {
-      result.kept.push_back(fqn);
-      continue;
-    }
-    linear->add_innermost_wrapper(nn::float8::kWrapperName, [linear, rounding](const nn::Unit::Inputs& inputs, const nn::Context&,
-                                                                                const nn::Unit::Next&) {
+  convert_linears(model, result, [&](const std::string& fqn, const nn::Linear& linear) {
+    return mx_converts(fqn, linear.weight.size(0), linear.weight.size(1), settings);
+  }, [rounding](nn::Linear* linear) -> nn::Unit::Wrapper {
+    return [linear, rounding](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
       return nn::float8::mx_linear(inputs[0], linear->weight, rounding);
-    });
-    result.converted.push_back(fqn);
-  }
+    };
+  });
   log::info("MXFP8 linears (", settings.recipe_name, ", ", rounding == nn::float8::MxScaleRounding::rceil ? "rceil" : "floor",
             " scales, emulated): ", result.converted.size(), " converted",
             result.kept.empty() ? std::string() : cat(", ", result.kept.size(), " kept in high precision (", join(result.kept, ", "), ")"));
