@@ -512,6 +512,14 @@ run_cli() {
     checker loss-falls "$LOGS/train-float8.log" --name cli.float8.loss_falls --min-drop 1.0
     figure cli.float8.layers "$(grep -m1 -o 'Float8 linears.*' "$LOGS/train-float8.log")"
   fi
+  # MXFP8 linears: LibTorch's blockwise-scaled matmul needs compute capability 10.0 or newer; older GPUs and the dry
+  # run emulate.
+  local mx=(--model.converters mx)
+  if [[ "$DRY_RUN" == 1 || -z "$capability" || "$capability" -lt 100 ]]; then mx+=(--quantize.linear.mx.emulate); fi
+  if within_budget cli.mx 40 && train mx "${debug[@]}" --training.steps 40 "${mx[@]}"; then
+    checker loss-falls "$LOGS/train-mx.log" --name cli.mx.loss_falls --min-drop 1.0
+    figure cli.mx.layers "$(grep -m1 -o 'MXFP8 linears.*' "$LOGS/train-mx.log")"
+  fi
   # Resume: 10 steps in one go against 5 steps' checkpoint (copied from that run) resumed to 10.
   local resume=("${debug[@]}" --training.steps 10 --checkpoint.enable --checkpoint.interval 5 --checkpoint.keep_latest_k 0
                 --checkpoint.no_last_save_model_only --debug.deterministic --debug.deterministic_warn_only)

@@ -50,8 +50,7 @@ def straight_runs():
     return {}
 
 
-@pytest.mark.parametrize("layout,mode", [(1, "disabled"), (2, "disabled"), (4, "disabled"), (1, "async"), (2, "async"),
-                                         (4, "async")])
+@pytest.mark.parametrize("layout,mode", [(1, "disabled"), (4, "disabled"), (2, "async"), (4, "async")])
 def test_resume_is_bitwise_identical(tmp_path, tmp_path_factory, straight_runs, layout, mode):
     """20 straight steps against 10 + save + a new process + 10. One straight run per layout serves both save modes
     (a background save must not change training either: the resumed run's losses and step-20 state are held to the
@@ -76,15 +75,19 @@ def test_resume_is_bitwise_identical(tmp_path, tmp_path_factory, straight_runs, 
     assert meta_a["optimizer"] == meta_b["optimizer"]
 
 
-def test_checkpoint_loads_under_other_layouts(tmp_path):
+def test_checkpoint_loads_under_other_layouts(tmp_path, tmp_path_factory, straight_runs):
     """Saved by FSDP over 4 ranks, resumed by 1 process, FSDP 2, HSDP 2x2 and DDP 2: the same training continues
-    (same data stream: 4 lanes), so step-20 weights agree with the straight FSDP 4 run to float32 reduction order."""
-    straight = train(tmp_path / "fsdp4", 4, 20)
-    _, reference = read_checkpoint(tmp_path / "fsdp4" / "checkpoint" / "step-20")
+    (same data stream: 4 lanes), so step-20 weights agree with the straight FSDP 4 run to float32 reduction order.
+    (The straight run is the resume test's, when it ran first.)"""
+    if 4 not in straight_runs:
+        folder = tmp_path_factory.mktemp("straight4")
+        straight_runs[4] = (folder, train(folder, 4, 20))
+    source, straight = straight_runs[4]
+    _, reference = read_checkpoint(source / "checkpoint" / "step-20")
     for layout in [1, 2, "hsdp", "ddp"]:
         dump = tmp_path / f"to_{layout}"
         (dump / "checkpoint").mkdir(parents=True)
-        shutil.copytree(tmp_path / "fsdp4" / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
+        shutil.copytree(source / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
         resumed = train(dump, layout, 20)
         assert "Loaded checkpoint" in resumed.stdout and "saved by 4 rank(s)" in resumed.stdout
         for (s1, l1), (s2, l2) in zip(losses(resumed.stdout), losses(straight.stdout)[10:]):

@@ -51,10 +51,16 @@ def reference(tmp_path_factory):
 LONG = ["--training.seq_len", "256", "--validation.seq_len", "256"]  # ptrr deals blocks of 128 tokens
 
 
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory):
+    return probe(tmp_path_factory.mktemp("single_long"), "single", 1, LONG)[0]
+
+
 @pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
-def test_ptrr_matches_single_process(tmp_path, rotate):
-    """ptrr on CP 2 at seq_len 256 (two blocks of 128 per rank) against one process at the same length."""
-    ref_meta, _, _ = probe(tmp_path, "single", 1, LONG)
+def test_ptrr_matches_single_process(tmp_path, long_reference, rotate):
+    """ptrr on CP 2 at seq_len 256 (two blocks of 128 per rank) against one process at the same length (one reference
+    run for both)."""
+    ref_meta = long_reference
     meta, _, _ = probe(tmp_path, "ptrr", 2, cp(2, rotate, balancer="ptrr") + LONG)
     compare_steps(meta, ref_meta, f"ptrr {rotate}")
 
@@ -97,8 +103,8 @@ def test_bad_input_is_a_clear_error(tmp_path, ranks, args, needles):
     assert "frame #" not in result.stderr
 
 
-CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.no_last_save_model_only",
-              "--lr_scheduler.total_steps", "20", "--metrics.log_freq", "1"]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5", "--checkpoint.no_last_save_model_only",
+              "--lr_scheduler.total_steps", "10", "--metrics.log_freq", "1"]
 LAYOUTS = {"single": (1, []), "fsdp2_cp2": (4, cp(2, "alltoall", shard=2)), "tp2_cp2": (4, cp(2, tp=2)),
            "cp4": (4, cp(4, balancer="None")), "pp2_cp2": (4, cp(2) + ["--parallelism.pipeline_parallel_degree", "2"])}
 
@@ -115,42 +121,42 @@ def source_runs():
 @pytest.mark.parametrize("source,target", [("fsdp2_cp2", "single"), ("single", "tp2_cp2"), ("fsdp2_cp2", "cp4"),
                                            ("pp2_cp2", "fsdp2_cp2")])
 def test_a_checkpoint_saved_under_cp_loads_on_another_layout(tmp_path_factory, tmp_path, source_runs, source, target):
-    """20 straight steps on the source layout saving at step 10 (one run per source layout, shared by its targets); the
-    target layout loads step 10, holds exactly the saved weights and AdamW moments, and its steps 11-20 give the
+    """10 straight steps on the source layout saving at step 5 (one run per source layout, shared by its targets); the
+    target layout loads step 5, holds exactly the saved weights and AdamW moments, and its steps 6-10 give the
     source's losses."""
     if source not in source_runs:
         dump = tmp_path_factory.mktemp(f"source_{source}") / "run"
         ranks, args = LAYOUTS[source]
         straight = losses(run(([] if ranks == 1 else mpirun(ranks)) + [
             binary("titan"), "train", "--job.dump_folder", str(dump), *COMMON, "--training.local_batch_size", "4",
-            "--training.steps", "20", *CHECKPOINT, *args], env={"OMP_NUM_THREADS": "1"}, timeout=600).stdout)
+            "--training.steps", "10", *CHECKPOINT, *args], env={"OMP_NUM_THREADS": "1"}, timeout=600).stdout)
         source_runs[source] = (dump, straight)
     source_dump, straight = source_runs[source]
     # The target writes its own checkpoints: it starts from a copy of the source's folder.
     dump = tmp_path / "run"
     shutil.copytree(source_dump, dump, symlinks=True)
-    _, stored = read_checkpoint(dump / "checkpoint" / "step-10")
+    _, stored = read_checkpoint(dump / "checkpoint" / "step-5")
     ranks, args = LAYOUTS[target]
     out = tmp_path / "probe"
     run(([] if ranks == 1 else mpirun(ranks)) + [
         binary("titan_train_probe"), "--probe.out", str(out), "--probe.loaded_state", "--job.dump_folder", str(dump), *COMMON,
-        "--training.local_batch_size", "4", "--training.steps", "20", "--checkpoint.load_step", "10", *CHECKPOINT, *args],
+        "--training.local_batch_size", "4", "--training.steps", "10", "--checkpoint.load_step", "5", *CHECKPOINT, *args],
         env={"OMP_NUM_THREADS": "1"}, timeout=600)
     state = load_file(str(out / "loaded_state.safetensors"))
     assert sorted(state) == sorted(stored)
     for key, value in stored.items():
         assert np.array_equal(state[key].numpy(), value), f"{source} -> {target}: {key} differs after loading"
     continued = {s["step"]: s["loss"] for s in json.loads((out / "metrics.json").read_text())["steps"]}
-    assert sorted(continued) == list(range(11, 21))
+    assert sorted(continued) == list(range(6, 11))
     for step, loss in continued.items():
         assert abs(loss - straight[step]) <= 2e-5 * straight[step], (source, target, step, loss, straight[step])
 
 
 def test_activation_memory_falls_as_one_over_cp(tmp_path):
-    """One step of the debug model on an 8192-token sequence (float32, no activation checkpointing): rank 0's peak
+    """One step of the debug model on an 4096-token sequence (float32, no activation checkpointing): rank 0's peak
     resident memory above what it held before the step (activations, logits, gradients, optimizer state) with
     CP 1, 2 and 4. (bench/bench_context_parallel.py measures the same at 16384.)"""
-    long = ["--training.seq_len", "8192", "--training.global_batch_size", "1", "--training.steps", "1"]
+    long = ["--training.seq_len", "4096", "--training.global_batch_size", "1", "--training.steps", "1"]
     grown = {}
     for degree in (1, 2, 4):
         out = tmp_path / f"cp{degree}"
@@ -161,6 +167,6 @@ def test_activation_memory_falls_as_one_over_cp(tmp_path):
         run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
         meta = json.loads((out / "metrics.json").read_text())
         grown[degree] = meta["peak_rss_bytes"] - meta["rss_before_steps_bytes"]
-    print("peak memory above the start of the step on rank 0, seq_len 8192: " +
+    print("peak memory above the start of the step on rank 0, seq_len 4096: " +
           ", ".join(f"CP{d} {b / 2**20:.0f} MiB ({b / grown[1]:.2f} x CP1)" for d, b in grown.items()))
     assert grown[2] <= 0.65 * grown[1] and grown[4] <= 0.4 * grown[1], grown

@@ -212,4 +212,31 @@ TEST(GpuKernels, Float8LinearsMatchTheirEmulation) {
   figure("float8 recipes checked on the GPU", static_cast<double>(titan::nn::float8::recipe_names().size()));
 }
 
+// MXFP8 linears through at::_scaled_mm with E8M0 block scales (compute capability 10.0 and newer) against the
+// emulation of the same casts on the host: both scale roundings, bf16, 320 tokens (a multiple of 32, not of 128,
+// so the block scales are padded).
+TEST(GpuKernels, MxLinearsMatchTheirEmulation) {
+  TITAN_REQUIRE_CUDA();
+  const at::Device device = test_device();
+  std::string why;
+  if (!titan::nn::float8::has_mx_matmul(device, &why)) GTEST_SKIP() << why;
+  at::manual_seed(17);
+  for (const auto rounding : {titan::nn::float8::MxScaleRounding::floor, titan::nn::float8::MxScaleRounding::rceil}) {
+    SCOPED_TRACE(rounding == titan::nn::float8::MxScaleRounding::floor ? "floor" : "rceil");
+    const at::Tensor x = (at::randn({2, 160, 256}) * 2).to(at::kBFloat16), w = (at::randn({512, 256}) * 0.05).to(at::kBFloat16);
+    const at::Tensor grad = at::randn({2, 160, 512}).to(at::kBFloat16);
+    at::Tensor x1 = leaf(x.to(device)), w1 = leaf(w.to(device));
+    at::Tensor y = titan::nn::float8::mx_linear(x1, w1, rounding, /*emulate=*/false);
+    y.backward(grad.to(device));
+    at::Tensor x2 = leaf(x), w2 = leaf(w);
+    at::Tensor ref = titan::nn::float8::mx_linear(x2, w2, rounding, /*emulate=*/true);
+    ref.backward(grad);
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    EXPECT_LT(max_relative_difference(y, ref.to(at::kDouble)), 1.6e-2);
+    EXPECT_LT(max_relative_difference(x1.grad(), x2.grad().to(at::kDouble)), 1.6e-2);
+    EXPECT_LT(max_relative_difference(w1.grad(), w2.grad().to(at::kDouble)), 1.6e-2);
+  }
+  figure("MX scale roundings checked on the GPU", 2);
+}
+
 }  // namespace

@@ -335,24 +335,40 @@ at::Tensor mx_dequantize(const MxOperand& a, at::ScalarType dtype) {
   return (a.data.to(dtype).view({rows, cols / kMxBlock, kMxBlock}) * scale.to(dtype).unsqueeze(-1)).view({rows, cols});
 }
 
+at::Tensor mx_blocked_scales(const at::Tensor& exponent) {
+  at::NoGradGuard no_grad;
+  const int64_t rows = exponent.size(0), cols = exponent.size(1);
+  const int64_t row_tiles = (rows + 127) / 128, col_tiles = (cols + 3) / 4;
+  at::Tensor padded = at::zeros({row_tiles * 128, col_tiles * 4}, exponent.options().dtype(at::kByte));
+  padded.narrow(0, 0, rows).narrow(1, 0, cols).copy_(exponent);
+  // [tile row, 128, tile column, 4] -> tiles in order, each [4 groups of 32 rows, 32, 4] -> [32, 4 groups, 4].
+  const at::Tensor tiles = padded.view({row_tiles, 128, col_tiles, 4}).permute({0, 2, 1, 3}).reshape({-1, 4, 32, 4});
+  return tiles.transpose(1, 2).contiguous().view({-1}).view(at::kFloat8_e8m0fnu);
+}
+
 namespace {
 
-// torchao's emulated MX matmul: a [M, K] (blocks along K) @ b^T where b is [N, K] (blocks along K), in `dtype`.
-at::Tensor mx_mm_nt(const MxOperand& a, const MxOperand& b, at::ScalarType dtype) {
+// a [M, K] (blocks along K) @ b^T where b is [N, K] (blocks along K), in `dtype`: torchao's emulated MX matmul
+// (dequantised, multiplied in `dtype`), or LibTorch's blockwise-scaled one (a row-major, b column-major, the block
+// exponents in cuBLAS's layout).
+at::Tensor mx_mm_nt(const MxOperand& a, const MxOperand& b, at::ScalarType dtype, bool emulate) {
   NoAutocast no_autocast;
-  return at::mm(mx_dequantize(a, dtype), mx_dequantize(b, dtype).t());
+  if (emulate || !a.data.is_cuda()) return at::mm(mx_dequantize(a, dtype), mx_dequantize(b, dtype).t());
+  return at::_scaled_mm(a.data, b.data.t(), mx_blocked_scales(a.exponent), mx_blocked_scales(b.exponent), std::nullopt,
+                        std::nullopt, dtype, /*use_fast_accum=*/false);
 }
 
 struct MxLinear : torch::autograd::Function<MxLinear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, int64_t rounding) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, int64_t rounding, bool emulate) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["rounding"] = rounding;
+    ctx->saved_data["emulate"] = emulate;
     const auto r = static_cast<MxScaleRounding>(rounding);
     const int64_t k = x.size(-1);
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
     // Output = x W^T: both along K.
-    return mx_mm_nt(mx_cast(x.reshape({-1, k}), r), mx_cast(weight, r), x.scalar_type()).reshape(out_shape);
+    return mx_mm_nt(mx_cast(x.reshape({-1, k}), r), mx_cast(weight, r), x.scalar_type(), emulate).reshape(out_shape);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -360,33 +376,52 @@ struct MxLinear : torch::autograd::Function<MxLinear> {
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];
     const auto r = static_cast<MxScaleRounding>(ctx->saved_data["rounding"].toInt());
+    const bool emulate = ctx->saved_data["emulate"].toBool();
     const int64_t n = weight.size(0), k = weight.size(1);
     const at::Tensor g = grads[0].contiguous().reshape({-1, n});
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0))  // dx = g W: g along N, W^T along N
-      dx = mx_mm_nt(mx_cast(g, r), mx_cast(weight.t().contiguous(), r), g.scalar_type()).reshape(x.sizes());
+      dx = mx_mm_nt(mx_cast(g, r), mx_cast(weight.t().contiguous(), r), g.scalar_type(), emulate).reshape(x.sizes());
     if (ctx->needs_input_grad(1)) {  // dW = g^T x: both along the tokens
       const at::Tensor x2 = x.reshape({-1, k});
       if (x2.size(0) % kMxBlock != 0)
         fail("MXFP8 linears need a multiple of 32 tokens per matmul (the weight gradient's blocks run along the tokens); "
              "this one has ", x2.size(0), ": choose training.seq_len and training.local_batch_size so that each rank's "
              "micro-batch holds a multiple of 32 tokens");
-      dw = mx_mm_nt(mx_cast(g.t().contiguous(), r), mx_cast(x2.t().contiguous(), r), g.scalar_type()).to(weight.scalar_type());
+      dw = mx_mm_nt(mx_cast(g.t().contiguous(), r), mx_cast(x2.t().contiguous(), r), g.scalar_type(), emulate)
+               .to(weight.scalar_type());
     }
-    return {dx, dw, at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding) {
+at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate) {
   // Under autocast the input is cast to the autocast dtype first; the weight's values are cast to the input's dtype
   // after dequantising (exactly: E4M3 values times powers of two fit bf16).
   const auto device = x.device().type();
   const at::Tensor input = at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type())
                                ? x.to(at::autocast::get_autocast_dtype(device))
                                : x;
-  return MxLinear::apply(input, weight, static_cast<int64_t>(rounding));
+  return MxLinear::apply(input, weight, static_cast<int64_t>(rounding), emulate);
+}
+
+bool has_mx_matmul(const at::Device& device, std::string* why) {
+  if (device.is_cuda()) {
+#ifdef TITAN_WITH_CUDA
+    const auto* properties = at::cuda::getDeviceProperties(device.index());
+    if (properties->major >= 10) return true;
+    if (why) *why = cat(properties->name, " (compute capability ", properties->major, ".", properties->minor,
+                        ") has no blockwise-scaled MX matmul; it starts at 10.0 (Blackwell)");
+    return false;
+#else
+    if (why) *why = "this build of titan has no CUDA";
+    return false;
+#endif
+  }
+  if (why) *why = cat("the ", device.str(), " has no blockwise-scaled MX matmul (LibTorch's needs NVIDIA compute capability 10.0 or newer)");
+  return false;
 }
 
 bool has_float8_matmul(const at::Device& device, std::string* why) {

@@ -123,10 +123,21 @@ MxOperand mx_cast(const at::Tensor& x, MxScaleRounding rounding);
 // The values an MX operand stands for, in `dtype` (multiplied there, as torchao dequantizes).
 at::Tensor mx_dequantize(const MxOperand& a, at::ScalarType dtype);
 
+// The exponents of an MX operand [rows, cols / 32] in the layout LibTorch's blockwise-scaled matmul reads for blocks
+// of 1 x 32 (cuBLAS's block-scaling-factor layout), as E8M0: padded with zeros to 128-row x 4-column tiles, the tiles
+// stored one after the other (row by row), and within a tile the exponent of (row i, column j) at i % 32 * 16 +
+// i / 32 * 4 + j.
+at::Tensor mx_blocked_scales(const at::Tensor& exponent);
+
 // x [..., K] @ weight [N, K]^T with every operand of the three matmuls cast to MXFP8 along its matmul's contraction
-// dimension (K, N, and the tokens: their count must be a multiple of 32), emulated: dequantised and multiplied in
-// the operands' dtype (torchao's emulated MX matmul). Differentiable in x and weight.
-at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding);
+// dimension (K, N, and the tokens: their count must be a multiple of 32). Emulated (`emulate`, or a device without
+// an MX matmul): dequantised and multiplied in the operands' dtype (torchao's emulated MX matmul); else through
+// at::_scaled_mm with E8M0 block scales (accumulated in float32). Differentiable in x and weight.
+at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate = true);
+
+// Whether `device` has the blockwise-scaled MX matmul titan uses (CUDA compute capability 10.0 or newer); when not,
+// `why` says what it lacks.
+bool has_mx_matmul(const at::Device& device, std::string* why);
 
 // Whether `device` has a float8 matmul titan uses (CUDA compute capability 8.9 or newer); when not, `why` says
 // what it lacks.

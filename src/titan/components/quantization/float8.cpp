@@ -21,7 +21,7 @@ std::string recipe_name(const config::Float8Linear& s) { return s.recipe_name.va
 bool is_float8_converter(const std::string& name) { return name == "quantize.linear.float8" || name == "float8"; }
 bool is_mx_converter(const std::string& name) { return name == "quantize.linear.mx" || name == "mx"; }
 
-std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded) {
+std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
   const config::JobConfig& c = loaded.config;
   const auto& s = c.quantize.linear.mx;
   std::vector<std::string> errors;
@@ -31,10 +31,11 @@ std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded) {
                          ": not an MX recipe titan runs; expected one of ", join(names, ", "), " (MXFP4 is not supported)"));
     return errors;
   }
-  if (!s.emulate && s.recipe_name != "mxfp8_emulated")
+  std::string why;
+  if (!s.emulate && s.recipe_name != "mxfp8_emulated" && !nn::float8::has_mx_matmul(device, &why))
     errors.push_back(cat("quantize.linear.mx.recipe_name = ", quote(s.recipe_name), " ", loaded.where("quantize.linear.mx.recipe_name"),
-                         " asks for LibTorch's blockwise-scaled matmul (NVIDIA compute capability 10.0 and newer), which titan does "
-                         "not call yet; quantize.linear.mx.emulate = true (or recipe_name = \"mxfp8_emulated\") runs MXFP8 linears "
+                         " asks for LibTorch's blockwise-scaled matmul, but ", why,
+                         "; quantize.linear.mx.emulate = true (or recipe_name = \"mxfp8_emulated\") runs MXFP8 linears "
                          "emulated on any device (MXFP8 values, high-precision matmuls)"));
   const int64_t cp = std::max<int64_t>(1, c.parallelism.context_parallel_degree);
   if ((c.training.seq_len / cp) % 32 != 0)
@@ -104,7 +105,7 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
     errors.push_back(cat("model.converters ", loaded.where("model.converters"),
                          " lists both the float8 and the MX converter; a linear layer takes one of them"));
   if (mx_count > 0)
-    for (auto& e : mx_config_errors(loaded)) errors.push_back(std::move(e));
+    for (auto& e : mx_config_errors(loaded, device)) errors.push_back(std::move(e));
   if (float8_count == 0) return errors;
   const auto& s = c.quantize.linear.float8;
   const std::string recipe = recipe_name(s);
@@ -199,16 +200,17 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
 Float8Conversion convert_to_mx(nn::Model& model, const config::JobConfig& config) {
   const auto& settings = config.quantize.linear.mx;
   const nn::float8::MxScaleRounding rounding = nn::float8::mx_recipe(settings.recipe_name);
+  const bool emulate = settings.emulate || settings.recipe_name == "mxfp8_emulated";
   Float8Conversion result;
   convert_linears(model, result, [&](const std::string& fqn, const nn::Linear& linear) {
     return mx_converts(fqn, linear.weight.size(0), linear.weight.size(1), settings);
-  }, [rounding](nn::Linear* linear) -> nn::Unit::Wrapper {
-    return [linear, rounding](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
-      return nn::float8::mx_linear(inputs[0], linear->weight, rounding);
+  }, [rounding, emulate](nn::Linear* linear) -> nn::Unit::Wrapper {
+    return [linear, rounding, emulate](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
+      return nn::float8::mx_linear(inputs[0], linear->weight, rounding, emulate);
     };
   });
   log::info("MXFP8 linears (", settings.recipe_name, ", ", rounding == nn::float8::MxScaleRounding::rceil ? "rceil" : "floor",
-            " scales, emulated): ", result.converted.size(), " converted",
+            " scales", emulate ? ", emulated" : ", LibTorch's blockwise-scaled matmul", "): ", result.converted.size(), " converted",
             result.kept.empty() ? std::string() : cat(", ", result.kept.size(), " kept in high precision (", join(result.kept, ", "), ")"));
   return result;
 }
