@@ -109,3 +109,19 @@ def test_checkpoint_from_tp2_fsdp2_resumes_on_one_process(tmp_path, reference):
     meta = json.loads((out / "metrics.json").read_text())
     assert [s["step"] for s in meta["steps"]] == [11, 12]
     compare_steps(meta, {"steps": ref_meta["steps"][10:]}, "resumed from tp2_fsdp2", check_lr=True)
+
+
+def test_a_mixture_of_experts_model_under_fsdp2_matches_single_process(tmp_path):
+    """Qwen3-MoE (debugmodel_moe's routing: softmax, top-k renormalised, scores on the outputs) with 8 experts of
+    width 32, top 2, on FSDP 2 (expert weights sharded like any other) against one process: losses, gradient norms
+    and final weights, 10 float32 steps."""
+    moe = ["--model.flavor", "debugmodel_moe", "--model.moe_num_experts", "8", "--model.moe_top_k", "2",
+           "--model.moe_inter_dim", "32"]
+    ref_meta, ref_weights, stdout = probe(tmp_path, "moe_single", 1, moe + ["--training.local_batch_size", "2"])
+    assert "Model qwen3 debugmodel_moe with" in stdout, stdout
+    assert ref_weights["model.layers.1.mlp.experts.7.down_proj.weight"].shape == (64, 32)
+    meta, weights, _ = probe(tmp_path, "moe_fsdp2", 2, moe + ["--parallelism.data_parallel_shard_degree", "2",
+                                                              "--training.local_batch_size", "2"], dp=2)
+    compare_steps(meta, ref_meta, "MoE FSDP 2")
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")

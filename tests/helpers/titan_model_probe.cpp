@@ -41,6 +41,10 @@ int main(int argc, char** argv) {
     {
       at::NoGradGuard no_grad;
       for (auto& item : model->named_parameters()) {
+        if (const int64_t slices = adapter->hf_slices(item.key())) {  // one HF tensor per expert
+          for (int64_t j = 0; j < slices; ++j) item.value()[j].copy_(weights.load(adapter->hf_slice_name(item.key(), j)));
+          continue;
+        }
         auto hf = adapter->to_hf_name(item.key());
         item.value().copy_(adapter->from_hf_tensor(item.key(), weights.load(*hf)));
       }
@@ -66,8 +70,14 @@ int main(int argc, char** argv) {
 
     std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", logits.detach().to(at::kFloat)},
                                                            {"loss", loss.detach().reshape({1})}};
-    for (auto& item : model->named_parameters())
+    for (auto& item : model->named_parameters()) {
+      if (const int64_t slices = adapter->hf_slices(item.key())) {
+        for (int64_t j = 0; j < slices; ++j)
+          out.emplace_back("grad." + adapter->hf_slice_name(item.key(), j), item.value().grad()[j].contiguous());
+        continue;
+      }
       out.emplace_back("grad." + *adapter->to_hf_name(item.key()), adapter->to_hf_tensor(item.key(), item.value().grad()));
+    }
     titan::safetensors::save(opt.at("--out"), out);
   } catch (const std::exception& e) {
     std::cerr << "titan_model_probe: " << e.what() << "\n";

@@ -24,8 +24,14 @@ namespace {
 // Full weights in HF layout (collective: every rank must call it).
 std::vector<std::pair<std::string, at::Tensor>> hf_weights(titan::Trainer& trainer) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto& [name, full] : titan::distributed::gather_full(trainer.parameters(), *trainer.mesh().world()))
-    out.emplace_back(*titan::models::to_hf_name(name), titan::models::to_hf_tensor(name, full.cpu(), titan::models::as_decoder(trainer.model_args(), "the probe")));
+  const auto& args = titan::models::as_decoder(trainer.model_args(), "the probe");
+  for (auto& [name, full] : titan::distributed::gather_full(trainer.parameters(), *trainer.mesh().world())) {
+    if (const int64_t experts = titan::models::hf_slices(name, args)) {  // one HF tensor per expert
+      for (int64_t j = 0; j < experts; ++j) out.emplace_back(titan::models::hf_slice_name(name, j), full[j].cpu().contiguous());
+      continue;
+    }
+    out.emplace_back(*titan::models::to_hf_name(name), titan::models::to_hf_tensor(name, full.cpu(), args));
+  }
   return out;
 }
 

@@ -53,6 +53,9 @@ struct Model {
   std::optional<double> rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor;
   std::optional<int64_t> rope_original_max_position_embeddings;
   bool tie_word_embeddings = false;  // replaces the flavor's only when set
+  // Mixture-of-Experts flavors: experts per block, experts per token, each expert's width (torchtitan's
+  // moe_args.num_experts, moe_args.top_k, moe_inter_dim).
+  std::optional<int64_t> moe_num_experts, moe_top_k, moe_inter_dim;
 };
 
 struct Optimizer {

@@ -170,6 +170,9 @@ std::vector<KeySpec> describe(JobConfig& c) {
   positive(b.add("rope_high_freq_factor", &c.model.rope_high_freq_factor, "titan.cpp: llama3 RoPE scaling high_freq_factor"));
   positive(b.add("rope_original_max_position_embeddings", &c.model.rope_original_max_position_embeddings,
                  "titan.cpp: llama3 RoPE scaling original_max_position_embeddings"));
+  positive(b.add("moe_num_experts", &c.model.moe_num_experts, "titan.cpp: routed experts per block of a Mixture-of-Experts flavor"));
+  positive(b.add("moe_top_k", &c.model.moe_top_k, "titan.cpp: experts each token is routed to (Mixture-of-Experts flavors)"));
+  positive(b.add("moe_inter_dim", &c.model.moe_inter_dim, "titan.cpp: each expert's SwiGLU width (Mixture-of-Experts flavors)"));
   b.add("tie_word_embeddings", &c.model.tie_word_embeddings,
         "titan.cpp: share the embedding with the output projection; replaces the flavor's only when set");
   positive(b.add("max_seq_len", &c.model.max_seq_len,

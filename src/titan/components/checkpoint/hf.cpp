@@ -42,6 +42,11 @@ void save_hf(const std::string& directory, const protocols::ModelArgs& args, con
       fail(quote(directory), " already holds weights (", e.path().filename().string(), "); choose an empty folder");
   std::vector<std::pair<std::string, at::Tensor>> hf;
   for (const auto& [name, t] : titan_tensors) {
+    if (const int64_t slices = adapter.hf_slices(name)) {  // one HF tensor per expert
+      const at::Tensor whole = t.detach().to(at::kCPU).to(dtype);
+      for (int64_t j = 0; j < slices; ++j) hf.emplace_back(adapter.hf_slice_name(name, j), whole[j].contiguous());
+      continue;
+    }
     auto hf_name = adapter.to_hf_name(name);
     if (!hf_name) continue;
     hf.emplace_back(*hf_name, adapter.to_hf_tensor(name, t.detach().to(at::kCPU).to(dtype)).contiguous());
@@ -92,6 +97,8 @@ struct HfReader::Impl {
   const protocols::StateDictAdapter* adapter = nullptr;
   std::vector<std::unique_ptr<safetensors::File>> files;
   std::map<std::string, std::pair<const safetensors::File*, std::string>> where;  // titan name -> (file, HF name)
+  // Titan tensors HF stores one slice (expert) per tensor: titan name -> (file, HF name) per index.
+  std::map<std::string, std::vector<std::pair<const safetensors::File*, std::string>>> slices;
 };
 
 HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& args, const protocols::StateDictAdapter& adapter)
@@ -121,12 +128,34 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
     impl_->files.push_back(std::make_unique<safetensors::File>(directory + "/" + file));
     const safetensors::File& f = *impl_->files.back();
     for (const auto& [hf_name, info] : f.tensors()) {
+      if (auto slice = adapter.from_hf_slice_name(hf_name)) {
+        auto& list = impl_->slices[slice->first];
+        if (slice->second >= static_cast<int64_t>(list.size())) list.resize(static_cast<size_t>(slice->second) + 1);
+        list[static_cast<size_t>(slice->second)] = {&f, hf_name};
+        continue;
+      }
       auto name = adapter.from_hf_name(hf_name);
       if (!name) fail(directory, "/", file, ": unexpected tensor ", quote(hf_name), " for a ", args.family(), " model");
       impl_->where[*name] = {&f, hf_name};
     }
   }
   for (const auto& p : args.parameter_shapes()) {
+    if (const int64_t count = adapter.hf_slices(p.name)) {
+      auto it = impl_->slices.find(p.name);
+      const std::vector<int64_t> slice_shape(p.shape.begin() + 1, p.shape.end());
+      for (int64_t j = 0; j < count; ++j) {
+        const std::string hf_name = adapter.hf_slice_name(p.name, j);
+        if (it == impl_->slices.end() || j >= static_cast<int64_t>(it->second.size()) || !it->second[static_cast<size_t>(j)].first)
+          fail(quote(directory), ": no weight for ", quote(hf_name), " (expert ", j, " of ", count, ")");
+        const auto& [file, name] = it->second[static_cast<size_t>(j)];
+        const auto& shape = file->tensors().at(name).shape;
+        if (shape != slice_shape)
+          fail(quote(directory), ": ", quote(hf_name), " has shape ", at::IntArrayRef(shape), ", expected ", at::IntArrayRef(slice_shape));
+      }
+      if (it->second.size() > static_cast<size_t>(count))
+        fail(quote(directory), ": ", quote(it->second.back().second), " is an expert beyond the model's ", count, " experts");
+      continue;
+    }
     auto it = impl_->where.find(p.name);
     if (it == impl_->where.end()) fail(quote(directory), ": no weight for ", quote(adapter.to_hf_name(p.name).value_or(p.name)));
     const auto& shape = it->second.first->tensors().at(it->second.second).shape;
@@ -139,6 +168,16 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
 HfReader::~HfReader() = default;
 
 void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t>& offsets, at::Tensor out) const {
+  if (auto sliced = impl_->slices.find(titan_name); sliced != impl_->slices.end()) {
+    // Rows of the first dimension are whole HF tensors (experts): read each one the box covers.
+    for (int64_t row = 0; row < out.size(0); ++row) {
+      const auto& [file, hf_name] = sliced->second.at(static_cast<size_t>(offsets[0] + row));
+      at::Tensor source = file->load(hf_name);
+      for (int64_t d = 1; d < out.dim(); ++d) source = source.narrow(d - 1, offsets[static_cast<size_t>(d)], out.size(d));
+      out[row].copy_(source);
+    }
+    return;
+  }
   auto it = impl_->where.find(titan_name);
   if (it == impl_->where.end()) fail(quote(impl_->directory), ": no weight for ", quote(titan_name));
   const auto& [file, hf_name] = it->second;
@@ -157,6 +196,8 @@ void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t
 }
 
 at::ScalarType HfReader::dtype(const std::string& titan_name) const {
+  if (auto sliced = impl_->slices.find(titan_name); sliced != impl_->slices.end() && !sliced->second.empty())
+    return sliced->second.front().first->tensors().at(sliced->second.front().second).dtype;
   auto it = impl_->where.find(titan_name);
   if (it == impl_->where.end()) fail(quote(impl_->directory), ": no weight for ", quote(titan_name));
   return it->second.first->tensors().at(it->second.second).dtype;

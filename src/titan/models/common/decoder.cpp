@@ -7,6 +7,7 @@
 #include "titan/nn/loss.h"
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/fused_ops.h"
+#include "titan/models/common/moe.h"
 #include "titan/nn/matmul.h"
 
 namespace titan::models {
@@ -125,7 +126,10 @@ at::Tensor FeedForward::forward(const Inputs& inputs, const nn::Context& context
 
 TransformerBlock::TransformerBlock(int64_t layer_id, const DecoderArgs& args, const nn::ParameterOptions& options) {
   attention = register_module("attention", std::make_shared<Attention>(args, options));
-  feed_forward = register_module("feed_forward", std::make_shared<FeedForward>(args.dim, args.ffn_hidden_dim(), options));
+  if (args.moe)
+    moe = register_module("moe", std::make_shared<MoE>(args.dim, *args.moe, options));
+  else
+    feed_forward = register_module("feed_forward", std::make_shared<FeedForward>(args.dim, args.ffn_hidden_dim(), options));
   attention_norm = register_module("attention_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
   ffn_norm = register_module("ffn_norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
   const double depth = args.depth_init ? static_cast<double>(layer_id + 1) : static_cast<double>(args.n_layers);
@@ -135,7 +139,8 @@ TransformerBlock::TransformerBlock(int64_t layer_id, const DecoderArgs& args, co
 at::Tensor TransformerBlock::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor& x = inputs[0];
   at::Tensor h = x + (*attention)((*attention_norm)(x, context), context);
-  return h + (*feed_forward)((*ffn_norm)(h, context), context);
+  const at::Tensor normed = (*ffn_norm)(h, context);
+  return h + (feed_forward ? (*feed_forward)(normed, context) : (*moe)(normed, context));
 }
 
 OutputProjection::OutputProjection(int64_t dim, int64_t vocab_size, at::Tensor* tied_weight, const nn::ParameterOptions& options)
@@ -185,9 +190,22 @@ std::map<std::string, nn::InitSpec> Decoder::init_specs() const {
       out.emplace(p + "attention.q_norm.weight", InitSpec::ones());
       out.emplace(p + "attention.k_norm.weight", InitSpec::ones());
     }
-    out.emplace(p + "feed_forward.w1.weight", input_init);
-    out.emplace(p + "feed_forward.w2.weight", residual_init);
-    out.emplace(p + "feed_forward.w3.weight", residual_init);
+    if (args_.moe) {
+      // torchtitan's MoE init: the router and w2/w3 at the block's residual std, w1 at 0.02.
+      out.emplace(p + "moe.router.gate.weight", residual_init);
+      out.emplace(p + "moe.experts.w1", input_init);
+      out.emplace(p + "moe.experts.w2", residual_init);
+      out.emplace(p + "moe.experts.w3", residual_init);
+      if (args_.moe->num_shared_experts > 0) {
+        out.emplace(p + "moe.shared_experts.w1.weight", input_init);
+        out.emplace(p + "moe.shared_experts.w2.weight", residual_init);
+        out.emplace(p + "moe.shared_experts.w3.weight", residual_init);
+      }
+    } else {
+      out.emplace(p + "feed_forward.w1.weight", input_init);
+      out.emplace(p + "feed_forward.w2.weight", residual_init);
+      out.emplace(p + "feed_forward.w3.weight", residual_init);
+    }
     out.emplace(p + "attention_norm.weight", InitSpec::ones());
     out.emplace(p + "ffn_norm.weight", InitSpec::ones());
   }

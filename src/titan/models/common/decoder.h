@@ -1,6 +1,6 @@
-// The dense decoder-only transformer of Llama 3 and Qwen3 (torchtitan's layouts and parameter names), built from
-// nn::Unit blocks: Qwen3 adds per-head RMSNorms on queries and keys, an explicit head_dim and the half-split rotary
-// layout. It knows nothing of parallelism or activation checkpointing; those wrap its units from outside.
+// The decoder-only transformer of Llama 3 and Qwen3 (torchtitan's layouts and parameter names), built from nn::Unit
+// blocks: Qwen3 adds per-head RMSNorms on queries and keys, an explicit head_dim and the half-split rotary layout,
+// and its MoE flavors a Mixture-of-Experts feed-forward in every block (models/common/moe.h). It knows nothing of parallelism or activation checkpointing; those wrap its units from outside.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -59,11 +59,14 @@ at::Tensor block_causal_mask(const at::Tensor& document_positions);
 // Each position's document index, int32 (batch, seq_len), from the positions within documents.
 at::Tensor document_ids(const at::Tensor& document_positions);
 
+class MoE;  // models/common/moe.h
+
 class TransformerBlock : public nn::Unit {
  public:
   TransformerBlock(int64_t layer_id, const DecoderArgs& args, const nn::ParameterOptions& options);
   std::shared_ptr<Attention> attention;
-  std::shared_ptr<FeedForward> feed_forward;
+  std::shared_ptr<FeedForward> feed_forward;  // the dense feed-forward, or null in a Mixture-of-Experts block
+  std::shared_ptr<MoE> moe;                   // with args.moe: the Mixture-of-Experts feed-forward instead
   std::shared_ptr<nn::RMSNorm> attention_norm, ffn_norm;
   // The init std of the residual-output projections (wo, w2, w3): 0.02 / sqrt(2 x depth).
   double output_init_std() const { return weight_init_std_; }

@@ -38,6 +38,7 @@ void DecoderArgs::check() const {
   if (head_dim() % 2 != 0) fail("head_dim ", head_dim(), " must be even for rotary embeddings");
   if (kv_heads() <= 0 || n_heads % kv_heads() != 0)
     fail("n_heads ", n_heads, " must be a multiple of n_kv_heads ", kv_heads());
+  if (moe) moe->check();
 }
 
 std::vector<ParameterShape> DecoderArgs::parameter_shapes() const {
@@ -54,9 +55,22 @@ std::vector<ParameterShape> DecoderArgs::parameter_shapes() const {
       out.push_back({p + "attention.q_norm.weight", {hd}});
       out.push_back({p + "attention.k_norm.weight", {hd}});
     }
-    out.push_back({p + "feed_forward.w1.weight", {f, d}});
-    out.push_back({p + "feed_forward.w2.weight", {d, f}});
-    out.push_back({p + "feed_forward.w3.weight", {f, d}});
+    if (moe) {
+      const int64_t e = moe->num_experts, m = moe->hidden_dim, shared = moe->hidden_dim * moe->num_shared_experts;
+      out.push_back({p + "moe.router.gate.weight", {e, d}});
+      out.push_back({p + "moe.experts.w1", {e, m, d}});
+      out.push_back({p + "moe.experts.w2", {e, d, m}});
+      out.push_back({p + "moe.experts.w3", {e, m, d}});
+      if (shared > 0) {
+        out.push_back({p + "moe.shared_experts.w1.weight", {shared, d}});
+        out.push_back({p + "moe.shared_experts.w2.weight", {d, shared}});
+        out.push_back({p + "moe.shared_experts.w3.weight", {shared, d}});
+      }
+    } else {
+      out.push_back({p + "feed_forward.w1.weight", {f, d}});
+      out.push_back({p + "feed_forward.w2.weight", {d, f}});
+      out.push_back({p + "feed_forward.w3.weight", {f, d}});
+    }
     out.push_back({p + "attention_norm.weight", {d}});
     out.push_back({p + "ffn_norm.weight", {d}});
   }
@@ -72,6 +86,14 @@ int64_t DecoderArgs::reported_parameters() const {
 
 double DecoderArgs::flops_per_token(int64_t seq_len) const {
   double dense = static_cast<double>(stored_parameters() - embedding_parameters());
+  if (moe) {
+    // Only top_k of the routed experts' parameters are active per token (floor of the product, as torchtitan).
+    int64_t routed = 0;
+    for (const auto& p : parameter_shapes())
+      if (p.name.find("moe.experts.") != std::string::npos) routed += p.numel();
+    dense -= static_cast<double>(routed);
+    dense += static_cast<double>(routed * moe->top_k / moe->num_experts);
+  }
   if (tie_word_embeddings && counts_tied_output) dense += static_cast<double>(vocab_size * dim);
   double attention = 12.0 * static_cast<double>(n_layers) * static_cast<double>(n_heads) * static_cast<double>(head_dim()) *
                      static_cast<double>(seq_len);
@@ -110,6 +132,20 @@ json DecoderArgs::to_json() const {
             {"tie_word_embeddings", tie_word_embeddings},
             {"depth_init", depth_init}};
   j["rope_scaling"] = rope_scaling_json(rope_scaling);
+  if (moe) {
+    json m = {{"num_experts", moe->num_experts},
+              {"num_shared_experts", moe->num_shared_experts},
+              {"score_func", moe->score_func},
+              {"route_norm", moe->route_norm},
+              {"route_scale", moe->route_scale},
+              {"score_before_experts", moe->score_before_experts},
+              {"top_k", moe->top_k},
+              {"hidden_dim", moe->hidden_dim}};
+    m["num_expert_groups"] = moe->num_expert_groups ? json(*moe->num_expert_groups) : json(nullptr);
+    m["num_limited_groups"] = moe->num_limited_groups ? json(*moe->num_limited_groups) : json(nullptr);
+    m["load_balance_coeff"] = moe->load_balance_coeff ? json(*moe->load_balance_coeff) : json(nullptr);
+    j["moe"] = m;
+  }
   return j;
 }
 
@@ -152,6 +188,30 @@ DecoderArgs decoder_args_from_json(const json& j, const std::string& where, cons
     a.rope_scaling.high_freq_factor = r.number("high_freq_factor", a.rope_scaling.high_freq_factor);
     a.rope_scaling.original_max_position_embeddings = r.integer("original_max_position_embeddings");
   }
+  if (const json* m = f.find("moe"); m && !m->is_null()) {
+    JsonFields mf{*m, where + ": moe", ""};
+    MoEArgs moe;
+    moe.num_experts = mf.integer("num_experts");
+    moe.num_shared_experts = mf.integer("num_shared_experts");
+    const json* score = mf.find("score_func");
+    if (!score || !score->is_string()) fail(where, ": moe.score_func must be a string");
+    moe.score_func = score->get<std::string>();
+    moe.route_norm = mf.boolean("route_norm", false);
+    moe.route_scale = mf.number("route_scale", 1.0);
+    moe.score_before_experts = mf.boolean("score_before_experts", true);
+    moe.top_k = mf.integer("top_k");
+    moe.hidden_dim = mf.integer("hidden_dim");
+    auto optional_integer = [&](const char* key) -> std::optional<int64_t> {
+      const json* v = mf.find(key);
+      if (!v || v->is_null()) return std::nullopt;
+      return mf.integer(key);
+    };
+    moe.num_expert_groups = optional_integer("num_expert_groups");
+    moe.num_limited_groups = optional_integer("num_limited_groups");
+    const json* coeff = mf.find("load_balance_coeff");
+    moe.load_balance_coeff = coeff && !coeff->is_null() ? std::optional<double>(mf.number("load_balance_coeff", 0)) : std::nullopt;
+    a.moe = moe;
+  }
   try {
     a.check();
   } catch (const UserError& e) {
@@ -181,7 +241,10 @@ std::vector<std::string> DecoderArgs::computation_differences(const protocols::M
   compare("n_kv_heads (num_key_value_heads)", a.kv_heads(), b.kv_heads());
   compare("head_dim", a.head_dim(), b.head_dim());
   compare("vocab_size", a.vocab_size, b.vocab_size);
-  compare("feed-forward hidden dim (intermediate_size)", a.ffn_hidden_dim(), b.ffn_hidden_dim());
+  compare("feed-forward (moe)", a.moe ? "Mixture of Experts" : "dense", b.moe ? "Mixture of Experts" : "dense");
+  if (a.moe && b.moe)
+    for (auto& line : a.moe->differences(*b.moe)) out.push_back(std::move(line));
+  if (!a.moe && !b.moe) compare("feed-forward hidden dim (intermediate_size)", a.ffn_hidden_dim(), b.ffn_hidden_dim());
   compare("norm_eps (rms_norm_eps)", a.norm_eps, b.norm_eps);
   compare("rope_theta", a.rope_theta, b.rope_theta);
   compare("q/k norms (qk_norm)", a.qk_norm ? "true" : "false", b.qk_norm ? "true" : "false");

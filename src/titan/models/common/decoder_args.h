@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "titan/models/common/moe_args.h"
 #include "titan/protocols/model_args.h"
 
 namespace titan::models {
@@ -48,6 +49,8 @@ struct DecoderArgs : protocols::ModelArgs {
   // torchtitan's counting for the family: Llama 3's formula counts a tied output projection as a matmul and every
   // parameter; the MoE-family formula Qwen3 uses counts neither the tied output's FLOPs nor, when tied, the embedding.
   bool counts_tied_output = true;
+  // Set: every block's feed-forward is a Mixture of Experts (models/common/moe.h) instead of the dense SwiGLU.
+  std::optional<MoEArgs> moe;
 
   int64_t kv_heads() const { return n_kv_heads.value_or(n_heads); }
   int64_t head_dim() const { return head_dim_value.value_or(n_heads > 0 ? dim / n_heads : 0); }
@@ -64,7 +67,9 @@ struct DecoderArgs : protocols::ModelArgs {
   }
   int64_t reported_parameters() const override;
   int64_t embedding_parameters() const override { return vocab_size * dim; }
-  // 6 x (parameters - embedding) + 12 x layers x heads x head_dim x seq_len (torchtitan's formula).
+  // 6 x (parameters - embedding) + 12 x layers x heads x head_dim x seq_len (torchtitan's formula); with MoE blocks
+  // the parameters are the active ones: every dense one, the routers, the shared experts, and the routed experts'
+  // times top_k / num_experts (torchtitan's get_moe_model_nparams_and_flops).
   double flops_per_token(int64_t seq_len) const override;
   int64_t vocabulary() const override { return vocab_size; }
   int64_t context_length() const override { return max_seq_len; }

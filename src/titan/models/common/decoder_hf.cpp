@@ -12,7 +12,16 @@ const std::pair<const char*, const char*> kLayerNames[] = {
     {"attention.q_norm.weight", "self_attn.q_norm.weight"}, {"attention.k_norm.weight", "self_attn.k_norm.weight"},
     {"feed_forward.w1.weight", "mlp.gate_proj.weight"},   {"feed_forward.w2.weight", "mlp.down_proj.weight"},
     {"feed_forward.w3.weight", "mlp.up_proj.weight"},     {"attention_norm.weight", "input_layernorm.weight"},
-    {"ffn_norm.weight", "post_attention_layernorm.weight"}};
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    // Mixture-of-Experts blocks: the router, and the shared experts where a family has them (as DeepSeek's HF names).
+    {"moe.router.gate.weight", "mlp.gate.weight"},
+    {"moe.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"},
+    {"moe.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"},
+    {"moe.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"}};
+
+// The routed experts' 3-D weights: one HF tensor per expert (model.layers.N.mlp.experts.J.<projection>.weight).
+const std::pair<const char*, const char*> kExpertNames[] = {
+    {"moe.experts.w1", "gate_proj"}, {"moe.experts.w2", "down_proj"}, {"moe.experts.w3", "up_proj"}};
 
 // Meta keeps each head's rotary pairs interleaved (x0, x1), (x2, x3), ...; HF stores the first halves of all pairs,
 // then the second halves. Rows of wq/wk are reordered accordingly.
@@ -64,6 +73,30 @@ std::optional<std::string> from_hf_name(const std::string& name) {
   if (std::regex_match(name, m, layer))
     for (const auto& [titan, hf] : kLayerNames)
       if (m[2] == hf) return "layers." + m[1].str() + "." + titan;
+  return std::nullopt;
+}
+
+int64_t hf_slices(const std::string& name, const DecoderArgs& args) {
+  if (!args.moe) return 0;
+  static const std::regex expert(R"(layers\.\d+\.moe\.experts\.w[123])");
+  return std::regex_match(name, expert) ? args.moe->num_experts : 0;
+}
+
+std::string hf_slice_name(const std::string& name, int64_t index) {
+  static const std::regex expert(R"(layers\.(\d+)\.(moe\.experts\.w[123]))");
+  std::smatch m;
+  if (std::regex_match(name, m, expert))
+    for (const auto& [titan, hf] : kExpertNames)
+      if (m[2] == titan) return "model.layers." + m[1].str() + ".mlp.experts." + std::to_string(index) + "." + hf + ".weight";
+  TORCH_CHECK(false, "internal: ", name, " is not an expert weight");
+}
+
+std::optional<std::pair<std::string, int64_t>> from_hf_slice_name(const std::string& name) {
+  static const std::regex expert(R"(model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight)");
+  std::smatch m;
+  if (std::regex_match(name, m, expert))
+    for (const auto& [titan, hf] : kExpertNames)
+      if (m[3] == hf) return std::make_pair("layers." + m[1].str() + "." + titan, std::stoll(m[2].str()));
   return std::nullopt;
 }
 

@@ -1,5 +1,5 @@
-// Mapping between the decoders' (torchtitan) parameter names and layout and Hugging Face's LlamaForCausalLM and
-// Qwen3ForCausalLM: names (model.layers.N.self_attn.q_proj.weight, ...) and, for Llama's interleaved rotary layout,
+// Mapping between the decoders' (torchtitan) parameter names and layout and Hugging Face's LlamaForCausalLM,
+// Qwen3ForCausalLM and Qwen3MoeForCausalLM: names (model.layers.N.self_attn.q_proj.weight, ...) and, for Llama's interleaved rotary layout,
 // the q/k row permutation to HF's half-split one (Qwen3 is half-split in both).
 #pragma once
 #include <ATen/ATen.h>
@@ -14,6 +14,13 @@ namespace titan::models {
 // HF name for a titan name, or nullopt for names HF does not store.
 std::optional<std::string> to_hf_name(const std::string& titan_name);
 std::optional<std::string> from_hf_name(const std::string& hf_name);
+
+// Mixture-of-Experts expert weights (layers.N.moe.experts.w1/w2/w3, [experts, out, in]): HF stores one [out, in]
+// tensor per expert (model.layers.N.mlp.experts.J.gate_proj/down_proj/up_proj.weight). The number of experts for
+// such a name (0 for others), the HF name of expert `index`, and back.
+int64_t hf_slices(const std::string& titan_name, const DecoderArgs& args);
+std::string hf_slice_name(const std::string& titan_name, int64_t index);
+std::optional<std::pair<std::string, int64_t>> from_hf_slice_name(const std::string& hf_name);
 
 // Converts a tensor stored under `titan_name` to HF layout (permutes wq/wk rows), and back.
 at::Tensor to_hf_tensor(const std::string& titan_name, const at::Tensor& t, const DecoderArgs& args);

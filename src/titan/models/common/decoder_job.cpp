@@ -55,6 +55,18 @@ DecoderArgs apply_shape_keys(DecoderArgs a, const config::LoadedConfig& loaded) 
         fail(key, " ", loaded.where(key), " has no effect: RoPE scaling is off (model.rope_scaling = \"none\"",
              is_set(loaded, "model.rope_scaling") ? "" : " for this flavor", "); set model.rope_scaling = \"llama3\"");
   if (is_set(loaded, "model.tie_word_embeddings")) a.tie_word_embeddings = m.tie_word_embeddings;
+  for (const auto& [key, value] : {std::pair{"model.moe_num_experts", m.moe_num_experts}, std::pair{"model.moe_top_k", m.moe_top_k},
+                                   std::pair{"model.moe_inter_dim", m.moe_inter_dim}}) {
+    if (!value) continue;
+    if (!a.moe)
+      fail(key, " = ", *value, " ", loaded.where(key), " applies to Mixture-of-Experts flavors; model.flavor ", quote(m.flavor),
+           " is dense");
+  }
+  if (a.moe) {
+    if (m.moe_num_experts) a.moe->num_experts = *m.moe_num_experts;
+    if (m.moe_top_k) a.moe->top_k = *m.moe_top_k;
+    if (m.moe_inter_dim) a.moe->hidden_dim = *m.moe_inter_dim;
+  }
   const int64_t seq_len = loaded.config.training.seq_len;
   if (m.max_seq_len && *m.max_seq_len < seq_len)
     fail("model.max_seq_len = ", *m.max_seq_len, " ", loaded.where("model.max_seq_len"),

@@ -35,12 +35,20 @@ BlockActivations block_activations(const DecoderArgs& a, double r, double c, boo
   const bool fused = kernels == FusedKernels::cpu;
   // q: the query width (dim for Llama 3; heads x head_dim for Qwen3); k: the key (and value) width.
   const double d = static_cast<double>(a.dim), q = static_cast<double>(a.n_heads * a.head_dim()),
-               k = static_cast<double>(a.kv_heads() * a.head_dim()), h = static_cast<double>(a.ffn_hidden_dim()),
+               k = static_cast<double>(a.kv_heads() * a.head_dim()),
+               h = static_cast<double>(a.moe ? (a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim : a.ffn_hidden_dim()),
                heads = static_cast<double>(a.n_heads);
   const double t = static_cast<double>(tp);
   double sharded = 4 * d * r + (q + k) * 4 + (q + 2 * k) * c + 2 * q * c + 4 * h * c + heads * 4;
   // Qwen3's q/k norms keep their inputs (the projections' outputs) beside the rotated q and k.
   if (a.qk_norm) sharded += (q + k) * c;
+  if (a.moe) {
+    // A Mixture-of-Experts block: `h` above counts the routed experts' SwiGLU for each of a token's top_k copies
+    // (and the shared experts'); beside them the router's float32 scores, the copies sorted by expert, their
+    // outputs in both orders and the float32 outputs the weighted sum reads. Not yet measured (docs/moe.md).
+    const double experts = static_cast<double>(a.moe->num_experts), top_k = static_cast<double>(a.moe->top_k);
+    sharded += 2 * experts * 4 + top_k * d * (3 * c + 4);
+  }
   double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
   if (autocast) sharded += 5 * d * c;
   // Fused kernels: no float32 RoPE view, one attention output, no SiLU output; and under autocast the norms'

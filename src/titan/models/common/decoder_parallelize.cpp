@@ -1,5 +1,7 @@
 #include "titan/models/common/decoder_parallelize.h"
 
+#include "titan/models/common/moe.h"
+
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
@@ -48,6 +50,19 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
            ": context parallelism supports causal attention only so far; use attn_mask_type = \"causal\"");
   }
   if (dims.tp > 1) check_tensor_parallel(args, dims.tp, seq_lens);
+  if (args.moe) {
+    // Mixture-of-Experts models run on one process and under FSDP/HSDP/DDP so far (docs/moe.md).
+    const std::pair<const char*, int64_t> unsupported[] = {{"parallelism.tensor_parallel_degree", dims.tp},
+                                                           {"parallelism.pipeline_parallel_degree", dims.pp},
+                                                           {"parallelism.context_parallel_degree", dims.cp}};
+    for (const auto& [key, degree] : unsupported)
+      if (degree > 1)
+        fail(key, " = ", degree, " with a Mixture-of-Experts model (model.flavor ", quote(config.model.flavor),
+             "): MoE models run on one process and under data parallelism (FSDP, HSDP, DDP) so far");
+    if (!config.model.converters.empty())
+      fail("model.converters = [", join(config.model.converters, ", "), "] with a Mixture-of-Experts model (model.flavor ",
+           quote(config.model.flavor), "): float8 and MX linears are not supported for MoE models yet");
+  }
 }
 
 std::vector<int64_t> block_indices(const ModuleRange& range, int64_t n_layers) {
@@ -78,8 +93,12 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Decoder&
       auto& block = model.layers[static_cast<size_t>(i)];
       checkpoint_unit(*block->attention_norm);
       checkpoint_unit(*block->ffn_norm);
-      checkpoint_unit(*block->feed_forward->gate);
-      summary.wrapped_units += 3;
+      summary.wrapped_units += 2;
+      // The SwiGLU gating of the dense feed-forward (of a MoE block's shared experts; the routed experts keep theirs).
+      nn::Unit* gate = block->feed_forward ? block->feed_forward->gate.get()
+                       : block->moe && block->moe->shared_experts ? block->moe->shared_experts->gate.get()
+                                                                   : nullptr;
+      if (gate) checkpoint_unit(*gate), ++summary.wrapped_units;
     }
     summary.description = "op-level selective activation checkpointing (RMSNorm and SwiGLU gating recomputed)";
     return summary;

@@ -20,6 +20,11 @@ class DecoderAdapter : public protocols::StateDictAdapter {
     return models::from_hf_tensor(name, t, args_);
   }
   int64_t permuted_rows_per_head(const std::string& name) const override { return models::permuted_rows_per_head(name, args_); }
+  int64_t hf_slices(const std::string& name) const override { return models::hf_slices(name, args_); }
+  std::string hf_slice_name(const std::string& name, int64_t index) const override { return models::hf_slice_name(name, index); }
+  std::optional<std::pair<std::string, int64_t>> from_hf_slice_name(const std::string& name) const override {
+    return models::from_hf_slice_name(name);
+  }
   at::Tensor from_hf_head_rows(const at::Tensor& rows, int64_t rows_per_head) const override {
     return models::from_hf_head_rows(rows, rows_per_head);
   }

@@ -1,5 +1,6 @@
-// Qwen3's named flavors (dense), with torchtitan v0.2.2's arguments: explicit head_dim 128, q/k norms, RoPE theta
-// 1e6 in the half-split layout, norm eps 1e-6, tied embeddings up to 4B.
+// Qwen3's named flavors, with torchtitan v0.2.2's arguments: explicit head_dim 128, q/k norms, RoPE theta 1e6 in the
+// half-split layout, norm eps 1e-6, tied embeddings up to 4B; the Mixture-of-Experts flavors debugmodel_moe, 30B-A3B
+// and 235B-A22B.
 #pragma once
 #include <string>
 #include <vector>

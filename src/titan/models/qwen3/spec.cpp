@@ -7,7 +7,7 @@
 namespace titan::qwen3 {
 
 protocols::ModelSpec spec() {
-  return models::decoder_spec({"qwen3", {"qwen3"}, flavor_names, {flavor, read_hf_config}, to_hf_config,
+  return models::decoder_spec({"qwen3", {"qwen3", "qwen3_moe"}, flavor_names, {flavor, read_hf_config}, to_hf_config,
                                /*counts_tied_output=*/false});
 }
 

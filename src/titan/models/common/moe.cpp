@@ -1,0 +1,177 @@
+#include "titan/models/common/moe.h"
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <limits>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/nn/matmul.h"
+
+namespace titan::models {
+
+namespace {
+
+// The float32 parts of routing and combining stay float32 under autocast (as in torchtitan, which has none there).
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{
+      c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
+};
+
+}  // namespace
+
+void MoEArgs::check() const {
+  if (num_experts <= 0) fail("moe num_experts must be positive, got ", num_experts);
+  if (top_k <= 0 || top_k > num_experts)
+    fail("moe top_k = ", top_k, " must be between 1 and num_experts = ", num_experts);
+  if (num_shared_experts < 0) fail("moe num_shared_experts must be 0 or more, got ", num_shared_experts);
+  if (hidden_dim <= 0) fail("moe hidden_dim (moe_inter_dim) must be positive, got ", hidden_dim);
+  if (score_func != "softmax" && score_func != "sigmoid")
+    fail("moe score_func = ", quote(score_func), "; expected \"softmax\" or \"sigmoid\"");
+  if (!(route_scale > 0)) fail("moe route_scale must be positive, got ", route_scale);
+  if (gate_bias) fail("moe gate_bias = true (a bias on the router's linear) is not supported yet");
+  if (load_balance_coeff && !(*load_balance_coeff > 0))
+    fail("moe load_balance_coeff must be positive when set, got ", *load_balance_coeff);
+  if (num_expert_groups.has_value() != num_limited_groups.has_value())
+    fail("moe num_expert_groups and num_limited_groups go together (node-limited routing); got ",
+         num_expert_groups ? cat("num_expert_groups = ", *num_expert_groups) : std::string("no num_expert_groups"), " and ",
+         num_limited_groups ? cat("num_limited_groups = ", *num_limited_groups) : std::string("no num_limited_groups"));
+  if (num_expert_groups) {
+    const int64_t groups = *num_expert_groups, limited = *num_limited_groups;
+    if (groups <= 0 || num_experts % groups != 0)
+      fail("moe num_expert_groups = ", groups, " must divide num_experts = ", num_experts);
+    if (num_experts / groups < 2)
+      fail("moe num_expert_groups = ", groups, " leaves ", num_experts / groups,
+           " expert(s) per group; a group's score is the sum of its two best experts' scores, so each needs at least 2");
+    if (limited <= 0 || limited > groups)
+      fail("moe num_limited_groups = ", limited, " must be between 1 and num_expert_groups = ", groups);
+    if (limited * (num_experts / groups) < top_k)
+      fail("moe num_limited_groups = ", limited, " groups of ", num_experts / groups, " experts hold fewer than top_k = ", top_k,
+           " experts");
+  }
+}
+
+std::vector<std::string> MoEArgs::differences(const MoEArgs& o) const {
+  std::vector<std::string> out;
+  auto compare = [&](const char* name, auto x, auto y) {
+    if (x != y) out.push_back(cat(name, ": ", x, " vs ", y));
+  };
+  auto optional = [](const std::optional<int64_t>& v) { return v ? std::to_string(*v) : std::string("none"); };
+  compare("moe num_experts", num_experts, o.num_experts);
+  compare("moe top_k (num_experts_per_tok)", top_k, o.top_k);
+  compare("moe hidden_dim (moe_intermediate_size)", hidden_dim, o.hidden_dim);
+  compare("moe num_shared_experts", num_shared_experts, o.num_shared_experts);
+  compare("moe score_func", score_func, o.score_func);
+  compare("moe route_norm (norm_topk_prob)", route_norm ? "true" : "false", o.route_norm ? "true" : "false");
+  compare("moe route_scale", route_scale, o.route_scale);
+  compare("moe score_before_experts", score_before_experts ? "true" : "false", o.score_before_experts ? "true" : "false");
+  compare("moe num_expert_groups", optional(num_expert_groups), optional(o.num_expert_groups));
+  compare("moe num_limited_groups", optional(num_limited_groups), optional(o.num_limited_groups));
+  return out;
+}
+
+Router::Router(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options) : args_(args) {
+  gate = register_module("gate", std::make_shared<nn::Linear>(dim, args.num_experts, options));
+}
+
+at::Tensor Router::forward(const Inputs& inputs, const nn::Context& context) {
+  const at::Tensor logits = (*gate)(inputs[0], context);
+  NoAutocast no_autocast;
+  const at::Tensor x = logits.to(at::kFloat);
+  return args_.score_func == "softmax" ? at::softmax(x, 1) : at::sigmoid(x);
+}
+
+Routing Router::route(const at::Tensor& x, const at::Tensor& bias, const nn::Context& context) {
+  const at::Tensor scores = call({x}, context);
+  const int64_t tokens = scores.size(0), experts = args_.num_experts;
+  at::Tensor selected;
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor choice = scores.detach();
+    if (bias.defined()) choice = choice + bias;
+    if (args_.num_expert_groups) {
+      // Node-limited routing: keep the groups whose two best (biased) scores sum highest.
+      const int64_t groups = *args_.num_expert_groups;
+      const at::Tensor grouped = choice.view({tokens, groups, experts / groups});
+      const at::Tensor group_scores = std::get<0>(grouped.topk(2, -1)).sum(-1);
+      const at::Tensor kept = std::get<1>(group_scores.topk(*args_.num_limited_groups, -1));
+      const at::Tensor dropped = at::ones({tokens, groups}, choice.options().dtype(at::kBool)).scatter(1, kept, false);
+      choice = grouped.masked_fill(dropped.unsqueeze(-1), -std::numeric_limits<float>::infinity()).view({tokens, experts});
+    }
+    selected = std::get<1>(choice.topk(args_.top_k, -1));
+  }
+  Routing r;
+  r.experts = selected;
+  NoAutocast no_autocast;
+  at::Tensor top = scores.gather(1, selected);
+  if (args_.route_norm) top = top / (top.sum(-1, /*keepdim=*/true) + 1e-20);
+  r.scores = top * args_.route_scale;
+  r.counts = at::bincount(selected.flatten(), /*weights=*/{}, experts);
+  return r;
+}
+
+GroupedExperts::GroupedExperts(int64_t dim, int64_t hidden_dim, int64_t num_experts, const nn::ParameterOptions& options) {
+  w1 = register_parameter("w1", nn::new_parameter({num_experts, hidden_dim, dim}, options));
+  w2 = register_parameter("w2", nn::new_parameter({num_experts, dim, hidden_dim}, options));
+  w3 = register_parameter("w3", nn::new_parameter({num_experts, hidden_dim, dim}, options));
+}
+
+at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
+  const at::Tensor& x = inputs[0];
+  const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
+  const int64_t experts = w1.size(0);
+  TORCH_CHECK(counts.numel() == experts, "internal: ", counts.numel(), " token counts for ", experts, " experts");
+  const int64_t* count = counts.data_ptr<int64_t>();
+  std::vector<at::Tensor> outputs;
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (count[e] == 0) continue;
+    const at::Tensor xe = x.narrow(0, start, count[e]);
+    const at::Tensor h = at::silu(nn::linear(xe, w1[e])) * nn::linear(xe, w3[e]);
+    outputs.push_back(nn::linear(h, w2[e]));
+    start += count[e];
+  }
+  TORCH_CHECK(start == x.size(0), "internal: the token counts sum to ", start, ", not the ", x.size(0), " routed rows");
+  if (outputs.empty()) return at::zeros({0, w2.size(1)}, x.options());
+  return outputs.size() == 1 ? outputs[0] : at::cat(outputs);
+}
+
+MoE::MoE(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options) : args_(args) {
+  router = register_module("router", std::make_shared<Router>(dim, args, options));
+  experts = register_module("experts", std::make_shared<GroupedExperts>(dim, args.hidden_dim, args.num_experts, options));
+  if (args.num_shared_experts > 0)
+    shared_experts = register_module("shared_experts",
+                                     std::make_shared<FeedForward>(dim, args.hidden_dim * args.num_shared_experts, options));
+}
+
+at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
+  const at::Tensor& x = inputs[0];
+  const int64_t dim = x.size(-1), k = args_.top_k;
+  const at::Tensor flat = x.reshape({-1, dim});
+  const int64_t tokens = flat.size(0);
+  const Routing r = router->route(flat, at::Tensor(), context);
+  // The (token, slot) pairs sorted by expert, stably (within an expert in token order), and the way back.
+  at::Tensor order, inverse;
+  {
+    at::NoGradGuard no_grad;
+    order = at::argsort(r.experts.flatten(), /*stable=*/true);
+    inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
+  }
+  at::Tensor routed = flat.index_select(0, at::floor_divide(order, k));
+  if (args_.score_before_experts) {
+    NoAutocast no_autocast;
+    routed = (routed.to(at::kFloat) * r.scores.flatten().index_select(0, order).unsqueeze(1)).to(flat.scalar_type());
+  }
+  const at::Tensor expert_out = experts->call({routed, r.counts}, context).index_select(0, inverse).view({tokens, k, dim});
+  at::Tensor out;
+  if (args_.score_before_experts) {
+    out = expert_out.sum(1);
+  } else {
+    NoAutocast no_autocast;
+    out = at::bmm(r.scores.view({tokens, 1, k}), expert_out.to(at::kFloat)).squeeze(1).to(flat.scalar_type());
+  }
+  if (shared_experts) out = (*shared_experts)(flat, context) + out;
+  return out.view(x.sizes());
+}
+
+}  // namespace titan::models

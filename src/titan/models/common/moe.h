@@ -1,0 +1,65 @@
+// The Mixture-of-Experts feed-forward of torchtitan's MoE models (Qwen3-MoE; DeepSeek-V3 later), with torchtitan's
+// parameter names: a router (`router.gate`, a linear from the model width to one logit per expert) picks top_k experts
+// per token (token choice, dropless); the tokens are sorted by expert, run through each expert's SwiGLU (3-D weights
+// `experts.w1` [experts, hidden, dim], `experts.w3` [experts, hidden, dim], `experts.w2` [experts, dim, hidden]) and
+// put back in token order, weighted by their routing scores; an optional dense SwiGLU (`shared_experts`) sees every
+// token. Like the dense blocks it knows nothing of parallelism.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <memory>
+
+#include "titan/models/common/decoder.h"
+#include "titan/models/common/moe_args.h"
+
+namespace titan::models {
+
+// What the router decided for T tokens: per token its top_k experts and their weights, and the tokens per expert.
+struct Routing {
+  at::Tensor scores;    // float32 [T, top_k]: normalised and scaled as MoEArgs says (differentiable)
+  at::Tensor experts;   // int64 [T, top_k]
+  at::Tensor counts;    // int64 [num_experts]
+};
+
+class Router : public nn::Unit {
+ public:
+  Router(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options);
+  std::shared_ptr<nn::Linear> gate;
+  // Routes x [T, dim]; `bias` (float32 [num_experts], may be undefined) shifts the scores for selection only.
+  Routing route(const at::Tensor& x, const at::Tensor& bias, const nn::Context& context);
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;  // the float32 scores [T, experts]
+
+ private:
+  MoEArgs args_;
+};
+
+// The routed experts' SwiGLUs on tokens sorted by expert: inputs {x [N, dim], counts int64 [num_experts]} with the
+// first counts[0] rows for expert 0 and so on; returns [N, dim]. One grouped product per weight (a loop of ATen
+// matmuls over the experts that received tokens).
+class GroupedExperts : public nn::Unit {
+ public:
+  GroupedExperts(int64_t dim, int64_t hidden_dim, int64_t num_experts, const nn::ParameterOptions& options);
+  at::Tensor w1, w2, w3;
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+};
+
+class MoE : public nn::Unit {
+ public:
+  MoE(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options);
+  std::shared_ptr<Router> router;
+  std::shared_ptr<GroupedExperts> experts;
+  std::shared_ptr<FeedForward> shared_experts;  // null without shared experts
+  const MoEArgs& args() const { return args_; }
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+
+ private:
+  MoEArgs args_;
+};
+
+}  // namespace titan::models
