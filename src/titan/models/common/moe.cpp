@@ -1,6 +1,8 @@
 #include "titan/models/common/moe.h"
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
 
@@ -17,6 +19,57 @@ struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{
       c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
 };
+
+// y = x W[e]^T for each expert's contiguous rows of x (counts per expert), W [experts, out, in]: one product per
+// expert that received tokens. Backward writes each expert's weight gradient into its row of one gradient tensor
+// (autograd of per-expert slices would add a zero-filled full-size gradient per expert).
+struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
+    ctx->save_for_backward({x, w, counts});
+    at::Tensor out = at::empty({x.size(0), w.size(1)}, x.options());
+    const int64_t* count = counts.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < w.size(0); start += count[e], ++e) {
+      if (count[e] == 0) continue;
+      at::Tensor rows = out.narrow(0, start, count[e]);
+      nn::mm_out(rows, x.narrow(0, start, count[e]), w[e].t());
+    }
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &counts = saved[2];
+    const at::Tensor g = grads[0].contiguous();
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = at::empty_like(x);
+    if (ctx->needs_input_grad(1)) dw = at::zeros_like(w);  // experts without tokens keep a zero gradient
+    const int64_t* count = counts.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < w.size(0); start += count[e], ++e) {
+      if (count[e] == 0) continue;
+      const at::Tensor ge = g.narrow(0, start, count[e]);
+      if (dx.defined()) {
+        at::Tensor rows = dx.narrow(0, start, count[e]);
+        nn::mm_out(rows, ge, w[e]);
+      }
+      if (dw.defined()) {
+        at::Tensor slice = dw[e];
+        nn::mm_out(slice, ge.t(), x.narrow(0, start, count[e]));
+      }
+    }
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+// The grouped product in the compute dtype: under autocast, x and W in the autocast dtype first (as a linear).
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
+  const auto device = x.device().type();
+  if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type())) {
+    const auto dtype = at::autocast::get_autocast_dtype(device);
+    NoAutocast no_autocast;
+    return GroupedLinear::apply(x.to(dtype), w.to(dtype), counts);
+  }
+  return GroupedLinear::apply(x, w.to(x.scalar_type()), counts);
+}
 
 }  // namespace
 
@@ -121,19 +174,10 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
   const int64_t experts = w1.size(0);
   TORCH_CHECK(counts.numel() == experts, "internal: ", counts.numel(), " token counts for ", experts, " experts");
-  const int64_t* count = counts.data_ptr<int64_t>();
-  std::vector<at::Tensor> outputs;
-  int64_t start = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (count[e] == 0) continue;
-    const at::Tensor xe = x.narrow(0, start, count[e]);
-    const at::Tensor h = at::silu(nn::linear(xe, w1[e])) * nn::linear(xe, w3[e]);
-    outputs.push_back(nn::linear(h, w2[e]));
-    start += count[e];
-  }
-  TORCH_CHECK(start == x.size(0), "internal: the token counts sum to ", start, ", not the ", x.size(0), " routed rows");
-  if (outputs.empty()) return at::zeros({0, w2.size(1)}, x.options());
-  return outputs.size() == 1 ? outputs[0] : at::cat(outputs);
+  TORCH_CHECK(counts.sum().item<int64_t>() == x.size(0), "internal: the token counts sum to ", counts.sum().item<int64_t>(),
+              ", not the ", x.size(0), " routed rows");
+  const at::Tensor h = at::silu(grouped_linear(x, w1, counts)) * grouped_linear(x, w3, counts);
+  return grouped_linear(h, w2, counts);
 }
 
 MoE::MoE(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options) : args_(args) {
