@@ -62,18 +62,17 @@ def degrees(tp, shard=1, replicate=1):
 # name: (reference model, ranks, tp, dp_shard, dp_replicate, extra)
 CASES = {
     "tp2": ("mha", 2, 2, 1, 1, []),
-    "tp4": ("mha", 4, 4, 1, 1, []),
+    # Each of these also runs an activation checkpointing mode (the reference runs none).
+    "tp4_ac_full": ("mha", 4, 4, 1, 1, ["--activation_checkpoint.mode", "full"]),
     "tp2_fsdp2": ("mha", 4, 2, 2, 1, []),
-    "ddp2_tp2": ("mha", 4, 2, 1, 2, []),
+    "ddp2_tp2_ac_op": ("mha", 4, 2, 1, 2, ["--activation_checkpoint.mode", "selective",
+                                           "--activation_checkpoint.selective_ac_option", "op"]),
     "hsdp2x2_tp2": ("mha", 8, 2, 2, 2, []),
-    "tp2_ac_full": ("mha", 2, 2, 1, 1, ["--activation_checkpoint.mode", "full"]),
-    "tp2_ac_op": ("mha", 2, 2, 1, 1, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
     "tp2_no_loss_parallel": ("mha", 2, 2, 1, 1, ["--parallelism.disable_loss_parallel"]),
     "gqa_tp2": ("gqa", 2, 2, 1, 1, MODELS["gqa"]),
     "gqa_tp4_fsdp2": ("gqa", 8, 4, 2, 1, MODELS["gqa"] + ["--parallelism.fsdp_reshard_after_forward", "always"]),
     "block_causal_tp2_fsdp2": ("block_causal", 4, 2, 2, 1, MODELS["block_causal"]),
     # Async TP: batch slices with their sequence collectives in the background (local batch 2: two slices).
-    "tp2_async": ("mha", 2, 2, 1, 1, ["--parallelism.enable_async_tensor_parallel"]),
     "tp2_fsdp2_async_ac_full": ("mha", 4, 2, 2, 1, ["--parallelism.enable_async_tensor_parallel",
                                                     "--activation_checkpoint.mode", "full"]),
     "block_causal_tp2_async": ("block_causal", 2, 2, 1, 1, MODELS["block_causal"] + ["--parallelism.enable_async_tensor_parallel"]),
@@ -101,6 +100,7 @@ def test_matches_single_process(tmp_path, references, case):
     model, np_, tp, shard, replicate, extra = CASES[case]
     ref_meta, ref_initial, ref_final = references(model)
     meta, initial, final = probe(tmp_path, case, np_, degrees(tp, shard, replicate) + extra, dp=shard * replicate)
+    RUNS[case] = meta
     assert meta["world_size"] == np_
     # Layout-independent initialisation: the same global weights, bitwise, on every layout.
     for name, ref in ref_initial.items():
@@ -130,9 +130,13 @@ def to_titan(hf_name):
     return name
 
 
+RUNS = {}  # the layouts' metrics, by case, for the comparison below
+
+
 def test_loss_parallel_on_and_off_give_the_same_loss(tmp_path):
-    on, _, _ = probe(tmp_path, "on", 2, degrees(2))
-    off, _, _ = probe(tmp_path, "off", 2, degrees(2) + ["--parallelism.disable_loss_parallel"])
+    """The TP 2 layouts with and without loss parallelism (their runs above, or run here when selected alone)."""
+    on = RUNS.get("tp2") or probe(tmp_path, "on", 2, degrees(2))[0]
+    off = RUNS.get("tp2_no_loss_parallel") or probe(tmp_path, "off", 2, degrees(2) + ["--parallelism.disable_loss_parallel"])[0]
     for a, b in zip(on["steps"], off["steps"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 

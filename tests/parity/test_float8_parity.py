@@ -119,6 +119,12 @@ def test_a_float8_configuration_titan_cannot_run_is_refused_naming_the_key(tmp_p
     assert result.returncode == 2 and all(n in result.stderr for n in needles), result.stdout[-2000:] + result.stderr
 
 
+# Training steps of the float8 and MXFP8 comparisons (the LR schedule spans them): the first step checks the numerics
+# to float32 precision, the later ones that the float8 flips which rounding differences cause stay within the drift
+# of the reference itself.
+F8_STEPS = 6
+
+
 def worst_differences(steps, reference):
     loss = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(steps, reference))
     norm = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(steps, reference))
@@ -126,8 +132,8 @@ def worst_differences(steps, reference):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_ten_float8_training_steps_match_torchao_converted_reference(tmp_path, recipe):
-    """Ten float32 steps of the debug-shaped Llama with float8 linears (the output projection in high precision, as
+def test_float8_training_steps_match_torchao_converted_reference(tmp_path, recipe):
+    """Six float32 steps of the debug-shaped Llama with float8 linears (the output projection in high precision, as
     torchtitan's TOMLs filter it) against the reference loop of test_train_parity on HF's Llama converted by torchao's
     convert_to_float8_training (emulated), from the same weights on the same batches.
 
@@ -136,11 +142,11 @@ def test_ten_float8_training_steps_match_torchao_converted_reference(tmp_path, r
     float8 value, and Adam carries those flips into the weights. So the first step is held to float32 precision and
     the later ones to what the reference itself does when its initial weights move by one float32 rounding (three such
     runs): titan's difference from the reference may be at most 3 times the largest of theirs, or 1e-6."""
-    from test_train_parity import STEPS, python_loop, titan_run
+    from test_train_parity import python_loop, titan_run
 
     float8 = ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name",
               recipe, "--quantize.linear.float8.filter_fqns", "output"]
-    out = titan_run(tmp_path, "fused", float8)
+    out = titan_run(tmp_path, "fused", float8, steps=F8_STEPS)
 
     def convert(model, nudge=0):
         if nudge:  # one float32 rounding of every weight, up or down
@@ -155,7 +161,7 @@ def test_ten_float8_training_steps_match_torchao_converted_reference(tmp_path, r
     meta, reference, _ = python_loop(out, "fused", convert)
     spread = [python_loop(out, "fused", lambda model, seed=seed: convert(model, nudge=seed))[1] for seed in (1, 2, 3)]
     nudged = spread[0]
-    assert len(meta["steps"]) == STEPS
+    assert len(meta["steps"]) == F8_STEPS
     for mine, ref, other in zip(meta["steps"], reference, nudged):
         print(f"{recipe} step {mine['step']:2}: loss {mine['loss']:.7f} vs {ref['loss']:.7f} (nudged reference "
               f"{other['loss']:.7f}), grad_norm {mine['grad_norm']:.6f} vs {ref['grad_norm']:.6f} ({other['grad_norm']:.6f})")
@@ -164,22 +170,23 @@ def test_ten_float8_training_steps_match_torchao_converted_reference(tmp_path, r
     titan_loss, titan_norm = worst_differences(meta["steps"], reference)
     own_loss = max(worst_differences(run, reference)[0] for run in spread)
     own_norm = max(worst_differences(run, reference)[1] for run in spread)
-    print(f"{recipe}: worst relative difference over {STEPS} steps from the reference: titan loss {titan_loss:.2e}, "
+    print(f"{recipe}: worst relative difference over {F8_STEPS} steps from the reference: titan loss {titan_loss:.2e}, "
           f"gradient norm {titan_norm:.2e}; the reference nudged by one rounding, worst of 3: {own_loss:.2e}, {own_norm:.2e}")
     assert titan_loss <= max(3 * own_loss, 1e-6) and titan_norm <= max(3 * own_norm, 1e-6)
 
 
-def test_ten_mxfp8_training_steps_match_torchao_converted_reference(tmp_path):
+def test_mxfp8_training_steps_match_torchao_converted_reference(tmp_path):
     """As above, with MXFP8 linears (recipe mxfp8_cublas, emulated) against HF's Llama whose linears (all but the
     output projection) are torchao's MXFP8Linear (emulated, FLOOR scales) holding the same weights: the first step
-    to float32 precision, the later ones within 2e-3 (relative loss), above the largest drift the float8 recipes'
-    nudged references show from themselves (6e-4); one reference run, to keep the suite short."""
+    to float32 precision, the later ones within 1e-3 (relative loss), ten times the largest drift the float8 recipes'
+    nudged references show from themselves over these steps (1.0e-4 on 2026-11-27); one reference run, to keep the
+    suite short."""
     from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-    from test_train_parity import STEPS, python_loop, titan_run
+    from test_train_parity import python_loop, titan_run
 
-    out = titan_run(tmp_path, "fused", ["--model.converters", "mx", "--quantize.linear.mx.emulate"])
+    out = titan_run(tmp_path, "fused", ["--model.converters", "mx", "--quantize.linear.mx.emulate"], steps=F8_STEPS)
 
     def convert(model):
         swapped = 0
@@ -195,9 +202,9 @@ def test_ten_mxfp8_training_steps_match_torchao_converted_reference(tmp_path):
         assert swapped == 6 * 7
 
     meta, reference, _ = python_loop(out, "fused", convert)
-    assert len(meta["steps"]) == STEPS
+    assert len(meta["steps"]) == F8_STEPS
     first_loss, first_norm = worst_differences(meta["steps"][:1], reference[:1])
     assert first_loss <= 1e-6 and first_norm <= 1e-5, (first_loss, first_norm)
     titan_loss, titan_norm = worst_differences(meta["steps"], reference)
-    print(f"mxfp8: worst relative difference over {STEPS} steps from the reference: loss {titan_loss:.2e}, gradient norm {titan_norm:.2e}")
-    assert titan_loss <= 2e-3
+    print(f"mxfp8: worst relative difference over {F8_STEPS} steps from the reference: loss {titan_loss:.2e}, gradient norm {titan_norm:.2e}")
+    assert titan_loss <= 1e-3

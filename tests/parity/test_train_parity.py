@@ -14,10 +14,10 @@ from test_model_parity import hf_model
 LR, MAX_NORM, STEPS = 3e-3, 0.5, 10
 
 
-def titan_run(tmp_path, implementation, extra=()):
+def titan_run(tmp_path, implementation, extra=(), steps=None):
     out = tmp_path / f"probe_{implementation}"
     run([binary("titan_train_probe"), "--probe.out", str(out), "--job.dump_folder", str(tmp_path / "dump"),
-         "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.steps", str(STEPS),
+         "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.steps", str(steps or STEPS),
          "--training.seq_len", "64", "--training.local_batch_size", "4", "--training.global_batch_size", "8",
          "--training.mixed_precision_param", "float32", "--training.max_norm", str(MAX_NORM),
          "--optimizer.lr", str(LR), "--optimizer.implementation", implementation,
@@ -27,12 +27,13 @@ def titan_run(tmp_path, implementation, extra=()):
 
 
 def python_loop(out, implementation, convert=None):
-    """The reference loop on the batches titan's probe wrote; `convert` (e.g. torchao's float8 conversion) is applied
-    to the model after its initial weights are loaded."""
+    """The reference loop on the batches titan's probe wrote (as many steps as it ran); `convert` (e.g. torchao's
+    float8 conversion) is applied to the model after its initial weights are loaded."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
 
     meta = json.loads((out / "metrics.json").read_text())
+    steps = len(meta["steps"])
     model = hf_model(16)
     model.load_state_dict(load_file(str(out / "initial.safetensors")), strict=True)
     if convert:
@@ -40,10 +41,10 @@ def python_loop(out, implementation, convert=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                                   fused=implementation == "fused", foreach=implementation == "foreach")
     schedule = build_lr_schedulers([optimizer], LRSchedulerConfig(warmup_steps=3, decay_ratio=0.5, decay_type="cosine",
-                                                                  min_lr_factor=0.1), STEPS)
+                                                                  min_lr_factor=0.1), steps)
     batches = load_file(str(out / "batches.safetensors"))
     results = []
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         optimizer.zero_grad()
         micro = [(batches[f"step{step}.mb{m}.inputs"], batches[f"step{step}.mb{m}.labels"]) for m in range(meta["microbatches"])]
         valid = sum(int((labels != -100).sum()) for _, labels in micro)
