@@ -192,3 +192,9 @@ def test_the_debug_moe_flavor_trains(tmp_path):
                   check=False)
     message = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "parallelism.tensor_parallel_degree = 2 with a Mixture-of-Experts model" in message, message
+
+
+def test_titan_plan_refuses_moe_models_it_does_not_model(tmp_path):
+    result = run([binary("titan"), "plan", "--gpus", "8", "--cluster", "h100-sxm", "--model.name", "qwen3", "--model.flavor",
+                  "30B-A3B", "--training.seq_len", "4096", "--training.global_batch_size", "32"], check=False)
+    assert result.returncode != 0 and "does not model Mixture-of-Experts models yet" in result.stderr, result.stderr

@@ -53,6 +53,10 @@ std::vector<int64_t> divisors(int64_t n) {
 Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& args, const config::JobConfig& config,
                const distributed::ParallelDims& dims, const ClusterProfile& cluster, protocols::Execution execution,
                bool per_pipeline_rank) {
+  if (models::as_decoder(args, "titan plan").moe)
+    fail("titan plan does not model Mixture-of-Experts models yet (model.flavor ", quote(config.model.flavor),
+         "): its step time and memory would leave out the routed experts' weights, optimizer state and all-to-all "
+         "(docs/moe.md)");
   Plan plan;
   plan.dims = dims;
   plan.layout = layout_of(dims, config);
