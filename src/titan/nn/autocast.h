@@ -3,12 +3,20 @@
 #pragma once
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <atomic>
 #include <optional>
 #include <vector>
 
 namespace titan::nn {
+
+// A scope in which autocast (thread-local, possibly on) changes no dtype: for code that computes in a dtype of its
+// own choosing (float32 routing, float8 casts, bf16 products computed in float32).
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{
+      c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
+};
 
 struct AutocastState {
   bool cpu_enabled = false, cuda_enabled = false;

@@ -15,6 +15,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/nn/autocast.h"
 #include "titan/nn/matmul.h"
 
 namespace titan::nn::float8 {
@@ -33,12 +34,6 @@ double format_max(at::ScalarType dtype) {
     default: fail("float8: ", c10::toString(dtype), " is not a float8 format titan casts to (float8_e4m3fn, float8_e5m2)");
   }
 }
-
-// The casts below run on float32 tensors; autocast (thread-local, possibly on) must not change their dtypes.
-struct NoAutocast {
-  c10::impl::ExcludeDispatchKeyGuard guard{
-      c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
-};
 
 Cast high_precision() { return {Scaling::high_precision, at::kFloat8_e4m3fn}; }
 Cast tensorwise(at::ScalarType dtype) { return {Scaling::tensorwise, dtype}; }

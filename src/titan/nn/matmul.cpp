@@ -10,6 +10,7 @@
 
 #include "titan/common/test_faults.h"
 #include "titan/kernels/cpu_isa.h"
+#include "titan/nn/autocast.h"
 
 namespace titan::nn {
 namespace {
@@ -32,11 +33,6 @@ bool cpu_lacks_fast_bf16_gemm() {
 bool in_float(const at::Tensor& a, const at::Tensor& b) {
   return a.device().is_cpu() && a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 && emulates_bf16_gemm();
 }
-
-// The products below run on float32 tensors; autocast (thread-local, possibly on) must not cast them back.
-struct NoAutocast {
-  c10::impl::ExcludeDispatchKeyGuard guard{c10::DispatchKeySet(c10::DispatchKey::AutocastCPU)};
-};
 
 // y = x W^T for bf16 x and W computed in float32; saves the bf16 tensors, as autocast's linear does.
 struct Bf16LinearInFloat : torch::autograd::Function<Bf16LinearInFloat> {

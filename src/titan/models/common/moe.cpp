@@ -8,6 +8,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/nn/autocast.h"
 #include "titan/nn/matmul.h"
 
 namespace titan::models {
@@ -15,10 +16,7 @@ namespace titan::models {
 namespace {
 
 // The float32 parts of routing and combining stay float32 under autocast (as in torchtitan, which has none there).
-struct NoAutocast {
-  c10::impl::ExcludeDispatchKeyGuard guard{
-      c10::DispatchKeySet({c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA})};
-};
+using nn::NoAutocast;
 
 // y = x W[e]^T for each expert's contiguous rows of x (counts per expert), W [experts, out, in]: one product per
 // expert that received tokens. Backward writes each expert's weight gradient into its row of one gradient tensor
@@ -174,8 +172,8 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
   const int64_t experts = w1.size(0);
   TORCH_CHECK(counts.numel() == experts, "internal: ", counts.numel(), " token counts for ", experts, " experts");
-  TORCH_CHECK(counts.sum().item<int64_t>() == x.size(0), "internal: the token counts sum to ", counts.sum().item<int64_t>(),
-              ", not the ", x.size(0), " routed rows");
+  const int64_t routed = counts.sum().item<int64_t>();
+  TORCH_CHECK(routed == x.size(0), "internal: the token counts sum to ", routed, ", not the ", x.size(0), " routed rows");
   const at::Tensor h = at::silu(grouped_linear(x, w1, counts)) * grouped_linear(x, w3, counts);
   return grouped_linear(h, w2, counts);
 }
