@@ -13,9 +13,12 @@ SupportReport check_supported(const LoadedConfig& loaded) {
     r.errors.push_back(cat(key, " = ", value, " ", loaded.where(key), ": ", what, " is not supported yet"));
   };
   const auto& p = c.parallelism;
-  for (auto [key, value, what] : {std::tuple{"parallelism.expert_parallel_degree", p.expert_parallel_degree, "expert parallelism"},
-                                  std::tuple{"parallelism.expert_tensor_parallel_degree", p.expert_tensor_parallel_degree, "expert tensor parallelism"}})
-    if (value > 1) not_yet(key, std::to_string(value), what);
+  // Expert parallelism itself is checked against the model (models/common/decoder_parallelize.cpp).
+  if (p.expert_tensor_parallel_degree > 1)
+    not_yet("parallelism.expert_tensor_parallel_degree", std::to_string(p.expert_tensor_parallel_degree), "expert tensor parallelism");
+  if (p.expert_parallel_degree > 1 && p.expert_parallel_comm_backend != "standard")
+    not_yet("parallelism.expert_parallel_comm_backend", quote(p.expert_parallel_comm_backend),
+            "an expert-parallel backend other than \"standard\" (all-to-all through the communicator)");
   if (c.metrics.enable_wandb) not_yet("metrics.enable_wandb", "true", "Weights & Biases logging");
   if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
   if (c.memory_estimation.enable) not_yet("memory_estimation.enable", "true", "memory estimation");

@@ -14,7 +14,7 @@ namespace titan::distributed {
 
 namespace {
 
-enum class Op : int64_t { AllReduce = 1, AllGather, ReduceScatter, AllToAll, Broadcast, Barrier, Split, Message };
+enum class Op : int64_t { AllReduce = 1, AllGather, ReduceScatter, AllToAll, Broadcast, Barrier, Split, Message, AllToAllV };
 constexpr int64_t kFields = 6;  // call number, op, dtype, count, reduction, root
 
 const char* op_name(int64_t op) {
@@ -27,6 +27,7 @@ const char* op_name(int64_t op) {
     case Op::Barrier: return "barrier";
     case Op::Split: return "split";
     case Op::Message: return "a point-to-point message";
+    case Op::AllToAllV: return "all_to_all_v";
   }
   return "an unknown operation";
 }
@@ -34,6 +35,7 @@ const char* op_name(int64_t op) {
 std::string describe(const int64_t* f) {
   const auto op = static_cast<Op>(f[1]);
   if (op == Op::Barrier || op == Op::Split) return op_name(f[1]);
+  if (op == Op::AllToAllV) return cat(op_name(f[1]), "(", c10::toString(static_cast<at::ScalarType>(f[2])), ")");
   std::string s = cat(op_name(f[1]), "(", c10::toString(static_cast<at::ScalarType>(f[2])), " x ", f[3]);
   if (op == Op::AllReduce || op == Op::ReduceScatter) s += cat(", ", reduce_op_name(static_cast<ReduceOp>(f[4])));
   if (op == Op::Broadcast) s += cat(", root ", f[5]);
@@ -119,6 +121,30 @@ class CheckingCommunicator final : public Communicator {
                     input.numel(), " and ", output.numel()));
     return collective(Op::AllToAll, input, input.numel(), ReduceOp::Sum, -1, async,
                       [&] { return inner_->all_to_all(output, input, true); });
+  }
+  // Each rank's counts differ, so the fingerprint carries none; a second exchange checks that every rank receives
+  // from each peer exactly what that peer sends to it.
+  std::shared_ptr<Work> all_to_all_v(at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
+                                     const std::vector<int64_t>& input_splits, bool async) override {
+    require(input, "all_to_all_v input", false);
+    require(output, "all_to_all_v output", false);
+    same_dtype(output, input, "all_to_all_v");
+    if (static_cast<int>(output_splits.size()) != size() || static_cast<int>(input_splits.size()) != size())
+      violation(cat("all_to_all_v: ", input_splits.size(), " input and ", output_splits.size(), " output splits for ", size(), " ranks"));
+    return collective(Op::AllToAllV, input, -1, ReduceOp::Sum, -1, async, [&] {
+      at::Tensor mine = at::tensor(input_splits, at::kLong).to(tensor_device());
+      at::Tensor all = at::empty({size() * size()}, mine.options());
+      const int64_t before = inner_->bytes_communicated();
+      inner_->all_gather_into(all, mine, false);
+      overhead_bytes_ += inner_->bytes_communicated() - before;
+      const at::Tensor host = all.cpu();
+      const int64_t* sends = host.data_ptr<int64_t>();
+      for (int r = 0; r < size(); ++r)
+        if (sends[r * size() + rank()] != output_splits[static_cast<size_t>(r)])
+          violation(cat("all_to_all_v: rank ", r, " sends ", sends[r * size() + rank()], " elements to rank ", rank(),
+                        ", which expects ", output_splits[static_cast<size_t>(r)]));
+      return inner_->all_to_all_v(output, input, output_splits, input_splits, true);
+    });
   }
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async) override {
     require(tensor, "broadcast", false);

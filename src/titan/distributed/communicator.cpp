@@ -57,6 +57,14 @@ class LocalCommunicator final : public Communicator {
     output.view(-1).copy_(input.reshape(-1));
     return completed_work();
   }
+  std::shared_ptr<Work> all_to_all_v(at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
+                                     const std::vector<int64_t>& input_splits, bool) override {
+    if (output_splits.size() != 1 || input_splits.size() != 1 || output_splits[0] != input_splits[0] ||
+        input.numel() != input_splits[0] || output.numel() != output_splits[0])
+      fail("all_to_all_v: on one rank the single split must equal both tensors' element counts");
+    output.view(-1).copy_(input.reshape(-1));
+    return completed_work();
+  }
   std::shared_ptr<Work> broadcast(at::Tensor&, int, bool) override { return completed_work(); }
   std::shared_ptr<Work> send(const at::Tensor&, int destination, int, bool) override {
     fail("send to rank ", destination, " in a single-process job");

@@ -53,6 +53,11 @@ class Communicator {
   // `input` and `output` hold size() equal blocks: block j of the input goes to rank j, block i of the output came
   // from rank i.
   virtual std::shared_ptr<Work> all_to_all(at::Tensor& output, const at::Tensor& input, bool async = false) = 0;
+  // Uneven all-to-all (expert parallelism's token dispatch): `input` holds size() consecutive blocks of
+  // input_splits[j] elements, block j going to rank j; `output` receives output_splits[i] elements from rank i, in rank
+  // order. Rank i's input_splits[j] must equal rank j's output_splits[i] (exchange the counts first).
+  virtual std::shared_ptr<Work> all_to_all_v(at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
+                                             const std::vector<int64_t>& input_splits, bool async = false) = 0;
   virtual std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async = false) = 0;
   // Point-to-point. MPI matches them by (peer, tag); NCCL ignores the tag and matches each pair of ranks' sends and
   // receives in issue order, so portable callers issue them in the same order on both sides. The MPI backend posts them at once from the calling thread, outside the
@@ -81,7 +86,8 @@ class Communicator {
   virtual bool waits_block_host() const { return true; }
 
   // Bytes this rank sends in collectives since construction, counted as ring algorithms move them: all-gather and
-  // reduce-scatter (n - 1) x shard, all-reduce 2 (n - 1) / n x tensor, all-to-all (n - 1) / n x tensor, broadcast and send the tensor.
+  // reduce-scatter (n - 1) x shard, all-reduce 2 (n - 1) / n x tensor, all-to-all (n - 1) / n x tensor, uneven all-to-all what
+  // goes to other ranks, broadcast and send the tensor.
   virtual int64_t bytes_communicated() const = 0;
 
  protected:

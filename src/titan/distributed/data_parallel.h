@@ -48,6 +48,38 @@ class NoDataParallel final : public DataParallel {
   double wait_seconds() const override { return 0; }
 };
 
+// Several data parallelisms over disjoint parameters (expert parallelism: FSDP of the experts over the efsdp ranks
+// beside FSDP of everything else over dp_shard x cp), driven as one.
+class DataParallelSet final : public DataParallel {
+ public:
+  explicit DataParallelSet(std::vector<std::unique_ptr<DataParallel>> members) : members_(std::move(members)) {}
+  void before_backward(bool last) override { for (auto& m : members_) m->before_backward(last); }
+  void after_backward() override { for (auto& m : members_) m->after_backward(); }
+  void finish_gradients() override { for (auto& m : members_) m->finish_gradients(); }
+  std::string describe() const override {
+    std::string out;
+    for (const auto& m : members_) out += (out.empty() ? "" : "; ") + m->describe();
+    return out;
+  }
+  int64_t bytes_communicated() const override {
+    int64_t n = 0;
+    for (const auto& m : members_) n += m->bytes_communicated();
+    return n;
+  }
+  double wait_seconds() const override {
+    double s = 0;
+    for (const auto& m : members_) s += m->wait_seconds();
+    return s;
+  }
+  void unshard_all() override { for (auto& m : members_) m->unshard_all(); }
+  void reshard_all() override { for (auto& m : members_) m->reshard_all(); }
+  void after_optimizer_step() override { for (auto& m : members_) m->after_optimizer_step(); }
+  const std::vector<std::unique_ptr<DataParallel>>& members() const { return members_; }
+
+ private:
+  std::vector<std::unique_ptr<DataParallel>> members_;
+};
+
 struct FsdpOptions {
   at::Device device = at::kCPU;               // where shards live (parameters may still be on the meta device)
   at::ScalarType shard_dtype = at::kFloat;    // the shards the optimizer updates (training.dtype)

@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <chrono>
+#include <set>
 
 #include "titan/common/error.h"
 #include "titan/config/dtypes.h"
@@ -37,8 +38,12 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
     Unit unit;
     unit.name = specs[u].name;
     unit.reshard_after_forward = specs[u].reshard_after_forward;
+    std::set<const c10::TensorImpl*> excluded;
+    for (const nn::Unit* module : specs[u].excluded)
+      for (const at::Tensor& p : module->parameters()) excluded.insert(p.unsafeGetTensorImpl());
     for (nn::Unit* module : specs[u].modules) {
       for (at::Tensor p : module->parameters()) {
+        if (excluded.count(p.unsafeGetTensorImpl())) continue;
         ShardedParameter* entry = find_parameter(params, p);
         if (!entry) fail("FSDP unit ", unit.name, " has a parameter that is not among the model's parameters");
         if (p.dim() == 0) fail("FSDP shards dimension 0; parameter ", entry->name, " is a scalar");
@@ -94,7 +99,8 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
                                                   const nn::Unit::Next& next) {
           if (!*alive) fail("the model's FSDP wrapping was destroyed; a model sharded by FSDP cannot run without it");
           unshard(u);
-          for (size_t v = u + 1; v < units_.size(); ++v)
+          // In backward this is a recomputed forward (activation checkpointing): the next unit's turn has passed.
+          for (size_t v = u + 1; v < units_.size() && !in_backward_; ++v)
             if (!units_[v].params.empty()) {
               start_gather(v);  // prefetch the next unit's parameters while this one computes
               break;
@@ -248,6 +254,7 @@ void Fsdp::reshard(size_t u) {
 }
 
 void Fsdp::pre_backward(size_t u) {
+  in_backward_ = true;
   unshard(u);
   for (size_t v = u; v-- > 0;)
     if (!units_[v].params.empty()) {
@@ -296,6 +303,7 @@ void Fsdp::reduce(size_t u) {
 }
 
 void Fsdp::after_backward() {
+  in_backward_ = false;
   if (options_.defer_gradient_reduction) return;
   // Units some of whose parameters received no gradient (unused in this pass) are reduced now, in reverse unit
   // order on every rank, with zeros for the missing gradients.
@@ -318,6 +326,12 @@ void Fsdp::finish_gradients() {
   }
   accumulate(pending_.size());
   earlier_pending_ = 0;
+  // A unit gathered during backward but not used by it (a prefetch from a recomputed forward: activation
+  // checkpointing around a block whose submodule is a unit, as expert parallelism's experts) holds values the
+  // optimizer is about to change: drop them.
+  for (size_t u = 0; u < units_.size(); ++u)
+    if (units_[u].state != Unit::State::Sharded) reshard(u);
+  in_backward_ = false;
 }
 
 void Fsdp::accumulate(size_t count) {

@@ -21,6 +21,8 @@ struct FsdpUnitSpec {
   std::string name;
   std::vector<nn::Unit*> modules;  // in forward order
   bool reshard_after_forward = true;
+  // Submodules whose parameters another FSDP instance shards (expert parallelism's experts, over other ranks).
+  std::vector<const nn::Unit*> excluded = {};
 };
 
 class Fsdp final : public DataParallel {
@@ -101,6 +103,7 @@ class Fsdp final : public DataParallel {
   double wait_seconds_ = 0;
   int64_t bytes_gathered_ = 0, float8_bytes_gathered_ = 0;
   bool float8_scales_fresh_ = false;  // the precomputed scales match the shards
+  bool in_backward_ = false;          // from the first unit's backward until finish_gradients
 };
 
 }  // namespace titan::distributed

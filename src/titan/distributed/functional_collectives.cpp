@@ -88,6 +88,21 @@ struct AllToAll : torch::autograd::Function<AllToAll> {
   }
 };
 
+struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::vector<int64_t> output_rows, std::vector<int64_t> input_rows,
+                            c10::intrusive_ptr<GroupHolder> group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    ctx->saved_data["output_rows"] = output_rows;
+    ctx->saved_data["input_rows"] = input_rows;
+    return raw::all_to_all_rows(x, output_rows, input_rows, *group->group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    at::Tensor grad = raw::all_to_all_rows(grads[0], ctx->saved_data["input_rows"].toIntVector(),
+                                           ctx->saved_data["output_rows"].toIntVector(), *group_of(ctx));
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 struct TensorHolder : torch::CustomClassHolder {
   explicit TensorHolder(at::Tensor t) : tensor(std::move(t)) {}
   at::Tensor tensor;
@@ -224,6 +239,25 @@ at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim
   return at::cat(received.unbind(0), concat_dim);
 }
 
+at::Tensor all_to_all_rows(const at::Tensor& x, const std::vector<int64_t>& output_rows, const std::vector<int64_t>& input_rows,
+                           Communicator& group) {
+  Timed timed;
+  if (x.dim() == 0) fail("all_to_all_rows of a scalar");
+  const at::Tensor in = x.contiguous();
+  int64_t row = 1;
+  for (int64_t d = 1; d < x.dim(); ++d) row *= x.size(d);
+  int64_t rows = 0;
+  for (int64_t n : output_rows) rows += n;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = rows;
+  at::Tensor out = at::empty(shape, in.options());
+  std::vector<int64_t> out_elements, in_elements;
+  for (int64_t n : output_rows) out_elements.push_back(n * row);
+  for (int64_t n : input_rows) in_elements.push_back(n * row);
+  group.all_to_all_v(out, in, out_elements, in_elements);
+  return out;
+}
+
 }  // namespace raw
 
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, const std::shared_ptr<Communicator>& group, GatheredGradient gradient) {
@@ -244,6 +278,12 @@ at::Tensor all_reduce(const at::Tensor& x, const std::shared_ptr<Communicator>& 
 at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<Communicator>& group) {
   if (group->size() == 1) return x;
   return AllToAll::apply(x, split_dim, concat_dim, hold(group));
+}
+
+at::Tensor all_to_all_rows(const at::Tensor& x, const std::vector<int64_t>& output_rows, const std::vector<int64_t>& input_rows,
+                           const std::shared_ptr<Communicator>& group) {
+  if (group->size() == 1) return x;
+  return AllToAllRows::apply(x, output_rows, input_rows, hold(group));
 }
 
 }  // namespace titan::distributed::functional

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "titan/distributed/communicator.h"
 #include "titan/nn/float8.h"
@@ -28,6 +29,10 @@ at::Tensor all_reduce(const at::Tensor& x, const std::shared_ptr<Communicator>& 
 // Splits `x` into group-size chunks along `split_dim`, sends chunk j to rank j and concatenates what arrives along
 // `concat_dim` in rank order (Shard(concat_dim) -> Shard(split_dim)); backward is the reverse all-to-all.
 at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<Communicator>& group);
+// Uneven all-to-all of rows (dimension 0): the first input_rows[0] rows of `x` go to rank 0, the next input_rows[1]
+// to rank 1, ...; the result holds output_rows[i] rows from rank i in rank order. Backward sends the gradient back.
+at::Tensor all_to_all_rows(const at::Tensor& x, const std::vector<int64_t>& output_rows, const std::vector<int64_t>& input_rows,
+                           const std::shared_ptr<Communicator>& group);
 
 // Float8 tensor parallelism (torchao's float8 styles; tensorwise scaling): the collectives move one byte per element.
 // all_gather_float8 is all_gather with partial gradients whose forward casts each rank's chunk to E4M3 with the
@@ -57,6 +62,8 @@ namespace raw {
 at::Tensor all_gather(const at::Tensor& x, int64_t dim, Communicator& group);
 at::Tensor reduce_scatter(const at::Tensor& x, int64_t dim, Communicator& group);
 at::Tensor all_to_all(const at::Tensor& x, int64_t split_dim, int64_t concat_dim, Communicator& group);
+at::Tensor all_to_all_rows(const at::Tensor& x, const std::vector<int64_t>& output_rows, const std::vector<int64_t>& input_rows,
+                           Communicator& group);
 }  // namespace raw
 
 }  // namespace titan::distributed::functional

@@ -357,6 +357,40 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
                async);
   }
 
+  std::shared_ptr<Work> all_to_all_v(at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
+                                     const std::vector<int64_t>& input_splits, bool async) override {
+    TITAN_COMM_RANGE("all_to_all_v");
+    require_cpu_contiguous(output, "all_to_all_v output");
+    require_cpu_contiguous(input, "all_to_all_v input");
+    if (output.scalar_type() != input.scalar_type()) fail("all_to_all_v: input and output must have the same dtype");
+    auto counts = [&](const std::vector<int64_t>& splits, const at::Tensor& t, const char* what) {
+      if (static_cast<int>(splits.size()) != size_) fail("all_to_all_v: ", splits.size(), " ", what, " splits for ", size_, " ranks");
+      std::vector<int> c, d;
+      int64_t total = 0;
+      for (int64_t n : splits) {
+        if (n < 0) fail("all_to_all_v: a negative ", what, " split (", n, ")");
+        d.push_back(static_cast<int>(total));
+        c.push_back(static_cast<int>(n));
+        total += n;
+        if (total > std::numeric_limits<int>::max()) fail("all_to_all_v: ", total, " ", what, " elements, too many for one MPI call");
+      }
+      if (total != t.numel()) fail("all_to_all_v: the ", what, " splits add up to ", total, " elements; the tensor holds ", t.numel());
+      return std::pair{c, d};
+    };
+    auto [send_counts, send_displs] = counts(input_splits, input, "input");
+    auto [recv_counts, recv_displs] = counts(output_splits, output, "output");
+    at::Tensor out = output, in = input;
+    bytes_ += (in.numel() - input_splits[static_cast<size_t>(rank_)]) * static_cast<int64_t>(in.element_size());
+    return run(cat("all_to_all_v(", in.numel(), " -> ", out.numel(), " x ", c10::toString(in.scalar_type()), ")"),
+               [out, in, send_counts, send_displs, recv_counts, recv_displs, comm = comm_]() mutable {
+                 MPI_Datatype type = mpi_type(in.scalar_type());
+                 check(MPI_Alltoallv(in.data_ptr(), send_counts.data(), send_displs.data(), type, out.data_ptr(), recv_counts.data(),
+                                     recv_displs.data(), type, comm),
+                       "MPI_Alltoallv");
+               },
+               async);
+  }
+
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool async) override {
     TITAN_COMM_RANGE("broadcast");
     require_cpu_contiguous(tensor, "broadcast");

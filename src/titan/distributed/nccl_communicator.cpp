@@ -250,6 +250,32 @@ class NcclCommunicator final : public Communicator {
       group.end();
     });
   }
+  std::shared_ptr<Work> all_to_all_v(at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
+                                     const std::vector<int64_t>& in_splits, bool async) override {
+    TITAN_COMM_RANGE("all_to_all_v");
+    if (static_cast<int>(out_splits.size()) != size_ || static_cast<int>(in_splits.size()) != size_)
+      fail("all_to_all_v: one split per rank expected (", size_, ")");
+    int64_t in_total = 0, out_total = 0;
+    for (int r = 0; r < size_; ++r) in_total += in_splits[static_cast<size_t>(r)], out_total += out_splits[static_cast<size_t>(r)];
+    if (in_total != in.numel() || out_total != out.numel())
+      fail("all_to_all_v: the splits add up to ", in_total, " and ", out_total, " elements; the tensors hold ", in.numel(), " and ", out.numel());
+    const auto type = nccl_type(in.scalar_type());
+    bytes_ += (in.numel() - in_splits[static_cast<size_t>(rank_)]) * static_cast<int64_t>(in.element_size());
+    return launch({out, in}, "all_to_all_v", async, [&](cudaStream_t s) {
+      const size_t element = in.element_size();
+      size_t sent = 0, received = 0;
+      NcclGroup group;
+      for (int peer = 0; peer < size_; ++peer) {
+        const auto n_in = static_cast<size_t>(in_splits[static_cast<size_t>(peer)]);
+        const auto n_out = static_cast<size_t>(out_splits[static_cast<size_t>(peer)]);
+        if (n_in) check(ncclSend(static_cast<const char*>(in.data_ptr()) + sent * element, n_in, type, peer, comm_, s), "ncclSend", comm_);
+        if (n_out) check(ncclRecv(static_cast<char*>(out.data_ptr()) + received * element, n_out, type, peer, comm_, s), "ncclRecv", comm_);
+        sent += n_in;
+        received += n_out;
+      }
+      group.end();
+    });
+  }
   std::shared_ptr<Work> broadcast(at::Tensor& t, int root, bool async) override {
     TITAN_COMM_RANGE("broadcast");
     const auto type = nccl_type(t.scalar_type());

@@ -31,14 +31,18 @@ ParallelDims ParallelDims::from_config(const config::Parallelism& p, int64_t wor
          d.pp, ") = ", d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp, " must equal the number of processes (",
          world_size, ")");
   if (d.ep > 1 && d.etp != d.tp && d.etp != 1)
-    fail("parallelism: expert_tensor_parallel_degree must be 1 or equal to tensor_parallel_degree");
+    fail("parallelism: expert_tensor_parallel_degree = ", d.etp, " must be 1 or equal to tensor_parallel_degree (", d.tp, ")");
+  if (d.ep > 1 && d.ep_borrowed() % d.ep != 0)
+    fail("parallelism: expert_parallel_degree = ", d.ep, " must divide the ranks it borrows: data_parallel_shard_degree (", d.dp_shard,
+         ") x context_parallel_degree (", d.cp, ")", d.etp == 1 ? cat(" x tensor_parallel_degree (", d.tp, ")") : std::string(),
+         " = ", d.ep_borrowed());
   return d;
 }
 
 std::string ParallelDims::describe() const {
   std::string mode = hsdp_enabled() ? "HSDP" : fsdp_enabled() ? "FSDP" : ddp_enabled() ? "DDP" : "no data parallelism";
   return cat(world_size, " rank(s): pp ", pp, " x dp_replicate ", dp_replicate, " x dp_shard ", dp_shard, " x cp ", cp,
-             " x tp ", tp, " (", mode, ")");
+             " x tp ", tp, " (", mode, ")", ep > 1 ? cat("; experts: ep ", ep, " x efsdp ", efsdp()) : std::string());
 }
 
 DeviceMesh::DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> world) : dims_(dims), world_(std::move(world)) {
@@ -74,6 +78,26 @@ DeviceMesh::DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> w
   // FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp): context-parallel ranks hold the same parameters.
   if (dims_.cp == 1) groups_["dp_shard_cp"] = groups_["dp_shard"];
   else make_group("dp_shard_cp", {"dp_shard", "cp"});
+  if (dims_.ep > 1) {
+    // The sparse mesh: the borrowed ranks' flat index b (dp_shard slowest) splits into efsdp = b / ep and ep = b % ep.
+    int64_t borrowed = 0, fixed = 0;
+    for (const auto& [dim, degree] : shape) {
+      const bool lent = dim == "dp_shard" || dim == "cp" || (dim == "tp" && dims_.etp == 1);
+      (lent ? borrowed : fixed) = (lent ? borrowed : fixed) * degree + coords_[dim];
+    }
+    const int64_t ep = dims_.ep, efsdp = dims_.efsdp();
+    coords_["ep"] = borrowed % ep;
+    coords_["efsdp"] = borrowed / ep;
+    auto split = [&](const std::string& name, int64_t color, int64_t key, int64_t size) {
+      groups_[name] = size == 1 ? make_local_communicator(world_->tensor_device(), name)
+                                : world_->split(static_cast<int>(color), static_cast<int>(key), name);
+    };
+    split("ep", fixed * efsdp + coords_["efsdp"], coords_["ep"], ep);
+    split("efsdp", fixed * ep + coords_["ep"], coords_["efsdp"], efsdp);
+    // The experts' own replica groups (HSDP): the same ranks as dp_replicate, a communicator of their own so that
+    // each FSDP instance counts its own bytes.
+    make_group("dp_replicate_experts", {"dp_replicate"});
+  }
 }
 
 std::shared_ptr<Communicator> DeviceMesh::get(const std::string& name) const {

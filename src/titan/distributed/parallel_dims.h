@@ -23,12 +23,17 @@ struct ParallelDims {
   bool ddp_enabled() const { return dp_replicate > 1 && dp_shard == 1 && cp == 1; }
   bool hsdp_enabled() const { return dp_replicate > 1 && dp_shard > 1; }
   int64_t non_data_parallel_size() const { return cp * tp * pp; }
+  // Expert parallelism borrows its ranks from dp_shard x cp (x tp when etp is 1); the rest shard the experts (FSDP).
+  int64_t ep_borrowed() const { return dp_shard * cp * (etp == 1 ? tp : 1); }
+  int64_t efsdp() const { return ep_borrowed() / ep; }
   std::string describe() const;
 };
 
 // The rank's coordinates in the [pp, dp_replicate, dp_shard, cp, tp] mesh (row-major, tp fastest, as torchtitan)
 // and one communicator per dimension ("pp", "dp_replicate", "dp_shard", "cp", "tp") plus the flattened "dp"
-// (dp_replicate x dp_shard: data loading), "loss" (dp x cp) and "dp_shard_cp" (dp_shard x cp: FSDP) groups.
+// (dp_replicate x dp_shard: data loading), "loss" (dp x cp) and "dp_shard_cp" (dp_shard x cp: FSDP) groups. With
+// expert parallelism, torchtitan's sparse mesh too: the ranks dp_shard x cp (x tp when etp is 1) flattened, ep
+// fastest, give "ep" (the ranks that split the experts) and "efsdp" (the ranks that shard each expert, FSDP).
 class DeviceMesh {
  public:
   DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> world);

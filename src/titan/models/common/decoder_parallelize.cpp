@@ -8,6 +8,7 @@
 #include "titan/nn/loss.h"
 #include "titan/distributed/context_parallel.h"
 #include "titan/distributed/ddp.h"
+#include "titan/distributed/expert_parallel.h"
 #include "titan/distributed/fsdp.h"
 #include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/zero_bubble.h"
@@ -50,15 +51,22 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
            ": context parallelism supports causal attention only so far; use attn_mask_type = \"causal\"");
   }
   if (dims.tp > 1) check_tensor_parallel(args, dims.tp, seq_lens);
+  if (!args.moe && dims.ep > 1)
+    fail("parallelism.expert_parallel_degree = ", dims.ep, " needs a Mixture-of-Experts model; model.flavor ",
+         quote(config.model.flavor), " has no experts");
   if (args.moe) {
-    // Mixture-of-Experts models run on one process and under FSDP/HSDP/DDP so far (docs/moe.md).
+    // Mixture-of-Experts models run on one process, under data parallelism (FSDP, HSDP, DDP) and expert parallelism
+    // so far (docs/moe.md).
     const std::pair<const char*, int64_t> unsupported[] = {{"parallelism.tensor_parallel_degree", dims.tp},
                                                            {"parallelism.pipeline_parallel_degree", dims.pp},
                                                            {"parallelism.context_parallel_degree", dims.cp}};
     for (const auto& [key, degree] : unsupported)
       if (degree > 1)
         fail(key, " = ", degree, " with a Mixture-of-Experts model (model.flavor ", quote(config.model.flavor),
-             "): MoE models run on one process and under data parallelism (FSDP, HSDP, DDP) so far");
+             "): MoE models run on one process and under data and expert parallelism (FSDP, HSDP, DDP, EP) so far");
+    if (dims.ep > 1 && args.moe->num_experts % dims.ep != 0)
+      fail("parallelism.expert_parallel_degree = ", dims.ep, " does not divide the model's ", args.moe->num_experts,
+           " experts (model.flavor ", quote(config.model.flavor), "); each expert-parallel rank holds an equal share");
     if (!config.model.converters.empty())
       fail("model.converters = [", join(config.model.converters, ", "), "] with a Mixture-of-Experts model (model.flavor ",
            quote(config.model.flavor), "): float8 and MX linears are not supported for MoE models yet");
@@ -226,6 +234,18 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     }
   }
 
+  const std::vector<int64_t> blocks = block_indices(part, n);
+  std::vector<const nn::Unit*> expert_modules;  // sharded over expert parallelism's ranks
+  if (dims.ep > 1) {
+    distributed::ExpertParallel ep(mesh.get("ep"), model.args().moe->num_experts);
+    for (int64_t i : blocks) {
+      auto& experts = *model.layers[static_cast<size_t>(i)]->moe->experts;
+      ep.apply(experts, {experts.w1, experts.w2, experts.w3}, out.parameters);
+      expert_modules.push_back(&experts);
+    }
+    out.description.push_back(ep.describe());
+  }
+
   auto ac = apply_activation_checkpointing(model, part, config.activation_checkpoint);
   out.description.push_back("Activation checkpointing: " + ac.description);
 
@@ -246,14 +266,30 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     } else if (part.contains(0)) {
       units.push_back({"tok_embeddings", {model.tok_embeddings.get()}, reshard});
     }
-    for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size())))
-      units.push_back({"layers." + std::to_string(i), {model.layers[static_cast<size_t>(i)].get()}, reshard});
+    std::vector<distributed::FsdpUnitSpec> expert_units;
+    for (int64_t i : blocks) {
+      auto& block = *model.layers[static_cast<size_t>(i)];
+      units.push_back({"layers." + std::to_string(i), {&block}, reshard});
+      if (dims.ep > 1) {
+        // As torchtitan: each block's experts are a unit of their own, sharded over the efsdp ranks.
+        expert_units.push_back({"layers." + std::to_string(i) + ".moe.experts", {block.moe->experts.get()}, reshard});
+        units.back().excluded.push_back(block.moe->experts.get());
+      }
+    }
     // As torchtitan: norm + output are needed again right at the start of backward, so by default they stay gathered.
     std::vector<nn::Unit*> tail;
     if (part.contains(n + 1) && !tied) tail.push_back(model.norm.get());
     if (part.contains(n + 2) && !tied) tail.push_back(model.output.get());
     if (!tail.empty()) units.push_back({tail.size() == 2 ? "norm+output" : part.contains(n + 1) ? "norm" : "output", tail, policy == "always"});
-    out.data_parallel = std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard_cp"), mesh.get("dp_replicate"), fsdp);
+    if (expert_units.empty()) {
+      out.data_parallel = std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard_cp"), mesh.get("dp_replicate"), fsdp);
+    } else {
+      std::vector<std::unique_ptr<distributed::DataParallel>> members;
+      members.push_back(std::make_unique<distributed::Fsdp>(units, out.parameters, mesh.get("dp_shard_cp"), mesh.get("dp_replicate"), fsdp));
+      members.push_back(std::make_unique<distributed::Fsdp>(expert_units, out.parameters, mesh.get("efsdp"),
+                                                            mesh.get("dp_replicate_experts"), fsdp));
+      out.data_parallel = std::make_unique<distributed::DataParallelSet>(std::move(members));
+    }
   } else {
     distributed::materialize(out.parameters);
     if (dims.ddp_enabled()) {

@@ -1,0 +1,90 @@
+// The dispatch: each rank sorts its tokens by expert (the MoE layer does), sends every rank the count of its rows
+// for each of that rank's experts (an all-to-all of [experts] counts), then the rows themselves (an uneven
+// all-to-all); the rows that arrive, grouped by source rank and within it by expert, are reordered expert by expert
+// (within an expert by source rank: the order one process would see them in), run through the local experts, put
+// back in arrival order and returned by the reverse all-to-all. Autograd runs the same exchanges backwards.
+#include "titan/distributed/expert_parallel.h"
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/distributed/functional_collectives.h"
+#include "titan/nn/storage.h"
+
+namespace titan::distributed {
+
+namespace fc = functional;
+
+ExpertParallel::ExpertParallel(std::shared_ptr<Communicator> group, int64_t num_experts)
+    : group_(std::move(group)), num_experts_(num_experts) {
+  if (num_experts_ % group_->size() != 0)
+    fail("expert parallelism: ", num_experts_, " experts do not divide over expert_parallel_degree = ", group_->size());
+}
+
+std::string ExpertParallel::describe() const {
+  return cat("Expert parallelism over ", group_->size(), " ranks: ", num_experts_ / group_->size(),
+             " of the ", num_experts_, " experts per rank, tokens dispatched and combined by all-to-all");
+}
+
+void ExpertParallel::apply(nn::Unit& experts, const std::vector<at::Tensor>& weights, std::vector<ShardedParameter>& params) {
+  const int64_t n = group_->size(), rank = group_->rank(), local = num_experts_ / n;
+  at::NoGradGuard no_grad;
+  for (const at::Tensor& w : weights) {
+    ShardedParameter* p = find_parameter(params, w);
+    if (!p) fail("expert parallelism: a weight that is not one of the model's parameters");
+    if (w.dim() < 1 || w.size(0) != num_experts_)
+      fail("expert parallelism: ", p->name, " has shape [", join_ints(w.sizes().vec()), "], not ", num_experts_, " experts first");
+    p->layout = p->layout.then("ep", n, rank, Placement::shard(0));
+    at::Tensor weight = w;
+    if (!nn::has_storage(weight)) {
+      std::vector<int64_t> shape = weight.sizes().vec();
+      shape[0] = local;
+      weight.set_data(nn::without_storage(shape, weight.options()));
+    } else {
+      weight.set_data(weight.detach().narrow(0, rank * local, local).clone());
+    }
+  }
+  auto group = group_;
+  auto rows_sent = rows_sent_;
+  experts.add_wrapper("expert_parallel", [group, n, rank, local, rows_sent](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                                           const nn::Unit::Next& next) {
+    const at::Tensor& x = inputs[0];
+    const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
+    if (counts.numel() != n * local) fail("internal: expert parallelism got ", counts.numel(), " token counts for ", n * local, " experts");
+    // received[i][e]: rows rank i sends for this rank's local expert e.
+    at::Tensor received = at::empty_like(counts);
+    {
+      at::Tensor send = counts.to(group->tensor_device()), recv = at::empty_like(send);
+      group->all_to_all(recv, send);
+      received = recv.to(at::kCPU).view({n, local});
+    }
+    const at::Tensor sending = counts.view({n, local});
+    std::vector<int64_t> input_rows(static_cast<size_t>(n)), output_rows(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      input_rows[static_cast<size_t>(i)] = sending[i].sum().item<int64_t>();
+      output_rows[static_cast<size_t>(i)] = received[i].sum().item<int64_t>();
+      if (i != rank) *rows_sent += input_rows[static_cast<size_t>(i)];
+    }
+    const at::Tensor arrived = fc::all_to_all_rows(x, output_rows, input_rows, group);
+    // Arrival order is (source, expert); the experts want (expert, source).
+    const int64_t* r = received.data_ptr<int64_t>();
+    std::vector<int64_t> start(static_cast<size_t>(n * local));
+    for (int64_t k = 0, offset = 0; k < n * local; ++k) {
+      start[static_cast<size_t>(k)] = offset;
+      offset += r[k];
+    }
+    std::vector<int64_t> order;
+    order.reserve(static_cast<size_t>(arrived.size(0)));
+    for (int64_t e = 0; e < local; ++e)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < r[i * local + e]; ++j) order.push_back(start[static_cast<size_t>(i * local + e)] + j);
+    const at::Tensor index = at::tensor(order, at::kLong).to(x.device());
+    const at::Tensor inverse = at::empty_like(index).scatter_(0, index, at::arange(index.numel(), index.options()));
+    const at::Tensor local_counts = received.sum(0);
+    const at::Tensor out = next({arrived.index_select(0, index), local_counts}, context);
+    for (int64_t i = 0; i < n; ++i)
+      if (i != rank) *rows_sent += output_rows[static_cast<size_t>(i)];
+    return fc::all_to_all_rows(out.index_select(0, inverse), input_rows, output_rows, group);
+  });
+}
+
+}  // namespace titan::distributed

@@ -1,0 +1,35 @@
+// Expert parallelism (torchtitan's ExpertParallel): a grouped-experts module's 3-D weights [experts, ...] split on
+// their first dimension over the "ep" ranks, and its tokens dispatched to the rank that holds their expert and
+// combined back by uneven all-to-alls. The module's contract is the MoE layer's: inputs {x [N, dim] sorted by expert,
+// counts int64 [experts]}, output [N, dim] in the same order.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "titan/distributed/communicator.h"
+#include "titan/distributed/sharded_parameter.h"
+#include "titan/nn/unit.h"
+
+namespace titan::distributed {
+
+class ExpertParallel {
+ public:
+  // `num_experts` must divide by the group's size.
+  ExpertParallel(std::shared_ptr<Communicator> group, int64_t num_experts);
+
+  // Shards `weights` (entries of `params`; they may have no storage yet) over the group, rank r keeping experts
+  // [r E / ep, (r + 1) E / ep) (Shard(0)@ep), and wraps `experts` so that it runs its local experts on the tokens
+  // every rank routed to them.
+  void apply(nn::Unit& experts, const std::vector<at::Tensor>& weights, std::vector<ShardedParameter>& params);
+
+  std::string describe() const;
+  // Rows this rank has sent to other ranks in forward dispatches and combines so far (backward sends as many again).
+  int64_t rows_sent() const { return *rows_sent_; }
+
+ private:
+  std::shared_ptr<Communicator> group_;
+  int64_t num_experts_;
+  std::shared_ptr<int64_t> rows_sent_ = std::make_shared<int64_t>(0);
+};
+
+}  // namespace titan::distributed
