@@ -2,7 +2,9 @@
 trainer and parallelisms as Llama 3, on real MPI ranks against one process at the same global batch: FSDP 2,
 TP 2 x FSDP 2, PP 2 (1F1B) and CP 2, with full, per-layer and op-level activation checkpointing among them, give the
 same losses, gradient norms and learning rates (1e-5 relative) over 10 float32 steps; a checkpoint saved on
-TP 2 x FSDP 2 resumes on one process and continues as the uninterrupted run does."""
+TP 2 x FSDP 2 resumes on one process and continues as the uninterrupted run does. Qwen3-MoE with load balancing likewise
+on FSDP 2 and expert parallelism (EP 2 x efsdp 2, EP 4, HSDP 2 x EP 2), and a checkpoint saved under EP 2 x efsdp 2
+resumes on one process and on EP 4 with the same weights, AdamW moments and balancing biases."""
 import json
 import os
 import re
@@ -111,17 +113,83 @@ def test_checkpoint_from_tp2_fsdp2_resumes_on_one_process(tmp_path, reference):
     compare_steps(meta, {"steps": ref_meta["steps"][10:]}, "resumed from tp2_fsdp2", check_lr=True)
 
 
-def test_a_mixture_of_experts_model_under_fsdp2_matches_single_process(tmp_path):
-    """Qwen3-MoE (debugmodel_moe's routing: softmax, top-k renormalised, scores on the outputs) with 8 experts of
-    width 32, top 2, on FSDP 2 (expert weights sharded like any other) against one process: losses, gradient norms
-    and final weights, 10 float32 steps."""
-    moe = ["--model.flavor", "debugmodel_moe", "--model.moe_num_experts", "8", "--model.moe_top_k", "2",
-           "--model.moe_inter_dim", "32"]
-    ref_meta, ref_weights, stdout = probe(tmp_path, "moe_single", 1, moe + ["--training.local_batch_size", "2"])
+# Qwen3-MoE (debugmodel_moe's routing: softmax, top-k renormalised, scores on the outputs) with 8 experts of width 32,
+# top 2, and auxiliary-loss-free balancing at a step of 0.01 (torchtitan's 1e-3 would take longer to move routing):
+# the bias updates depend on every rank's token counts, so they must match too.
+MOE = ["--model.flavor", "debugmodel_moe", "--model.moe_num_experts", "8", "--model.moe_top_k", "2", "--model.moe_inter_dim", "32",
+       "--model.moe_load_balance_coeff", "0.01"]
+MOE_CASES = {  # name: (ranks, data-parallel ranks, options)
+    "fsdp2": (2, 2, ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]),
+    # Expert parallelism: the experts split over 2 ranks, each of them sharded over the other 2 (efsdp 2), full AC.
+    "ep2_efsdp2_full_ac": (4, 4, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
+                                  "--activation_checkpoint.mode", "full"]),
+    # Every rank holds 2 experts whole; op-level AC.
+    "ep4_op_ac": (4, 4, ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2",
+                         "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    # HSDP: 2 replicas of (EP 2 over dp_shard 2); the experts' gradients all-reduced over the replicas.
+    "hsdp2_ep2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                         "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    """One process, 12 steps (the layouts compare the first 10; the resumed runs steps 11 and 12)."""
+    return probe(tmp_path_factory.mktemp("moe_single"), "moe_single", 1, MOE + ["--training.local_batch_size", "2"], steps=12)
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_a_mixture_of_experts_layout_matches_single_process(tmp_path, moe_reference, case):
+    """Losses, gradient norms and learning rates over 10 float32 steps against one process."""
+    np, dp, extra = MOE_CASES[case]
+    ref_meta, ref_weights, stdout = moe_reference
     assert "Model qwen3 debugmodel_moe with" in stdout, stdout
     assert ref_weights["model.layers.1.mlp.experts.7.down_proj.weight"].shape == (64, 32)
-    meta, weights, _ = probe(tmp_path, "moe_fsdp2", 2, moe + ["--parallelism.data_parallel_shard_degree", "2",
-                                                              "--training.local_batch_size", "2"], dp=2)
-    compare_steps(meta, ref_meta, "MoE FSDP 2")
-    for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    meta, weights, out = probe(tmp_path, case, np, MOE + extra + ["--lr_scheduler.total_steps", "12"], dp=dp)
+    if "expert_parallel_degree" in extra:
+        ep = extra[extra.index("--parallelism.expert_parallel_degree") + 1]
+        assert f"Expert parallelism over {ep} ranks: {8 // int(ep)} of the 8 experts per rank" in out, out
+    worst = compare_steps(meta, {"steps": ref_meta["steps"][:STEPS]}, f"MoE {case}", check_lr=True)
+    print(f"MoE {case}: worst relative loss difference {worst:.2e} over {STEPS} steps")
+
+
+def test_balancing_changes_the_run(tmp_path, moe_reference):
+    """Without balancing the same run's losses differ beyond the layouts' tolerance: the bias is exercised."""
+    ref_meta, _, _ = moe_reference
+    meta, _, _ = probe(tmp_path, "moe_unbalanced", 1, MOE + ["--training.local_batch_size", "2", "--model.moe_load_balance_coeff", "0"])
+    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(meta["steps"], ref_meta["steps"]))
+    print(f"MoE without balancing: worst relative loss difference {worst:.2e}")
+    assert worst > 1e-4
+
+
+def test_moe_checkpoint_from_ep2_efsdp2_resumes_on_one_process_and_on_ep4(tmp_path, moe_reference):
+    """Saved on EP 2 x efsdp 2 at step 10, loaded on one process and on EP 4: the same weights, AdamW moments and
+    balancing biases (bitwise), and steps 11 and 12 as the uninterrupted run's."""
+    from safetensors.torch import load_file as load
+
+    ref_meta, _, _ = moe_reference
+    dump = tmp_path / "dump"
+    save = mpirun(4) + [binary("titan"), "train", "--job.dump_folder", str(dump), *COMMON, *MOE, "--training.steps", "10",
+                        "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
+                        "--lr_scheduler.total_steps", "12", "--checkpoint.enable", "--checkpoint.interval", "10",
+                        "--checkpoint.no_last_save_model_only"]
+    run(save, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    states = {}
+    for name, np, extra in [("one_process", 1, []), ("ep4", 4, ["--parallelism.expert_parallel_degree", "4"])]:
+        out = tmp_path / name
+        resume = ([] if np == 1 else mpirun(np)) + [
+            binary("titan_train_probe"), "--probe.out", str(out), "--probe.loaded_state", "--job.dump_folder", str(dump), *COMMON,
+            *MOE, "--training.steps", "12", "--training.local_batch_size", "2", "--lr_scheduler.total_steps", "12",
+            "--checkpoint.enable", "--checkpoint.load_step", "10", *extra]
+        result = run(resume, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+        assert "MoE balancing biases" not in result.stdout, result.stdout  # they were in the checkpoint
+        meta = json.loads((out / "metrics.json").read_text())
+        assert [s["step"] for s in meta["steps"]] == [11, 12]
+        compare_steps(meta, {"steps": ref_meta["steps"][10:]}, f"resumed from ep2_efsdp2 on {name}", check_lr=True)
+        states[name] = load(str(out / "loaded_state.safetensors"))
+    a, b = states["one_process"], states["ep4"]
+    assert sorted(a) == sorted(b)
+    assert "model.layers.1.moe.expert_bias" in a and a["model.layers.1.moe.expert_bias"].abs().max() > 0
+    assert any(k.startswith("optimizer.exp_avg.layers.0.moe.experts.w1") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -3,8 +3,11 @@
 // sum(output * grad_output); writes the output, the input's gradient and every parameter's gradient.
 // usage: titan_moe_probe --args A.json --weights W.safetensors --input X.safetensors --out O.safetensors
 // A.json: {"dim", "hidden_dim", "num_experts", "num_shared_experts", "top_k", "score_func", "route_norm",
-//          "route_scale", "score_before_experts", "num_expert_groups" (or null), "num_limited_groups" (or null)}
-// X.safetensors: "x" [batch, seq, dim] and "grad_output" of the same shape, float32.
+//          "route_scale", "score_before_experts", "num_expert_groups" (or null), "num_limited_groups" (or null),
+//          optionally "load_balance_coeff" (default: none, no balancing)}
+// X.safetensors: "x" [batch, seq, dim] and "grad_output" of the same shape, float32; with balancing it may hold
+// "x.1", "grad_output.1", ...: further passes, each after the balancing update of the one before (their outputs and
+// gradients are written; "expert_bias.i" is the bias after pass i's update, "tokens_per_expert.i" its counts).
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -30,6 +33,7 @@ int main(int argc, char** argv) {
     args.score_before_experts = j.at("score_before_experts").get<bool>();
     if (!j.at("num_expert_groups").is_null()) args.num_expert_groups = j.at("num_expert_groups").get<int64_t>();
     if (!j.at("num_limited_groups").is_null()) args.num_limited_groups = j.at("num_limited_groups").get<int64_t>();
+    args.load_balance_coeff = j.contains("load_balance_coeff") ? std::optional<double>(j.at("load_balance_coeff").get<double>()) : std::nullopt;
     args.check();
     titan::models::MoE moe(j.at("dim").get<int64_t>(), args, {});
     titan::safetensors::File weights(opt.at("--weights"));
@@ -38,11 +42,22 @@ int main(int argc, char** argv) {
       for (auto& item : moe.named_parameters()) item.value().copy_(weights.load(item.key()));
     }
     titan::safetensors::File input(opt.at("--input"));
-    const at::Tensor x = input.load("x").requires_grad_(true);
-    const at::Tensor out = moe(x, titan::nn::Context{});
-    out.backward(input.load("grad_output"));
-    std::vector<std::pair<std::string, at::Tensor>> result = {{"output", out.detach()}, {"grad.x", x.grad()}};
-    for (auto& item : moe.named_parameters()) result.emplace_back("grad." + item.key(), item.value().grad());
+    std::vector<std::pair<std::string, at::Tensor>> result;
+    for (int pass = 0;; ++pass) {
+      const std::string suffix = pass == 0 ? "" : "." + std::to_string(pass);
+      if (pass > 0 && !input.contains("x" + suffix)) break;
+      for (auto& item : moe.named_parameters()) item.value().mutable_grad() = at::Tensor();
+      const at::Tensor x = input.load("x" + suffix).requires_grad_(true);
+      const at::Tensor out = moe(x, titan::nn::Context{});
+      out.backward(input.load("grad_output" + suffix));
+      result.emplace_back("output" + suffix, out.detach());
+      result.emplace_back("grad.x" + suffix, x.grad());
+      for (auto& item : moe.named_parameters()) result.emplace_back("grad." + item.key() + suffix, item.value().grad());
+      if (!moe.expert_bias.defined()) break;
+      result.emplace_back("tokens_per_expert." + std::to_string(pass), moe.tokens_per_expert.clone());
+      titan::models::update_expert_biases({&moe}, nullptr);
+      result.emplace_back("expert_bias." + std::to_string(pass), moe.expert_bias.clone());
+    }
     titan::safetensors::save(opt.at("--out"), result);
   } catch (const std::exception& e) {
     std::cerr << "titan_moe_probe: " << e.what() << "\n";

@@ -3,7 +3,7 @@
 // loss, grad norm and learning rate.
 // usage: titan_train_probe --probe.out DIR [--probe.validate] [--probe.loaded_state] [titan train options...]
 // --probe.validate runs the trainer's validation after the last step and records its loss.
-// --probe.loaded_state writes loaded_state.safetensors: the full weights and AdamW moments right after start-up
+// --probe.loaded_state writes loaded_state.safetensors: the full weights, AdamW moments and MoE biases right after start-up
 // (a checkpoint load), under the checkpoint's keys, gathered from whatever layout this run uses.
 // Steps continue from a loaded checkpoint's step.
 #include <filesystem>
@@ -71,6 +71,7 @@ int main(int argc, char** argv) {
       std::vector<std::pair<std::string, at::Tensor>> out;
       for (auto& [name, t] : titan::distributed::gather_full(trainer.parameters(), *trainer.mesh().world())) out.emplace_back("model." + name, t);
       for (auto& item : titan::distributed::gather_full(moments, *trainer.mesh().world())) out.push_back(item);
+      for (auto& [name, t] : titan::distributed::gather_full(trainer.buffers(), *trainer.mesh().world())) out.emplace_back("model." + name, t);
       if (writer) titan::safetensors::save(out_dir + "/loaded_state.safetensors", out);
     }
     auto initial = hf_weights(trainer);

@@ -75,3 +75,82 @@ def test_moe_layer_matches_torchtitan(tmp_path, monkeypatch, case):
         torch.testing.assert_close(mine, expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
     print(f"{case}: worst gradient difference {worst:.2e} of the tensor's largest entry")
     assert worst < 1e-4
+
+
+def test_balancing_bias_matches_torchtitan(tmp_path, monkeypatch):
+    """Auxiliary-loss-free balancing over three passes: after each forward and backward the bias update runs (titan's
+    update_expert_biases; torchtitan's optimizer pre-step hook from build_optimizers_with_moe_load_balancing, its
+    optimizer at lr 0), and the next pass routes with the moved bias. Token counts, biases, outputs and gradients of
+    every pass agree. A step of 0.05 (torchtitan's flavors use 1e-3) makes the bias change which experts are chosen."""
+    from torch import nn
+    from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
+    from torchtitan.config import JobConfig
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
+    case = dict(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True, route_scale=1.0,
+                score_before_experts=False, num_expert_groups=None, num_limited_groups=None, load_balance_coeff=0.05)
+    torch.manual_seed(0)
+    moe = MoE(MoEArgs(use_grouped_mm=False, **case), dim=DIM, hidden_dim=HIDDEN)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+        for name, p in moe.named_parameters():
+            p.normal_(0.0, 0.05 if "router" in name else 0.1)  # close scores, so that the bias matters
+
+    class Block(nn.Module):  # what torchtitan's hook walks: model_part.layers[i].moe
+        def __init__(self):
+            super().__init__()
+            self.moe_enabled, self.moe = True, moe
+
+    class Part(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": Block()})
+
+    class OneProcess:  # no data-parallel "loss" mesh: the counts are this process's
+        def get_optional_mesh(self, name):
+            return None
+
+    config = JobConfig().optimizer
+    config.lr = 0.0
+    optimizers = build_optimizers_with_moe_load_balancing([Part()], config, OneProcess())
+
+    g = torch.Generator().manual_seed(2)
+    inputs = {}
+    for i in range(3):
+        suffix = "" if i == 0 else f".{i}"
+        inputs["x" + suffix] = torch.randn(2, 24, DIM, generator=g)
+        inputs["grad_output" + suffix] = torch.randn(2, 24, DIM, generator=g)
+    weights, data, out = tmp_path / "w.safetensors", tmp_path / "x.safetensors", tmp_path / "o.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in moe.named_parameters()}, str(weights))
+    save_file(inputs, str(data))
+    (tmp_path / "args.json").write_text(json.dumps(dict(dim=DIM, hidden_dim=HIDDEN, **case)))
+    run([binary("titan_moe_probe"), "--args", str(tmp_path / "args.json"), "--weights", str(weights), "--input", str(data),
+         "--out", str(out)])
+    got = load_file(str(out))
+
+    biases = []
+    for i in range(3):
+        suffix = "" if i == 0 else f".{i}"
+        optimizers.zero_grad()
+        x = inputs["x" + suffix].clone().requires_grad_(True)
+        y = moe(x)
+        y.backward(inputs["grad_output" + suffix])
+        torch.testing.assert_close(got[f"tokens_per_expert.{i}"], moe.tokens_per_expert.float(), rtol=0, atol=0)
+        torch.testing.assert_close(got["output" + suffix], y.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["grad.x" + suffix], x.grad, rtol=1e-4, atol=1e-6)
+        for name, p in moe.named_parameters():
+            torch.testing.assert_close(got[f"grad.{name}{suffix}"], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"pass {i} {name}: {m}")
+        optimizers.step()  # torchtitan's balancing hook runs first
+        torch.testing.assert_close(got[f"expert_bias.{i}"], moe.expert_bias, rtol=0, atol=1e-7)
+        biases.append(moe.expert_bias.clone())
+    assert biases[-1].abs().max() > 0.05, biases  # the bias moved
+    # ... far enough to change the routing: pass 3 without the bias would pick other experts.
+    with torch.no_grad():
+        scores = torch.softmax(moe.router.gate(inputs["x.2"].view(-1, DIM)).float(), dim=1)
+        plain = scores.topk(2, dim=1).indices.sort(dim=1).values
+        biased = (scores + biases[1]).topk(2, dim=1).indices.sort(dim=1).values
+    assert (plain != biased).any(dim=1).sum() > 0
+    print(f"balancing: bias after 3 passes {biases[-1].tolist()}; "
+          f"{int((plain != biased).any(dim=1).sum())} of {plain.shape[0]} tokens routed differently because of it")

@@ -56,6 +56,8 @@ struct Model {
   // Mixture-of-Experts flavors: experts per block, experts per token, each expert's width (torchtitan's
   // moe_args.num_experts, moe_args.top_k, moe_inter_dim).
   std::optional<int64_t> moe_num_experts, moe_top_k, moe_inter_dim;
+  // The balancing bias's step (torchtitan's moe_args.load_balance_coeff, 1e-3 in its flavors); 0 turns balancing off.
+  std::optional<double> moe_load_balance_coeff;
 };
 
 struct Optimizer {

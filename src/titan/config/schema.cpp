@@ -173,6 +173,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
   positive(b.add("moe_num_experts", &c.model.moe_num_experts, "titan.cpp: routed experts per block of a Mixture-of-Experts flavor"));
   positive(b.add("moe_top_k", &c.model.moe_top_k, "titan.cpp: experts each token is routed to (Mixture-of-Experts flavors)"));
   positive(b.add("moe_inter_dim", &c.model.moe_inter_dim, "titan.cpp: each expert's SwiGLU width (Mixture-of-Experts flavors)"));
+  at_least(b.add("moe_load_balance_coeff", &c.model.moe_load_balance_coeff,
+                 "titan.cpp: step of the MoE balancing bias after each optimizer step (torchtitan's 1e-3); 0 turns it off"), 0);
   b.add("tie_word_embeddings", &c.model.tie_word_embeddings,
         "titan.cpp: share the embedding with the output projection; replaces the flavor's only when set");
   positive(b.add("max_seq_len", &c.model.max_seq_len,

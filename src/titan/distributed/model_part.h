@@ -40,6 +40,11 @@ struct ModelPart {
   at::Tensor loss_sum(const at::Tensor& output, const at::Tensor& labels) const { return loss_in_forward ? output : loss(output, labels); }
   std::vector<std::string> description;  // one line per parallelism, for the start-up log
   std::shared_ptr<Communicator> tp_group;  // null without tensor parallelism
+  // State that is not trained but checkpointed with the weights (MoE balancing biases): whole on every rank that
+  // holds it, replicated over the mesh (the layout says which rank writes it); `local` is the buffer itself.
+  std::vector<ShardedParameter> buffers;
+  // Run after the last backward of a step, before the optimizer step (MoE balancing updates); may be empty.
+  std::function<void()> before_optimizer_step;
 
   // After the last backward of a step: data-parallel reductions, then the sum over TP ranks of the gradients of
   // weights replicated across them.

@@ -28,6 +28,9 @@ class ModelArgs {
   // Parameters stored once under another name that torchtitan's state dicts also carry: (alias, stored name), e.g.
   // a tied output projection ("output.weight", "tok_embeddings.weight").
   virtual std::vector<std::pair<std::string, std::string>> tied_aliases() const { return {}; }
+  // State the model keeps beside its parameters and checkpoints, untrained (MoE balancing biases); not counted as
+  // parameters. A checkpoint without them (a Hugging Face directory) leaves them at their initial values.
+  virtual std::vector<ParameterShape> buffer_shapes() const { return {}; }
   // Elements of all stored parameters.
   int64_t stored_parameters() const;
   // The parameter count and the embedding's part of it as torchtitan's get_nparams_and_flops reports them.

@@ -165,8 +165,10 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   if (protocols::computes_under_autocast(c, dims)) autocast_dtype_ = at::kBFloat16;
   schedule_ = make_step_schedule(*model_, *spec_, args, *mesh_, c, fsdp, autocast_dtype_);
   for (const auto& line : schedule_->describe()) log::info(line);
-  for (auto& part : model_parts())
+  for (auto& part : model_parts()) {
     for (const auto& p : part.parameters) parameters_.push_back(p);
+    for (const auto& b : part.buffers) buffers_.push_back(b);
+  }
   distributed::initialize(parameters_, model_->init_specs(), seed_);
   metrics_ = std::make_unique<MetricsProcessor>(c, launch_.rank, device_, dims.non_data_parallel_size());
   profiler_ = std::make_unique<Profiler>(c.profiling, c.job.dump_folder, launch_.rank, device_.is_cuda());
@@ -217,7 +219,7 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
     checkpointer_ = std::make_unique<checkpoint::Checkpointer>(c.checkpoint, c.job.dump_folder,
                                                                static_cast<double>(c.comm.train_timeout_seconds) + 600.0, *mesh_);
     model_weights_ = std::make_unique<checkpoint::ModelWeights>(
-        parameters_, *model_args_, c.model.flavor, std::filesystem::absolute(tokenizer_->source_path()).string());
+        parameters_, *model_args_, c.model.flavor, std::filesystem::absolute(tokenizer_->source_path()).string(), &buffers_);
     optimizer_state_ = std::make_unique<OptimizerState>(*optimizer_, parameters_, c.optimizer);
     // One data-parallel rank's stream is read by every rank of its TP/CP/PP group; the first of them saves it.
     const bool saves_data = mesh_->coordinate("tp") == 0 && mesh_->coordinate("cp") == 0 && mesh_->coordinate("pp") == 0;
@@ -304,6 +306,8 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
 }
 
 void Trainer::update(DeviceStep& step, const at::Tensor& nonfinite) {
+  for (auto& part : model_parts())
+    if (part.before_optimizer_step) part.before_optimizer_step();
   if (optimizer_->skips_on_device()) {
     // No update where the step was not finite, decided on the device; the host learns of it later (settle).
     optimizer_->step(nonfinite.to(at::kFloat));

@@ -63,6 +63,7 @@ class Trainer {
   // Every parameter as this rank holds it, over all its model parts (what the optimizer updates and where it lies
   // in the global tensor).
   const std::vector<distributed::ShardedParameter>& parameters() const { return parameters_; }
+  const std::vector<distributed::ShardedParameter>& buffers() const { return buffers_; }
   // The parallelized model parts on this rank: the whole model, or its pipeline stages' parts (torchtitan's
   // model_parts).
   std::vector<distributed::ModelPart>& model_parts() { return schedule_->parts(); }
@@ -118,6 +119,7 @@ class Trainer {
   std::shared_ptr<nn::Model> model_;
   std::unique_ptr<StepSchedule> schedule_;      // this rank's model parts and how a step runs through them
   std::vector<distributed::ShardedParameter> parameters_;
+  std::vector<distributed::ShardedParameter> buffers_;  // checkpointed untrained state (MoE balancing biases)
   std::unique_ptr<Adam> optimizer_;
   std::unique_ptr<LRScheduler> lr_scheduler_;
   std::unique_ptr<data::DataLoader> dataloader_;

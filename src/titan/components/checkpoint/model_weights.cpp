@@ -12,8 +12,8 @@ namespace titan::checkpoint {
 using json = nlohmann::json;
 
 ModelWeights::ModelWeights(std::vector<distributed::ShardedParameter>& parameters, const protocols::ModelArgs& args,
-                           std::string flavor, std::string tokenizer_path)
-    : parameters_(parameters), args_(args), flavor_(std::move(flavor)), tokenizer_path_(std::move(tokenizer_path)) {}
+                           std::string flavor, std::string tokenizer_path, std::vector<distributed::ShardedParameter>* buffers)
+    : parameters_(parameters), buffers_(buffers), args_(args), flavor_(std::move(flavor)), tokenizer_path_(std::move(tokenizer_path)) {}
 
 protocols::SavedState ModelWeights::state_dict(const protocols::SaveOptions& options) const {
   protocols::SavedState saved;
@@ -23,6 +23,10 @@ protocols::SavedState ModelWeights::state_dict(const protocols::SaveOptions& opt
     if (options.weights_dtype) piece = piece.to(*options.weights_dtype);
     saved.tensors.push_back({key(p.name), piece, p.layout.local_box().offsets, p.layout.global_shape()});
   }
+  // Model-only saves keep them too: the bias decides routing at inference (DeepSeek's e_score_correction_bias).
+  if (buffers_)
+    for (const auto& b : *buffers_)
+      if (b.layout.owner()) saved.tensors.push_back({key(b.name), b.local.detach().clone(), b.layout.local_box().offsets, b.layout.global_shape()});
   saved.global = {{"flavor", flavor_}, {"model", args_.to_json()}};
   if (!tokenizer_path_.empty()) saved.global["tokenizer"] = tokenizer_path_;
   return saved;
@@ -36,6 +40,7 @@ void ModelWeights::load_state_dict(protocols::StateSource& source) {
   std::set<std::string> expected;
   for (const auto& p : args_.parameter_shapes()) expected.insert(key(p.name));
   for (const auto& [alias, stored] : args_.tied_aliases()) expected.insert(key(alias));
+  for (const auto& b : args_.buffer_shapes()) expected.insert(key(b.name));
   for (const auto& k : source.keys())
     if (starts_with(k, "model.") && !expected.count(k))
       fail(source.name(), " has tensor ", quote(source.key_name(k)), ", which this run's model does not have (flavor ",
@@ -57,6 +62,26 @@ void ModelWeights::load_state_dict(protocols::StateSource& source) {
            ", the model trains in ", titan::config::dtype_name(p.local.scalar_type()),
            "; a resumable checkpoint must match training.dtype");
     source.read_box(k, p.layout.local_box().offsets, p.piece().detach());
+  }
+  if (buffers_) {
+    int64_t missing = 0;
+    for (auto& b : *buffers_) {
+      const std::string k = key(b.name);
+      const auto entry = source.entry(k);
+      if (!entry) {
+        ++missing;
+        continue;
+      }
+      if (entry->shape != b.layout.global_shape())
+        fail(source.name(), ": tensor ", quote(source.key_name(k)), " has shape [", join_ints(entry->shape), "], the model expects [",
+             join_ints(b.layout.global_shape()), "]");
+      at::Tensor value = at::empty(b.layout.global_shape(), b.local.options().device(at::kCPU));
+      source.read_box(k, std::vector<int64_t>(b.layout.global_shape().size(), 0), value);
+      b.local.detach().copy_(value);
+    }
+    if (missing > 0)
+      log::info(source.name(), " has no ", missing == static_cast<int64_t>(buffers_->size()) ? "" : cat(missing, " of the "),
+                "MoE balancing biases (", buffers_->front().name, ", ...); they start at zero");
   }
   if (meta.contains("model")) {
     // Same shapes can still compute differently (RoPE base and scaling, norm epsilon): say so, as long-context

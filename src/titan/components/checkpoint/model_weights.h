@@ -16,8 +16,10 @@ class ModelWeights : public protocols::Stateful {
  public:
   // `flavor` names the model in logs and metadata; `tokenizer_path` (may be empty) is recorded so that an export
   // finds the run's tokenizer.
+  // `buffers` (may be null): untrained state saved beside the weights (ModelArgs::buffer_shapes); a source without
+  // them leaves them as they are.
   ModelWeights(std::vector<distributed::ShardedParameter>& parameters, const protocols::ModelArgs& args, std::string flavor,
-               std::string tokenizer_path);
+               std::string tokenizer_path, std::vector<distributed::ShardedParameter>* buffers = nullptr);
   protocols::SavedState state_dict(const protocols::SaveOptions& options) const override;
   void load_state_dict(protocols::StateSource& source) override;
 
@@ -26,6 +28,7 @@ class ModelWeights : public protocols::Stateful {
 
  private:
   std::vector<distributed::ShardedParameter>& parameters_;
+  std::vector<distributed::ShardedParameter>* buffers_;
   const protocols::ModelArgs& args_;
   std::string flavor_, tokenizer_path_;
 };

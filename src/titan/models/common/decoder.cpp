@@ -169,6 +169,12 @@ Decoder::Decoder(const DecoderArgs& args, const nn::ParameterOptions& options) :
   rope_ = precompute_rope(args.head_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
 }
 
+void Decoder::move_buffers(const at::Device& device) {
+  rope_ = rope_.to(device);
+  for (auto& block : layers)
+    if (block->moe) block->moe->move_buffers(device);
+}
+
 std::map<std::string, nn::InitSpec> Decoder::init_specs() const {
   using nn::InitSpec;
   std::map<std::string, InitSpec> out;

@@ -107,7 +107,7 @@ class Decoder : public nn::Model {
   int64_t module_of(const std::string& parameter_name) const override;
   // torchtitan's initial distribution of every parameter, by name.
   std::map<std::string, nn::InitSpec> init_specs() const override;
-  void move_buffers(const at::Device& device) override { rope_ = rope_.to(device); }
+  void move_buffers(const at::Device& device) override;
   int64_t max_seq_len() const override { return args_.max_seq_len; }
 
   const DecoderArgs& args() const { return args_; }

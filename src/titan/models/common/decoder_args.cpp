@@ -41,6 +41,13 @@ void DecoderArgs::check() const {
   if (moe) moe->check();
 }
 
+std::vector<ParameterShape> DecoderArgs::buffer_shapes() const {
+  std::vector<ParameterShape> out;
+  if (moe && moe->load_balance_coeff)
+    for (int64_t i = 0; i < n_layers; ++i) out.push_back({cat("layers.", i, ".moe.expert_bias"), {moe->num_experts}});
+  return out;
+}
+
 std::vector<ParameterShape> DecoderArgs::parameter_shapes() const {
   std::vector<ParameterShape> out;
   const int64_t d = dim, hd = head_dim(), h = n_heads, kv = kv_heads(), f = ffn_hidden_dim();

@@ -61,6 +61,7 @@ struct DecoderArgs : protocols::ModelArgs {
 
   std::string family() const override { return family_name; }
   std::vector<ParameterShape> parameter_shapes() const override;
+  std::vector<ParameterShape> buffer_shapes() const override;  // layers.N.moe.expert_bias with MoE balancing
   std::vector<std::pair<std::string, std::string>> tied_aliases() const override {
     if (!tie_word_embeddings) return {};
     return {{"output.weight", "tok_embeddings.weight"}};

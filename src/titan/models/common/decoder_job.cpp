@@ -66,7 +66,16 @@ DecoderArgs apply_shape_keys(DecoderArgs a, const config::LoadedConfig& loaded) 
     if (m.moe_num_experts) a.moe->num_experts = *m.moe_num_experts;
     if (m.moe_top_k) a.moe->top_k = *m.moe_top_k;
     if (m.moe_inter_dim) a.moe->hidden_dim = *m.moe_inter_dim;
+    if (m.moe_load_balance_coeff)
+      a.moe->load_balance_coeff = *m.moe_load_balance_coeff > 0 ? std::optional<double>(*m.moe_load_balance_coeff) : std::nullopt;
+    a.moe->force_load_balance = loaded.config.debug.moe_force_load_balance;
+  } else if (loaded.config.debug.moe_force_load_balance) {
+    fail("debug.moe_force_load_balance ", loaded.where("debug.moe_force_load_balance"), " applies to Mixture-of-Experts flavors; model.flavor ",
+         quote(m.flavor), " is dense");
   }
+  if (m.moe_load_balance_coeff && !a.moe)
+    fail("model.moe_load_balance_coeff ", loaded.where("model.moe_load_balance_coeff"),
+         " applies to Mixture-of-Experts flavors; model.flavor ", quote(m.flavor), " is dense");
   const int64_t seq_len = loaded.config.training.seq_len;
   if (m.max_seq_len && *m.max_seq_len < seq_len)
     fail("model.max_seq_len = ", *m.max_seq_len, " ", loaded.where("model.max_seq_len"),

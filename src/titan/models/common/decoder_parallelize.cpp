@@ -246,6 +246,23 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     out.description.push_back(ep.describe());
   }
 
+  // MoE balancing: each block's bias is whole on every rank of its stage; the counts are summed over the ranks that
+  // route different tokens (data and context parallel: the "loss" group) before the optimizer step.
+  std::vector<MoE*> balanced;
+  for (int64_t i : blocks) {
+    auto& block = *model.layers[static_cast<size_t>(i)];
+    if (!block.moe || !block.moe->expert_bias.defined()) continue;
+    balanced.push_back(block.moe.get());
+    distributed::TensorLayout layout(block.moe->expert_bias.sizes().vec());
+    for (const char* dim : {"dp_replicate", "dp_shard", "cp", "tp"})
+      if (const int64_t size = mesh.get(dim)->size(); size > 1)
+        layout = layout.then(dim, size, mesh.coordinate(dim), Placement::replicate());
+    const at::Tensor& bias = block.moe->expert_bias;
+    out.buffers.push_back({cat("layers.", i, ".moe.expert_bias"), bias, bias, layout});
+  }
+  if (!balanced.empty())
+    out.before_optimizer_step = [balanced, group = mesh.get("loss")] { update_expert_biases(balanced, group.get()); };
+
   auto ac = apply_activation_checkpointing(model, part, config.activation_checkpoint);
   out.description.push_back("Activation checkpointing: " + ac.description);
 

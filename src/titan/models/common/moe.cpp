@@ -150,6 +150,8 @@ Routing Router::route(const at::Tensor& x, const at::Tensor& bias, const nn::Con
       choice = grouped.masked_fill(dropped.unsqueeze(-1), -std::numeric_limits<float>::infinity()).view({tokens, experts});
     }
     selected = std::get<1>(choice.topk(args_.top_k, -1));
+    if (args_.force_load_balance)
+      selected = at::remainder(at::arange(tokens * args_.top_k, selected.options()), experts).view({tokens, args_.top_k});
   }
   Routing r;
   r.experts = selected;
@@ -184,6 +186,39 @@ MoE::MoE(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options) 
   if (args.num_shared_experts > 0)
     shared_experts = register_module("shared_experts",
                                      std::make_shared<FeedForward>(dim, args.hidden_dim * args.num_shared_experts, options));
+  if (args.load_balance_coeff) {
+    expert_bias = register_buffer("expert_bias", at::zeros({args.num_experts}, at::kFloat));
+    tokens_per_expert = register_buffer("tokens_per_expert", at::zeros({args.num_experts}, at::kFloat));
+  }
+}
+
+void MoE::move_buffers(const at::Device& device) {
+  at::NoGradGuard no_grad;
+  for (at::Tensor* t : {&expert_bias, &tokens_per_expert})
+    if (t->defined()) t->set_data(t->to(device));
+}
+
+void update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group) {
+  std::vector<MoE*> balanced;
+  for (MoE* layer : layers)
+    if (layer->expert_bias.defined()) balanced.push_back(layer);
+  if (balanced.empty()) return;
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> counts;
+  for (MoE* layer : balanced) counts.push_back(layer->tokens_per_expert);
+  at::Tensor all = at::stack(counts);  // [layers, experts], one reduction for all of them
+  if (group && group->size() > 1) {
+    at::Tensor buffer = all.to(group->tensor_device()).contiguous();
+    group->all_reduce(buffer, distributed::ReduceOp::Sum);
+    all = buffer.to(all.device());
+  }
+  for (size_t i = 0; i < balanced.size(); ++i) {
+    const at::Tensor t = all[static_cast<int64_t>(i)];
+    at::Tensor delta = *balanced[i]->args().load_balance_coeff * at::sign(t.mean() - t);
+    delta = delta - delta.mean();
+    balanced[i]->expert_bias.add_(delta);
+    balanced[i]->tokens_per_expert.zero_();
+  }
 }
 
 at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
@@ -191,7 +226,11 @@ at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
   const int64_t dim = x.size(-1), k = args_.top_k;
   const at::Tensor flat = x.reshape({-1, dim});
   const int64_t tokens = flat.size(0);
-  const Routing r = router->route(flat, at::Tensor(), context);
+  const Routing r = router->route(flat, expert_bias, context);
+  if (tokens_per_expert.defined() && at::GradMode::is_enabled()) {
+    at::NoGradGuard no_grad;
+    tokens_per_expert.add_(r.counts.to(tokens_per_expert.device(), at::kFloat));
+  }
   // The (token, slot) pairs sorted by expert, stably (within an expert in token order), and the way back.
   at::Tensor order, inverse;
   {

@@ -8,6 +8,9 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <vector>
+
+#include "titan/distributed/communicator.h"
 
 #include "titan/models/common/decoder.h"
 #include "titan/models/common/moe_args.h"
@@ -55,11 +58,25 @@ class MoE : public nn::Unit {
   std::shared_ptr<FeedForward> shared_experts;  // null without shared experts
   const MoEArgs& args() const { return args_; }
 
+  // With load_balance_coeff (auxiliary-loss-free balancing, as torchtitan): `expert_bias` (float32 [experts], a
+  // buffer the checkpoint keeps as "moe.expert_bias") is added to the scores for choosing experts, never to their
+  // weights; `tokens_per_expert` (float32 [experts]) counts the tokens each expert received in training forwards --
+  // those run with gradients, so a block under activation checkpointing counts in its recomputation, once -- until
+  // update_expert_biases moves the bias and zeroes it. Undefined without balancing.
+  at::Tensor expert_bias, tokens_per_expert;
+  void move_buffers(const at::Device& device);  // the same tensor objects, their data on `device`
+
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
 
  private:
   MoEArgs args_;
 };
+
+// The balancing step after a training step's backward (torchtitan's pre-optimizer-step hook): the layers' token
+// counts summed over `group` (every rank that routed different tokens: the data-parallel and context-parallel ranks;
+// null on one process), then per layer bias += coeff x sign(mean - count), centred on zero, and the counts zeroed.
+// Layers without balancing are skipped.
+void update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group);
 
 }  // namespace titan::models

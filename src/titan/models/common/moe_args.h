@@ -21,8 +21,12 @@ struct MoEArgs {
   // groups whose two best scores sum highest and picks its experts inside them. Unset: no groups.
   std::optional<int64_t> num_expert_groups;
   std::optional<int64_t> num_limited_groups;
-  // Auxiliary-loss-free balancing's step (unset: off). Recorded; titan does not update a balancing bias yet.
+  // Auxiliary-loss-free balancing's step (unset: off): after every optimizer step each expert's selection bias moves
+  // by this much towards the mean load (models/common/moe.h).
   std::optional<double> load_balance_coeff = 1e-3;
+  // debug.moe_force_load_balance (torchtitan's _debug_force_load_balance): token t's k-th slot goes to expert
+  // (t top_k + k) mod num_experts whatever the router says; its weights are still the router's scores there.
+  bool force_load_balance = false;
   int64_t hidden_dim = 768;  // each expert's SwiGLU width (torchtitan's moe_inter_dim)
 
   // Throws UserError naming the field when the arguments do not fit together.
