@@ -171,6 +171,88 @@ TEST(CheckingCommunicator, RefusesWhatNcclWouldRejectHangOrCorruptOn) {
   EXPECT_EQ(again[1].item<float>(), n);
 }
 
+// Rank r sends (r + j) % 3 rows of 2 to rank j, each row holding (sender, receiver, index): what arrives is each
+// peer's block for this rank, in rank order; empty blocks included.
+TEST(Communicator, UnevenAllToAll) {
+  for (auto group : {g_world, make_checking_communicator(g_world->split(0, g_world->rank(), "checked_a2a"))}) {
+    const int r = group->rank(), n = group->size();
+    std::vector<at::Tensor> blocks;
+    std::vector<int64_t> in_splits, out_splits;
+    for (int j = 0; j < n; ++j) {
+      const int64_t rows = (r + j) % 3;
+      at::Tensor b = at::empty({rows, 2}, at::kFloat);
+      for (int64_t i = 0; i < rows; ++i) b[i][0] = r * 100 + j, b[i][1] = static_cast<float>(i);
+      blocks.push_back(b);
+      in_splits.push_back(rows * 2);
+      out_splits.push_back(((j + r) % 3) * 2);
+    }
+    at::Tensor input = at::cat(blocks).contiguous();
+    int64_t total = 0;
+    for (int64_t s : out_splits) total += s;
+    at::Tensor output = at::full({total / 2, 2}, -1.0f);
+    group->all_to_all_v(output, input, out_splits, in_splits);
+    int64_t row = 0;
+    for (int i = 0; i < n; ++i)
+      for (int64_t k = 0; k < (i + r) % 3; ++k, ++row) {
+        EXPECT_EQ(output[row][0].item<float>(), i * 100 + r) << "row " << row;
+        EXPECT_EQ(output[row][1].item<float>(), static_cast<float>(k)) << "row " << row;
+      }
+  }
+}
+
+TEST(Communicator, UnevenAllToAllWithWrongCountsIsRefusedOnEveryRank) {
+  auto checked = make_checking_communicator(g_world->split(0, g_world->rank(), "checked_bad_a2a"));
+  const int r = checked->rank(), n = checked->size();
+  if (n < 2) GTEST_SKIP() << "needs 2 ranks";
+  // Every rank sends one element to each peer; rank 0 expects two from rank 1.
+  std::vector<int64_t> in(static_cast<size_t>(n), 1), out(static_cast<size_t>(n), 1);
+  if (r == 0) out[1] = 2;
+  at::Tensor input = at::ones({n}), output = at::zeros({r == 0 ? n + 1 : n});
+  try {
+    checked->all_to_all_v(output, input, out, in);
+    ADD_FAILURE() << "no violation";
+  } catch (const titan::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 sends 1 elements to rank 0, which expects 2"), std::string::npos) << e.what();
+  }
+  checked->barrier();
+}
+
+// The sparse mesh on 4 ranks with ep 2: dp_shard 4 split as efsdp 2 x ep 2 (ep fastest, as torchtitan).
+TEST(DeviceMesh, ExpertParallelGroups) {
+  if (g_world->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  titan::config::Parallelism p;
+  p.expert_parallel_degree = 2;
+  auto dims = ParallelDims::from_config(p, 4);
+  EXPECT_EQ(dims.efsdp(), 2);
+  DeviceMesh mesh(dims, g_world);
+  const int r = g_world->rank();
+  EXPECT_EQ(mesh.coordinate("ep"), r % 2);
+  EXPECT_EQ(mesh.coordinate("efsdp"), r / 2);
+  at::Tensor t = at::full({1}, r, at::kLong);
+  mesh.get("ep")->all_reduce(t, ReduceOp::Sum);
+  EXPECT_EQ(t.item<int64_t>(), 2 * (r - r % 2) + 1);  // {0, 1} or {2, 3}
+  at::Tensor u = at::full({1}, r, at::kLong);
+  mesh.get("efsdp")->all_reduce(u, ReduceOp::Sum);
+  EXPECT_EQ(u.item<int64_t>(), 2 * (r % 2) + 2);  // {0, 2} or {1, 3}
+}
+
+TEST(ParallelDims, ExpertParallelDegreesAreChecked) {
+  titan::config::Parallelism p;
+  p.expert_parallel_degree = 3;
+  try {
+    ParallelDims::from_config(p, 4);
+    ADD_FAILURE() << "no error";
+  } catch (const titan::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("expert_parallel_degree = 3 must divide the ranks it borrows"), std::string::npos) << e.what();
+  }
+  p.expert_parallel_degree = 2;
+  p.tensor_parallel_degree = 2;
+  p.expert_tensor_parallel_degree = 4;
+  EXPECT_THROW(ParallelDims::from_config(p, 4), titan::UserError);
+  p.expert_tensor_parallel_degree = 1;  // EP borrows dp_shard x tp = 2 x 2 ranks
+  EXPECT_EQ(ParallelDims::from_config(p, 4).efsdp(), 2);
+}
+
 TEST(ParallelDims, ProductMustMatchWorld) {
   titan::config::Parallelism p;
   p.data_parallel_shard_degree = 3;

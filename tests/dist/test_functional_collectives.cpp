@@ -92,6 +92,31 @@ TEST(FunctionalCollectives, AllToAllSwapsShardedDimensionsBothWays) {
   EXPECT_TRUE(at::equal(fc::raw::all_to_all(h, 1, 0, *group), my_chunk(X, 1).to(at::kBFloat16)));
 }
 
+// Rank r sends 1 + (r + j) % 2 rows to rank j; backward returns each row's gradient to where the row came from.
+TEST(FunctionalCollectives, UnevenAllToAllRowsAndBack) {
+  auto group = comm();
+  const int n = group->size(), r = group->rank();
+  std::vector<int64_t> in_rows, out_rows;
+  for (int j = 0; j < n; ++j) in_rows.push_back(1 + (r + j) % 2), out_rows.push_back(1 + (j + r) % 2);
+  int64_t mine = 0;
+  for (int64_t k : in_rows) mine += k;
+  at::Tensor x = global({mine, 3}, 200 + r).requires_grad_(true);
+  at::Tensor y = fc::all_to_all_rows(x, out_rows, in_rows, group);
+  // Rank i's block for this rank, from rank i's own input.
+  std::vector<at::Tensor> expected;
+  for (int i = 0; i < n; ++i) {
+    int64_t offset = 0;
+    for (int j = 0; j < r; ++j) offset += 1 + (i + j) % 2;
+    expected.push_back(global({[&] { int64_t t = 0; for (int j = 0; j < n; ++j) t += 1 + (i + j) % 2; return t; }(), 3}, 200 + i)
+                           .narrow(0, offset, 1 + (i + r) % 2));
+  }
+  EXPECT_TRUE(at::equal(y, at::cat(expected)));
+  // L = sum over ranks of <y_r, W_r>: x's gradient is the rows of W that its rows landed on.
+  at::Tensor W = global(y.sizes().vec(), 300 + r);
+  (y * W).sum().backward();
+  EXPECT_TRUE(at::equal(x.grad(), fc::raw::all_to_all_rows(W, in_rows, out_rows, *group)));
+}
+
 TEST(LossParallel, VocabularyShardedCrossEntropyMatchesTheWholeLogits) {
   auto group = comm();
   const int n = group->size();

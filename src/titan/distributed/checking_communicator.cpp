@@ -122,27 +122,31 @@ class CheckingCommunicator final : public Communicator {
     return collective(Op::AllToAll, input, input.numel(), ReduceOp::Sum, -1, async,
                       [&] { return inner_->all_to_all(output, input, true); });
   }
-  // Each rank's counts differ, so the fingerprint carries none; a second exchange checks that every rank receives
-  // from each peer exactly what that peer sends to it.
+  // Each rank's counts differ, so the fingerprint carries none; a second exchange gives every rank all ranks' splits,
+  // and each checks that every rank receives from each peer exactly what that peer sends to it (all refuse alike).
   std::shared_ptr<Work> all_to_all_v(at::Tensor& output, const at::Tensor& input, const std::vector<int64_t>& output_splits,
                                      const std::vector<int64_t>& input_splits, bool async) override {
     require(input, "all_to_all_v input", false);
     require(output, "all_to_all_v output", false);
     same_dtype(output, input, "all_to_all_v");
-    if (static_cast<int>(output_splits.size()) != size() || static_cast<int>(input_splits.size()) != size())
-      violation(cat("all_to_all_v: ", input_splits.size(), " input and ", output_splits.size(), " output splits for ", size(), " ranks"));
+    const int n = size();
+    if (static_cast<int>(output_splits.size()) != n || static_cast<int>(input_splits.size()) != n)
+      violation(cat("all_to_all_v: ", input_splits.size(), " input and ", output_splits.size(), " output splits for ", n, " ranks"));
     return collective(Op::AllToAllV, input, -1, ReduceOp::Sum, -1, async, [&] {
-      at::Tensor mine = at::tensor(input_splits, at::kLong).to(tensor_device());
-      at::Tensor all = at::empty({size() * size()}, mine.options());
+      std::vector<int64_t> mine = input_splits;
+      mine.insert(mine.end(), output_splits.begin(), output_splits.end());
+      at::Tensor local = at::tensor(mine, at::kLong).to(tensor_device());
+      at::Tensor all = at::empty({n * 2 * n}, local.options());
       const int64_t before = inner_->bytes_communicated();
-      inner_->all_gather_into(all, mine, false);
+      inner_->all_gather_into(all, local, false);
       overhead_bytes_ += inner_->bytes_communicated() - before;
       const at::Tensor host = all.cpu();
-      const int64_t* sends = host.data_ptr<int64_t>();
-      for (int r = 0; r < size(); ++r)
-        if (sends[r * size() + rank()] != output_splits[static_cast<size_t>(r)])
-          violation(cat("all_to_all_v: rank ", r, " sends ", sends[r * size() + rank()], " elements to rank ", rank(),
-                        ", which expects ", output_splits[static_cast<size_t>(r)]));
+      const int64_t* f = host.data_ptr<int64_t>();  // rank i: sends f[i*2n + j] to j, expects f[i*2n + n + j] from j
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < n; ++j)
+          if (f[i * 2 * n + j] != f[j * 2 * n + n + i])
+            violation(cat("all_to_all_v: rank ", i, " sends ", f[i * 2 * n + j], " elements to rank ", j, ", which expects ",
+                          f[j * 2 * n + n + i]));
       return inner_->all_to_all_v(output, input, output_splits, input_splits, true);
     });
   }
