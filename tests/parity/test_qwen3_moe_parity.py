@@ -178,15 +178,32 @@ def test_counts_match_torchtitan(flavor):
 
 def test_the_debug_moe_flavor_trains(tmp_path):
     """A short run of torchtitan's debugmodel_moe shape (64 experts, top 8; fewer layers to keep it short): the loss
-    falls; tensor parallelism, which MoE models do not run yet, is refused by name."""
+    falls and the routing health is logged; tensor parallelism, which MoE models do not run yet, is refused by name."""
     common = [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
               "--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.n_layers", "2",
               "--training.seq_len", "64", "--training.local_batch_size", "4", "--training.steps", "12",
               "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
               "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
-    result = run(common + ["--job.dump_folder", str(tmp_path / "run")])
+    result = run(common + ["--job.dump_folder", str(tmp_path / "run"), "--metrics.enable_tensorboard"])
     losses = [float(x) for x in re.findall(r"step: +\d+ +loss: +([\d.]+)", result.stdout)]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, losses
+    # Routing health on every log line and in TensorBoard (read by TensorBoard's own reader): the busiest and idlest
+    # expert over the mean, and the balancing bias range, which moves by 1e-3 per step.
+    health = re.findall(r"step: +(\d+) .*experts: max ([\d.]+)x min ([\d.]+)x, bias \[([-\d.e]+), ([-\d.e]+)\]", result.stdout)
+    assert len(health) == 12, result.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    files = list((tmp_path / "run").rglob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(files[0].parent))
+    acc.Reload()
+    tb = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    assert {"moe/max_load_ratio", "moe/min_load_ratio", "moe/layer_0/max_load_ratio", "moe/layer_1/max_load_ratio",
+            "moe/expert_bias_min", "moe/expert_bias_max"} <= set(tb), sorted(tb)
+    for step, high, low, bias_min, bias_max in health:
+        step = int(step)
+        assert abs(tb["moe/max_load_ratio"][step] - float(high)) < 0.006 and float(high) > 1, (step, high)
+        assert abs(tb["moe/min_load_ratio"][step] - float(low)) < 0.006 and float(low) < 1, (step, low)
+        assert max(tb["moe/layer_0/max_load_ratio"][step], tb["moe/layer_1/max_load_ratio"][step]) == tb["moe/max_load_ratio"][step]
+    assert float(health[-1][3]) < 0 < float(health[-1][4]) and tb["moe/expert_bias_max"][12] <= 12e-3, health[-1]
     mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "-np", "2"]
     refused = run(mpirun + common + ["--job.dump_folder", str(tmp_path / "tp"), "--parallelism.tensor_parallel_degree", "2"],
                   check=False)

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,8 +44,15 @@ struct ModelPart {
   // State that is not trained but checkpointed with the weights (MoE balancing biases): whole on every rank that
   // holds it, replicated over the mesh (the layout says which rank writes it); `local` is the buffer itself.
   std::vector<ShardedParameter> buffers;
-  // Run after the last backward of a step, before the optimizer step (MoE balancing updates); may be empty.
-  std::function<void()> before_optimizer_step;
+  // After the last backward of a step, before the optimizer step (MoE balancing): `update` does the part's work and
+  // returns figures for the step's log, a float64 vector on the device that is read with the loss; `scalars` names
+  // them for TensorBoard and `summary` words them for the log line. Unset for most models.
+  struct StepHook {
+    std::function<at::Tensor()> update;
+    std::function<std::vector<std::pair<std::string, double>>(const at::Tensor& figures)> scalars;
+    std::function<std::string(const at::Tensor& figures)> summary;
+  };
+  std::optional<StepHook> before_optimizer_step;
 
   // After the last backward of a step: data-parallel reductions, then the sum over TP ranks of the gradients of
   // weights replicated across them.

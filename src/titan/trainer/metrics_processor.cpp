@@ -51,13 +51,14 @@ void MetricsProcessor::log_step(int64_t step, const StepResult& r, int64_t token
   // (torchtitan's time_metrics/data_loading(s) and data_loading(%)).
   const double steps = static_cast<double>(std::max<int64_t>(1, steps_));
   const double data_per_step = data_seconds_ / steps;
-  log::info(strprintf("%sstep: %2lld  %sloss: %8.5f  %sgrad_norm: %7.4f  %smemory: %5.2fGiB(%.2f%%)  %stps: %s  %stflops: %s  %smfu: %.2f%%  %sdata: %.3fs(%.1f%%)%s",
+  log::info(strprintf("%sstep: %2lld  %sloss: %8.5f  %sgrad_norm: %7.4f  %smemory: %5.2fGiB(%.2f%%)  %stps: %s  %stflops: %s  %smfu: %.2f%%  %sdata: %.3fs(%.1f%%)%s%s",
                       k.red, static_cast<long long>(step), k.green, r.loss, k.orange, r.grad_norm, k.turquoise, mem.peak_gib,
                       mem.peak_pct, k.blue, with_thousands(static_cast<long long>(std::nearbyint(tps))).c_str(), k.cyan,
                       with_thousands(tflops, 2).c_str(), k.magenta, mfu, k.yellow, data_per_step, 100.0 * data_seconds_ / elapsed,
-                      k.reset));
-  // torchtitan's TensorBoard keys (its global_max_loss, the largest data-parallel rank's loss, is not computed here).
-  logger_->log(step, {{"loss_metrics/global_avg_loss", r.loss},
+                      r.summary.empty() ? "" : ("  " + r.summary).c_str(), k.reset));
+  // torchtitan's TensorBoard keys (its global_max_loss, the largest data-parallel rank's loss, is not computed here),
+  // then the model's own (MoE routing health).
+  std::vector<std::pair<std::string, double>> scalars = {{"loss_metrics/global_avg_loss", r.loss},
                       {"grad_norm", r.grad_norm},
                       {"throughput(tps)", tps},
                       {"tflops", tflops},
@@ -68,7 +69,9 @@ void MetricsProcessor::log_step(int64_t step, const StepResult& r, int64_t token
                       {"memory/max_active(GiB)", mem.peak_gib},
                       {"memory/max_active(%)", mem.peak_pct},
                       {"n_tokens_seen", static_cast<double>(tokens_seen)},
-                      {"lr", r.lr}});
+                      {"lr", r.lr}};
+  scalars.insert(scalars.end(), r.scalars.begin(), r.scalars.end());
+  logger_->log(step, scalars);
   steps_ = 0;
   tokens_ = 0;
   data_seconds_ = 0;

@@ -3,6 +3,9 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "titan/components/metrics/memory.h"
 #include "titan/components/metrics/metric_logger.h"
@@ -17,6 +20,9 @@ struct StepResult {
   double lr = 0;         // learning rate used by this step
   int64_t tokens = 0;    // tokens processed (all label positions)
   bool skipped = false;  // the loss or gradient norm was not finite: no update was applied
+  // The model's own figures for the step (MoE routing health): TensorBoard scalars, and words for the log line.
+  std::vector<std::pair<std::string, double>> scalars;
+  std::string summary;
 };
 
 struct ValidationResult {

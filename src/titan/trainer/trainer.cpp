@@ -281,6 +281,15 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
     loss_total = schedule_->train(microbatches, static_cast<double>(global_valid_count), train_state_.step);
   }
   schedule_->finish_gradients();
+  // The parts' pre-optimizer-step work (MoE balancing) and its figures, read on the host with the loss.
+  std::vector<at::Tensor> figures;
+  for (auto& part : model_parts())
+    if (part.before_optimizer_step) {
+      figures.push_back(part.before_optimizer_step->update().to(device_, at::kDouble).reshape(-1));
+      out.figure_counts.push_back(figures.back().numel());
+    } else {
+      out.figure_counts.push_back(0);
+    }
   at::Tensor norm = distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
   mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);
   schedule_->gather_loss(loss_total);
@@ -288,11 +297,12 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
   // so every rank takes the same decision.
   at::Tensor values = at::stack({loss_total.reshape({}).to(at::kDouble), norm.reshape({}).to(at::kDouble)});
   const at::Tensor nonfinite = values.isfinite().all().logical_not();
-  out.values = at::cat({values, nonfinite.to(at::kDouble).reshape({1})});
+  figures.insert(figures.begin(), {values, nonfinite.to(at::kDouble).reshape({1})});
+  out.values = at::cat(figures);
   if (!device_.is_cpu()) {
     // Copied to pinned host memory behind the step's work, with an event to wait on when they are read: a
     // blocking copy would wait for everything queued by then (the next step's forward and backward too).
-    out.host_values = at::empty({3}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+    out.host_values = at::empty({out.values.numel()}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
     out.host_values.copy_(out.values, /*non_blocking=*/true);
     out.ready = std::make_shared<c10::Event>(device_.type());
     out.ready->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
@@ -306,8 +316,6 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
 }
 
 void Trainer::update(DeviceStep& step, const at::Tensor& nonfinite) {
-  for (auto& part : model_parts())
-    if (part.before_optimizer_step) part.before_optimizer_step();
   if (optimizer_->skips_on_device()) {
     // No update where the step was not finite, decided on the device; the host learns of it later (settle).
     optimizer_->step(nonfinite.to(at::kFloat));
@@ -336,6 +344,15 @@ StepResult Trainer::settle(const DeviceStep& pending) {
   r.skipped = v[2].item<double>() != 0;
   r.lr = pending.lr;
   r.tokens = pending.tokens;
+  auto& parts = model_parts();
+  for (size_t i = 0, offset = 3; i < pending.figure_counts.size() && i < parts.size(); offset += static_cast<size_t>(pending.figure_counts[i]), ++i) {
+    if (pending.figure_counts[i] == 0) continue;
+    const at::Tensor f = v.narrow(0, static_cast<int64_t>(offset), pending.figure_counts[i]);
+    const auto& hook = *parts[i].before_optimizer_step;
+    for (auto& scalar : hook.scalars(f)) r.scalars.push_back(std::move(scalar));
+    const std::string words = hook.summary(f);
+    if (!words.empty()) r.summary += (r.summary.empty() ? "" : "; ") + words;
+  }
   if (!r.skipped) {
     nonfinite_in_row_ = 0;
     return r;

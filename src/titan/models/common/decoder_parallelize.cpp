@@ -246,13 +246,14 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     out.description.push_back(ep.describe());
   }
 
-  // MoE balancing: each block's bias is whole on every rank of its stage; the counts are summed over the ranks that
-  // route different tokens (data and context parallel: the "loss" group) before the optimizer step.
-  std::vector<MoE*> balanced;
+  // MoE routing: each block's balancing bias is whole on every rank of its stage; the token counts are summed over the
+  // ranks that route different tokens (data and context parallel: the "loss" group) before the optimizer step.
+  std::vector<MoE*> moe_layers;
   for (int64_t i : blocks) {
     auto& block = *model.layers[static_cast<size_t>(i)];
-    if (!block.moe || !block.moe->expert_bias.defined()) continue;
-    balanced.push_back(block.moe.get());
+    if (!block.moe) continue;
+    moe_layers.push_back(block.moe.get());
+    if (!block.moe->expert_bias.defined()) continue;
     distributed::TensorLayout layout(block.moe->expert_bias.sizes().vec());
     for (const char* dim : {"dp_replicate", "dp_shard", "cp", "tp"})
       if (const int64_t size = mesh.get(dim)->size(); size > 1)
@@ -260,8 +261,10 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     const at::Tensor& bias = block.moe->expert_bias;
     out.buffers.push_back({cat("layers.", i, ".moe.expert_bias"), bias, bias, layout});
   }
-  if (!balanced.empty())
-    out.before_optimizer_step = [balanced, group = mesh.get("loss")] { update_expert_biases(balanced, group.get()); };
+  if (!moe_layers.empty())
+    out.before_optimizer_step = ModelPart::StepHook{
+        [moe_layers, group = mesh.get("loss")] { return update_expert_biases(moe_layers, group.get()); }, routing_health_scalars,
+        routing_health_summary};
 
   auto ac = apply_activation_checkpointing(model, part, config.activation_checkpoint);
   out.description.push_back("Activation checkpointing: " + ac.description);

@@ -4,6 +4,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "titan/common/error.h"
@@ -186,10 +187,8 @@ MoE::MoE(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options) 
   if (args.num_shared_experts > 0)
     shared_experts = register_module("shared_experts",
                                      std::make_shared<FeedForward>(dim, args.hidden_dim * args.num_shared_experts, options));
-  if (args.load_balance_coeff) {
-    expert_bias = register_buffer("expert_bias", at::zeros({args.num_experts}, at::kFloat));
-    tokens_per_expert = register_buffer("tokens_per_expert", at::zeros({args.num_experts}, at::kFloat));
-  }
+  tokens_per_expert = register_buffer("tokens_per_expert", at::zeros({args.num_experts}, at::kFloat));
+  if (args.load_balance_coeff) expert_bias = register_buffer("expert_bias", at::zeros({args.num_experts}, at::kFloat));
 }
 
 void MoE::move_buffers(const at::Device& device) {
@@ -198,27 +197,73 @@ void MoE::move_buffers(const at::Device& device) {
     if (t->defined()) t->set_data(t->to(device));
 }
 
-void update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group) {
-  std::vector<MoE*> balanced;
-  for (MoE* layer : layers)
-    if (layer->expert_bias.defined()) balanced.push_back(layer);
-  if (balanced.empty()) return;
+namespace {
+struct Health {
+  std::vector<double> max_load, min_load;
+  double bias_min = 0, bias_max = 0;
+};
+Health read_health(const at::Tensor& figures) {
+  const at::Tensor f = figures.to(at::kCPU, at::kDouble).contiguous();
+  const double* v = f.data_ptr<double>();
+  const int64_t layers = (f.numel() - 2) / 2;
+  Health h;
+  h.max_load.assign(v, v + layers);
+  h.min_load.assign(v + layers, v + 2 * layers);
+  h.bias_min = v[2 * layers];
+  h.bias_max = v[2 * layers + 1];
+  return h;
+}
+}  // namespace
+
+std::vector<std::pair<std::string, double>> routing_health_scalars(const at::Tensor& figures) {
+  const Health h = read_health(figures);
+  std::vector<std::pair<std::string, double>> out;
+  if (h.max_load.empty()) return out;
+  out.emplace_back("moe/max_load_ratio", *std::max_element(h.max_load.begin(), h.max_load.end()));
+  out.emplace_back("moe/min_load_ratio", *std::min_element(h.min_load.begin(), h.min_load.end()));
+  for (size_t i = 0; i < h.max_load.size(); ++i) out.emplace_back(cat("moe/layer_", i, "/max_load_ratio"), h.max_load[i]);
+  out.emplace_back("moe/expert_bias_min", h.bias_min);
+  out.emplace_back("moe/expert_bias_max", h.bias_max);
+  return out;
+}
+
+std::string routing_health_summary(const at::Tensor& figures) {
+  const Health h = read_health(figures);
+  if (h.max_load.empty()) return {};
+  return strprintf("experts: max %.2fx min %.2fx, bias [%.3g, %.3g]", *std::max_element(h.max_load.begin(), h.max_load.end()),
+                   *std::min_element(h.min_load.begin(), h.min_load.end()), h.bias_min, h.bias_max);
+}
+
+at::Tensor update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group) {
   at::NoGradGuard no_grad;
+  if (layers.empty()) return at::zeros({2}, at::kDouble);
   std::vector<at::Tensor> counts;
-  for (MoE* layer : balanced) counts.push_back(layer->tokens_per_expert);
+  for (MoE* layer : layers) counts.push_back(layer->tokens_per_expert);
   at::Tensor all = at::stack(counts);  // [layers, experts], one reduction for all of them
   if (group && group->size() > 1) {
     at::Tensor buffer = all.to(group->tensor_device()).contiguous();
     group->all_reduce(buffer, distributed::ReduceOp::Sum);
     all = buffer.to(all.device());
   }
-  for (size_t i = 0; i < balanced.size(); ++i) {
+  std::vector<at::Tensor> biases;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    MoE& layer = *layers[i];
     const at::Tensor t = all[static_cast<int64_t>(i)];
-    at::Tensor delta = *balanced[i]->args().load_balance_coeff * at::sign(t.mean() - t);
-    delta = delta - delta.mean();
-    balanced[i]->expert_bias.add_(delta);
-    balanced[i]->tokens_per_expert.zero_();
+    if (layer.expert_bias.defined()) {
+      at::Tensor delta = *layer.args().load_balance_coeff * at::sign(t.mean() - t);
+      delta = delta - delta.mean();
+      layer.expert_bias.add_(delta);
+      biases.push_back(layer.expert_bias);
+    }
+    layer.tokens_per_expert.zero_();
   }
+  const at::Tensor mean = all.mean(1).clamp_min(1e-9);
+  at::Tensor bias_range = at::zeros({2}, all.options());
+  if (!biases.empty()) {
+    const at::Tensor b = at::stack(biases);
+    bias_range = at::stack({b.min(), b.max()});
+  }
+  return at::cat({std::get<0>(all.max(1)) / mean, std::get<0>(all.min(1)) / mean, bias_range}).to(at::kDouble);
 }
 
 at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
@@ -227,7 +272,7 @@ at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor flat = x.reshape({-1, dim});
   const int64_t tokens = flat.size(0);
   const Routing r = router->route(flat, expert_bias, context);
-  if (tokens_per_expert.defined() && at::GradMode::is_enabled()) {
+  if (at::GradMode::is_enabled()) {
     at::NoGradGuard no_grad;
     tokens_per_expert.add_(r.counts.to(tokens_per_expert.device(), at::kFloat));
   }

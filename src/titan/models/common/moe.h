@@ -58,11 +58,11 @@ class MoE : public nn::Unit {
   std::shared_ptr<FeedForward> shared_experts;  // null without shared experts
   const MoEArgs& args() const { return args_; }
 
-  // With load_balance_coeff (auxiliary-loss-free balancing, as torchtitan): `expert_bias` (float32 [experts], a
-  // buffer the checkpoint keeps as "moe.expert_bias") is added to the scores for choosing experts, never to their
-  // weights; `tokens_per_expert` (float32 [experts]) counts the tokens each expert received in training forwards --
-  // those run with gradients, so a block under activation checkpointing counts in its recomputation, once -- until
-  // update_expert_biases moves the bias and zeroes it. Undefined without balancing.
+  // `tokens_per_expert` (float32 [experts]) counts the tokens each expert received in training forwards -- those run
+  // with gradients, so a block under activation checkpointing counts in its recomputation, once -- until
+  // update_expert_biases reads and zeroes it. With load_balance_coeff (auxiliary-loss-free balancing, as torchtitan),
+  // `expert_bias` (float32 [experts], a buffer the checkpoint keeps as "moe.expert_bias") is added to the scores for
+  // choosing experts, never to their weights; undefined without balancing.
   at::Tensor expert_bias, tokens_per_expert;
   void move_buffers(const at::Device& device);  // the same tensor objects, their data on `device`
 
@@ -73,10 +73,17 @@ class MoE : public nn::Unit {
   MoEArgs args_;
 };
 
-// The balancing step after a training step's backward (torchtitan's pre-optimizer-step hook): the layers' token
-// counts summed over `group` (every rank that routed different tokens: the data-parallel and context-parallel ranks;
-// null on one process), then per layer bias += coeff x sign(mean - count), centred on zero, and the counts zeroed.
-// Layers without balancing are skipped.
-void update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group);
+// After a training step's backward, before the optimizer step (torchtitan's pre-step hook): the layers' token counts
+// summed over `group` (every rank that routed different tokens: the data-parallel and context-parallel ranks; null
+// on one process) in one reduction; with balancing, per layer bias += coeff x sign(mean - count), centred on zero.
+// The counts are zeroed. Returns the routing health (float64 on the counts' device, read later with the loss): per
+// layer the busiest expert's tokens over the mean, then per layer the idlest's, then the balancing biases' minimum
+// and maximum (0 without balancing).
+at::Tensor update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group);
+
+// The health figures on the host as "moe/..." scalars for TensorBoard (the worst layer's, each layer's busiest
+// expert, the bias range) and as words for the step's log line.
+std::vector<std::pair<std::string, double>> routing_health_scalars(const at::Tensor& figures);
+std::string routing_health_summary(const at::Tensor& figures);
 
 }  // namespace titan::models
