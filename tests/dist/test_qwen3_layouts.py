@@ -3,7 +3,7 @@ trainer and parallelisms as Llama 3, on real MPI ranks against one process at th
 TP 2 x FSDP 2, PP 2 (1F1B) and CP 2, with full, per-layer and op-level activation checkpointing among them, give the
 same losses, gradient norms and learning rates (1e-5 relative) over 10 float32 steps; a checkpoint saved on
 TP 2 x FSDP 2 resumes on one process and continues as the uninterrupted run does. Qwen3-MoE with load balancing likewise
-on FSDP 2 and expert parallelism (EP 2 x efsdp 2, EP 4, HSDP 2 x EP 2), and a checkpoint saved under EP 2 x efsdp 2
+on FSDP 2, expert parallelism (EP 2 x efsdp 2, EP 4, HSDP 2 x EP 2, CP 2 x EP 2, PP 2 x EP 2) and zero-bubble PP 2, and a checkpoint saved under EP 2 x efsdp 2
 resumes on one process and on EP 4 with the same weights, AdamW moments and balancing biases."""
 import json
 import os
@@ -129,6 +129,14 @@ MOE_CASES = {  # name: (ranks, data-parallel ranks, options)
     # HSDP: 2 replicas of (EP 2 over dp_shard 2); the experts' gradients all-reduced over the replicas.
     "hsdp2_ep2": (4, 4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                          "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
+    # EP borrows a context-parallel rank: the experts split over (dp_shard x cp) ranks that hold different tokens.
+    "cp2_ep2": (4, 2, ["--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                       "--training.local_batch_size", "4"]),
+    # Pipeline stages of MoE blocks, with EP inside each stage (interleaved: two stages per rank).
+    "pp2_ep2_interleaved": (4, 2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                                   "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "4"]),
+    "pp2_zero_bubble": (2, 1, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+                               "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4"]),
 }
 
 
@@ -151,6 +159,12 @@ def test_a_mixture_of_experts_layout_matches_single_process(tmp_path, moe_refere
         assert f"Expert parallelism over {ep} ranks: {8 // int(ep)} of the 8 experts per rank" in out, out
     worst = compare_steps(meta, {"steps": ref_meta["steps"][:STEPS]}, f"MoE {case}", check_lr=True)
     print(f"MoE {case}: worst relative loss difference {worst:.2e} over {STEPS} steps")
+    # The routing health on the log line covers the whole model (every pipeline stage's blocks, every rank's tokens).
+    assert routing_health(out) == routing_health(stdout)[:STEPS], (routing_health(out), routing_health(stdout))
+
+
+def routing_health(stdout):
+    return re.findall(r"step: +\d+ .*(experts: max .*)", stdout)
 
 
 def test_balancing_changes_the_run(tmp_path, moe_reference):

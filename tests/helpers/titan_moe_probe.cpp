@@ -55,7 +55,7 @@ int main(int argc, char** argv) {
       for (auto& item : moe.named_parameters()) result.emplace_back("grad." + item.key() + suffix, item.value().grad());
       if (!moe.expert_bias.defined()) break;
       result.emplace_back("tokens_per_expert." + std::to_string(pass), moe.tokens_per_expert.clone());
-      titan::models::update_expert_biases({&moe}, nullptr);
+      titan::models::update_expert_biases({&moe}, {0}, 1, nullptr);
       result.emplace_back("expert_bias." + std::to_string(pass), moe.expert_bias.clone());
     }
     titan::safetensors::save(opt.at("--out"), result);

@@ -45,8 +45,10 @@ struct ModelPart {
   // holds it, replicated over the mesh (the layout says which rank writes it); `local` is the buffer itself.
   std::vector<ShardedParameter> buffers;
   // After the last backward of a step, before the optimizer step (MoE balancing): `update` does the part's work and
-  // returns figures for the step's log, a float64 vector on the device that is read with the loss; `scalars` names
-  // them for TensorBoard and `summary` words them for the log line. Unset for most models.
+  // returns figures for the step's log, a float64 vector on the device that is read with the loss; every part of the
+  // model returns one of the same length, and the model's figures are their element-wise maximum over the parts and
+  // the pipeline ranks. `scalars` names them for TensorBoard and `summary` words them for the log line. Unset for
+  // most models.
   struct StepHook {
     std::function<at::Tensor()> update;
     std::function<std::vector<std::pair<std::string, double>>(const at::Tensor& figures)> scalars;

@@ -281,15 +281,22 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
     loss_total = schedule_->train(microbatches, static_cast<double>(global_valid_count), train_state_.step);
   }
   schedule_->finish_gradients();
-  // The parts' pre-optimizer-step work (MoE balancing) and its figures, read on the host with the loss.
-  std::vector<at::Tensor> figures;
+  // The parts' pre-optimizer-step work (MoE balancing) and the model's figures from it (the maximum over the parts
+  // and the pipeline stages), read on the host with the loss.
+  at::Tensor figures;
   for (auto& part : model_parts())
     if (part.before_optimizer_step) {
-      figures.push_back(part.before_optimizer_step->update().to(device_, at::kDouble).reshape(-1));
-      out.figure_counts.push_back(figures.back().numel());
-    } else {
-      out.figure_counts.push_back(0);
+      at::Tensor f = part.before_optimizer_step->update().to(device_, at::kDouble).reshape(-1);
+      figures = figures.defined() ? at::maximum(figures, f) : f;
     }
+  if (figures.defined()) {
+    if (const auto pp = mesh_->get("pp"); pp->size() > 1) {
+      at::Tensor buffer = figures.to(pp->tensor_device()).contiguous();
+      pp->all_reduce(buffer, distributed::ReduceOp::Max);
+      figures = buffer.to(device_);
+    }
+    out.figure_count = figures.numel();
+  }
   at::Tensor norm = distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
   mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);
   schedule_->gather_loss(loss_total);
@@ -297,8 +304,9 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
   // so every rank takes the same decision.
   at::Tensor values = at::stack({loss_total.reshape({}).to(at::kDouble), norm.reshape({}).to(at::kDouble)});
   const at::Tensor nonfinite = values.isfinite().all().logical_not();
-  figures.insert(figures.begin(), {values, nonfinite.to(at::kDouble).reshape({1})});
-  out.values = at::cat(figures);
+  std::vector<at::Tensor> all = {values, nonfinite.to(at::kDouble).reshape({1})};
+  if (figures.defined()) all.push_back(figures);
+  out.values = at::cat(all);
   if (!device_.is_cpu()) {
     // Copied to pinned host memory behind the step's work, with an event to wait on when they are read: a
     // blocking copy would wait for everything queued by then (the next step's forward and backward too).
@@ -344,15 +352,15 @@ StepResult Trainer::settle(const DeviceStep& pending) {
   r.skipped = v[2].item<double>() != 0;
   r.lr = pending.lr;
   r.tokens = pending.tokens;
-  auto& parts = model_parts();
-  for (size_t i = 0, offset = 3; i < pending.figure_counts.size() && i < parts.size(); offset += static_cast<size_t>(pending.figure_counts[i]), ++i) {
-    if (pending.figure_counts[i] == 0) continue;
-    const at::Tensor f = v.narrow(0, static_cast<int64_t>(offset), pending.figure_counts[i]);
-    const auto& hook = *parts[i].before_optimizer_step;
-    for (auto& scalar : hook.scalars(f)) r.scalars.push_back(std::move(scalar));
-    const std::string words = hook.summary(f);
-    if (!words.empty()) r.summary += (r.summary.empty() ? "" : "; ") + words;
-  }
+  if (pending.figure_count > 0)
+    for (auto& part : model_parts())
+      if (part.before_optimizer_step) {
+        const at::Tensor f = v.narrow(0, 3, pending.figure_count);
+        r.scalars = part.before_optimizer_step->scalars(f);
+        r.summary = part.before_optimizer_step->summary(f);
+        break;
+      }
+
   if (!r.skipped) {
     nonfinite_in_row_ = 0;
     return r;

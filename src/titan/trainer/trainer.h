@@ -86,7 +86,7 @@ class Trainer {
     at::Tensor host_values;             // on a GPU: their pinned host copy, complete once `ready` has passed
     std::shared_ptr<c10::Event> ready;
     std::optional<StepResult> settled;  // already read (an optimizer that decides on the host)
-    std::vector<int64_t> figure_counts;  // per model part: its step figures' length in `values` after the first 3
+    int64_t figure_count = 0;  // the model parts' combined step figures in `values`, after the first 3
   };
   DeviceStep launch_step(const std::vector<data::Batch>& microbatches, int64_t global_valid_tokens);
   void update(DeviceStep& step, const at::Tensor& nonfinite);  // the optimizer step and the LR schedule

@@ -57,13 +57,10 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
   if (args.moe) {
     // Mixture-of-Experts models run on one process, under data parallelism (FSDP, HSDP, DDP) and expert parallelism
     // so far (docs/moe.md).
-    const std::pair<const char*, int64_t> unsupported[] = {{"parallelism.tensor_parallel_degree", dims.tp},
-                                                           {"parallelism.pipeline_parallel_degree", dims.pp},
-                                                           {"parallelism.context_parallel_degree", dims.cp}};
-    for (const auto& [key, degree] : unsupported)
-      if (degree > 1)
-        fail(key, " = ", degree, " with a Mixture-of-Experts model (model.flavor ", quote(config.model.flavor),
-             "): MoE models run on one process and under data and expert parallelism (FSDP, HSDP, DDP, EP) so far");
+    if (dims.tp > 1)
+      fail("parallelism.tensor_parallel_degree = ", dims.tp, " with a Mixture-of-Experts model (model.flavor ", quote(config.model.flavor),
+           "): MoE models run under data, expert, pipeline and context parallelism (FSDP, HSDP, DDP, EP, PP, CP) so far, "
+           "not tensor parallelism");
     if (dims.ep > 1 && args.moe->num_experts % dims.ep != 0)
       fail("parallelism.expert_parallel_degree = ", dims.ep, " does not divide the model's ", args.moe->num_experts,
            " experts (model.flavor ", quote(config.model.flavor), "); each expert-parallel rank holds an equal share");
@@ -228,9 +225,12 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     // Zero-bubble schedules: the blocks' matmul weight gradients wait for the schedule's weight steps.
     for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
       auto& block = *model.layers[static_cast<size_t>(i)];
-      for (auto* linear : {block.attention->wq.get(), block.attention->wk.get(), block.attention->wv.get(), block.attention->wo.get(),
-                           block.feed_forward->w1.get(), block.feed_forward->w2.get(), block.feed_forward->w3.get()})
-        distributed::pipeline::defer_weight_gradient(*linear);
+      // The dense SwiGLU's (a MoE block's shared experts'); the routed experts' grouped products run at once.
+      FeedForward* ffn = block.feed_forward ? block.feed_forward.get() : block.moe->shared_experts.get();
+      std::vector<nn::Linear*> linears = {block.attention->wq.get(), block.attention->wk.get(), block.attention->wv.get(),
+                                          block.attention->wo.get()};
+      if (ffn) linears.insert(linears.end(), {ffn->w1.get(), ffn->w2.get(), ffn->w3.get()});
+      for (auto* linear : linears) distributed::pipeline::defer_weight_gradient(*linear);
     }
   }
 
@@ -249,10 +249,12 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   // MoE routing: each block's balancing bias is whole on every rank of its stage; the token counts are summed over the
   // ranks that route different tokens (data and context parallel: the "loss" group) before the optimizer step.
   std::vector<MoE*> moe_layers;
+  std::vector<int64_t> moe_blocks;
   for (int64_t i : blocks) {
     auto& block = *model.layers[static_cast<size_t>(i)];
     if (!block.moe) continue;
     moe_layers.push_back(block.moe.get());
+    moe_blocks.push_back(i);
     if (!block.moe->expert_bias.defined()) continue;
     distributed::TensorLayout layout(block.moe->expert_bias.sizes().vec());
     for (const char* dim : {"dp_replicate", "dp_shard", "cp", "tp"})
@@ -261,10 +263,11 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     const at::Tensor& bias = block.moe->expert_bias;
     out.buffers.push_back({cat("layers.", i, ".moe.expert_bias"), bias, bias, layout});
   }
-  if (!moe_layers.empty())
+  // Every part of a MoE model reports (the figures of all stages combine into the model's), even one with no MoE block.
+  if (model.args().moe)
     out.before_optimizer_step = ModelPart::StepHook{
-        [moe_layers, group = mesh.get("loss")] { return update_expert_biases(moe_layers, group.get()); }, routing_health_scalars,
-        routing_health_summary};
+        [moe_layers, moe_blocks, n, group = mesh.get("loss")] { return update_expert_biases(moe_layers, moe_blocks, n, group.get()); },
+        routing_health_scalars, routing_health_summary};
 
   auto ac = apply_activation_checkpointing(model, part, config.activation_checkpoint);
   out.description.push_back("Activation checkpointing: " + ac.description);

@@ -198,8 +198,11 @@ void MoE::move_buffers(const at::Device& device) {
 }
 
 namespace {
+constexpr double kNoBias = -1e300;  // the bias entries of parts without balancing (below any real value)
 struct Health {
+  std::vector<int64_t> block;
   std::vector<double> max_load, min_load;
+  bool has_bias = false;
   double bias_min = 0, bias_max = 0;
 };
 Health read_health(const at::Tensor& figures) {
@@ -207,10 +210,14 @@ Health read_health(const at::Tensor& figures) {
   const double* v = f.data_ptr<double>();
   const int64_t layers = (f.numel() - 2) / 2;
   Health h;
-  h.max_load.assign(v, v + layers);
-  h.min_load.assign(v + layers, v + 2 * layers);
-  h.bias_min = v[2 * layers];
-  h.bias_max = v[2 * layers + 1];
+  for (int64_t i = 0; i < layers; ++i) {
+    if (v[i] <= 0) continue;  // a dense block (none held it)
+    h.block.push_back(i);
+    h.max_load.push_back(v[i]);
+    h.min_load.push_back(1 - v[layers + i]);
+  }
+  h.has_bias = v[2 * layers + 1] > kNoBias / 2;
+  if (h.has_bias) h.bias_min = -v[2 * layers], h.bias_max = v[2 * layers + 1];
   return h;
 }
 }  // namespace
@@ -221,22 +228,30 @@ std::vector<std::pair<std::string, double>> routing_health_scalars(const at::Ten
   if (h.max_load.empty()) return out;
   out.emplace_back("moe/max_load_ratio", *std::max_element(h.max_load.begin(), h.max_load.end()));
   out.emplace_back("moe/min_load_ratio", *std::min_element(h.min_load.begin(), h.min_load.end()));
-  for (size_t i = 0; i < h.max_load.size(); ++i) out.emplace_back(cat("moe/layer_", i, "/max_load_ratio"), h.max_load[i]);
-  out.emplace_back("moe/expert_bias_min", h.bias_min);
-  out.emplace_back("moe/expert_bias_max", h.bias_max);
+  for (size_t i = 0; i < h.max_load.size(); ++i) out.emplace_back(cat("moe/layer_", h.block[i], "/max_load_ratio"), h.max_load[i]);
+  if (h.has_bias) {
+    out.emplace_back("moe/expert_bias_min", h.bias_min);
+    out.emplace_back("moe/expert_bias_max", h.bias_max);
+  }
   return out;
 }
 
 std::string routing_health_summary(const at::Tensor& figures) {
   const Health h = read_health(figures);
   if (h.max_load.empty()) return {};
-  return strprintf("experts: max %.2fx min %.2fx, bias [%.3g, %.3g]", *std::max_element(h.max_load.begin(), h.max_load.end()),
-                   *std::min_element(h.min_load.begin(), h.min_load.end()), h.bias_min, h.bias_max);
+  return strprintf("experts: max %.2fx min %.2fx", *std::max_element(h.max_load.begin(), h.max_load.end()),
+                   *std::min_element(h.min_load.begin(), h.min_load.end())) +
+         (h.has_bias ? strprintf(", bias [%.3g, %.3g]", h.bias_min, h.bias_max) : std::string());
 }
 
-at::Tensor update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group) {
+at::Tensor update_expert_biases(const std::vector<MoE*>& layers, const std::vector<int64_t>& indices, int64_t n_layers,
+                                distributed::Communicator* group) {
   at::NoGradGuard no_grad;
-  if (layers.empty()) return at::zeros({2}, at::kDouble);
+  if (layers.size() != indices.size()) fail("internal: ", layers.size(), " MoE layers with ", indices.size(), " block indices");
+  const auto device = layers.empty() ? at::Device(at::kCPU) : layers.front()->tokens_per_expert.device();
+  at::Tensor figures = at::zeros({2 * n_layers + 2}, at::TensorOptions().dtype(at::kDouble).device(device));
+  figures.narrow(0, 2 * n_layers, 2).fill_(kNoBias);
+  if (layers.empty()) return figures;
   std::vector<at::Tensor> counts;
   for (MoE* layer : layers) counts.push_back(layer->tokens_per_expert);
   at::Tensor all = at::stack(counts);  // [layers, experts], one reduction for all of them
@@ -258,12 +273,14 @@ at::Tensor update_expert_biases(const std::vector<MoE*>& layers, distributed::Co
     layer.tokens_per_expert.zero_();
   }
   const at::Tensor mean = all.mean(1).clamp_min(1e-9);
-  at::Tensor bias_range = at::zeros({2}, all.options());
+  const at::Tensor index = at::tensor(indices, at::kLong).to(device);
+  figures.index_copy_(0, index, (std::get<0>(all.max(1)) / mean).to(at::kDouble));
+  figures.index_copy_(0, index + n_layers, (1 - std::get<0>(all.min(1)) / mean).to(at::kDouble));
   if (!biases.empty()) {
     const at::Tensor b = at::stack(biases);
-    bias_range = at::stack({b.min(), b.max()});
+    figures.narrow(0, 2 * n_layers, 2).copy_(at::stack({-b.min(), b.max()}).to(at::kDouble));
   }
-  return at::cat({std::get<0>(all.max(1)) / mean, std::get<0>(all.min(1)) / mean, bias_range}).to(at::kDouble);
+  return figures;
 }
 
 at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {

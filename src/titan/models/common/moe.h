@@ -76,13 +76,15 @@ class MoE : public nn::Unit {
 // After a training step's backward, before the optimizer step (torchtitan's pre-step hook): the layers' token counts
 // summed over `group` (every rank that routed different tokens: the data-parallel and context-parallel ranks; null
 // on one process) in one reduction; with balancing, per layer bias += coeff x sign(mean - count), centred on zero.
-// The counts are zeroed. Returns the routing health (float64 on the counts' device, read later with the loss): per
-// layer the busiest expert's tokens over the mean, then per layer the idlest's, then the balancing biases' minimum
-// and maximum (0 without balancing).
-at::Tensor update_expert_biases(const std::vector<MoE*>& layers, distributed::Communicator* group);
+// The counts are zeroed. Returns the routing health for a model of `n_layers` blocks of which `layers` are blocks
+// `indices` (float64 on the counts' device, read later with the loss), laid out so that the figures of pipeline
+// stages and model parts combine by an element-wise maximum: per block the busiest expert's tokens over the mean,
+// then per block 1 minus the idlest's (0 for blocks held elsewhere), then minus the smallest and the largest bias.
+at::Tensor update_expert_biases(const std::vector<MoE*>& layers, const std::vector<int64_t>& indices, int64_t n_layers,
+                                distributed::Communicator* group);
 
-// The health figures on the host as "moe/..." scalars for TensorBoard (the worst layer's, each layer's busiest
-// expert, the bias range) and as words for the step's log line.
+// The combined health figures on the host as "moe/..." scalars for TensorBoard (the worst block's, each block's
+// busiest expert, the bias range) and as words for the step's log line.
 std::vector<std::pair<std::string, double>> routing_health_scalars(const at::Tensor& figures);
 std::string routing_health_summary(const at::Tensor& figures);
 
