@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from titan_testing import SOURCE_DIR, binary, run
+from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
 
 CONFIGS = {
     # name: (hidden, layers, heads, kv heads, head_dim, experts, top_k, expert width, renormalise, tied)
@@ -209,6 +209,42 @@ def test_the_debug_moe_flavor_trains(tmp_path):
                   check=False)
     message = refused.stdout + refused.stderr
     assert refused.returncode != 0 and "parallelism.tensor_parallel_degree = 2 with a Mixture-of-Experts model" in message, message
+
+
+def test_balancing_biases_travel_to_torchtitan_dcp_and_back(tmp_path):
+    """A titan checkpoint of a balanced MoE model holds the biases (model.layers.N.moe.expert_bias); `titan convert
+    --format dcp` writes them where torchtitan's Qwen3 MoE model keeps them, so torch.distributed.checkpoint loads
+    the export into torchtitan's own model state dict (which has no optional keys) with every weight and bias equal.
+    The HF export has no place for them (HF Qwen3-MoE has none)."""
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    dump = tmp_path / "run"
+    run([binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--model.name", "qwen3",
+         "--model.flavor", "debugmodel_moe", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4",
+         "--model.n_kv_heads", "2", "--model.head_dim", "32", "--model.moe_num_experts", "8", "--model.moe_top_k", "2",
+         "--model.moe_inter_dim", "32", "--model.moe_load_balance_coeff", "0.01", "--training.seq_len", "32",
+         "--training.local_batch_size", "4", "--training.steps", "3", "--job.dump_folder", str(dump), "--checkpoint.enable",
+         "--checkpoint.interval", "3", "--checkpoint.no_last_save_model_only"])
+    _, saved = read_checkpoint(dump / "checkpoint" / "step-3")
+    bias = saved["model.layers.1.moe.expert_bias"]
+    assert bias.shape == (8,) and np.abs(bias).max() > 0.005, bias
+    run([binary("titan"), "convert", "--from", str(dump / "checkpoint" / "step-3"), "--to", str(tmp_path / "dcp"), "--format", "dcp"])
+    args = Qwen3ModelArgs(vocab_size=2048, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, moe_enabled=True, moe_inter_dim=32,
+                          moe_args=MoEArgs(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
+                                           score_before_experts=False, use_grouped_mm=False))
+    state = Qwen3Model(args).state_dict()
+    assert "layers.0.moe.expert_bias" in state
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    for key, value in state.items():
+        if "rope_cache" in key or "tokens_per_expert" in key:
+            continue
+        np.testing.assert_array_equal(value.float().numpy(), saved["model." + key], err_msg=key)
+    run([binary("titan"), "convert", "--from", str(dump / "checkpoint" / "step-3"), "--to", str(tmp_path / "hf"), "--format", "hf"])
+    assert not any("bias" in k for k in load_file(str(tmp_path / "hf" / "model.safetensors")))
 
 
 def test_titan_plan_refuses_moe_models_it_does_not_model(tmp_path):

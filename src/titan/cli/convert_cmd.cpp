@@ -82,6 +82,14 @@ void take_weights(Source& s, Get&& get) {
     s.stored = t.scalar_type();
     s.weights.emplace_back(p.name, t);
   }
+  // Untrained state (MoE balancing biases) where the source has it: Hugging Face Qwen3-MoE files do not.
+  for (const auto& b : s.args->buffer_shapes()) {
+    at::Tensor t = get(b.name);
+    if (!t.defined()) continue;
+    if (t.sizes().vec() != b.shape)
+      fail(s.description, ": ", quote(b.name), " has shape ", t.sizes(), ", the model (", s.flavor_name, ") expects ", at::IntArrayRef(b.shape));
+    s.weights.emplace_back(b.name, t.to(at::kFloat));
+  }
 }
 
 Source read_titan(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
@@ -256,6 +264,11 @@ void write_dcp(const Source& s, const std::string& to) {
   std::vector<TensorToWrite> tensors;
   std::vector<ObjectToWrite> objects;
   for (const auto& [name, t] : s.weights) tensors.push_back({name, {name}, t});
+  // torchtitan's MoE models keep their balancing biases in the model state (persistent buffers), zero when the
+  // source had none.
+  for (const auto& b : s.args->buffer_shapes())
+    if (std::none_of(s.weights.begin(), s.weights.end(), [&](const auto& w) { return w.first == b.name; }))
+      tensors.push_back({b.name, {b.name}, at::zeros(b.shape, at::kFloat)});
   // torchtitan's model state dict holds a tied weight under both names (its optimizer state once).
   for (const auto& [alias, stored] : s.args->tied_aliases())
     for (const auto& [name, t] : s.weights)
