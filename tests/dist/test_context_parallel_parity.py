@@ -26,7 +26,6 @@ def cp(degree, rotate="allgather", balancer="headtail", shard=1, replicate=1, tp
 CASES = {
     "cp2_allgather_headtail": (2, 1, cp(2)),
     "cp2_alltoall_headtail": (2, 1, cp(2, "alltoall")),
-    "cp2_allgather_none": (2, 1, cp(2, balancer="None")),
     "cp4_alltoall_headtail": (4, 1, cp(4, "alltoall")),
     "cp4_allgather_none": (4, 1, cp(4, balancer="None")),
     "fsdp2_cp2_alltoall": (4, 2, cp(2, "alltoall", shard=2)),
