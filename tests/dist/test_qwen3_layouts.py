@@ -207,3 +207,27 @@ def test_moe_checkpoint_from_ep2_efsdp2_resumes_on_one_process_and_on_ep4(tmp_pa
     assert any(k.startswith("optimizer.exp_avg.layers.0.moe.experts.w1") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_collapsed_router_trains_on_ep2_or_stops_every_rank_by_name(tmp_path):
+    """Every token's choices forced onto experts 0 and 1 (TITAN_TEST_MOE_COLLAPSE, a test-only switch): one process
+    and EP 2 train the same 4 steps (rank 0's experts receive every token, rank 1's none), and the routing health
+    says so; when rank 0's memory could not hold what it would receive (TITAN_TEST_EXPERT_RECEIVE_LIMIT_BYTES), every
+    rank stops before anything moves, with an error naming the layer, the rank and the counts, not a hang or a kill."""
+    env = {"OMP_NUM_THREADS": "1", "TITAN_TEST_MOE_COLLAPSE": "1"}
+    common = [*COMMON, *MOE, "--training.steps", "4"]
+    one = run([binary("titan"), "train", "--job.dump_folder", str(tmp_path / "one"), *common, "--training.local_batch_size", "2"],
+              env=env, timeout=300)
+    ep = run(mpirun(2) + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "ep"), *common, "--training.local_batch_size", "2",
+                          "--parallelism.expert_parallel_degree", "2"], env=env, timeout=300)
+    assert losses(one.stdout) and losses(ep.stdout) == losses(one.stdout)
+    assert routing_health(one.stdout)[-1].startswith("experts: max 4.00x min 0.00x"), routing_health(one.stdout)
+    limited = run(mpirun(2) + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "limited"), *common,
+                               "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2"],
+                  env={**env, "TITAN_TEST_EXPERT_RECEIVE_LIMIT_BYTES": "100000"}, timeout=300, check=False)
+    message = limited.stdout + limited.stderr
+    assert limited.returncode != 0, message
+    needle = ("expert parallelism: layers.0.moe.experts: the tokens routed to the experts of expert-parallel rank 0 "
+              "(experts 0 to 3) would need about")
+    assert message.count(needle) == 2, message  # both ranks
+    assert "256 token rows (from each rank: 128, 128; per expert: 128, 128, 0, 0)" in message, message

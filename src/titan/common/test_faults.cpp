@@ -54,6 +54,16 @@ std::optional<bool> bf16_products_in_float() {
   fail("TITAN_TEST_BF16_PRODUCTS_IN_FLOAT=", v, ": expected 1 or 0");
 }
 
+bool moe_collapse() {
+  const char* v = variable("TITAN_TEST_MOE_COLLAPSE");
+  return v && std::string(v) == "1";
+}
+
+std::optional<double> expert_receive_limit_bytes() {
+  if (const char* v = variable("TITAN_TEST_EXPERT_RECEIVE_LIMIT_BYTES")) return std::atof(v);
+  return std::nullopt;
+}
+
 bool torch_save_force_zip64() { return variable("TITAN_TEST_TORCH_SAVE_FORCE_ZIP64") != nullptr; }
 
 }  // namespace titan::test_faults

@@ -34,6 +34,13 @@ std::optional<double> available_memory_bytes();
 // CPUs without AVX-512), or not, whatever the CPU (nn/matmul.h).
 std::optional<bool> bf16_products_in_float();
 
+// TITAN_TEST_MOE_COLLAPSE=1: every MoE router sends each token's k-th choice to expert k (expert 0 gets every
+// token): a collapsed router, for the tests of what expert parallelism does then.
+bool moe_collapse();
+
+// TITAN_TEST_EXPERT_RECEIVE_LIMIT_BYTES: the memory each rank says it has for the tokens expert parallelism sends it.
+std::optional<double> expert_receive_limit_bytes();
+
 // TITAN_TEST_TORCH_SAVE_FORCE_ZIP64: torch.save files use ZIP64 records however small (the >4 GiB layout).
 bool torch_save_force_zip64();
 

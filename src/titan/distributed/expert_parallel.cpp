@@ -5,8 +5,10 @@
 // back in arrival order and returned by the reverse all-to-all. Autograd runs the same exchanges backwards.
 #include "titan/distributed/expert_parallel.h"
 
+#include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/common/test_faults.h"
 #include "titan/distributed/functional_collectives.h"
 #include "titan/nn/storage.h"
 
@@ -14,8 +16,8 @@ namespace titan::distributed {
 
 namespace fc = functional;
 
-ExpertParallel::ExpertParallel(std::shared_ptr<Communicator> group, int64_t num_experts)
-    : group_(std::move(group)), num_experts_(num_experts) {
+ExpertParallel::ExpertParallel(std::shared_ptr<Communicator> group, int64_t num_experts, std::function<double()> headroom)
+    : group_(std::move(group)), num_experts_(num_experts), headroom_(std::move(headroom)) {
   if (num_experts_ % group_->size() != 0)
     fail("expert parallelism: ", num_experts_, " experts do not divide over expert_parallel_degree = ", group_->size());
 }
@@ -25,8 +27,12 @@ std::string ExpertParallel::describe() const {
              " of the ", num_experts_, " experts per rank, tokens dispatched and combined by all-to-all");
 }
 
-void ExpertParallel::apply(nn::Unit& experts, const std::vector<at::Tensor>& weights, std::vector<ShardedParameter>& params) {
+void ExpertParallel::apply(const std::string& name, nn::Unit& experts, const std::vector<at::Tensor>& weights,
+                           std::vector<ShardedParameter>& params) {
   const int64_t n = group_->size(), rank = group_->rank(), local = num_experts_ / n;
+  if (weights.empty() || weights[0].dim() != 3) fail("expert parallelism: ", name, " needs its 3-D w1 [experts, hidden, dim] first");
+  // Per received row: the row and its output (dim each), the two hidden projections and their product (hidden each).
+  const int64_t row_elements = 2 * weights[0].size(2) + 3 * weights[0].size(1);
   at::NoGradGuard no_grad;
   for (const at::Tensor& w : weights) {
     ShardedParameter* p = find_parameter(params, w);
@@ -45,18 +51,46 @@ void ExpertParallel::apply(nn::Unit& experts, const std::vector<at::Tensor>& wei
   }
   auto group = group_;
   auto rows_sent = rows_sent_;
-  experts.add_wrapper("expert_parallel", [group, n, rank, local, rows_sent](const nn::Unit::Inputs& inputs, const nn::Context& context,
-                                                                           const nn::Unit::Next& next) {
+  // This rank's headroom, asked at most once a second (reading it may mean reading /proc files).
+  auto headroom = [source = headroom_, cached = std::make_shared<std::pair<double, double>>(-1.0, 0.0)]() -> double {
+    if (const auto limit = test_faults::expert_receive_limit_bytes()) return *limit;
+    if (!source) return -1;  // no check
+    const double now = now_seconds();
+    if (cached->first < 0 || now - cached->first > 1.0) *cached = {now, source()};
+    return cached->second;
+  };
+  experts.add_wrapper("expert_parallel", [group, n, rank, local, rows_sent, name, row_elements, headroom](
+                                             const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     const at::Tensor& x = inputs[0];
     const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
     if (counts.numel() != n * local) fail("internal: expert parallelism got ", counts.numel(), " token counts for ", n * local, " experts");
-    // received[i][e]: rows rank i sends for this rank's local expert e.
-    at::Tensor received = at::empty_like(counts);
+    // Every rank's counts for every expert, and its headroom: each rank can tell what every rank will receive.
+    at::Tensor table;
     {
-      at::Tensor send = counts.to(group->tensor_device()), recv = at::empty_like(send);
-      group->all_to_all(recv, send);
-      received = recv.to(at::kCPU).view({n, local});
+      at::Tensor mine = at::cat({counts, at::full({1}, static_cast<int64_t>(headroom()), at::kLong)}).to(group->tensor_device());
+      at::Tensor all = at::empty({n * (n * local + 1)}, mine.options());
+      group->all_gather_into(all, mine);
+      table = all.to(at::kCPU).view({n, n * local + 1});
     }
+    const int64_t bytes_per_row = row_elements * static_cast<int64_t>(x.element_size());
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t capacity = table[j][n * local].item<int64_t>();
+      const at::Tensor arriving = table.narrow(1, j * local, local);  // [source, local expert of rank j]
+      const int64_t rows = arriving.sum().item<int64_t>();
+      if (capacity >= 0 && rows * bytes_per_row > capacity) {
+        std::vector<int64_t> per_source, per_expert;
+        for (int64_t i = 0; i < n; ++i) per_source.push_back(arriving[i].sum().item<int64_t>());
+        for (int64_t e = 0; e < local; ++e) per_expert.push_back(arriving.select(1, e).sum().item<int64_t>());
+        fail("expert parallelism: ", name, ": the tokens routed to the experts of expert-parallel rank ", j, " (experts ", j * local,
+             " to ", (j + 1) * local - 1, ") would need about ", strprintf("%.1f", rows * bytes_per_row / 1e6), " MB there, more than its ",
+             strprintf("%.1f", capacity / 1e6), " MB of free memory: ", rows, " token rows (from each rank: ", join_ints(per_source),
+             "; per expert: ", join_ints(per_expert), "). The router sends most tokens to few experts (see the experts: max/min "
+             "figures on the log line); a larger load_balance_coeff (model.moe_load_balance_coeff), a smaller batch or "
+             "more memory per rank would help");
+      }
+    }
+    // received[i][e]: rows rank i sends for this rank's local expert e.
+    const at::Tensor received = table.narrow(1, rank * local, local).contiguous();
     const at::Tensor sending = counts.view({n, local});
     std::vector<int64_t> input_rows(static_cast<size_t>(n)), output_rows(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {

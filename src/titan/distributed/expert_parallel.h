@@ -3,7 +3,9 @@
 // combined back by uneven all-to-alls. The module's contract is the MoE layer's: inputs {x [N, dim] sorted by expert,
 // counts int64 [experts]}, output [N, dim] in the same order.
 #pragma once
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "titan/distributed/communicator.h"
@@ -14,13 +16,16 @@ namespace titan::distributed {
 
 class ExpertParallel {
  public:
-  // `num_experts` must divide by the group's size.
-  ExpertParallel(std::shared_ptr<Communicator> group, int64_t num_experts);
+  // `num_experts` must divide by the group's size. `headroom` (may be empty: no check) gives the bytes this rank
+  // can still allocate; it is asked at most once a second.
+  ExpertParallel(std::shared_ptr<Communicator> group, int64_t num_experts, std::function<double()> headroom = {});
 
-  // Shards `weights` (entries of `params`; they may have no storage yet) over the group, rank r keeping experts
-  // [r E / ep, (r + 1) E / ep) (Shard(0)@ep), and wraps `experts` so that it runs its local experts on the tokens
-  // every rank routed to them.
-  void apply(nn::Unit& experts, const std::vector<at::Tensor>& weights, std::vector<ShardedParameter>& params);
+  // Shards `weights` (entries of `params`; they may have no storage yet; w1 [experts, hidden, dim] first) over the
+  // group, rank r keeping experts [r E / ep, (r + 1) E / ep) (Shard(0)@ep), and wraps `experts` (named `name` in
+  // messages) so that it runs its local experts on the tokens every rank routed to them. Before any token moves,
+  // every rank learns every rank's counts and headroom; when the tokens routed to one rank's experts would not fit
+  // in its memory (a collapsed router), every rank fails with an error naming the layer, the rank and the counts.
+  void apply(const std::string& name, nn::Unit& experts, const std::vector<at::Tensor>& weights, std::vector<ShardedParameter>& params);
 
   std::string describe() const;
   // Rows this rank has sent to other ranks in forward dispatches and combines so far (backward sends as many again).
@@ -29,6 +34,7 @@ class ExpertParallel {
  private:
   std::shared_ptr<Communicator> group_;
   int64_t num_experts_;
+  std::function<double()> headroom_;
   std::shared_ptr<int64_t> rows_sent_ = std::make_shared<int64_t>(0);
 };
 

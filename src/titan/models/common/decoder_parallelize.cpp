@@ -8,6 +8,7 @@
 #include "titan/nn/loss.h"
 #include "titan/distributed/context_parallel.h"
 #include "titan/distributed/ddp.h"
+#include "titan/components/metrics/memory.h"
 #include "titan/distributed/expert_parallel.h"
 #include "titan/distributed/fsdp.h"
 #include "titan/distributed/loss_parallel.h"
@@ -237,10 +238,18 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   const std::vector<int64_t> blocks = block_indices(part, n);
   std::vector<const nn::Unit*> expert_modules;  // sharded over expert parallelism's ranks
   if (dims.ep > 1) {
-    distributed::ExpertParallel ep(mesh.get("ep"), model.args().moe->num_experts);
+    // On a CPU a collapsed router could push one rank past its memory, where the kernel kills the process: the
+    // dispatch checks the machine's spare memory first. (On a GPU an allocation that fails is an error already, and
+    // free device memory leaves out what LibTorch's allocator holds in its cache.)
+    std::function<double()> headroom;
+    if (fsdp.device.is_cpu())
+      headroom = [local = distributed::detect_launch().local_world_size] {
+        return metrics::available_memory(at::Device(at::kCPU), local).bytes - static_cast<double>(metrics::current_rss_bytes());
+      };
+    distributed::ExpertParallel ep(mesh.get("ep"), model.args().moe->num_experts, headroom);
     for (int64_t i : blocks) {
       auto& experts = *model.layers[static_cast<size_t>(i)]->moe->experts;
-      ep.apply(experts, {experts.w1, experts.w2, experts.w3}, out.parameters);
+      ep.apply(cat("layers.", i, ".moe.experts"), experts, {experts.w1, experts.w2, experts.w3}, out.parameters);
       expert_modules.push_back(&experts);
     }
     out.description.push_back(ep.describe());

@@ -9,6 +9,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/common/test_faults.h"
 #include "titan/nn/autocast.h"
 #include "titan/nn/matmul.h"
 
@@ -151,6 +152,8 @@ Routing Router::route(const at::Tensor& x, const at::Tensor& bias, const nn::Con
       choice = grouped.masked_fill(dropped.unsqueeze(-1), -std::numeric_limits<float>::infinity()).view({tokens, experts});
     }
     selected = std::get<1>(choice.topk(args_.top_k, -1));
+    if (test_faults::moe_collapse())
+      selected = at::arange(args_.top_k, selected.options()).expand({tokens, args_.top_k}).contiguous();
     if (args_.force_load_balance)
       selected = at::remainder(at::arange(tokens * args_.top_k, selected.options()), experts).view({tokens, args_.top_k});
   }
