@@ -64,7 +64,7 @@ def test_bad_input_is_a_clear_error(tmp_path):
     expect_user_error(["--job.config_file", str(bad)], "bad.toml:3", "local_batchsize", "training.local_batch_size")
     expect_user_error(["--optimizer.lr", "fast"], "optimizer.lr expects a number", '"fast"')
     expect_user_error(["--parallelism.expert_parallel_degree", "2", "--job.dump_folder", str(tmp_path)],
-                      "expert_parallel_degree = 2", "not supported yet")
+                      "expert_parallel_degree = 2 must divide the ranks it borrows", "data_parallel_shard_degree (1)")
     expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin"],
                       "c4_test", "--training.dataset_path")
     expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", str(tmp_path / "nope"),

@@ -3,7 +3,8 @@ trainer and parallelisms as Llama 3, on real MPI ranks against one process at th
 TP 2 x FSDP 2, PP 2 (1F1B) and CP 2, with full, per-layer and op-level activation checkpointing among them, give the
 same losses, gradient norms and learning rates (1e-5 relative) over 10 float32 steps; a checkpoint saved on
 TP 2 x FSDP 2 resumes on one process and continues as the uninterrupted run does. Qwen3-MoE with load balancing likewise
-on FSDP 2, expert parallelism (EP 2 x efsdp 2, EP 4, HSDP 2 x EP 2, CP 2 x EP 2, PP 2 x EP 2) and zero-bubble PP 2, and a checkpoint saved under EP 2 x efsdp 2
+on FSDP 2, expert parallelism (EP 2 x efsdp 2, EP 4, HSDP 2 x EP 2, CP 2 x EP 2, PP 2 x EP 2), zero-bubble PP 2 and
+tensor parallelism (TP 2 x FSDP 2, TP 2 x EP 2 with ETP 1, FSDP 4 x TP 2 x EP 2 with ETP 2), and a checkpoint saved under EP 2 x efsdp 2
 resumes on one process and on EP 4 with the same weights, AdamW moments and balancing biases."""
 import json
 import os
@@ -137,6 +138,16 @@ MOE_CASES = {  # name: (ranks, data-parallel ranks, options)
                                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "4"]),
     "pp2_zero_bubble": (2, 1, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
                                "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4"]),
+    # Tensor parallelism: the experts' hidden units split over TP, the router whole.
+    "tp2_fsdp2_full_ac": (4, 2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4",
+                                 "--activation_checkpoint.mode", "full"]),
+    # EP borrowing the TP ranks (torchtitan's default ETP 1): each TP rank dispatches its share of the routed rows.
+    "tp2_ep2_etp1_op_ac": (4, 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                                  "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                                  "--activation_checkpoint.selective_ac_option", "op"]),
+    # Eight ranks: FSDP 4 x TP 2, each expert split over TP (ETP 2) and the experts over EP 2 (efsdp 2).
+    "fsdp4_tp2_ep2_etp2": (8, 4, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                                  "--parallelism.expert_tensor_parallel_degree", "2", "--training.local_batch_size", "2"]),
 }
 
 

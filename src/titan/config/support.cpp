@@ -13,9 +13,8 @@ SupportReport check_supported(const LoadedConfig& loaded) {
     r.errors.push_back(cat(key, " = ", value, " ", loaded.where(key), ": ", what, " is not supported yet"));
   };
   const auto& p = c.parallelism;
-  // Expert parallelism itself is checked against the model (models/common/decoder_parallelize.cpp).
-  if (p.expert_tensor_parallel_degree > 1)
-    not_yet("parallelism.expert_tensor_parallel_degree", std::to_string(p.expert_tensor_parallel_degree), "expert tensor parallelism");
+  // Expert parallelism and its tensor-parallel degree are checked against the mesh (distributed/parallel_dims.cpp)
+  // and the model (models/common/decoder_parallelize.cpp).
   if (p.expert_parallel_degree > 1 && p.expert_parallel_comm_backend != "standard")
     not_yet("parallelism.expert_parallel_comm_backend", quote(p.expert_parallel_comm_backend),
             "an expert-parallel backend other than \"standard\" (all-to-all through the communicator)");

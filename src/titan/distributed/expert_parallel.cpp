@@ -121,4 +121,23 @@ void ExpertParallel::apply(const std::string& name, nn::Unit& experts, const std
   });
 }
 
+void split_routed_rows(nn::Unit& experts, std::shared_ptr<Communicator> tp_group) {
+  const int64_t n = tp_group->size(), rank = tp_group->rank();
+  experts.add_wrapper("expert_parallel_row_split", [n, rank](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                             const nn::Unit::Next& next) {
+    const at::Tensor& x = inputs[0];
+    const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
+    const int64_t* c = counts.data_ptr<int64_t>();
+    std::vector<int64_t> rows, mine(static_cast<size_t>(counts.numel()));
+    for (int64_t e = 0, start = 0; e < counts.numel(); start += c[e], ++e) {
+      const Range share = chunk(c[e], n, rank);
+      mine[static_cast<size_t>(e)] = share.length;
+      for (int64_t j = 0; j < share.length; ++j) rows.push_back(start + share.begin + j);
+    }
+    const at::Tensor index = at::tensor(rows, at::kLong).to(x.device());
+    const at::Tensor out = next({x.index_select(0, index), at::tensor(mine, at::kLong)}, context);
+    return at::zeros({x.size(0), out.size(1)}, out.options()).index_copy(0, index, out);
+  });
+}
+
 }  // namespace titan::distributed

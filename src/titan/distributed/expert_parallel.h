@@ -38,4 +38,10 @@ class ExpertParallel {
   std::shared_ptr<int64_t> rows_sent_ = std::make_shared<int64_t>(0);
 };
 
+// Expert parallelism that borrows the tensor-parallel ranks (torchtitan's ETP 1): inside a tensor-parallel partial
+// region every TP rank routes the same tokens, so each takes its share of them -- chunk t of every expert's rows on TP
+// rank t -- before the dispatch, and returns zeros for the rows the other TP ranks handle: the region's output is the
+// sum over the TP ranks. Wrap `experts` with this after ExpertParallel::apply.
+void split_routed_rows(nn::Unit& experts, std::shared_ptr<Communicator> tp_group);
+
 }  // namespace titan::distributed

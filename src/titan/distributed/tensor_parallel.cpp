@@ -113,6 +113,15 @@ void TensorParallel::rowwise_embedding(nn::Unit& module, at::Tensor& weight, Pla
   });
 }
 
+void TensorParallel::partial_region(nn::Unit& module) {
+  auto group = group_;
+  module.add_wrapper("tp_partial_region", [group](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
+    nn::Unit::Inputs in = inputs;
+    in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
+    return fc::reduce_scatter(next(in, context), 1, group);
+  });
+}
+
 void TensorParallel::sequence_parallel(nn::Unit& module, at::Tensor& weight) {
   // The weight's gradient on each rank covers its own sequence shard: reduce_replicated_gradients sums them.
   replicate(weight);

@@ -44,6 +44,15 @@ class TensorParallel {
   // Exact because the module treats batch elements independently (attention, feed-forward).
   void sequence_parallel_region(nn::Unit& module, nn::Unit& rowwise_output, int64_t overlap_chunks = 1);
 
+  // A module whose output is a sum over the ranks of their own shares (torchtitan's MoE plan: the routed experts'
+  // hidden dimension and the shared experts split, the router whole): its first input is all-gathered over the
+  // sequence (Shard(1) -> Replicate; backward reduce-scatters the partial gradients) and its partial output
+  // reduce-scattered back into sequence shards (Partial -> Shard(1)). The weights inside are placed with `split`
+  // and `replicated_partial`.
+  void partial_region(nn::Unit& module);
+  // `weight` split along `dim` (Shard(dim)@tp) inside a partial region, with no communication of its own.
+  void split(at::Tensor& weight, int64_t dim) { shard(weight, dim); }
+
   const std::shared_ptr<Communicator>& group() const { return group_; }
   // The first vocabulary (or output feature) index this rank holds of a dimension of `size` entries.
   int64_t shard_begin(int64_t size) const;

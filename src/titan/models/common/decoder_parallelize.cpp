@@ -29,7 +29,7 @@ void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vecto
   };
   require(args.n_heads, "model n_heads (query heads)");
   require(args.kv_heads(), "model n_kv_heads (key/value heads)");
-  require(args.ffn_hidden_dim(), "the feed-forward hidden dimension");
+  if (!args.moe) require(args.ffn_hidden_dim(), "the feed-forward hidden dimension");
   require(args.vocab_size, "the vocabulary size");
   // Sequence parallelism splits every sequence between the blocks.
   for (const auto& [name, length] : seq_lens) require(length, name);
@@ -56,12 +56,10 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
     fail("parallelism.expert_parallel_degree = ", dims.ep, " needs a Mixture-of-Experts model; model.flavor ",
          quote(config.model.flavor), " has no experts");
   if (args.moe) {
-    // Mixture-of-Experts models run on one process, under data parallelism (FSDP, HSDP, DDP) and expert parallelism
-    // so far (docs/moe.md).
-    if (dims.tp > 1)
-      fail("parallelism.tensor_parallel_degree = ", dims.tp, " with a Mixture-of-Experts model (model.flavor ", quote(config.model.flavor),
-           "): MoE models run under data, expert, pipeline and context parallelism (FSDP, HSDP, DDP, EP, PP, CP) so far, "
-           "not tensor parallelism");
+    // Mixture-of-Experts models run under every parallelism (docs/moe.md).
+    if (dims.tp > 1 && args.moe->hidden_dim % dims.tp != 0)
+      fail("parallelism.tensor_parallel_degree = ", dims.tp, ": the experts' hidden dimension (moe_inter_dim) = ",
+           args.moe->hidden_dim, " does not divide by ", dims.tp, "; pick a degree that divides it");
     if (dims.ep > 1 && args.moe->num_experts % dims.ep != 0)
       fail("parallelism.expert_parallel_degree = ", dims.ep, " does not divide the model's ", args.moe->num_experts,
            " experts (model.flavor ", quote(config.model.flavor), "); each expert-parallel rank holds an equal share");
@@ -129,8 +127,10 @@ namespace {
 // norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split),
 // wo/w2 row-wise back into sequence shards; the final norm sequence-parallel; the output column-wise, its logits
 // left vocabulary-sharded for loss parallelism or gathered.
+// `split_experts`: the routed experts' hidden dimension over TP (no EP, or EP with ETP = TP); false when EP borrows
+// the TP ranks (ETP 1: each rank's experts whole, the routed rows split over TP instead).
 void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed::TensorParallel& tp, bool loss_parallel,
-                           int64_t overlap_chunks) {
+                           int64_t overlap_chunks, bool split_experts) {
   const Placement replicate = Placement::replicate(), sequence = Placement::shard(1), features = Placement::shard(-1);
   if (part.contains(0)) tp.rowwise_embedding(*model.tok_embeddings, model.tok_embeddings->weight, sequence);
   for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
@@ -147,6 +147,25 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
     }
     tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
     tp.sequence_parallel(*block->ffn_norm, block->ffn_norm->weight);
+    if (block->moe) {
+      // torchtitan's MoE plan: every rank routes all tokens alike (the router whole, its gradient a partial sum) and
+      // computes its share of every expert's hidden units (w1/w3 on their hidden dimension, w2 on its input), the
+      // shared experts column- and row-wise; the layer's output is the sum over the ranks.
+      auto& moe = *block->moe;
+      tp.replicated_partial(moe.router->gate->weight);
+      if (split_experts) {
+        tp.split(moe.experts->w1, 1);
+        tp.split(moe.experts->w3, 1);
+        tp.split(moe.experts->w2, 2);
+      }
+      if (moe.shared_experts) {
+        tp.split(moe.shared_experts->w1->weight, 0);
+        tp.split(moe.shared_experts->w3->weight, 0);
+        tp.split(moe.shared_experts->w2->weight, 1);
+      }
+      tp.partial_region(moe);
+      continue;
+    }
     auto& ffn = *block->feed_forward;
     tp.colwise(*ffn.w1, ffn.w1->weight, replicate, features);
     tp.colwise(*ffn.w3, ffn.w3->weight, replicate, features);
@@ -193,7 +212,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     const bool loss_parallel = !p.disable_loss_parallel;
     // Async TP: attention and feed-forward run on batch slices with their sequence collectives in the background.
     const int64_t overlap_chunks = p.enable_async_tensor_parallel ? kAsyncTensorParallelSlices : 1;
-    apply_tensor_parallel(model, part, tp, loss_parallel, overlap_chunks);
+    apply_tensor_parallel(model, part, tp, loss_parallel, overlap_chunks, !(dims.ep > 1 && dims.etp == 1));
     if (loss_parallel) {
       const int64_t vocab_begin = tp.shard_begin(model.args().vocab_size);
       auto group = mesh.get("tp");
@@ -250,6 +269,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     for (int64_t i : blocks) {
       auto& experts = *model.layers[static_cast<size_t>(i)]->moe->experts;
       ep.apply(cat("layers.", i, ".moe.experts"), experts, {experts.w1, experts.w2, experts.w3}, out.parameters);
+      if (dims.tp > 1 && dims.etp == 1) distributed::split_routed_rows(experts, mesh.get("tp"));
       expert_modules.push_back(&experts);
     }
     out.description.push_back(ep.describe());
