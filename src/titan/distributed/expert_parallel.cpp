@@ -5,6 +5,8 @@
 // back in arrival order and returned by the reverse all-to-all. Autograd runs the same exchanges backwards.
 #include "titan/distributed/expert_parallel.h"
 
+#include <ATen/autocast_mode.h>
+
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
@@ -61,7 +63,10 @@ void ExpertParallel::apply(const std::string& name, nn::Unit& experts, const std
   };
   experts.add_wrapper("expert_parallel", [group, n, rank, local, rows_sent, name, row_elements, headroom](
                                              const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
-    const at::Tensor& x = inputs[0];
+    // Under autocast the experts compute in its dtype anyway: the rows travel in it (half the bytes of float32).
+    at::Tensor x = inputs[0];
+    if (at::autocast::is_autocast_enabled(x.device().type()) && at::isFloatingType(x.scalar_type()))
+      x = x.to(at::autocast::get_autocast_dtype(x.device().type()));
     const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
     if (counts.numel() != n * local) fail("internal: expert parallelism got ", counts.numel(), " token counts for ", n * local, " experts");
     // Every rank's counts for every expert, and its headroom: each rank can tell what every rank will receive.
