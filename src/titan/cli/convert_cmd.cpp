@@ -173,6 +173,7 @@ Source read_hf(const std::string& from, const std::string& model_name, const std
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& p : s.args->parameter_shapes()) shapes[p.name] = p.shape;
   take_weights(s, [&](const std::string& name) {
+    if (!shapes.count(name)) return at::Tensor();  // state HF files do not hold (MoE balancing biases)
     at::Tensor t = at::empty(shapes.at(name), at::TensorOptions().dtype(reader.dtype(name)));
     reader.read_box(name, std::vector<int64_t>(t.dim(), 0), t);
     return t;
