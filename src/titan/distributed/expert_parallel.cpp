@@ -52,7 +52,6 @@ void ExpertParallel::apply(const std::string& name, nn::Unit& experts, const std
     }
   }
   auto group = group_;
-  auto rows_sent = rows_sent_;
   // This rank's headroom, asked at most once a second (reading it may mean reading /proc files).
   auto headroom = [source = headroom_, cached = std::make_shared<std::pair<double, double>>(-1.0, 0.0)]() -> double {
     if (const auto limit = test_faults::expert_receive_limit_bytes()) return *limit;
@@ -61,7 +60,7 @@ void ExpertParallel::apply(const std::string& name, nn::Unit& experts, const std
     if (cached->first < 0 || now - cached->first > 1.0) *cached = {now, source()};
     return cached->second;
   };
-  experts.add_wrapper("expert_parallel", [group, n, rank, local, rows_sent, name, row_elements, headroom](
+  experts.add_wrapper("expert_parallel", [group, n, rank, local, name, row_elements, headroom](
                                              const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     // Under autocast the experts compute in its dtype anyway: the rows travel in it (half the bytes of float32).
     at::Tensor x = inputs[0];
@@ -101,7 +100,6 @@ void ExpertParallel::apply(const std::string& name, nn::Unit& experts, const std
     for (int64_t i = 0; i < n; ++i) {
       input_rows[static_cast<size_t>(i)] = sending[i].sum().item<int64_t>();
       output_rows[static_cast<size_t>(i)] = received[i].sum().item<int64_t>();
-      if (i != rank) *rows_sent += input_rows[static_cast<size_t>(i)];
     }
     const at::Tensor arrived = fc::all_to_all_rows(x, output_rows, input_rows, group);
     // Arrival order is (source, expert); the experts want (expert, source).
@@ -120,8 +118,6 @@ void ExpertParallel::apply(const std::string& name, nn::Unit& experts, const std
     const at::Tensor inverse = at::empty_like(index).scatter_(0, index, at::arange(index.numel(), index.options()));
     const at::Tensor local_counts = received.sum(0);
     const at::Tensor out = next({arrived.index_select(0, index), local_counts}, context);
-    for (int64_t i = 0; i < n; ++i)
-      if (i != rank) *rows_sent += output_rows[static_cast<size_t>(i)];
     return fc::all_to_all_rows(out.index_select(0, inverse), input_rows, output_rows, group);
   });
 }

@@ -28,14 +28,11 @@ class ExpertParallel {
   void apply(const std::string& name, nn::Unit& experts, const std::vector<at::Tensor>& weights, std::vector<ShardedParameter>& params);
 
   std::string describe() const;
-  // Rows this rank has sent to other ranks in forward dispatches and combines so far (backward sends as many again).
-  int64_t rows_sent() const { return *rows_sent_; }
 
  private:
   std::shared_ptr<Communicator> group_;
   int64_t num_experts_;
   std::function<double()> headroom_;
-  std::shared_ptr<int64_t> rows_sent_ = std::make_shared<int64_t>(0);
 };
 
 // Expert parallelism that borrows the tensor-parallel ranks (torchtitan's ETP 1): inside a tensor-parallel partial

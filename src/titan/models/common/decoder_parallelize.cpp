@@ -255,7 +255,6 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   }
 
   const std::vector<int64_t> blocks = block_indices(part, n);
-  std::vector<const nn::Unit*> expert_modules;  // sharded over expert parallelism's ranks
   if (dims.ep > 1) {
     // On a CPU a collapsed router could push one rank past its memory, where the kernel kills the process: the
     // dispatch checks the machine's spare memory first. (On a GPU an allocation that fails is an error already, and
@@ -270,7 +269,6 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
       auto& experts = *model.layers[static_cast<size_t>(i)]->moe->experts;
       ep.apply(cat("layers.", i, ".moe.experts"), experts, {experts.w1, experts.w2, experts.w3}, out.parameters);
       if (dims.tp > 1 && dims.etp == 1) distributed::split_routed_rows(experts, mesh.get("tp"));
-      expert_modules.push_back(&experts);
     }
     out.description.push_back(ep.describe());
   }
