@@ -6,7 +6,12 @@
 // Float8 linears (nn/float8.h, every recipe) against LibTorch's bf16 linear, forward and backward: on the CPU emulated
 // (float8 values, float32 matmuls: expected slower than bf16), on CUDA through at::_scaled_mm where the GPU has it.
 //
+// MoE grouped matrix products (kernels/grouped_mm.h) against the per-expert loop of ATen products the model runs
+// without them, at debugmodel_moe's and 30B-A3B's expert shapes with tokens routed at random (uneven groups); bf16 on
+// AMX and, for comparison, in float32 vectors.
+//
 // usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512|avx512bf16] [--device cpu|cuda]
+//                            [--only attention,elementwise,loss,float8,grouped]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -24,6 +29,7 @@
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/fused_ops.h"
+#include "titan/kernels/grouped_mm.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
 #include "titan/nn/float8.h"
@@ -137,6 +143,46 @@ void loss(at::ScalarType dtype, int64_t tokens, int64_t dim, int64_t vocab) {
          fused, aten, 6.0 * static_cast<double>(tokens) * static_cast<double>(dim) * static_cast<double>(vocab));
 }
 
+// One expert linear [experts, out, in] over tokens routed top_k at random: forward, input gradient and weight
+// gradient, titan's grouped kernels against one ATen product per expert.
+void grouped(at::ScalarType dtype, int64_t tokens, int64_t experts, int64_t top_k, int64_t in, int64_t out) {
+  const at::Tensor choice = std::get<1>(at::rand({tokens, experts}).topk(top_k, 1)).flatten();
+  const at::Tensor counts = at::bincount(choice, {}, experts).to(at::kLong);
+  const int64_t rows = tokens * top_k;
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const at::Tensor x = at::randn({rows, in}, opts), w = at::randn({experts, out, in}, opts) * 0.02;
+  const at::Tensor g = at::randn({rows, out}, opts);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  at::NoGradGuard no_grad;
+  const auto fused = [&] {
+    titan::kernels::grouped_linear(x, w, counts);
+    titan::kernels::grouped_linear_input_grad(g, w, counts);
+    titan::kernels::grouped_linear_weight_grad(g, x, counts);
+  };
+  const double aten = median_ms([&] {
+    at::Tensor y = at::empty({rows, out}, opts), dx = at::empty({rows, in}, opts), dw = at::zeros_like(w);
+    for (int64_t e = 0, start = 0; e < experts; start += count[e], ++e) {
+      if (count[e] == 0) continue;
+      const at::Tensor xe = x.narrow(0, start, count[e]), ge = g.narrow(0, start, count[e]);
+      at::Tensor ye = y.narrow(0, start, count[e]), dxe = dx.narrow(0, start, count[e]), dwe = dw[e];
+      at::mm_out(ye, xe, w[e].t());
+      at::mm_out(dxe, ge, w[e]);
+      at::mm_out(dwe, ge.t(), xe);
+    }
+  });
+  const double flops = 6.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
+  const std::string name = std::string(dtype == at::kFloat ? "fp32" : "bf16") + " grouped " + std::to_string(experts) + "x" +
+                           std::to_string(out) + "x" + std::to_string(in) + " " + std::to_string(rows) + " rows";
+  if (dtype == at::kBFloat16 && titan::kernels::grouped_mm_uses_amx()) {
+    report(name + " AMX", median_ms(fused), aten, flops);
+    titan::kernels::set_grouped_mm_amx(false);
+    report(name + " vectors", median_ms(fused), aten, flops);
+    titan::kernels::set_grouped_mm_amx(std::nullopt);
+  } else {
+    report(name, median_ms(fused), aten, flops);
+  }
+}
+
 void float8_linear(int64_t tokens, int64_t k, int64_t n) {
   auto opts = at::TensorOptions().dtype(at::kBFloat16).device(g_device);
   const bool emulate = !titan::nn::float8::has_float8_matmul(g_device, nullptr);
@@ -166,10 +212,12 @@ titan::kernels::Isa isa_named(const std::string& name) {
 
 int main(int argc, char** argv) {
   int threads = 2;
+  std::string only = "attention,elementwise,loss,float8,grouped";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) g_repeats = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--isa")) titan::kernels::set_cpu_isa(isa_named(argv[i + 1]));
+    else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
     else if (!std::strcmp(argv[i], "--device")) {
       if (std::strcmp(argv[i + 1], "cpu") && std::strcmp(argv[i + 1], "cuda")) {
         std::fprintf(stderr, "--device %s: expected cpu or cuda\n", argv[i + 1]);
@@ -203,15 +251,26 @@ int main(int argc, char** argv) {
   }
   std::printf("titan fused CPU kernels (%s copy) against ATen, %d threads, median of %d\n",
               titan::kernels::isa_name(titan::kernels::cpu_isa()).c_str(), threads, g_repeats);
+  const auto wanted = [&](const char* section) { return ("," + only + ",").find(std::string(",") + section + ",") != std::string::npos; };
   for (auto dtype : {at::kBFloat16, at::kFloat}) {
-    attention(dtype, 8, 16, 16, 512, 16);   // debug model, 8 x 512
-    attention(dtype, 4, 12, 4, 512, 64);    // 100M flavor, 4 x 512
-    attention(dtype, 1, 12, 4, 2048, 64);   // 100M flavor, 1 x 2048
-    attention(dtype, 1, 8, 2, 1024, 128);   // Llama 3 8B's head_dim
-    elementwise(dtype, 4096, 768, 2048, 12, 64);
-    loss(dtype, 2048, 256, 32768);
+    if (wanted("attention")) {
+      attention(dtype, 8, 16, 16, 512, 16);   // debug model, 8 x 512
+      attention(dtype, 4, 12, 4, 512, 64);    // 100M flavor, 4 x 512
+      attention(dtype, 1, 12, 4, 2048, 64);   // 100M flavor, 1 x 2048
+      attention(dtype, 1, 8, 2, 1024, 128);   // Llama 3 8B's head_dim
+    }
+    if (wanted("elementwise")) elementwise(dtype, 4096, 768, 2048, 12, 64);
+    if (wanted("loss")) loss(dtype, 2048, 256, 32768);
+    if (wanted("grouped")) {
+      grouped(dtype, 8192, 1, 1, 256, 768);
+      grouped(dtype, 1024, 64, 8, 256, 768);   // debugmodel_moe's w1 (and w3), 4 x 256 tokens
+      grouped(dtype, 1024, 64, 8, 768, 256);   // its w2
+      grouped(dtype, 2048, 128, 8, 2048, 768); // 30B-A3B's w1, 2,048 tokens (16 rows per expert on average)
+    }
   }
-  float8_linear(2048, 768, 2048);   // the 100M flavor's feed-forward, 2 x 1024 tokens
-  float8_linear(2048, 1024, 4096);
+  if (wanted("float8")) {
+    float8_linear(2048, 768, 2048);   // the 100M flavor's feed-forward, 2 x 1024 tokens
+    float8_linear(2048, 1024, 4096);
+  }
   return 0;
 }

@@ -7,8 +7,10 @@
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/fused_ops.h"
+#include "titan/kernels/grouped_mm.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
+#include "titan/models/common/moe.h"
 #include "titan/nn/autocast.h"
 #include "titan/nn/unit.h"
 
@@ -393,10 +395,123 @@ TEST(FusedKernels, FirstCallComparisonAgreesOnCorrectKernels) {
   EXPECT_THROW(compare_with_aten(Op::swiglu, {at::ones({2})}), c10::Error);
 }
 
+// The grouped products against a per-expert loop of ATen matmuls in float64: uneven groups, empty groups (first,
+// middle and last), sizes that fill no tile exactly, every instruction-set copy, and bf16 both on AMX (where the CPU
+// has it) and in float32 vectors.
+void check_grouped(at::ScalarType dtype, const std::vector<int64_t>& group_rows, int64_t in, int64_t out) {
+  const auto experts = static_cast<int64_t>(group_rows.size());
+  const at::Tensor counts = at::tensor(group_rows, at::kLong);
+  const int64_t rows = counts.sum().item<int64_t>();
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const at::Tensor x = at::randn({rows, in}, opts), w = at::randn({experts, out, in}, opts) / 4;
+  const at::Tensor g = at::randn({rows, out}, opts);
+  const at::Tensor y = titan::kernels::grouped_linear(x, w, counts);
+  const at::Tensor dx = titan::kernels::grouped_linear_input_grad(g, w, counts);
+  const at::Tensor dw = titan::kernels::grouped_linear_weight_grad(g, x, counts);
+  at::Tensor y_ref = at::zeros({rows, out}, at::kDouble), dx_ref = at::zeros({rows, in}, at::kDouble);
+  at::Tensor dw_ref = at::zeros({experts, out, in}, at::kDouble);
+  const at::Tensor xd = x.to(at::kDouble), wd = w.to(at::kDouble), gd = g.to(at::kDouble);
+  for (int64_t e = 0, start = 0; e < experts; start += group_rows[e], ++e) {
+    if (group_rows[e] == 0) continue;
+    const at::Tensor xe = xd.narrow(0, start, group_rows[e]), ge = gd.narrow(0, start, group_rows[e]);
+    y_ref.narrow(0, start, group_rows[e]).copy_(at::mm(xe, wd[e].t()));
+    dx_ref.narrow(0, start, group_rows[e]).copy_(at::mm(ge, wd[e]));
+    dw_ref[e].copy_(at::mm(ge.t(), xe));
+  }
+  EXPECT_EQ(y.scalar_type(), dtype);
+  EXPECT_EQ(dw.sizes(), w.sizes());
+  // float32: sums of up to a few hundred products, each rounded once.
+  const double tol = dtype == at::kFloat ? 1e-5 : tolerance(dtype);
+  if (rows > 0) {
+    EXPECT_LT(relative_error(y, y_ref), tol);
+    EXPECT_LT(relative_error(dx, dx_ref), tol);
+    EXPECT_LT(relative_error(dw, dw_ref), tol);
+  }
+  EXPECT_EQ(y.size(0), rows);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (group_rows[e] == 0) {
+      EXPECT_EQ(dw[e].abs().max().item<double>(), 0.0) << "expert " << e << " received no rows";
+    }
+  }
+}
+
+TEST(FusedKernels, GroupedMatmulMatchesPerExpertLoopInFloat64) {
+  at::manual_seed(5);
+  for (Isa isa : runnable_isas()) {
+    IsaGuard guard(isa);
+    std::vector<bool> amx_modes{false};
+    if (isa == Isa::avx512bf16) {
+      titan::kernels::set_grouped_mm_amx(std::nullopt);
+      if (titan::kernels::grouped_mm_uses_amx()) amx_modes.push_back(true);
+    }
+    for (bool amx : amx_modes) {
+      titan::kernels::set_grouped_mm_amx(amx);
+      for (auto dtype : {at::kFloat, at::kBFloat16}) {
+        SCOPED_TRACE(testing::Message() << "isa " << titan::kernels::isa_name(isa) << (amx ? " amx " : " ") << dtype);
+        check_grouped(dtype, {0, 7, 33, 0, 1, 70}, 45, 37);
+        check_grouped(dtype, {64, 64}, 64, 96);            // every tile full
+        check_grouped(dtype, {3, 0, 130, 5}, 200, 17);     // a deep product and a narrow output
+        check_grouped(dtype, {0, 0, 0}, 16, 16);           // no rows at all
+      }
+    }
+    titan::kernels::set_grouped_mm_amx(std::nullopt);
+  }
+}
+
+TEST(FusedKernels, GroupedMatmulRefusesBadCounts) {
+  const at::Tensor x = at::randn({5, 8}), w = at::randn({2, 4, 8});
+  EXPECT_THROW(titan::kernels::grouped_linear(x, w, at::tensor(std::vector<int64_t>{2, 2}, at::kLong)), c10::Error);  // 4 != 5
+  EXPECT_THROW(titan::kernels::grouped_linear(x, w, at::tensor(std::vector<int64_t>{2, 2, 1}, at::kLong)), c10::Error);
+  EXPECT_THROW(titan::kernels::grouped_linear(x, w, at::tensor(std::vector<int64_t>{6, -1}, at::kLong)), c10::Error);
+  EXPECT_THROW(titan::kernels::grouped_linear(x.to(at::kBFloat16), w, at::tensor(std::vector<int64_t>{2, 3}, at::kLong)),
+               c10::Error);
+}
+
+// The MoE layer under bf16 autocast runs its experts through the grouped kernels; with training.fused_kernels off it
+// runs the per-expert loop of ATen products. Both give the same outputs and gradients within bf16's rounding.
+TEST(FusedKernels, MoeLayerInBf16MatchesThePerExpertLoop) {
+  if (!titan::kernels::grouped_mm_enabled(at::kBFloat16)) GTEST_SKIP() << "TITAN_CPU_GROUPED_MM=0";
+  at::manual_seed(11);
+  titan::models::MoEArgs args;
+  args.num_experts = 8, args.top_k = 2, args.hidden_dim = 48, args.num_shared_experts = 0;
+  args.load_balance_coeff.reset();
+  constexpr int64_t dim = 64;
+  titan::models::MoE moe(dim, args, {});
+  {
+    at::NoGradGuard no_grad;
+    for (auto& item : moe.named_parameters()) item.value().normal_(0, 0.1);
+  }
+  const at::Tensor x = at::randn({2, 37, dim}), grad = at::randn({2, 37, dim});
+  std::vector<at::Tensor> outputs, input_grads, w1_grads;
+  for (bool fused : {true, false}) {
+    titan::kernels::set_fused_kernels_enabled(fused);
+    moe.zero_grad();
+    const at::Tensor xi = x.clone().requires_grad_(true);
+    at::Tensor y;
+    {
+      titan::nn::AutocastRegion autocast(titan::nn::AutocastState::enabled_for(at::kCPU, at::kBFloat16));
+      y = moe(xi, titan::nn::Context{});
+    }
+    y.backward(grad.to(y.scalar_type()));
+    outputs.push_back(y.to(at::kFloat));
+    input_grads.push_back(xi.grad());
+    w1_grads.push_back(moe.experts->w1.grad().clone());
+  }
+  titan::kernels::set_fused_kernels_enabled(true);
+  EXPECT_LT(relative_error(outputs[0], outputs[1]), 2e-2);
+  EXPECT_LT(relative_error(input_grads[0], input_grads[1]), 2e-2);
+  EXPECT_LT(relative_error(w1_grads[0], w1_grads[1]), 2e-2);
+}
+
 TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {
   using titan::kernels::fused_kernel_applies;
   using titan::kernels::Op;
   auto x = at::randn({2, 3});
+  // The grouped products: bf16 only unless TITAN_CPU_GROUPED_MM says otherwise (float32 stays on LibTorch's products).
+  if (!std::getenv("TITAN_CPU_GROUPED_MM")) {
+    EXPECT_FALSE(fused_kernel_applies(Op::grouped_mm, {x, x}));
+    EXPECT_TRUE(fused_kernel_applies(Op::grouped_mm, {x.to(at::kBFloat16), x.to(at::kBFloat16)}));
+  }
   for (Op op : {Op::attention, Op::rms_norm, Op::swiglu, Op::rope, Op::cross_entropy}) {
     EXPECT_TRUE(fused_kernel_applies(op, {x, x}));
     EXPECT_TRUE(fused_kernel_applies(op, {x.to(at::kBFloat16)}));
@@ -407,6 +522,7 @@ TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {
     EXPECT_FALSE(fused_kernel_applies(op, {x.to(at::kMeta)}));      // neither the CPU nor a CUDA GPU
     titan::kernels::set_fused_kernels_enabled(false);
     EXPECT_FALSE(fused_kernel_applies(op, {x}));
+    EXPECT_FALSE(fused_kernel_applies(op, {x.to(at::kBFloat16)}));
     titan::kernels::set_fused_kernels_enabled(true);
   }
   EXPECT_TRUE(titan::kernels::cuda_kernel_checks().empty());  // no CUDA kernel ran in this CPU test

@@ -13,6 +13,8 @@
 #include "titan/common/strings.h"
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/isa/kernels.h"
+#include "titan/kernels/grouped_mm.h"
+#include "titan/kernels/isa_call.h"
 
 #ifdef TITAN_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -28,28 +30,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 std::atomic<bool> g_fused{true};
-
-// Calls isa::<copy>::fn(args...) for the instruction set this CPU runs.
-#if defined(TITAN_AVX512BF16_KERNELS)
-#define TITAN_ISA_CALL_AVX512BF16(fn, ...) \
-  case Isa::avx512bf16: isa::avx512bf16::fn(__VA_ARGS__); break;
-#else
-#define TITAN_ISA_CALL_AVX512BF16(fn, ...) \
-  case Isa::avx512bf16: break;  /* never chosen: cpu_supports() says no */
-#endif
-#if defined(TITAN_X86_KERNELS)
-#define TITAN_ISA_CALL(fn, ...)                                     \
-  do {                                                              \
-    switch (cpu_isa()) {                                            \
-      TITAN_ISA_CALL_AVX512BF16(fn, __VA_ARGS__)                    \
-      case Isa::avx512: isa::avx512::fn(__VA_ARGS__); break;        \
-      case Isa::avx2: isa::avx2::fn(__VA_ARGS__); break;            \
-      case Isa::generic: isa::generic::fn(__VA_ARGS__); break;      \
-    }                                                               \
-  } while (0)
-#else
-#define TITAN_ISA_CALL(fn, ...) isa::generic::fn(__VA_ARGS__)
-#endif
 
 // A tensor's data as the kernels see it: float, or bf16 bits.
 template <typename T>
@@ -481,6 +461,7 @@ const char* op_name(Op op) {
     case Op::swiglu: return "SwiGLU";
     case Op::rope: return "RoPE";
     case Op::cross_entropy: return "cross-entropy rows";
+    case Op::grouped_mm: return "grouped matmul";
   }
   return "?";
 }
@@ -542,9 +523,11 @@ double compare_with_aten(Op op, const std::vector<at::Tensor>& inputs) {
       TORCH_CHECK(inputs.size() == 2, "compare_with_aten(cross-entropy rows): expected logits and labels");
       return compare_cross_entropy(inputs[0], inputs[1]);
     case Op::attention:
-    case Op::rms_norm: break;
+    case Op::rms_norm:
+    case Op::grouped_mm: break;
   }
-  TORCH_CHECK(false, "compare_with_aten: no comparison for attention or RMSNorm (they have no CUDA kernel of titan's)");
+  TORCH_CHECK(false, "compare_with_aten: no comparison for attention, RMSNorm or the grouped products (they have no CUDA ",
+              "kernel of titan's)");
 }
 
 bool fused_kernel_applies(Op op, std::initializer_list<at::Tensor> tensors) {
@@ -554,7 +537,7 @@ bool fused_kernel_applies(Op op, std::initializer_list<at::Tensor> tensors) {
   if (dtype != at::kFloat && dtype != at::kBFloat16) return false;
   for (const auto& t : tensors)
     if (!t.defined() || t.device() != device || t.scalar_type() != dtype || t.numel() == 0) return false;
-  if (device.is_cpu()) return true;
+  if (device.is_cpu()) return op != Op::grouped_mm || grouped_mm_enabled(dtype);
 #ifdef TITAN_WITH_CUDA
   if (device.is_cuda() && (op == Op::swiglu || op == Op::rope || op == Op::cross_entropy))
     return g_check[static_cast<int>(op)][dtype_slot(dtype)].load() != kDisagreed;

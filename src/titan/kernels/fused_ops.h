@@ -23,7 +23,8 @@ namespace titan::kernels {
 bool fused_kernels_enabled();
 void set_fused_kernels_enabled(bool enabled);
 
-enum class Op { attention, rms_norm, swiglu, rope, cross_entropy };
+// grouped_mm: the MoE experts' grouped matrix products (kernels/grouped_mm.h), CPU only.
+enum class Op { attention, rms_norm, swiglu, rope, cross_entropy, grouped_mm };
 
 // Whether titan's fused kernel for `op` takes tensors like these: the switch is on, all are float32 or bfloat16
 // tensors of one dtype on one device, and that device is the CPU, or a CUDA GPU for SwiGLU, RoPE and the
@@ -33,7 +34,8 @@ bool fused_kernel_applies(Op op, std::initializer_list<at::Tensor> tensors);
 // The comparison behind those checks, on any device a fused kernel runs on (tests call it on the CPU): the worst
 // difference between the fused kernel and the ATen composition, forward and backward, on a slice of these inputs,
 // in units of the dtype's tolerance (at most 1 when they agree). Inputs: SwiGLU {gate, up}; RoPE {q, k, table,
-// positions (may be undefined)}; cross-entropy rows {logits, local_label}. Attention and RMSNorm have none.
+// positions (may be undefined)}; cross-entropy rows {logits, local_label}. Attention, RMSNorm and the grouped
+// products have none.
 double compare_with_aten(Op op, const std::vector<at::Tensor>& inputs);
 
 // The comparison's measure: the worst difference between `actual` (float32 or bf16) and `expected` (computed in

@@ -41,6 +41,25 @@ struct RopeShape {
 // stats: row_max, row_sum_exp = sum exp(x - row_max), row_target = x[label] (0 without one).
 // grad: x <- (exp(x - row_lse) - [column == label]) * row_scale, in place.
 
+// One product C[rows, cols] = A[rows, depth] B[depth, cols] of a grouped matrix product (kernels/grouped_mm.h).
+// Element (i, j) of each operand lies at its pointer + i * stride[0] + j * stride[1] (elements; float or bf16 bits as
+// the call says). depth 0 gives zeros.
+struct MatmulProblem {
+  int64_t rows = 0, cols = 0, depth = 0;
+  const void* a = nullptr;
+  int64_t a_stride[2] = {};
+  const void* b = nullptr;
+  int64_t b_stride[2] = {};
+  void* c = nullptr;
+  int64_t c_stride[2] = {};
+};
+// How a problem is computed: both operands are first copied into the copy's own layouts (zero-padded), then
+// independent output tiles are computed from those copies. `amx` (bf16 only, the avx512bf16 copy, CPUs with AMX and
+// the kernel's permission to use it) runs the tiles on the AMX unit; otherwise float32 multiply-adds on vectors.
+struct MatmulPacking {
+  int64_t a_bytes = 0, b_bytes = 0, tiles = 0;
+};
+
 #define TITAN_KERNELS_DECLARE(ns)                                                                                       \
   namespace ns {                                                                                                       \
   void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v, float* out,          \
@@ -80,6 +99,10 @@ struct RopeShape {
                           const float* row_scale, int64_t begin, int64_t end);                                         \
   void cross_entropy_grad(int64_t vocab, uint16_t* logits, const int64_t* local_label, const float* row_lse,          \
                           const float* row_scale, int64_t begin, int64_t end);                                         \
+  void matmul_packing(const MatmulProblem& p, bool bf16, bool amx, MatmulPacking* out);                              \
+  void matmul_pack(const MatmulProblem& p, bool bf16, bool amx, void* a_packed, void* b_packed);                      \
+  void matmul_tiles(const MatmulProblem& p, bool bf16, bool amx, const void* a_packed, const void* b_packed,           \
+                    int64_t begin, int64_t end);                                                                       \
   }
 
 TITAN_KERNELS_DECLARE(generic)

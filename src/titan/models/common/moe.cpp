@@ -10,6 +10,8 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/common/test_faults.h"
+#include "titan/kernels/fused_ops.h"
+#include "titan/kernels/grouped_mm.h"
 #include "titan/nn/autocast.h"
 #include "titan/nn/matmul.h"
 
@@ -20,12 +22,14 @@ namespace {
 // The float32 parts of routing and combining stay float32 under autocast (as in torchtitan, which has none there).
 using nn::NoAutocast;
 
-// y = x W[e]^T for each expert's contiguous rows of x (counts per expert), W [experts, out, in]: one product per
+// y = x W[e]^T for each expert's contiguous rows of x (counts per expert), W [experts, out, in]: titan's grouped
+// kernels on the CPU (kernels/grouped_mm.h), otherwise (CUDA, training.fused_kernels = false) one product per
 // expert that received tokens. Backward writes each expert's weight gradient into its row of one gradient tensor
 // (autograd of per-expert slices would add a zero-filled full-size gradient per expert).
 struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
     ctx->save_for_backward({x, w, counts});
+    if (kernels::fused_kernel_applies(kernels::Op::grouped_mm, {x, w})) return kernels::grouped_linear(x, w, counts);
     at::Tensor out = at::empty({x.size(0), w.size(1)}, x.options());
     const int64_t* count = counts.data_ptr<int64_t>();
     for (int64_t e = 0, start = 0; e < w.size(0); start += count[e], ++e) {
@@ -40,6 +44,10 @@ struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &counts = saved[2];
     const at::Tensor g = grads[0].contiguous();
+    if (kernels::fused_kernel_applies(kernels::Op::grouped_mm, {g, w, x})) {
+      return {ctx->needs_input_grad(0) ? kernels::grouped_linear_input_grad(g, w, counts) : at::Tensor(),
+              ctx->needs_input_grad(1) ? kernels::grouped_linear_weight_grad(g, x, counts) : at::Tensor(), at::Tensor()};
+    }
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::empty_like(x);
     if (ctx->needs_input_grad(1)) dw = at::zeros_like(w);  // experts without tokens keep a zero gradient

@@ -1,0 +1,251 @@
+#include "titan/kernels/grouped_mm.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/kernels/cpu_isa.h"
+#include "titan/kernels/isa/kernels.h"
+#include "titan/kernels/isa_call.h"
+
+namespace titan::kernels {
+namespace {
+
+using isa::MatmulPacking;
+using isa::MatmulProblem;
+
+constexpr int64_t kScratchBytes = int64_t{128} << 20;
+
+// -1: the rule (grouped_mm_uses_amx), 0 or 1: forced.
+std::atomic<int> g_amx_forced{-1};
+
+// Whether this CPU has AMX tiles with bf16 products and Linux grants this process their registers (asked once).
+bool amx_available() {
+#if defined(__linux__) && defined(__x86_64__) && defined(TITAN_AVX512BF16_KERNELS)
+  static const bool available = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = (edx >> 24) & 1u, bf16 = (edx >> 22) & 1u;
+    if (!tile || !bf16) return false;
+    // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: without it the first tile instruction kills the process.
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return available;
+#else
+  return false;
+#endif
+}
+
+bool amx_allowed_by_environment() {
+  const char* env = std::getenv("TITAN_CPU_AMX");
+  return !(env && std::strcmp(env, "0") == 0);
+}
+
+bool use_amx(bool bf16) {
+  return bf16 && grouped_mm_uses_amx();
+}
+
+// The packed copies' buffer, kept between calls (a new one each call cost a page fault per 4 KiB, as much time as the
+// products at debugmodel_moe's shapes); per thread, grown to the largest chunk (at most kScratchBytes, or one
+// problem's copies when larger).
+uint8_t* scratch(int64_t bytes) {
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < bytes)
+    buffer = at::empty({std::max<int64_t>(bytes, 64)}, at::TensorOptions().dtype(at::kByte));
+  return static_cast<uint8_t*>(buffer.data_ptr());
+}
+
+// Runs every problem: packs operands (parallel over problems), then computes tiles (parallel over all tiles), in
+// chunks of problems whose packed copies fit a bounded scratch buffer.
+void run(const std::vector<MatmulProblem>& problems, bool bf16) {
+  const bool amx = use_amx(bf16);
+  std::vector<MatmulPacking> packing(problems.size());
+  for (size_t i = 0; i < problems.size(); ++i) TITAN_ISA_CALL(matmul_packing, problems[i], bf16, amx, &packing[i]);
+  size_t first = 0;
+  while (first < problems.size()) {
+    size_t last = first;
+    int64_t bytes = 0;
+    while (last < problems.size() && (last == first || bytes + packing[last].a_bytes + packing[last].b_bytes <= kScratchBytes))
+      bytes += packing[last].a_bytes + packing[last].b_bytes, ++last;
+    auto* base = scratch(bytes);
+    std::vector<uint8_t*> a(last - first), b(last - first);
+    std::vector<int64_t> tile_end(last - first);
+    int64_t offset = 0, tiles = 0;
+    for (size_t i = first; i < last; ++i) {
+      a[i - first] = base + offset;
+      b[i - first] = base + offset + packing[i].a_bytes;
+      offset += packing[i].a_bytes + packing[i].b_bytes;
+      tiles += packing[i].tiles;
+      tile_end[i - first] = tiles;
+    }
+    const auto count = static_cast<int64_t>(last - first);
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) TITAN_ISA_CALL(matmul_pack, problems[first + i], bf16, amx, a[i], b[i]);
+    });
+
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      // The problems these tiles belong to, each with its own range of tiles.
+      auto i = static_cast<size_t>(std::upper_bound(tile_end.begin(), tile_end.end(), begin) - tile_end.begin());
+      for (; i < tile_end.size() && begin < end; ++i) {
+        const int64_t start = i == 0 ? 0 : tile_end[i - 1];
+        const int64_t stop = std::min(end, tile_end[i]);
+        TITAN_ISA_CALL(matmul_tiles, problems[first + i], bf16, amx, a[i], b[i], begin - start, stop - start);
+        begin = stop;
+      }
+    });
+    first = last;
+  }
+}
+
+void check_counts(const char* what, const at::Tensor& counts, int64_t experts, int64_t rows) {
+  TORCH_CHECK(counts.dim() == 1 && counts.scalar_type() == at::kLong && counts.device().is_cpu() && counts.size(0) == experts,
+              "grouped ", what, ": expected int64 counts [", experts, "] on the CPU, got ", counts.scalar_type(), " ",
+              counts.sizes(), " on ", counts.device());
+  const int64_t total = counts.sum().item<int64_t>();
+  TORCH_CHECK(total == rows, "grouped ", what, ": the counts add up to ", total, " rows, the input has ", rows);
+}
+
+void check_operands(const char* what, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu() && a.scalar_type() == b.scalar_type() &&
+                  (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "grouped ", what, ": expected float32 or bf16 CPU tensors of one dtype, got ", a.scalar_type(), " on ",
+              a.device(), " and ", b.scalar_type(), " on ", b.device());
+}
+
+void check_shapes(const char* what, const at::Tensor& rows, const at::Tensor& w, int64_t width) {
+  TORCH_CHECK(rows.dim() == 2 && w.dim() == 3 && rows.size(1) == width, "grouped ", what,
+              ": expected rows [N, ", width, "] and weights [experts, out, in]; got ", rows.sizes(), " and ", w.sizes());
+}
+
+// The per-expert problems, with `make(e, start, count)` filling in each.
+template <typename Make>
+std::vector<MatmulProblem> problems_for(const at::Tensor& counts, bool skip_empty, const Make& make) {
+  std::vector<MatmulProblem> out;
+  const int64_t* count = counts.data_ptr<int64_t>();
+  for (int64_t e = 0, start = 0; e < counts.size(0); start += count[e], ++e) {
+    TORCH_CHECK(count[e] >= 0, "grouped matmul: expert ", e, " has a negative row count ", count[e]);
+    if (skip_empty && count[e] == 0) continue;
+    out.push_back(make(e, start, count[e]));
+  }
+  return out;
+}
+
+int64_t element_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.element_size()); }
+
+}  // namespace
+
+bool grouped_mm_enabled(at::ScalarType dtype) {
+  static const int setting = [] {  // -1 unset, 0 off, 1 on for float32 too
+    const char* env = std::getenv("TITAN_CPU_GROUPED_MM");
+    if (!env || !*env) return -1;
+    if (std::strcmp(env, "0") == 0) return 0;
+    if (std::strcmp(env, "1") == 0) return 1;
+    fail("TITAN_CPU_GROUPED_MM = ", quote(env), ": expected 0 (the per-expert loop) or 1 (titan's grouped kernels for ",
+         "float32 too); unset uses them for bf16");
+  }();
+  if (setting >= 0) return setting == 1;
+  return dtype == at::kBFloat16;
+}
+
+bool grouped_mm_uses_amx() {
+  const int forced = g_amx_forced.load();
+  if (forced >= 0) return forced == 1;
+  return cpu_isa() == Isa::avx512bf16 && amx_allowed_by_environment() && amx_available();
+}
+
+void set_grouped_mm_amx(std::optional<bool> use) {
+  if (use && *use && !(cpu_isa() == Isa::avx512bf16 && amx_available()))
+    fail("bf16 grouped products on AMX cannot run here: ",
+         cpu_isa() != Isa::avx512bf16 ? "the avx512bf16 kernels are not the ones chosen"
+                                      : "this CPU has no AMX with bf16, or Linux refused titan its tile registers");
+  g_amx_forced = use ? (*use ? 1 : 0) : -1;
+}
+
+at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& counts) {
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  check_operands("linear", x, w);
+  check_shapes("linear", x, w, w.dim() == 3 ? w.size(2) : -1);
+  check_counts("linear", counts, w.size(0), x.size(0));
+  const int64_t in = w.size(2), out_dim = w.size(1);
+  at::Tensor out = at::empty({x.size(0), out_dim}, x.options());
+  const int64_t bytes = element_bytes(x);
+  auto* xp = static_cast<const uint8_t*>(x.data_ptr());
+  auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  auto* op = static_cast<uint8_t*>(out.data_ptr());
+  // y[r, o] = sum_i x[r, i] w[e, o, i]
+  const auto problems = problems_for(counts, true, [&](int64_t e, int64_t start, int64_t count) {
+    MatmulProblem p;
+    p.rows = count, p.cols = out_dim, p.depth = in;
+    p.a = xp + start * in * bytes, p.a_stride[0] = in, p.a_stride[1] = 1;
+    p.b = wp + e * out_dim * in * bytes, p.b_stride[0] = 1, p.b_stride[1] = in;
+    p.c = op + start * out_dim * bytes, p.c_stride[0] = out_dim, p.c_stride[1] = 1;
+    return p;
+  });
+  run(problems, x.scalar_type() == at::kBFloat16);
+  return out;
+}
+
+at::Tensor grouped_linear_input_grad(const at::Tensor& grad_in, const at::Tensor& w_in, const at::Tensor& counts) {
+  const at::Tensor g = grad_in.contiguous(), w = w_in.contiguous();
+  check_operands("linear input gradient", g, w);
+  check_shapes("linear input gradient", g, w, w.dim() == 3 ? w.size(1) : -1);
+  check_counts("linear input gradient", counts, w.size(0), g.size(0));
+  const int64_t in = w.size(2), out_dim = w.size(1);
+  at::Tensor dx = at::empty({g.size(0), in}, g.options());
+  const int64_t bytes = element_bytes(g);
+  auto* gp = static_cast<const uint8_t*>(g.data_ptr());
+  auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  auto* dp = static_cast<uint8_t*>(dx.data_ptr());
+  // dx[r, i] = sum_o g[r, o] w[e, o, i]
+  const auto problems = problems_for(counts, true, [&](int64_t e, int64_t start, int64_t count) {
+    MatmulProblem p;
+    p.rows = count, p.cols = in, p.depth = out_dim;
+    p.a = gp + start * out_dim * bytes, p.a_stride[0] = out_dim, p.a_stride[1] = 1;
+    p.b = wp + e * out_dim * in * bytes, p.b_stride[0] = in, p.b_stride[1] = 1;
+    p.c = dp + start * in * bytes, p.c_stride[0] = in, p.c_stride[1] = 1;
+    return p;
+  });
+  run(problems, g.scalar_type() == at::kBFloat16);
+  return dx;
+}
+
+at::Tensor grouped_linear_weight_grad(const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& counts) {
+  const at::Tensor g = grad_in.contiguous(), x = x_in.contiguous();
+  TORCH_CHECK(g.dim() == 2 && x.dim() == 2 && g.size(0) == x.size(0),
+              "grouped linear weight gradient: expected gradient [N, out] and input [N, in]; got ", g.sizes(), " and ", x.sizes());
+  const int64_t in = x.size(1), out_dim = g.size(1), experts = counts.dim() == 1 ? counts.size(0) : -1;
+  check_operands("linear weight gradient", g, x);
+  check_counts("linear weight gradient", counts, experts, g.size(0));
+  // Empty experts get zeros: depth 0 writes a zero tile, so every expert is a problem.
+  at::Tensor dw = at::empty({experts, out_dim, in}, g.options());
+  const int64_t bytes = element_bytes(g);
+  auto* gp = static_cast<const uint8_t*>(g.data_ptr());
+  auto* xp = static_cast<const uint8_t*>(x.data_ptr());
+  auto* dp = static_cast<uint8_t*>(dw.data_ptr());
+  // dw[e, o, i] = sum_r g[r, o] x[r, i]
+  const auto problems = problems_for(counts, false, [&](int64_t e, int64_t start, int64_t count) {
+    MatmulProblem p;
+    p.rows = out_dim, p.cols = in, p.depth = count;
+    p.a = gp + start * out_dim * bytes, p.a_stride[0] = 1, p.a_stride[1] = out_dim;
+    p.b = xp + start * in * bytes, p.b_stride[0] = in, p.b_stride[1] = 1;
+    p.c = dp + e * out_dim * in * bytes, p.c_stride[0] = in, p.c_stride[1] = 1;
+    return p;
+  });
+  run(problems, g.scalar_type() == at::kBFloat16);
+  return dw;
+}
+
+}  // namespace titan::kernels

@@ -1,0 +1,294 @@
+// The grouped matrix product's two passes for one instruction set (kernels/grouped_mm.h drives them): pack both
+// operands of a problem into zero-padded blocks, then compute independent output tiles from the packed copies.
+//
+// Vector path (every copy; float32, and bf16 widened to float32 while packing): A in panels of kRows rows stored
+// depth-major, B in panels of kCols columns stored depth-major; a tile is kRows x kCols outputs held in registers
+// over the whole depth (one broadcast and kCols / 16 multiply-adds per row and depth step).
+//
+// AMX path (bf16, the avx512bf16 copy on CPUs with AMX): A row-major with the depth padded to 32, B in the AMX
+// pair-interleaved layout per 16 columns; a tile is 32 x 32 outputs, four 16 x 16 float32 accumulator tiles fed by
+// two A and two B tiles per 32 steps of depth. Products accumulate in float32 and are rounded to the output dtype
+// once.
+#include <cstring>
+
+#include "titan/kernels/isa/kernels.h"
+#include "titan/kernels/isa/scalar_math.h"
+
+#if defined(__AVX512BF16__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define TITAN_GROUPED_MM_AMX 1
+#endif
+
+namespace titan::kernels::isa::TITAN_ISA {
+namespace {
+
+#ifdef TITAN_ISA_WIDE_REGISTERS
+constexpr int64_t kRows = 6, kVecs = 2;  // 12 accumulators of 16 floats, 2 B vectors, 1 broadcast: 15 of 32 registers
+#else
+constexpr int64_t kRows = 4, kVecs = 1;
+#endif
+constexpr int64_t kCols = 16 * kVecs;
+constexpr int64_t kChunk = 16;     // row panels per chunk of tiles (vector path)
+constexpr int64_t kAmxBlock = 32;  // rows and columns of an AMX tile of outputs; also the depth step
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }  // (no std:: templates: nothing inline shared)
+int64_t align64(int64_t bytes) { return round_up(bytes, 64); }
+
+// ---- vector path ----
+
+// Copies an operand into panels of `lanes` rows (A) or columns (B), each panel depth-major: panel p holds, for each
+// depth step t, the lanes' values at t (zeros past the edge). `lane_stride` steps between lanes, `depth_stride`
+// between depth steps. The innermost loop runs over the lanes: contiguous reads where the lanes are adjacent in
+// memory, one read per lane stream otherwise.
+template <typename T, int64_t kLanes>
+void pack_panels(const void* base, int64_t lanes_total, int64_t depth, int64_t lane_stride, int64_t depth_stride,
+                 float* out) {
+  const T* src = static_cast<const T*>(base);
+  for (int64_t first = 0; first < lanes_total; first += kLanes) {
+    const int64_t n = smaller(kLanes, lanes_total - first);
+    const T* panel = src + first * lane_stride;
+    for (int64_t t = 0; t < depth; ++t, out += kLanes) {
+      const T* column = panel + t * depth_stride;
+      if (n == kLanes && lane_stride == 1) {
+        for (int64_t l = 0; l < kLanes; ++l) out[l] = to_float(column[l]);
+      } else {
+        for (int64_t l = 0; l < n; ++l) out[l] = to_float(column[l * lane_stride]);
+        for (int64_t l = n; l < kLanes; ++l) out[l] = 0.0f;
+      }
+    }
+  }
+}
+
+template <typename T>
+void pack_vector(const MatmulProblem& p, float* a_packed, float* b_packed) {
+  pack_panels<T, kRows>(p.a, p.rows, p.depth, p.a_stride[0], p.a_stride[1], a_packed);
+  pack_panels<T, kCols>(p.b, p.cols, p.depth, p.b_stride[1], p.b_stride[0], b_packed);
+}
+
+template <typename T>
+void store_tile(const MatmulProblem& p, int64_t row0, int64_t col0, int64_t rows, int64_t cols, const float* values,
+                int64_t ld) {
+  T* c = static_cast<T*>(p.c);
+  for (int64_t i = 0; i < rows; ++i) {
+    T* out = c + (row0 + i) * p.c_stride[0] + col0 * p.c_stride[1];
+    const float* v = values + i * ld;
+    if (p.c_stride[1] == 1) {
+      int64_t j = 0;
+      for (; j + kVec <= cols; j += kVec) store16(out + j, load16(v + j));
+      for (; j < cols; ++j) store(out + j, v[j]);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) store(out + j * p.c_stride[1], v[j]);
+    }
+  }
+}
+
+template <typename T>
+void tiles_vector(const MatmulProblem& p, const float* a_packed, const float* b_packed, int64_t begin, int64_t end) {
+  const int64_t row_panels = round_up(p.rows, kRows) / kRows, col_panels = round_up(p.cols, kCols) / kCols;
+  const int64_t depth = p.depth;
+  for (int64_t tile = begin; tile < end; ++tile) {
+    // Tiles go by chunks of kChunk row panels (their A in L2), column panel by column panel (its B in L1), row
+    // panel fastest.
+    const int64_t chunk = tile / (kChunk * col_panels), chunk_rows = smaller(kChunk, row_panels - chunk * kChunk);
+    const int64_t within = tile - chunk * kChunk * col_panels;
+    const int64_t cp = within / chunk_rows, rp = chunk * kChunk + within % chunk_rows;
+    const float* a = a_packed + rp * depth * kRows;
+    const float* b = b_packed + cp * depth * kCols;
+    Vec16 acc[kRows][kVecs];
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int64_t v = 0; v < kVecs; ++v) acc[i][v] = splat(0.0f);
+    for (int64_t t = 0; t < depth; ++t) {
+      Vec16 bv[kVecs];
+      for (int64_t v = 0; v < kVecs; ++v) bv[v] = load16(b + t * kCols + v * kVec);
+      for (int64_t i = 0; i < kRows; ++i) {
+        const Vec16 ai = splat(a[t * kRows + i]);
+        for (int64_t v = 0; v < kVecs; ++v) acc[i][v] += ai * bv[v];
+      }
+    }
+    float values[kRows * kCols];
+    for (int64_t i = 0; i < kRows; ++i)
+      for (int64_t v = 0; v < kVecs; ++v) store16(values + i * kCols + v * kVec, acc[i][v]);
+    const int64_t row0 = rp * kRows, col0 = cp * kCols;
+    store_tile<T>(p, row0, col0, smaller(kRows, p.rows - row0), smaller(kCols, p.cols - col0), values, kCols);
+  }
+}
+
+// ---- AMX path ----
+
+// Whether the AMX path reads A in place: row-major with the depth contiguous and a whole number of depth steps. Only
+// a last partial block of 32 rows is then copied (zero-padded), so that no tile reads past the operand.
+bool amx_a_in_place(const MatmulProblem& p) { return p.a_stride[1] == 1 && p.depth % kAmxBlock == 0; }
+
+#ifdef TITAN_GROUPED_MM_AMX
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void pack_amx(const MatmulProblem& p, uint16_t* a_packed, uint16_t* b_packed) {
+  const int64_t rows_padded = round_up(p.rows, kAmxBlock), cols_padded = round_up(p.cols, kAmxBlock);
+  const int64_t depth = p.depth, depth_padded = round_up(depth, kAmxBlock);
+  const auto* a = static_cast<const uint16_t*>(p.a);
+  const auto* b = static_cast<const uint16_t*>(p.b);
+  // A row-major, depth contiguous, zero-padded to depth_padded columns and rows_padded rows.
+  if (amx_a_in_place(p)) {
+    const int64_t full = p.rows / kAmxBlock * kAmxBlock;
+    if (full < p.rows) {
+      std::memset(a_packed, 0, 2 * kAmxBlock * depth_padded);
+      for (int64_t i = full; i < p.rows; ++i)
+        std::memcpy(a_packed + (i - full) * depth_padded, a + i * p.a_stride[0], 2 * depth);
+    }
+  } else if (p.a_stride[1] == 1) {
+    for (int64_t i = 0; i < p.rows; ++i) {
+      std::memcpy(a_packed + i * depth_padded, a + i * p.a_stride[0], 2 * depth);
+      std::memset(a_packed + i * depth_padded + depth, 0, 2 * (depth_padded - depth));
+    }
+  } else {  // a transposed operand: 32 x 32 blocks through a buffer in L1, whole cache lines read and written
+    std::memset(a_packed, 0, 2 * p.rows * depth_padded);
+    uint16_t block[32][32];
+    for (int64_t i0 = 0; i0 < p.rows; i0 += 32) {
+      const int64_t ni = smaller(32, p.rows - i0);
+      for (int64_t t0 = 0; t0 < depth; t0 += 32) {
+        const int64_t nt = smaller(32, depth - t0);
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t i = 0; i < ni; ++i) block[i][t] = a[(i0 + i) * p.a_stride[0] + (t0 + t) * p.a_stride[1]];
+        for (int64_t i = 0; i < ni; ++i) std::memcpy(a_packed + (i0 + i) * depth_padded + t0, block[i], 2 * nt);
+      }
+    }
+  }
+  if (!amx_a_in_place(p)) std::memset(a_packed + p.rows * depth_padded, 0, 2 * (rows_padded - p.rows) * depth_padded);
+  // B per 16 columns as depth pairs: [depth_padded / 2][16][2], zeros past either edge.
+  for (int64_t first = 0; first < cols_padded; first += 16) {
+    uint16_t* out = b_packed + (first / 16) * (depth_padded / 2) * 32;
+    const int64_t n = first < p.cols ? smaller(16, p.cols - first) : 0;
+    for (int64_t t = 0; t < depth_padded; t += 2, out += 32) {
+      const bool second = t + 1 < depth;
+      if (n == 16 && second && p.b_stride[1] == 1) {  // two rows of 16 adjacent values, interleaved
+        const uint16_t* r0 = b + t * p.b_stride[0] + first;
+        const uint16_t* r1 = r0 + p.b_stride[0];
+        for (int64_t j = 0; j < 16; ++j) {
+          out[2 * j] = r0[j];
+          out[2 * j + 1] = r1[j];
+        }
+      } else if (n == 16 && second && p.b_stride[0] == 1) {  // 16 columns, each a pair of adjacent values
+        for (int64_t j = 0; j < 16; ++j) {
+          uint32_t pair;
+          std::memcpy(&pair, b + (first + j) * p.b_stride[1] + t, 4);
+          std::memcpy(out + 2 * j, &pair, 4);
+        }
+      } else {
+        for (int64_t j = 0; j < 16; ++j) {
+          const bool inside = j < n && t < depth;
+          out[2 * j] = inside ? b[t * p.b_stride[0] + (first + j) * p.b_stride[1]] : 0;
+          out[2 * j + 1] = inside && second ? b[(t + 1) * p.b_stride[0] + (first + j) * p.b_stride[1]] : 0;
+        }
+      }
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void tiles_amx(const MatmulProblem& p, const uint16_t* a_packed,
+                                                             const uint16_t* b_packed, int64_t begin, int64_t end) {
+  TileConfig config;
+  for (int tile = 0; tile < 8; ++tile) {
+    config.rows[tile] = 16;
+    config.bytes_per_row[tile] = 64;
+  }
+  _tile_loadconfig(&config);
+  const int64_t col_blocks = round_up(p.cols, kAmxBlock) / kAmxBlock, depth_padded = round_up(p.depth, kAmxBlock);
+  const bool in_place = amx_a_in_place(p);
+  alignas(64) float values[4][16][16];
+  for (int64_t tile = begin; tile < end; ++tile) {
+    const int64_t rb = tile / col_blocks, cb = tile % col_blocks;  // a row block's A stays in L1 across its columns
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* a = a_packed + rb * kAmxBlock * depth_padded;
+    int64_t a_row = depth_padded;  // elements between A's rows
+    if (in_place) {
+      const bool full = (rb + 1) * kAmxBlock <= p.rows;
+      a = full ? static_cast<const uint16_t*>(p.a) + rb * kAmxBlock * p.a_stride[0] : a_packed;
+      a_row = full ? p.a_stride[0] : depth_padded;
+    }
+    const int64_t a_row_bytes = 2 * a_row;
+    const uint16_t* b = b_packed + (cb * 2) * (depth_padded / 2) * 32;
+    const int64_t b_next = (depth_padded / 2) * 32;  // the next 16 columns
+    for (int64_t t = 0; t < depth_padded; t += kAmxBlock) {
+      _tile_loadd(4, a + t, a_row_bytes);
+      _tile_loadd(5, a + 16 * a_row + t, a_row_bytes);
+      _tile_loadd(6, b + (t / 2) * 32, 64);
+      _tile_loadd(7, b + b_next + (t / 2) * 32, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, values[0], 64);
+    _tile_stored(1, values[1], 64);
+    _tile_stored(2, values[2], 64);
+    _tile_stored(3, values[3], 64);
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      const int64_t row0 = rb * kAmxBlock + (quarter / 2) * 16, col0 = cb * kAmxBlock + (quarter % 2) * 16;
+      if (row0 >= p.rows || col0 >= p.cols) continue;
+      store_tile<uint16_t>(p, row0, col0, smaller(16, p.rows - row0), smaller(16, p.cols - col0),
+                           &values[quarter][0][0], 16);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+#ifndef TITAN_GROUPED_MM_AMX
+[[noreturn]] void no_amx() { __builtin_trap(); }  // the dispatcher never asks a copy without AMX code for it
+#endif
+
+}  // namespace
+
+void matmul_packing(const MatmulProblem& p, bool bf16, bool amx, MatmulPacking* packing) {
+  MatmulPacking& out = *packing;
+  if (amx) {
+    const int64_t depth_padded = round_up(p.depth, kAmxBlock);
+    const int64_t a_rows = !amx_a_in_place(p) ? round_up(p.rows, kAmxBlock) : (p.rows % kAmxBlock ? kAmxBlock : 0);
+    out.a_bytes = align64(2 * a_rows * depth_padded);
+    out.b_bytes = align64(2 * round_up(p.cols, kAmxBlock) * depth_padded);
+    out.tiles = round_up(p.rows, kAmxBlock) / kAmxBlock * (round_up(p.cols, kAmxBlock) / kAmxBlock);
+  } else {
+    out.a_bytes = align64(4 * round_up(p.rows, kRows) * p.depth);
+    out.b_bytes = align64(4 * round_up(p.cols, kCols) * p.depth);
+    out.tiles = round_up(p.rows, kRows) / kRows * (round_up(p.cols, kCols) / kCols);
+  }
+  (void)bf16;
+}
+
+void matmul_pack(const MatmulProblem& p, bool bf16, bool amx, void* a_packed, void* b_packed) {
+  if (amx) {
+#ifdef TITAN_GROUPED_MM_AMX
+    pack_amx(p, static_cast<uint16_t*>(a_packed), static_cast<uint16_t*>(b_packed));
+    return;
+#else
+    no_amx();
+#endif
+  }
+  if (bf16) pack_vector<uint16_t>(p, static_cast<float*>(a_packed), static_cast<float*>(b_packed));
+  else pack_vector<float>(p, static_cast<float*>(a_packed), static_cast<float*>(b_packed));
+}
+
+void matmul_tiles(const MatmulProblem& p, bool bf16, bool amx, const void* a_packed, const void* b_packed, int64_t begin,
+                  int64_t end) {
+  if (amx) {
+#ifdef TITAN_GROUPED_MM_AMX
+    tiles_amx(p, static_cast<const uint16_t*>(a_packed), static_cast<const uint16_t*>(b_packed), begin, end);
+    return;
+#else
+    no_amx();
+#endif
+  }
+  const float *a = static_cast<const float*>(a_packed), *b = static_cast<const float*>(b_packed);
+  if (bf16) tiles_vector<uint16_t>(p, a, b, begin, end);
+  else tiles_vector<float>(p, a, b, begin, end);
+}
+
+}  // namespace titan::kernels::isa::TITAN_ISA
