@@ -88,9 +88,16 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // This rank's share of the model: the stage with the most parameters under pipeline parallelism (torchtitan's
   // split counts the embedding and the output as one layer each; the remainder goes to the first stages).
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
-  double per_layer = 0;
-  for (const auto& p : a.parameter_shapes())
-    if (p.name.rfind("layers.0.", 0) == 0) per_layer += static_cast<double>(p.numel());
+  double per_layer = 0, per_layer_experts = 0;
+  for (const auto& p : a.parameter_shapes()) {
+    if (p.name.rfind("layers.0.", 0) != 0) continue;
+    per_layer += static_cast<double>(p.numel());
+    if (p.name.rfind("layers.0.moe.experts.", 0) == 0) per_layer_experts += static_cast<double>(p.numel());
+  }
+  // The share of a block a rank computes with (after TP; FSDP gathers it whole): under expert parallelism only its
+  // E / EP routed experts, split over TP too when ETP is TP.
+  const double expert_split = static_cast<double>(dims.ep) * (dims.ep > 1 && dims.etp == 1 ? 1.0 : static_cast<double>(dims.tp));
+  const double block_here = (per_layer - per_layer_experts) / static_cast<double>(dims.tp) + per_layer_experts / expert_split;
   const bool pipelined = dims.pp > 1;
   const distributed::pipeline::ScheduleTraits schedule =
       pipelined ? distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule) : distributed::pipeline::ScheduleTraits{};
@@ -116,6 +123,8 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   if (pipelined) ends = pipeline_rank < 0 ? std::max(embed, output + d) : (holds_first ? embed : 0) + (holds_last ? output + d : 0);
   const double rank_params = static_cast<double>(layers_here) * per_layer + ends;
   const double local = rank_params / tp / shards;
+  // What this rank computes with: every block's TP share (its experts' EP share) and the ends' TP share.
+  const double rank_compute_params = static_cast<double>(layers_here) * block_here + ends / tp;
 
   MemoryEstimate e;
   e.terms.push_back({"parameters", local * p_bytes});
@@ -124,12 +133,13 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // Weights in the compute dtype: autocast's per-step cache of every weight; FSDP's gathered units (the current one
   // and the prefetched next, or all of them when they stay gathered between forward and backward).
   double copies = 0;
-  if (autocast) copies = rank_params / tp * 2.0;
+  if (autocast) copies = rank_compute_params * 2.0;
   if (fsdp && shards > 1) {
     const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
                          (parallelism.fsdp_reshard_after_forward == "default" && !pipelined);
-    const double unit = std::max(per_layer, embed) / tp;
-    copies = reshard ? 2 * unit * c + unit * titan::config::dtype_bytes(training.mixed_precision_reduce) : rank_params / tp * c;
+    // A block's unit: under EP its dense part over dp_shard x cp and its experts over efsdp, gathered together.
+    const double unit = std::max(block_here, embed / tp);
+    copies = reshard ? 2 * unit * c + unit * titan::config::dtype_bytes(training.mixed_precision_reduce) : rank_compute_params * c;
   }
   e.terms.push_back({"weight copies", copies});
   // torchtitan's pipeline keeps FSDP from reduce-scattering until the last micro-batch: the stage's gradients

@@ -188,7 +188,10 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   TORCH_CHECK(counts.numel() == experts, "internal: ", counts.numel(), " token counts for ", experts, " experts");
   const int64_t routed = counts.sum().item<int64_t>();
   TORCH_CHECK(routed == x.size(0), "internal: the token counts sum to ", routed, ", not the ", x.size(0), " routed rows");
-  const at::Tensor h = at::silu(grouped_linear(x, w1, counts)) * grouped_linear(x, w3, counts);
+  // silu(x W1^T) * (x W3^T): titan's fused SwiGLU where it applies (it keeps no SiLU output for backward).
+  const at::Tensor gate = grouped_linear(x, w1, counts), up = grouped_linear(x, w3, counts);
+  const at::Tensor h = kernels::fused_kernel_applies(kernels::Op::swiglu, {gate, up}) ? kernels::swiglu(gate, up)
+                                                                                         : kernels::swiglu_reference(gate, up);
   return grouped_linear(h, w2, counts);
 }
 
