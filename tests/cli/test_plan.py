@@ -103,11 +103,13 @@ def test_the_search_recommends_a_layout_at_least_as_fast_as_the_published_one(fl
     assert degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"] == gpus
 
 
-def test_the_plan_and_the_trainer_use_one_memory_estimate(tmp_path):
+@pytest.mark.parametrize("model", [[], ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.n_layers", "2"]],
+                         ids=["llama3 debug", "qwen3 debugmodel_moe"])
+def test_the_plan_and_the_trainer_use_one_memory_estimate(tmp_path, model):
     """The trainer's start-up estimate (titan's own execution) and titan plan's allocated memory agree term by
-    term; the trainer adds the process's resident set as `runtime`."""
+    term; the trainer adds the process's resident set as `runtime`. Also for a Mixture-of-Experts model."""
     options = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--training.seq_len", "1024",
-               "--activation_checkpoint.mode", "full"]
+               "--activation_checkpoint.mode", "full", *model]
     # The plan describes GPUs, where titan's fused CPU kernels (which keep less for backward) do not run; the fused
     # loss runs on every device, so both are compared without fused kernels.
     options += ["--training.fused_kernels", "false"]

@@ -247,7 +247,49 @@ def test_balancing_biases_travel_to_torchtitan_dcp_and_back(tmp_path):
     assert not any("bias" in k for k in load_file(str(tmp_path / "hf" / "model.safetensors")))
 
 
-def test_titan_plan_refuses_moe_models_it_does_not_model(tmp_path):
-    result = run([binary("titan"), "plan", "--gpus", "8", "--cluster", "h100-sxm", "--model.name", "qwen3", "--model.flavor",
-                  "30B-A3B", "--training.seq_len", "4096", "--training.global_batch_size", "32"], check=False)
-    assert result.returncode != 0 and "does not model Mixture-of-Experts models yet" in result.stderr, result.stderr
+def test_titan_plan_models_moe_with_and_without_expert_parallelism():
+    """titan plan on Qwen3 30B-A3B over 8 H100s: EP 8 adds an all-to-all term with the bytes the routing implies
+    (each rank's top_k copies of its tokens out to the experts and back, forward, backward and the recomputed forward
+    of full AC, 7/8 of them leaving the rank), keeps E / EP experts per rank, and gathers only those in FSDP's weight
+    copies; the matmul FLOPs count the active experts and do not change with EP."""
+    def plan(*extra):
+        out = run([binary("titan"), "plan", "--json", "--cluster", "h100-sxm", "--model.name", "qwen3", "--model.flavor",
+                   "30B-A3B", "--training.seq_len", "4096", "--training.local_batch_size", "2", "--activation_checkpoint.mode",
+                   "full", "--parallelism.data_parallel_shard_degree", "8", *extra])
+        return json.loads(out.stdout)
+
+    ep8, fsdp = plan("--parallelism.expert_parallel_degree", "8"), plan()
+    assert ep8["degrees"]["ep"] == 8 and "ep 8" in ep8["layout"] and fsdp["degrees"]["ep"] == 1
+    dim, layers, top_k, experts, hidden = 2048, 48, 8, 128, 768
+    rows = 2 * 4096 * top_k
+    expected = 2 * rows * dim * 2 * 7 / 8 * layers * 3
+    term = ep8["time"]["terms"]["expert parallel"]
+    moved = float(re.search(r"([\d.e+]+) GB", term["detail"]).group(1)) * 1e9
+    assert abs(moved - expected) <= 0.005 * expected, (term, expected)
+    assert f"{experts // 8 * 3 * hidden * dim * layers / 1e6:.0f} M expert parameters" in term["detail"]
+    assert "expert parallel" not in fsdp["time"]["terms"]
+    assert ep8["time"]["terms"]["matmuls"]["detail"] == fsdp["time"]["terms"]["matmuls"]["detail"]
+    # Every rank holds 1/8 of every parameter either way. FSDP's weight copies (two gathered units in bf16 and one
+    # unit's float32 gradients: 8 bytes per element) hold the largest unit: without EP a whole block; with EP the
+    # block's dense part and this rank's 16 experts, smaller than the embedding, which is then the largest.
+    assert ep8["memory"]["terms"]["parameters"] == fsdp["memory"]["terms"]["parameters"]
+    attention = 2048 * 32 * 128 * 2 + 2048 * 4 * 128 * 2 + 2 * 128 + 2 * 2048
+    block = attention + experts * dim + experts * 3 * hidden * dim
+    assert fsdp["memory"]["terms"]["weight copies"] == 8 * block
+    assert attention + experts * dim + experts // 8 * 3 * hidden * dim < 151936 * dim
+    assert ep8["memory"]["terms"]["weight copies"] == 8 * 151936 * dim
+
+def test_titan_plan_search_tries_expert_parallel_degrees():
+    """For a MoE model the search also tries every EP degree that divides the experts and the ranks it borrows,
+    with ETP 1 and ETP = TP."""
+    out = run([binary("titan"), "plan", "--json", "--search", "--gpus", "8", "--top", "100000", "--cluster", "h100-sxm",
+               "--model.name", "qwen3", "--model.flavor", "30B-A3B", "--training.seq_len", "4096",
+               "--training.global_batch_size", "16"])
+    found = json.loads(out.stdout)
+    degrees = [p["degrees"] for p in found["best"]]
+    assert {d["ep"] for d in degrees} >= {1, 2, 4, 8}, sorted({d["ep"] for d in degrees})
+    assert any(d["tp"] > 1 and d["etp"] == d["tp"] and d["ep"] > 1 for d in degrees)
+    assert any(d["tp"] > 1 and d["etp"] == 1 and d["ep"] > 1 for d in degrees)
+    for d in degrees:
+        borrowed = d["dp_shard"] * d["cp"] * (d["tp"] if d["etp"] == 1 else 1)
+        assert borrowed % d["ep"] == 0 and 128 % d["ep"] == 0, d

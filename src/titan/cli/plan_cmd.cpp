@@ -47,7 +47,7 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
   nlohmann::ordered_json stages = nlohmann::ordered_json::array();
   for (const auto& r : p.pipeline_ranks) stages.push_back({{"kind", r.kind}, {"pipeline_rank", r.rank}, {"allocated_bytes", r.memory.total()}});
   return {{"layout", p.layout},
-          {"degrees", {{"dp_replicate", p.dims.dp_replicate}, {"dp_shard", p.dims.dp_shard}, {"cp", p.dims.cp}, {"tp", p.dims.tp}, {"pp", p.dims.pp}}},
+          {"degrees", {{"dp_replicate", p.dims.dp_replicate}, {"dp_shard", p.dims.dp_shard}, {"cp", p.dims.cp}, {"tp", p.dims.tp}, {"pp", p.dims.pp}, {"ep", p.dims.ep}, {"etp", p.dims.etp}}},
           {"world_size", p.dims.world_size},
           {"memory", {{"terms", memory}, {"held_apart", apart}, {"allocated_bytes", p.memory.total()}, {"reserved_bytes", p.reserved_bytes},
                       {"device_bytes", p.device_bytes}, {"device_capacity_bytes", cluster.memory_bytes}, {"fits", p.fits},

@@ -32,6 +32,8 @@ std::string layout_of(const distributed::ParallelDims& dims, const config::JobCo
   add("cp", dims.cp);
   add("tp", dims.tp);
   add("pp", dims.pp);
+  add("ep", dims.ep);
+  if (dims.ep > 1 && dims.tp > 1) add("etp", dims.etp);
   std::string out = parts.empty() ? "1 rank" : join(parts, " x ");
   const auto& ac = c.activation_checkpoint;
   out += ac.mode == "none" ? ", no AC" : ac.mode == "full" ? ", full AC" : cat(", selective AC ", ac.selective_ac_option);
@@ -53,10 +55,6 @@ std::vector<int64_t> divisors(int64_t n) {
 Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& args, const config::JobConfig& config,
                const distributed::ParallelDims& dims, const ClusterProfile& cluster, protocols::Execution execution,
                bool per_pipeline_rank) {
-  if (models::as_decoder(args, "titan plan").moe)
-    fail("titan plan does not model Mixture-of-Experts models yet (model.flavor ", quote(config.model.flavor),
-         "): its step time and memory would leave out the routed experts' weights, optimizer state and all-to-all "
-         "(docs/moe.md)");
   Plan plan;
   plan.dims = dims;
   plan.layout = layout_of(dims, config);
@@ -113,47 +111,60 @@ SearchResult search_layouts(const protocols::ModelSpec& spec, const protocols::M
             for (const std::string schedule : {"1F1B", "Interleaved1F1B", "ZBVZeroBubble"})
               for (int64_t micro : divisors(local)) pipelines.push_back({schedule, micro});
           }
+          // MoE models: every expert-parallel degree that divides the experts and the ranks it borrows (dp_shard x
+          // cp, x tp with ETP 1), with ETP 1 or TP; dense models keep the base's (1).
+          std::vector<std::pair<int64_t, int64_t>> experts = {{base.parallelism.expert_parallel_degree,
+                                                               base.parallelism.expert_tensor_parallel_degree}};
+          if (decoder.moe) {
+            experts.clear();
+            for (int64_t etp : tp > 1 ? std::vector<int64_t>{1, tp} : std::vector<int64_t>{1})
+              for (int64_t ep : divisors(shard * cp * (etp == 1 ? tp : 1)))
+                if (decoder.moe->num_experts % ep == 0 && (ep > 1 || etp == 1)) experts.push_back({ep, etp});
+          }
           for (const auto& [mode, option] : ac_modes)
-            for (const auto& [schedule, micro] : pipelines) {
-              config::JobConfig c = base;
-              c.parallelism.tensor_parallel_degree = tp;
-              c.parallelism.pipeline_parallel_degree = pp;
-              c.parallelism.context_parallel_degree = cp;
-              c.parallelism.data_parallel_replicate_degree = replicate;
-              c.parallelism.data_parallel_shard_degree = shard;
-              c.training.local_batch_size = local;
-              c.activation_checkpoint.mode = mode;
-              if (!option.empty()) c.activation_checkpoint.selective_ac_option = option;
-              if (pp > 1) {
-                c.parallelism.pipeline_parallel_schedule = schedule;
-                c.parallelism.pipeline_parallel_microbatch_size = micro;
-              }
-              ++result.tried;
-              try {
+            for (const auto& [schedule, micro] : pipelines)
+              for (const auto& [ep, etp] : experts) {
+                config::JobConfig c = base;
+                c.parallelism.expert_parallel_degree = ep;
+                c.parallelism.expert_tensor_parallel_degree = etp;
+                c.parallelism.tensor_parallel_degree = tp;
+                c.parallelism.pipeline_parallel_degree = pp;
+                c.parallelism.context_parallel_degree = cp;
+                c.parallelism.data_parallel_replicate_degree = replicate;
+                c.parallelism.data_parallel_shard_degree = shard;
+                c.training.local_batch_size = local;
+                c.activation_checkpoint.mode = mode;
+                if (!option.empty()) c.activation_checkpoint.selective_ac_option = option;
                 if (pp > 1) {
-                  // The stages and schedule as the trainer would build them (checked once per combination).
-                  const auto key = std::make_tuple(schedule, pp, micro, local);
-                  auto it = pipeline_ok.find(key);
-                  if (it == pipeline_ok.end()) {
-                    bool ok = true;
-                    try {
-                      distributed::pipeline::plan_stages(args.layers(), spec.tied_embeddings(args), c, pp);
-                    } catch (const UserError&) {
-                      ok = false;
-                    }
-                    it = pipeline_ok.emplace(key, ok).first;
-                  }
-                  if (!it->second) continue;
+                  c.parallelism.pipeline_parallel_schedule = schedule;
+                  c.parallelism.pipeline_parallel_microbatch_size = micro;
                 }
-                auto dims = distributed::ParallelDims::from_config(c.parallelism, gpus);
-                Plan plan = make_plan(spec, args, c, dims, cluster, options.execution, false);
-                if (!plan.fits) continue;
-                ++result.fitting;
-                plans.push_back(std::move(plan));
-              } catch (const UserError&) {
-                // a schedule that cannot run this many micro-batches on this many stages
+                ++result.tried;
+                try {
+                  if (pp > 1) {
+                    // The stages and schedule as the trainer would build them (checked once per combination).
+                    const auto key = std::make_tuple(schedule, pp, micro, local);
+                    auto it = pipeline_ok.find(key);
+                    if (it == pipeline_ok.end()) {
+                      bool ok = true;
+                      try {
+                        distributed::pipeline::plan_stages(args.layers(), spec.tied_embeddings(args), c, pp);
+                      } catch (const UserError&) {
+                        ok = false;
+                      }
+                      it = pipeline_ok.emplace(key, ok).first;
+                    }
+                    if (!it->second) continue;
+                  }
+                  auto dims = distributed::ParallelDims::from_config(c.parallelism, gpus);
+                  Plan plan = make_plan(spec, args, c, dims, cluster, options.execution, false);
+                  if (!plan.fits) continue;
+                  ++result.fitting;
+                  plans.push_back(std::move(plan));
+                } catch (const UserError&) {
+                  // a schedule that cannot run this many micro-batches on this many stages
+                }
               }
-            }
         }
       }
     }

@@ -72,7 +72,9 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double tp = static_cast<double>(dims.tp), cp = static_cast<double>(dims.cp);
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
   const double d_attn = static_cast<double>(a.n_heads * a.head_dim()), d_kv = static_cast<double>(a.kv_heads() * a.head_dim());
-  const double hidden = static_cast<double>(a.ffn_hidden_dim()), seq = static_cast<double>(training.seq_len);
+  // The feed-forward width a token passes through: a MoE block's top_k routed experts and its shared ones.
+  const double hidden = static_cast<double>(a.moe ? (a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim : a.ffn_hidden_dim());
+  const double seq = static_cast<double>(training.seq_len);
   const double c = protocols::compute_dtype_bytes(config, dims);
   const double p_bytes = titan::config::dtype_bytes(training.dtype);
 
@@ -94,6 +96,16 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
         float8_params += static_cast<double>(p.numel());
     }
   const double float8_share = layer_params > 0 ? float8_params / layer_params : 0;
+  // Mixture of Experts: the routed experts' 3-D weights (the block's other weights, 2-D, are counted above). A token
+  // runs through top_k of them. Under expert parallelism a rank holds E / EP experts (split over TP too when ETP is
+  // TP) and computes the rows routed to them, on average its own tokens' top_k copies (split over TP either way).
+  double expert_params = 0;
+  for (const auto& p : a.parameter_shapes())
+    if (p.name.rfind("layers.0.moe.experts.", 0) == 0) expert_params += static_cast<double>(p.numel());
+  const double top_k = a.moe ? static_cast<double>(a.moe->top_k) : 0;
+  const double active_expert_params = a.moe ? expert_params * top_k / static_cast<double>(a.moe->num_experts) : 0;
+  const double ep = static_cast<double>(dims.ep);
+  const double expert_split = ep * (dims.ep > 1 && dims.etp == 1 ? 1.0 : static_cast<double>(dims.tp));
   const bool pipelined = dims.pp > 1;
   int64_t stages_per_rank = 1;
   double bubble = 0;
@@ -138,7 +150,8 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     op_matmul_recompute = (d * d_kv + d_attn * d + d * hidden) / layer_params;
 
   const double peak = cluster.peak_bf16_flops * cluster.matmul_efficiency;
-  const double layer_matmul_flops = tokens * layers * 2 * layer_params / tp * (3 + recompute_layers + op_matmul_recompute);
+  const double layer_matmul_flops =
+      tokens * layers * 2 * (layer_params + active_expert_params) / tp * (3 + recompute_layers + op_matmul_recompute);
   const double output_flops = tokens * output_share * 2 * vocab * d / tp * 3;
   // float8: the converted linear layers at the fp8 peak (the output projection stays in bf16), plus the casts.
   const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * kFloat8RelativeEfficiency : peak;
@@ -161,7 +174,10 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // float32 passes each), RoPE on q and k (four float32 passes), the attention output's transposes, SwiGLU (read
   // two, write one, plus SiLU) and the two residual adds. Backward moves about twice that.
   const double r = p_bytes;
-  const double block_forward_bytes = 2 * 6 * d * 4 + 4 * (d_attn + d_kv) * 4 + 2 * d * c + 5 * hidden * c + 2 * 3 * d * r;
+  // A MoE block also routes: the top_k copies of each token sorted by expert and back (read and write each way),
+  // the float32 router scores and the weighted sum in float32.
+  const double routing_bytes = top_k * d * (4 * c + 8);
+  const double block_forward_bytes = 2 * 6 * d * 4 + 4 * (d_attn + d_kv) * 4 + 2 * d * c + 5 * hidden * c + 2 * 3 * d * r + routing_bytes;
   double memory_bytes = tokens * layers * block_forward_bytes / tp * (3 + recompute_layers + 0.5 * op_recompute) + cast_bytes;
   const double logits = tokens * output_share * (parallelism.disable_loss_parallel ? vocab : vocab / tp);
   memory_bytes += logits * (torchtitan ? kTorchtitanLossBytesPerLogit : loss_bytes_per_logit(c));
@@ -169,9 +185,14 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double bandwidth = cluster.memory_bandwidth * kBandwidthEfficiency;
 
   // This rank's parameters (its pipeline share, divided by TP), and what FSDP/HSDP/DDP hold of them.
-  const double rank_params = (layers * (layer_params + 2 * d) + output_share * (2 * vocab * d + d)) / tp;
+  // The routed experts: with EP, FSDP shards this rank's E / EP over efsdp; without it they are like the rest.
+  double rank_params = (layers * (layer_params + 2 * d) + output_share * (2 * vocab * d + d)) / tp;
   const double shard_group = static_cast<double>(dims.dp_shard * dims.cp);
-  const double local_params = rank_params / shard_group;
+  const double rank_experts = layers * expert_params / expert_split;
+  const double efsdp = dims.ep > 1 ? static_cast<double>(dims.efsdp()) : 1.0;
+  if (dims.ep == 1) rank_params += rank_experts;
+  const double local_experts = dims.ep > 1 ? rank_experts / efsdp : 0.0;
+  const double local_params = rank_params / shard_group + local_experts;
   const double optimizer_seconds = local_params * kOptimizerBytesPerParameter / bandwidth;
 
   StepTime out;
@@ -210,6 +231,16 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     data_parallel = bytes / link(span);
     dp_detail = cat("FSDP over ", static_cast<int64_t>(shard_group), " ranks, ", strprintf("%.3g GB", bytes / 1e9), ", ", where(span));
   }
+  if (dims.ep > 1 && efsdp > 1) {  // the experts' own FSDP over the efsdp ranks (strided by EP)
+    const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
+                         (parallelism.fsdp_reshard_after_forward == "default" && !pipelined);
+    const double span = static_cast<double>(dims.ep_borrowed()) * (dims.etp == 1 ? 1.0 : tp);
+    const double bytes = (efsdp - 1) / efsdp *
+                         (rank_experts * c * (reshard ? 2 : 1) + rank_experts * titan::config::dtype_bytes(training.mixed_precision_reduce));
+    data_parallel += bytes / link(span);
+    dp_detail += cat(dp_detail.empty() ? "" : "; ", "experts' FSDP over ", static_cast<int64_t>(efsdp), " ranks, ",
+                     strprintf("%.3g GB", bytes / 1e9), ", ", where(span));
+  }
   if (dims.dp_replicate > 1) {
     const double rep = static_cast<double>(dims.dp_replicate);
     const double span = rep * shard_group * tp;
@@ -237,6 +268,20 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     const double exposed = parallelism.enable_async_tensor_parallel ? backward / bw : total;
     out.terms.push_back({"tensor parallel", exposed, total, cat(strprintf("%.3g GB, ", (forward + backward) / 1e9), where(tp),
                                                                parallelism.enable_async_tensor_parallel ? ", forward overlapped (async TP)" : "")});
+  }
+
+  // Expert parallelism: per MoE block and pass (forward, backward, and a recomputed forward), an all-to-all sends
+  // this rank's routed rows to the experts' ranks and one brings the outputs back; (EP - 1) / EP of them leave the
+  // rank. Under TP with ETP 1 each TP rank sends its 1 / TP of the rows. Nothing overlaps them (titan waits).
+  if (dims.ep > 1) {
+    const double rows = tokens * top_k / (dims.etp == 1 ? tp : 1.0);
+    const double per_pass = 2 * rows * d * c * (ep - 1) / ep * layers;
+    const double bytes = per_pass * (2 + recompute_layers);
+    const double span = ep * (dims.etp == 1 ? 1.0 : tp);
+    const double seconds = bytes / link(span);
+    out.terms.push_back({"expert parallel", seconds, seconds,
+                         cat("all-to-all over ", dims.ep, " ranks, ", strprintf("%.3g GB", bytes / 1e9), ", ", where(span),
+                             strprintf("; %.0f M expert parameters on this rank", rank_experts / 1e6))});
   }
 
   // Context parallelism: the ring passes keys and values cp - 1 times per block in forward (and in recomputation),
