@@ -4,10 +4,14 @@
 // usage: titan_model_probe [--model llama3|qwen3] --flavor F|--hf-config DIR/config.json --weights W.safetensors
 //                          --batch B.safetensors --out O.safetensors [--ac-mode none|full|selective] [--ac-option N|op]
 //                          [--autocast-bf16]
-// With --hf-config the family is config.json's model_type.
+//        titan_model_probe --args-json A.json --titan-weights W.safetensors --batch B.safetensors --out O.safetensors
+// With --hf-config the family is config.json's model_type. With --args-json (ModelArgs::to_json, as checkpoint
+// metadata holds it: every MoE option) the weights and the gradients written carry titan's (= torchtitan's) names,
+// and buffers found in the weights file (the MoE balancing biases) are loaded too.
 #include <ATen/autocast_mode.h>
 
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 
 #include "titan/components/checkpoint/formats/safetensors.h"
@@ -27,18 +31,28 @@ int main(int argc, char** argv) {
   }
   try {
     // The shape: a flavor, or a Hugging Face config.json (--hf-config).
-    const bool from_hf = opt.count("--hf-config") > 0;
+    const bool from_hf = opt.count("--hf-config") > 0, titan_layout = opt.count("--args-json") > 0;
+    nlohmann::json args_json;
+    if (titan_layout) args_json = nlohmann::json::parse(std::ifstream(opt.at("--args-json")));
     const auto& spec = from_hf ? titan::models::spec_for_hf_directory(std::filesystem::path(opt.at("--hf-config")).parent_path().string())
-                               : titan::models::model_spec(opt.count("--model") ? opt.at("--model") : "llama3");
-    auto configured = from_hf ? spec.read_hf_config(opt.at("--hf-config")) : spec.flavor(opt.at("--flavor"));
+                       : titan_layout ? titan::models::model_spec(args_json.at("family").get<std::string>())
+                                      : titan::models::model_spec(opt.count("--model") ? opt.at("--model") : "llama3");
+    auto configured = from_hf        ? spec.read_hf_config(opt.at("--hf-config"))
+                      : titan_layout ? spec.args_from_json(args_json, opt.at("--args-json"))
+                                     : spec.flavor(opt.at("--flavor"));
     titan::safetensors::File batch(opt.at("--batch"));
     at::Tensor inputs = batch.load("inputs"), labels = batch.load("labels");
     const auto args = configured->with_context_length(inputs.size(1));
     auto built = spec.build(*args, {});
     auto model = std::dynamic_pointer_cast<titan::models::Decoder>(built);
     const auto adapter = spec.state_dict_adapter(*args);
-    titan::safetensors::File weights(opt.at("--weights"));
-    {
+    titan::safetensors::File weights(opt.at(titan_layout ? "--titan-weights" : "--weights"));
+    if (titan_layout) {
+      at::NoGradGuard no_grad;
+      for (auto& item : model->named_parameters()) item.value().copy_(weights.load(item.key()));
+      for (auto& item : model->named_buffers())
+        if (weights.contains(item.key())) item.value().copy_(weights.load(item.key()));
+    } else {
       at::NoGradGuard no_grad;
       for (auto& item : model->named_parameters()) {
         if (const int64_t slices = adapter->hf_slices(item.key())) {  // one HF tensor per expert
@@ -71,6 +85,10 @@ int main(int argc, char** argv) {
     std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", logits.detach().to(at::kFloat)},
                                                            {"loss", loss.detach().reshape({1})}};
     for (auto& item : model->named_parameters()) {
+      if (titan_layout) {
+        out.emplace_back("grad." + item.key(), item.value().grad().contiguous());
+        continue;
+      }
       if (const int64_t slices = adapter->hf_slices(item.key())) {
         for (int64_t j = 0; j < slices; ++j)
           out.emplace_back("grad." + adapter->hf_slice_name(item.key(), j), item.value().grad()[j].contiguous());

@@ -1,7 +1,9 @@
 """titan's Mixture-of-Experts layer (models/common/moe.h) against torchtitan 0.2.2's own MoE module on this CPU, from
 the same weights and input: output, input gradient and every parameter gradient (router, routed experts, shared
 experts), for the routing options Hugging Face's Qwen3-MoE cannot express: sigmoid scores, node-limited expert groups,
-shared experts, route_scale and scores applied before the experts.
+shared experts, route_scale and scores applied before the experts. And the whole model: torchtitan's Qwen3 MoE
+model against titan's from the same weights and balancing biases (logits, loss, every gradient), with Qwen3's routing
+and with the other options.
 
 torchtitan runs here with two test-side adjustments: its for-loop experts (use_grouped_mm = False; its grouped
 matmul needs a GPU), and torch.histc, which its router calls on an integer tensor that the CPU kernel refuses,
@@ -154,3 +156,84 @@ def test_balancing_bias_matches_torchtitan(tmp_path, monkeypatch):
     assert (plain != biased).any(dim=1).sum() > 0
     print(f"balancing: bias after 3 passes {biases[-1].tolist()}; "
           f"{int((plain != biased).any(dim=1).sum())} of {plain.shape[0]} tokens routed differently because of it")
+
+
+# The whole model: torchtitan's Qwen3 MoE model (its Qwen3Model with moe_enabled) and titan's, from the same weights
+# and balancing biases, on the same tokens.
+MODEL_CASES = {
+    # Qwen3-MoE's own routing (torchtitan's flavors): softmax, top 2 of 8, renormalised.
+    "qwen3_softmax_top2": dict(num_experts=8, num_shared_experts=0, top_k=2, score_func="softmax", route_norm=True,
+                               route_scale=1.0, score_before_experts=False, num_expert_groups=None, num_limited_groups=None),
+    # The other options through torchtitan's MoEArgs: sigmoid over 4 groups keeping 2, top 3, scaled, the scores on
+    # the expert inputs, one shared expert.
+    "sigmoid_groups_shared_scores_first": dict(num_experts=8, num_shared_experts=1, top_k=3, score_func="sigmoid",
+                                               route_norm=True, route_scale=2.5, score_before_experts=True,
+                                               num_expert_groups=4, num_limited_groups=2),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case):
+    """Loss, logits and every gradient of torchtitan's Qwen3 MoE model against titan's (float32, 2 x 40 tokens, two
+    blocks), with non-zero balancing biases so that they steer the choice of experts in both."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
+    routing = MODEL_CASES[case]
+    args = Qwen3ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                          max_seq_len=64, moe_enabled=True, moe_inter_dim=32,
+                          moe_args=MoEArgs(use_grouped_mm=False, load_balance_coeff=1e-3, **routing))
+    torch.manual_seed(0)
+    model = Qwen3Model(args)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+        for name, p in model.named_parameters():
+            if "norm" in name:  # non-trivial norm weights, so that their gradients are checked
+                p.uniform_(0.5, 1.5)
+            elif "router" in name:  # clear preferences (no near-ties for rounding to flip)
+                p.normal_(0.0, 0.5, generator=g)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    assert len(biases) == 2
+
+    tokens = torch.randint(0, 256, (2, 41), generator=g)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    labels[1, :5] = -100
+    weights, batch, out = tmp_path / "w.safetensors", tmp_path / "b.safetensors", tmp_path / "o.safetensors"
+    save_file({**{n: p.detach().contiguous() for n, p in model.named_parameters()}, **biases}, str(weights))
+    save_file({"inputs": inputs, "labels": labels}, str(batch))
+    titan_args = dict(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256,
+                      ffn_hidden_dim=128, norm_eps=1e-6, rope_theta=1000000.0, rope_layout="half_split", qk_norm=True,
+                      max_seq_len=64, tie_word_embeddings=False, depth_init=True,
+                      moe=dict(hidden_dim=32, load_balance_coeff=1e-3, **routing))
+    (tmp_path / "args.json").write_text(json.dumps(titan_args))
+    run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
+         "--batch", str(batch), "--out", str(out)])
+    got = load_file(str(out))
+
+    logits = model(inputs)
+    valid = (labels != -100).sum()
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
+    loss.backward()
+    diff = ((got["logits"] - logits.detach()).abs().max() / logits.detach().abs().max()).item()
+    print(f"{case}: logits max difference {diff:.2e} of the largest; loss {got['loss'].item():.7f} vs {loss.item():.7f}")
+    assert diff < 1e-5
+    assert abs(got["loss"].item() - loss.item()) <= 1e-5 * loss.item()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert sorted(k[5:] for k in got if k.startswith("grad.")) == sorted(grads)
+    worst = 0.0
+    for name, expected in grads.items():
+        mine = got["grad." + name]
+        if expected.abs().max() == 0:  # an expert no token reached
+            assert mine.abs().max() == 0, name
+            continue
+        worst = max(worst, ((mine - expected).abs().max() / expected.abs().max()).item())
+        torch.testing.assert_close(mine, expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
+    print(f"{case}: worst gradient difference {worst:.2e} of the tensor's largest entry")
+    assert worst < 1e-4
