@@ -3,7 +3,7 @@
 // logits, loss and gradients in HF layout.
 // usage: titan_model_probe [--model llama3|qwen3] --flavor F|--hf-config DIR/config.json --weights W.safetensors
 //                          --batch B.safetensors --out O.safetensors [--ac-mode none|full|selective] [--ac-option N|op]
-//                          [--autocast-bf16]
+//                          [--autocast-bf16] [--float8 tensorwise|rowwise|rowwise_with_gw_hp]
 //        titan_model_probe --args-json A.json --titan-weights W.safetensors --batch B.safetensors --out O.safetensors
 // With --hf-config the family is config.json's model_type. With --args-json (ModelArgs::to_json, as checkpoint
 // metadata holds it: every MoE option) the weights and the gradients written carry titan's (= torchtitan's) names,
@@ -15,6 +15,7 @@
 #include <iostream>
 
 #include "titan/components/checkpoint/formats/safetensors.h"
+#include "titan/components/quantization/float8.h"
 #include "titan/nn/loss.h"
 #include "titan/config/job_config.h"
 #include "titan/models/common/decoder.h"
@@ -62,6 +63,14 @@ int main(int argc, char** argv) {
         auto hf = adapter->to_hf_name(item.key());
         item.value().copy_(adapter->from_hf_tensor(item.key(), weights.load(*hf)));
       }
+    }
+    if (opt.count("--float8")) {  // float8 linears (emulated), the output projection kept in high precision
+      titan::config::JobConfig job;
+      job.model.converters = {"float8"};
+      job.quantize.linear.float8.recipe_name = opt.at("--float8");
+      job.quantize.linear.float8.emulate = true;
+      job.quantize.linear.float8.filter_fqns = {"output"};
+      titan::quantization::convert_to_float8(*model, job);
     }
     titan::config::ActivationCheckpoint ac;
     ac.mode = opt["--ac-mode"];

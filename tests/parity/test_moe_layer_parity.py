@@ -8,6 +8,7 @@ and with the other options.
 torchtitan runs here with two test-side adjustments: its for-loop experts (use_grouped_mm = False; its grouped
 matmul needs a GPU), and torch.histc, which its router calls on an integer tensor that the CPU kernel refuses,
 counted in float32 and converted back."""
+import dataclasses
 import json
 
 import pytest
@@ -172,10 +173,14 @@ MODEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(MODEL_CASES))
-def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case):
+@pytest.mark.parametrize("case,float8", [(case, None) for case in MODEL_CASES] +
+                         [("qwen3_softmax_top2", "tensorwise"), ("sigmoid_groups_shared_scores_first", "rowwise")])
+def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, float8):
     """Loss, logits and every gradient of torchtitan's Qwen3 MoE model against titan's (float32, 2 x 40 tokens, two
-    blocks), with non-zero balancing biases so that they steer the choice of experts in both."""
+    blocks), with non-zero balancing biases so that they steer the choice of experts in both. With float8, both
+    models' linears (attention, shared experts; not the output, and not the 8-expert router, whose 8 rows do not
+    divide by 16) are float8 linears, emulated: torchao's Float8Linear in torchtitan's model, as its converter makes
+    them; the routed experts stay in float32 in both."""
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
     from torchtitan.models.qwen3.model.model import Qwen3Model
@@ -201,12 +206,24 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     assert len(biases) == 2
+    state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+    if float8:
+        from torchao import float8 as torchao_float8
+        from torchao.float8.float8_linear import Float8Linear
+        from torchtitan.components.quantization.utils import module_filter_fn
+
+        config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(float8), emulate=True)
+        torchao_float8.convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda mod, fqn: module_filter_fn(mod, fqn, ["output"]))
+        converted = sorted(fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear))
+        shared = 3 if routing["num_shared_experts"] else 0
+        assert len(converted) == 2 * (4 + shared) and not any("router" in f or f == "output" for f in converted), converted
 
     tokens = torch.randint(0, 256, (2, 41), generator=g)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     labels[1, :5] = -100
     weights, batch, out = tmp_path / "w.safetensors", tmp_path / "b.safetensors", tmp_path / "o.safetensors"
-    save_file({**{n: p.detach().contiguous() for n, p in model.named_parameters()}, **biases}, str(weights))
+    save_file({**state, **biases}, str(weights))
     save_file({"inputs": inputs, "labels": labels}, str(batch))
     titan_args = dict(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256,
                       ffn_hidden_dim=128, norm_eps=1e-6, rope_theta=1000000.0, rope_layout="half_split", qk_norm=True,
@@ -214,7 +231,7 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case):
                       moe=dict(hidden_dim=32, load_balance_coeff=1e-3, **routing))
     (tmp_path / "args.json").write_text(json.dumps(titan_args))
     run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
-         "--batch", str(batch), "--out", str(out)])
+         "--batch", str(batch), "--out", str(out), *(["--float8", float8] if float8 else [])])
     got = load_file(str(out))
 
     logits = model(inputs)
@@ -222,6 +239,7 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case):
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
     loss.backward()
     diff = ((got["logits"] - logits.detach()).abs().max() / logits.detach().abs().max()).item()
+    case = f"{case}{', float8 ' + float8 if float8 else ''}"
     print(f"{case}: logits max difference {diff:.2e} of the largest; loss {got['loss'].item():.7f} vs {loss.item():.7f}")
     assert diff < 1e-5
     assert abs(got["loss"].item() - loss.item()) <= 1e-5 * loss.item()

@@ -3,6 +3,7 @@
 #include "titan/models/common/moe.h"
 
 #include "titan/common/error.h"
+#include "titan/components/quantization/float8.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/nn/loss.h"
@@ -63,9 +64,15 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
     if (dims.ep > 1 && args.moe->num_experts % dims.ep != 0)
       fail("parallelism.expert_parallel_degree = ", dims.ep, " does not divide the model's ", args.moe->num_experts,
            " experts (model.flavor ", quote(config.model.flavor), "); each expert-parallel rank holds an equal share");
-    if (!config.model.converters.empty())
+    // float8 linears convert the attention, the shared experts and the router where its dimensions allow (as
+    // torchtitan's converter does); the routed experts' grouped products stay in high precision.
+    if (quantization::mx_enabled(config))
       fail("model.converters = [", join(config.model.converters, ", "), "] with a Mixture-of-Experts model (model.flavor ",
-           quote(config.model.flavor), "): float8 and MX linears are not supported for MoE models yet");
+           quote(config.model.flavor), "): MX linears are not supported for MoE models yet");
+    if (quantization::float8_enabled(config) && dims.tp > 1)
+      fail("model.converters = [", join(config.model.converters, ", "), "] with parallelism.tensor_parallel_degree = ", dims.tp,
+           " and a Mixture-of-Experts model (model.flavor ", quote(config.model.flavor),
+           "): float8 linears under tensor parallelism are not supported for MoE models yet");
   }
 }
 
