@@ -9,6 +9,7 @@
 
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/fused_ops.h"
+#include "titan/kernels/grouped_mm.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
 #include "titan/nn/float8.h"
@@ -182,6 +183,45 @@ TEST(GpuKernels, FirstCallChecksAgreeWithAten) {
   for (auto op : {titan::kernels::Op::swiglu, titan::kernels::Op::rope, titan::kernels::Op::cross_entropy})
     EXPECT_TRUE(titan::kernels::fused_kernel_applies(op, {at::ones({2}, at::TensorOptions().device(device).dtype(at::kBFloat16))}));
   figure("cuda kernel first-call checks agreeing", static_cast<double>(lines.size()));
+}
+
+// The MoE experts' grouped products through LibTorch's at::_grouped_mm (bf16, compute capability 9.0 and newer)
+// against a per-expert loop in float64 on the host: uneven and empty groups, forward, input and weight gradients.
+TEST(GpuKernels, GroupedMatmulMatchesPerExpertLoopInFloat64) {
+  TITAN_REQUIRE_CUDA();
+  const at::Device device = test_device();
+  at::manual_seed(14);
+  const std::vector<int64_t> rows = {0, 37, 130, 0, 1, 88, 0};
+  const auto experts = static_cast<int64_t>(rows.size());
+  const at::Tensor counts = at::tensor(rows, at::kLong);
+  const int64_t total = counts.sum().item<int64_t>(), in = 256, out = 384;
+  const at::Tensor x = at::randn({total, in}).to(at::kBFloat16), w = (at::randn({experts, out, in}) * 0.05).to(at::kBFloat16);
+  const at::Tensor g = at::randn({total, out}).to(at::kBFloat16);
+  const at::Tensor xd = x.to(device), wd = w.to(device), gd = g.to(device);
+  if (!titan::kernels::libtorch_grouped_mm_applies(xd, wd))
+    GTEST_SKIP() << "LibTorch's grouped matmul does not apply on this GPU (bf16 needs compute capability 9.0 or newer)";
+  const at::Tensor y = titan::kernels::libtorch_grouped_linear(xd, wd, counts);
+  const at::Tensor dx = titan::kernels::libtorch_grouped_linear_input_grad(gd, wd, counts);
+  const at::Tensor dw = titan::kernels::libtorch_grouped_linear_weight_grad(gd, xd, counts);
+  at::Tensor y_ref = at::zeros({total, out}, at::kDouble), dx_ref = at::zeros({total, in}, at::kDouble);
+  at::Tensor dw_ref = at::zeros({experts, out, in}, at::kDouble);
+  for (int64_t e = 0, start = 0; e < experts; start += rows[static_cast<size_t>(e)], ++e) {
+    const int64_t n = rows[static_cast<size_t>(e)];
+    if (n == 0) continue;
+    const at::Tensor xe = host64(x).narrow(0, start, n), ge = host64(g).narrow(0, start, n), we = host64(w)[e];
+    y_ref.narrow(0, start, n).copy_(at::mm(xe, we.t()));
+    dx_ref.narrow(0, start, n).copy_(at::mm(ge, we));
+    dw_ref[e].copy_(at::mm(ge.t(), xe));
+  }
+  EXPECT_EQ(y.device(), device);
+  EXPECT_LT(max_relative_difference(y, y_ref), 1.6e-2);
+  EXPECT_LT(max_relative_difference(dx, dx_ref), 1.6e-2);
+  EXPECT_LT(max_relative_difference(dw, dw_ref), 1.6e-2);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (rows[static_cast<size_t>(e)] == 0) {
+      EXPECT_EQ(dw[e].abs().max().item<double>(), 0.0) << "expert " << e << " received no rows";
+    }
+  }
 }
 
 // Float8 linears through at::_scaled_mm (compute capability 8.9 and newer) against the emulation of the same casts

@@ -398,16 +398,18 @@ TEST(FusedKernels, FirstCallComparisonAgreesOnCorrectKernels) {
 // The grouped products against a per-expert loop of ATen matmuls in float64: uneven groups, empty groups (first,
 // middle and last), sizes that fill no tile exactly, every instruction-set copy, and bf16 both on AMX (where the CPU
 // has it) and in float32 vectors.
-void check_grouped(at::ScalarType dtype, const std::vector<int64_t>& group_rows, int64_t in, int64_t out) {
+void check_grouped(at::ScalarType dtype, const std::vector<int64_t>& group_rows, int64_t in, int64_t out,
+                   bool libtorch = false) {
   const auto experts = static_cast<int64_t>(group_rows.size());
   const at::Tensor counts = at::tensor(group_rows, at::kLong);
   const int64_t rows = counts.sum().item<int64_t>();
   const auto opts = at::TensorOptions().dtype(dtype);
   const at::Tensor x = at::randn({rows, in}, opts), w = at::randn({experts, out, in}, opts) / 4;
   const at::Tensor g = at::randn({rows, out}, opts);
-  const at::Tensor y = titan::kernels::grouped_linear(x, w, counts);
-  const at::Tensor dx = titan::kernels::grouped_linear_input_grad(g, w, counts);
-  const at::Tensor dw = titan::kernels::grouped_linear_weight_grad(g, x, counts);
+  namespace k = titan::kernels;
+  const at::Tensor y = libtorch ? k::libtorch_grouped_linear(x, w, counts) : k::grouped_linear(x, w, counts);
+  const at::Tensor dx = libtorch ? k::libtorch_grouped_linear_input_grad(g, w, counts) : k::grouped_linear_input_grad(g, w, counts);
+  const at::Tensor dw = libtorch ? k::libtorch_grouped_linear_weight_grad(g, x, counts) : k::grouped_linear_weight_grad(g, x, counts);
   at::Tensor y_ref = at::zeros({rows, out}, at::kDouble), dx_ref = at::zeros({rows, in}, at::kDouble);
   at::Tensor dw_ref = at::zeros({experts, out, in}, at::kDouble);
   const at::Tensor xd = x.to(at::kDouble), wd = w.to(at::kDouble), gd = g.to(at::kDouble);
@@ -455,6 +457,17 @@ TEST(FusedKernels, GroupedMatmulMatchesPerExpertLoopInFloat64) {
       }
     }
     titan::kernels::set_grouped_mm_amx(std::nullopt);
+  }
+}
+
+// The calls to LibTorch's at::_grouped_mm that CUDA GPUs run (checked here on LibTorch's CPU implementation):
+// operand layouts, offsets and empty groups as titan's kernels take them.
+TEST(FusedKernels, LibTorchGroupedMatmulCallsMatchPerExpertLoopInFloat64) {
+  at::manual_seed(6);
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(testing::Message() << dtype);
+    check_grouped(dtype, {0, 7, 33, 0, 1, 70}, 48, 40, true);
+    check_grouped(dtype, {3, 0, 130, 5}, 200, 16, true);
   }
 }
 

@@ -1,6 +1,11 @@
 #include "titan/kernels/grouped_mm.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/_grouped_mm.h>
+
+#ifdef TITAN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +20,7 @@
 #endif
 
 #include "titan/common/error.h"
+#include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/kernels/cpu_isa.h"
 #include "titan/kernels/isa/kernels.h"
@@ -147,17 +153,63 @@ int64_t element_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.eleme
 
 }  // namespace
 
-bool grouped_mm_enabled(at::ScalarType dtype) {
-  static const int setting = [] {  // -1 unset, 0 off, 1 on for float32 too
+namespace {
+
+// TITAN_CPU_GROUPED_MM: -1 unset, 0 the per-expert loop, 1 titan's kernels for float32 too, 2 LibTorch's.
+int cpu_grouped_mm_setting() {
+  static const int setting = [] {
     const char* env = std::getenv("TITAN_CPU_GROUPED_MM");
     if (!env || !*env) return -1;
     if (std::strcmp(env, "0") == 0) return 0;
     if (std::strcmp(env, "1") == 0) return 1;
-    fail("TITAN_CPU_GROUPED_MM = ", quote(env), ": expected 0 (the per-expert loop) or 1 (titan's grouped kernels for ",
-         "float32 too); unset uses them for bf16");
+    if (std::strcmp(env, "libtorch") == 0) return 2;
+    fail("TITAN_CPU_GROUPED_MM = ", quote(env), ": expected 0 (the per-expert loop), 1 (titan's grouped kernels for ",
+         "float32 too) or libtorch (LibTorch's at::_grouped_mm); unset uses titan's kernels for bf16");
   }();
+  return setting;
+}
+
+std::atomic<bool> g_libtorch_failed{false};
+
+at::Tensor offsets_for(const at::Tensor& counts, const at::Device& device) {
+  return counts.cumsum(0).to(at::kInt).to(device);
+}
+
+}  // namespace
+
+bool grouped_mm_enabled(at::ScalarType dtype) {
+  const int setting = cpu_grouped_mm_setting();
   if (setting >= 0) return setting == 1;
   return dtype == at::kBFloat16;
+}
+
+bool libtorch_grouped_mm_applies(const at::Tensor& x, const at::Tensor& w) {
+  if (g_libtorch_failed.load() || x.scalar_type() != w.scalar_type() || x.device() != w.device()) return false;
+  if (x.is_cpu()) return cpu_grouped_mm_setting() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+#ifdef TITAN_WITH_CUDA
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && w.size(1) % 8 == 0 && w.size(2) % 8 == 0)
+    return at::cuda::getDeviceProperties(x.device().index())->major >= 9;
+#endif
+  return false;
+}
+
+at::Tensor libtorch_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
+  return at::_grouped_mm(x.contiguous(), w.transpose(1, 2), offsets_for(counts, x.device()));
+}
+
+at::Tensor libtorch_grouped_linear_input_grad(const at::Tensor& grad, const at::Tensor& w, const at::Tensor& counts) {
+  return at::_grouped_mm(grad.contiguous(), w, offsets_for(counts, grad.device()));
+}
+
+at::Tensor libtorch_grouped_linear_weight_grad(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& counts) {
+  // [experts, out, in]: the groups split the rows, the shared dimension of grad^T and x (zeros for empty groups).
+  return at::_grouped_mm(grad.contiguous().t(), x.contiguous(), offsets_for(counts, grad.device()));
+}
+
+void libtorch_grouped_mm_failed(const std::string& error) {
+  if (!g_libtorch_failed.exchange(true))
+    log::warn("LibTorch's grouped matmul (at::_grouped_mm) failed: ", error.substr(0, error.find('\n')),
+              "; the experts run one matmul per expert for the rest of this run");
 }
 
 bool grouped_mm_uses_amx() {

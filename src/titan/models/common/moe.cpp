@@ -23,13 +23,32 @@ namespace {
 using nn::NoAutocast;
 
 // y = x W[e]^T for each expert's contiguous rows of x (counts per expert), W [experts, out, in]: titan's grouped
-// kernels on the CPU (kernels/grouped_mm.h), otherwise (CUDA, training.fused_kernels = false) one product per
-// expert that received tokens. Backward writes each expert's weight gradient into its row of one gradient tensor
+// kernels on the CPU for bf16, LibTorch's grouped matmul on CUDA GPUs that have it (kernels/grouped_mm.h),
+// otherwise (float32 on the CPU, other GPUs, training.fused_kernels = false) one product per expert that received
+// tokens. Backward writes each expert's weight gradient into its row of one gradient tensor
 // (autograd of per-expert slices would add a zero-filled full-size gradient per expert).
+// Runs `libtorch()` where LibTorch's grouped product applies, falling back to `loop()` if it throws (a GPU or build
+// without it); otherwise `loop()`.
+template <typename LibTorch, typename Loop>
+at::Tensor with_libtorch_or_loop(const at::Tensor& x, const at::Tensor& w, const LibTorch& libtorch, const Loop& loop) {
+  if (kernels::libtorch_grouped_mm_applies(x, w)) {
+    try {
+      return libtorch();
+    } catch (const c10::Error& error) {
+      kernels::libtorch_grouped_mm_failed(error.what());
+    }
+  }
+  return loop();
+}
+
 struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
     ctx->save_for_backward({x, w, counts});
     if (kernels::fused_kernel_applies(kernels::Op::grouped_mm, {x, w})) return kernels::grouped_linear(x, w, counts);
+    return with_libtorch_or_loop(x, w, [&] { return kernels::libtorch_grouped_linear(x, w, counts); }, [&] { return loop(x, w, counts); });
+  }
+
+  static at::Tensor loop(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
     at::Tensor out = at::empty({x.size(0), w.size(1)}, x.options());
     const int64_t* count = counts.data_ptr<int64_t>();
     for (int64_t e = 0, start = 0; e < w.size(0); start += count[e], ++e) {
@@ -47,6 +66,14 @@ struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
     if (kernels::fused_kernel_applies(kernels::Op::grouped_mm, {g, w, x})) {
       return {ctx->needs_input_grad(0) ? kernels::grouped_linear_input_grad(g, w, counts) : at::Tensor(),
               ctx->needs_input_grad(1) ? kernels::grouped_linear_weight_grad(g, x, counts) : at::Tensor(), at::Tensor()};
+    }
+    if (kernels::libtorch_grouped_mm_applies(g, w)) {
+      try {
+        return {ctx->needs_input_grad(0) ? kernels::libtorch_grouped_linear_input_grad(g, w, counts) : at::Tensor(),
+                ctx->needs_input_grad(1) ? kernels::libtorch_grouped_linear_weight_grad(g, x, counts) : at::Tensor(), at::Tensor()};
+      } catch (const c10::Error& error) {
+        kernels::libtorch_grouped_mm_failed(error.what());
+      }
     }
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::empty_like(x);
