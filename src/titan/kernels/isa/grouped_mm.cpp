@@ -127,6 +127,42 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// (GCC 12 warns inside its own unpack intrinsics, whose pass-through operand is deliberately undefined.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// dst row i (64 bytes) = the i-th 32-bit value of each of 16 source rows (src + r * src_row_bytes, 64 bytes each):
+// a 16 x 16 transpose of 32-bit values (bf16 pairs).
+inline void transpose_16x16_pairs(const uint16_t* src, int64_t src_row_bytes, uint16_t* dst) {
+  const char* base = reinterpret_cast<const char*>(src);
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(base + i * src_row_bytes);
+  // Within each 128-bit lane: 32-bit interleaves of row pairs, then 64-bit interleaves of those.
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4g + k] now holds, in 128-bit lane L, the values of column 4L + k of source rows 4g..4g+3. Gather the lanes:
+  // output row 4L + k takes lane L of r[k], r[4 + k], r[8 + k], r[12 + k].
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = r[k], b = r[4 + k], c = r[8 + k], d = r[12 + k];
+    const __m512i ab_lo = _mm512_shuffle_i32x4(a, b, 0x44), ab_hi = _mm512_shuffle_i32x4(a, b, 0xee);  // a0 a1 b0 b1 | a2 a3 b2 b3
+    const __m512i cd_lo = _mm512_shuffle_i32x4(c, d, 0x44), cd_hi = _mm512_shuffle_i32x4(c, d, 0xee);
+    t[k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);       // a0 b0 c0 d0: lane 0
+    t[4 + k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xdd);   // a1 b1 c1 d1: lane 1
+    t[8 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);   // lane 2
+    t[12 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xdd);  // lane 3
+  }
+  char* out = reinterpret_cast<char*>(dst);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * 64, t[i]);
+}
+#pragma GCC diagnostic pop
+
 void pack_amx(const MatmulProblem& p, uint16_t* a_packed, uint16_t* b_packed) {
   const int64_t rows_padded = round_up(p.rows, kAmxBlock), cols_padded = round_up(p.cols, kAmxBlock);
   const int64_t depth = p.depth, depth_padded = round_up(depth, kAmxBlock);
@@ -163,7 +199,13 @@ void pack_amx(const MatmulProblem& p, uint16_t* a_packed, uint16_t* b_packed) {
   for (int64_t first = 0; first < cols_padded; first += 16) {
     uint16_t* out = b_packed + (first / 16) * (depth_padded / 2) * 32;
     const int64_t n = first < p.cols ? smaller(16, p.cols - first) : 0;
-    for (int64_t t = 0; t < depth_padded; t += 2, out += 32) {
+    int64_t t = 0;
+    // 16 columns whose pairs are adjacent in memory (rows of a transposed operand): 16 pairs of each at once, as a
+    // transpose of 16 x 16 32-bit values in registers.
+    if (n == 16 && p.b_stride[0] == 1)
+      for (; t + 32 <= depth; t += 32, out += 16 * 32)
+        transpose_16x16_pairs(b + first * p.b_stride[1] + t, 2 * p.b_stride[1], out);
+    for (; t < depth_padded; t += 2, out += 32) {
       const bool second = t + 1 < depth;
       if (n == 16 && second && p.b_stride[1] == 1) {  // two rows of 16 adjacent values, interleaved
         const uint16_t* r0 = b + t * p.b_stride[0] + first;
