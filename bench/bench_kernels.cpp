@@ -7,8 +7,10 @@
 // (float8 values, float32 matmuls: expected slower than bf16), on CUDA through at::_scaled_mm where the GPU has it.
 //
 // MoE grouped matrix products (kernels/grouped_mm.h) against the per-expert loop of ATen products the model runs
-// without them, at debugmodel_moe's and 30B-A3B's expert shapes with tokens routed at random (uneven groups); bf16 on
-// AMX and, for comparison, in float32 vectors.
+// without them and against LibTorch's own at::_grouped_mm, at debugmodel_moe's and 30B-A3B's expert shapes with
+// tokens routed at random (uneven groups); bf16 on AMX and, for comparison, in float32 vectors. The routing is the
+// same on every repeat, so oneDNN's cache of per-shape products is warm for the loop (in training it is not:
+// docs/moe.md).
 //
 // usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512|avx512bf16] [--device cpu|cuda]
 //                            [--only attention,elementwise,loss,float8,grouped]
@@ -170,6 +172,12 @@ void grouped(at::ScalarType dtype, int64_t tokens, int64_t experts, int64_t top_
       at::mm_out(dwe, ge.t(), xe);
     }
   });
+  // LibTorch's own grouped matmul (at::_grouped_mm, also on the CPU) for the same three products.
+  const double libtorch = median_ms([&] {
+    titan::kernels::libtorch_grouped_linear(x, w, counts);
+    titan::kernels::libtorch_grouped_linear_input_grad(g, w, counts);
+    titan::kernels::libtorch_grouped_linear_weight_grad(g, x, counts);
+  });
   const double flops = 6.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
   const std::string name = std::string(dtype == at::kFloat ? "fp32" : "bf16") + " grouped " + std::to_string(experts) + "x" +
                            std::to_string(out) + "x" + std::to_string(in) + " " + std::to_string(rows) + " rows";
@@ -181,6 +189,7 @@ void grouped(at::ScalarType dtype, int64_t tokens, int64_t experts, int64_t top_
   } else {
     report(name, median_ms(fused), aten, flops);
   }
+  std::printf("%-44s LibTorch at::_grouped_mm %8.2f ms (%6.1f GFLOP/s)\n", name.c_str(), libtorch, flops / libtorch / 1e6);
 }
 
 void float8_linear(int64_t tokens, int64_t k, int64_t n) {
@@ -262,10 +271,10 @@ int main(int argc, char** argv) {
     if (wanted("elementwise")) elementwise(dtype, 4096, 768, 2048, 12, 64);
     if (wanted("loss")) loss(dtype, 2048, 256, 32768);
     if (wanted("grouped")) {
-      grouped(dtype, 8192, 1, 1, 256, 768);
+      grouped(dtype, 8192, 1, 1, 256, 768);    // one expert: the products at their largest (8,192 rows)
       grouped(dtype, 1024, 64, 8, 256, 768);   // debugmodel_moe's w1 (and w3), 4 x 256 tokens
       grouped(dtype, 1024, 64, 8, 768, 256);   // its w2
-      grouped(dtype, 2048, 128, 8, 2048, 768); // 30B-A3B's w1, 2,048 tokens (16 rows per expert on average)
+      grouped(dtype, 2048, 128, 8, 2048, 768); // 30B-A3B's w1, 2,048 tokens (128 rows per expert on average)
     }
   }
   if (wanted("float8")) {
