@@ -5,8 +5,8 @@
 // depth-major, B in panels of kCols columns stored depth-major; a tile is kRows x kCols outputs held in registers
 // over the whole depth (one broadcast and kCols / 16 multiply-adds per row and depth step).
 //
-// AMX path (bf16, the avx512bf16 copy on CPUs with AMX): A row-major with the depth padded to 32, B in the AMX
-// pair-interleaved layout per 16 columns; a tile is 32 x 32 outputs, four 16 x 16 float32 accumulator tiles fed by
+// AMX path (bf16, the avx512bf16 copy on CPUs with AMX): A row-major with the depth padded to 32 (read in place
+// when its rows are contiguous and the depth a multiple of 32), B in the AMX pair-interleaved layout per 16 columns; a tile is 32 x 32 outputs, four 16 x 16 float32 accumulator tiles fed by
 // two A and two B tiles per 32 steps of depth. Products accumulate in float32 and are rounded to the output dtype
 // once.
 #include <cstring>
