@@ -226,52 +226,44 @@ void set_grouped_mm_amx(std::optional<bool> use) {
   g_amx_forced = use ? (*use ? 1 : 0) : -1;
 }
 
-at::Tensor grouped_linear(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& counts) {
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  check_operands("linear", x, w);
-  check_shapes("linear", x, w, w.dim() == 3 ? w.size(2) : -1);
-  check_counts("linear", counts, w.size(0), x.size(0));
+namespace {
+
+// out[rows of e] = rows[rows of e] W_e for every expert e, with W_e = w[e]^T (`transposed`, the forward) or w[e]
+// (the input gradient); w [experts, out, in].
+at::Tensor rows_times_expert_weights(const char* what, const at::Tensor& rows_in, const at::Tensor& w_in,
+                                     const at::Tensor& counts, bool transposed) {
+  const at::Tensor rows = rows_in.contiguous(), w = w_in.contiguous();
+  check_operands(what, rows, w);
+  check_shapes(what, rows, w, w.dim() == 3 ? w.size(transposed ? 2 : 1) : -1);
+  check_counts(what, counts, w.size(0), rows.size(0));
   const int64_t in = w.size(2), out_dim = w.size(1);
-  at::Tensor out = at::empty({x.size(0), out_dim}, x.options());
-  const int64_t bytes = element_bytes(x);
-  auto* xp = static_cast<const uint8_t*>(x.data_ptr());
+  const int64_t depth = transposed ? in : out_dim, width = transposed ? out_dim : in;
+  at::Tensor out = at::empty({rows.size(0), width}, rows.options());
+  const int64_t bytes = element_bytes(rows);
+  auto* rp = static_cast<const uint8_t*>(rows.data_ptr());
   auto* wp = static_cast<const uint8_t*>(w.data_ptr());
   auto* op = static_cast<uint8_t*>(out.data_ptr());
-  // y[r, o] = sum_i x[r, i] w[e, o, i]
   const auto problems = problems_for(counts, true, [&](int64_t e, int64_t start, int64_t count) {
     MatmulProblem p;
-    p.rows = count, p.cols = out_dim, p.depth = in;
-    p.a = xp + start * in * bytes, p.a_stride[0] = in, p.a_stride[1] = 1;
-    p.b = wp + e * out_dim * in * bytes, p.b_stride[0] = 1, p.b_stride[1] = in;
-    p.c = op + start * out_dim * bytes, p.c_stride[0] = out_dim, p.c_stride[1] = 1;
+    p.rows = count, p.cols = width, p.depth = depth;
+    p.a = rp + start * depth * bytes, p.a_stride[0] = depth, p.a_stride[1] = 1;
+    // B[t, j]: w[e, j, t] (forward: t an input, j an output) or w[e, t, j] (input gradient).
+    p.b = wp + e * out_dim * in * bytes, p.b_stride[0] = transposed ? 1 : in, p.b_stride[1] = transposed ? in : 1;
+    p.c = op + start * width * bytes, p.c_stride[0] = width, p.c_stride[1] = 1;
     return p;
   });
-  run(problems, x.scalar_type() == at::kBFloat16);
+  run(problems, rows.scalar_type() == at::kBFloat16);
   return out;
 }
 
-at::Tensor grouped_linear_input_grad(const at::Tensor& grad_in, const at::Tensor& w_in, const at::Tensor& counts) {
-  const at::Tensor g = grad_in.contiguous(), w = w_in.contiguous();
-  check_operands("linear input gradient", g, w);
-  check_shapes("linear input gradient", g, w, w.dim() == 3 ? w.size(1) : -1);
-  check_counts("linear input gradient", counts, w.size(0), g.size(0));
-  const int64_t in = w.size(2), out_dim = w.size(1);
-  at::Tensor dx = at::empty({g.size(0), in}, g.options());
-  const int64_t bytes = element_bytes(g);
-  auto* gp = static_cast<const uint8_t*>(g.data_ptr());
-  auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  auto* dp = static_cast<uint8_t*>(dx.data_ptr());
-  // dx[r, i] = sum_o g[r, o] w[e, o, i]
-  const auto problems = problems_for(counts, true, [&](int64_t e, int64_t start, int64_t count) {
-    MatmulProblem p;
-    p.rows = count, p.cols = in, p.depth = out_dim;
-    p.a = gp + start * out_dim * bytes, p.a_stride[0] = out_dim, p.a_stride[1] = 1;
-    p.b = wp + e * out_dim * in * bytes, p.b_stride[0] = in, p.b_stride[1] = 1;
-    p.c = dp + start * in * bytes, p.c_stride[0] = in, p.c_stride[1] = 1;
-    return p;
-  });
-  run(problems, g.scalar_type() == at::kBFloat16);
-  return dx;
+}  // namespace
+
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
+  return rows_times_expert_weights("linear", x, w, counts, true);  // y[r, o] = sum_i x[r, i] w[e, o, i]
+}
+
+at::Tensor grouped_linear_input_grad(const at::Tensor& grad, const at::Tensor& w, const at::Tensor& counts) {
+  return rows_times_expert_weights("linear input gradient", grad, w, counts, false);  // dx[r, i] = sum_o g[r, o] w[e, o, i]
 }
 
 at::Tensor grouped_linear_weight_grad(const at::Tensor& grad_in, const at::Tensor& x_in, const at::Tensor& counts) {
