@@ -80,6 +80,9 @@ MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.n_l
 MOE_LAYOUTS = {
     "MoE, one process": (1, MOE),
     "MoE, EP 2": (2, MOE + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
+    # torchtitan's op-level policy: attention and every other linear kept, the routed experts recomputed.
+    "MoE, EP 2, op-level AC": (2, MOE + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                                        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
 }
 
 

@@ -3,11 +3,12 @@
 // logits, loss and gradients in HF layout.
 // usage: titan_model_probe [--model llama3|qwen3] --flavor F|--hf-config DIR/config.json --weights W.safetensors
 //                          --batch B.safetensors --out O.safetensors [--ac-mode none|full|selective] [--ac-option N|op]
-//                          [--autocast-bf16] [--float8 tensorwise|rowwise|rowwise_with_gw_hp]
+//                          [--autocast-bf16] [--float8 tensorwise|rowwise|rowwise_with_gw_hp] [--kept-shapes K.json]
 //        titan_model_probe --args-json A.json --titan-weights W.safetensors --batch B.safetensors --out O.safetensors
 // With --hf-config the family is config.json's model_type. With --args-json (ModelArgs::to_json, as checkpoint
 // metadata holds it: every MoE option) the weights and the gradients written carry titan's (= torchtitan's) names,
-// and buffers found in the weights file (the MoE balancing biases) are loaded too.
+// and buffers found in the weights file (the MoE balancing biases) are loaded too. --kept-shapes writes, for each
+// block's forward under op-level selective checkpointing, the shapes of the tensors it kept (a JSON list of lists).
 #include <ATen/autocast_mode.h>
 
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include "titan/models/common/decoder.h"
 #include "titan/models/common/decoder_parallelize.h"
 #include "titan/models/registry.h"
+#include "titan/nn/kept_ops.h"
 
 int main(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"--ac-mode", "none"}, {"--ac-option", "1"}};
@@ -76,6 +78,12 @@ int main(int argc, char** argv) {
     ac.mode = opt["--ac-mode"];
     ac.selective_ac_option = opt["--ac-option"];
     titan::models::apply_activation_checkpointing(*model, titan::distributed::ModuleRange::whole(*model), ac);
+    nlohmann::json kept = nlohmann::json::array();
+    titan::nn::KeptOps::set_observer([&kept](const std::vector<at::Tensor>& tensors) {
+      nlohmann::json block = nlohmann::json::array();
+      for (const auto& t : tensors) block.push_back(t.sizes().vec());
+      kept.push_back(block);
+    });
 
     at::Tensor logits, loss;
     if (autocast) {
@@ -106,6 +114,7 @@ int main(int argc, char** argv) {
       out.emplace_back("grad." + *adapter->to_hf_name(item.key()), adapter->to_hf_tensor(item.key(), item.value().grad()));
     }
     titan::safetensors::save(opt.at("--out"), out);
+    if (opt.count("--kept-shapes")) std::ofstream(opt.at("--kept-shapes")) << kept.dump();
   } catch (const std::exception& e) {
     std::cerr << "titan_model_probe: " << e.what() << "\n";
     return 1;

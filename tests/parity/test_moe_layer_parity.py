@@ -255,3 +255,111 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
         torch.testing.assert_close(mine, expected, rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
     print(f"{case}: worst gradient difference {worst:.2e} of the tensor's largest entry")
     assert worst < 1e-4
+
+
+@pytest.mark.parametrize("case", ["dense", "qwen3_softmax_top2", "sigmoid_groups_shared_scores_first"])
+def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, monkeypatch, case):
+    """Op-level selective activation checkpointing (selective_ac_option = "op") against torchtitan's own policy on
+    its own Qwen3 model (dense, and MoE without and with a shared expert), each block checkpointed as torchtitan's
+    apply_ac does it: every tensor titan's blocks keep from the forward, in order, against every output torchtitan's
+    policy marks MUST_SAVE; and titan's loss and gradients, which go through the kept outputs in its backward,
+    against torchtitan's float32 model.
+
+    Test-side adjustments, so that torchtitan's policy takes its GPU path's decisions here: its grouped experts
+    (torch._grouped_mm, which its policy does not save; they compute in bf16, so the gradients are compared with
+    the float32 for-loop experts of the same model instead) with the CPU version of its token permutation; the CPU's
+    flash attention op added to its save list (the list names the GPU's attention ops only); torch.histc as in the
+    other tests."""
+    import functools
+
+    import torch.utils.checkpoint as checkpoint
+    import torchtitan.models.moe.utils as moe_utils
+    from torchtitan.config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import _apply_op_sac
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
+    monkeypatch.setattr(moe_utils, "generate_permute_indices",
+                        functools.partial(moe_utils.generate_permute_indices, use_cpu=True))
+    saved = []  # per block forward: the shapes of the outputs torchtitan's policy keeps
+    policy_contexts = checkpoint.create_selective_checkpoint_contexts
+
+    def logging_contexts(policy, *args, **kwargs):
+        saved.append([])
+
+        def logged(ctx, func, *a, **kw):
+            decision = policy(ctx, func, *a, **kw)
+            if not ctx.is_recompute and decision == checkpoint.CheckpointPolicy.MUST_SAVE:
+                if func == torch.ops.aten.mm.default:
+                    saved[-1].append([a[0].shape[0], a[1].shape[1]])
+                else:  # attention: its output and log-sum-exp
+                    assert "scaled_dot_product" in str(func), func
+                    q = a[0]
+                    saved[-1] += [list(q.shape), list(q.shape[:3])]
+            return decision
+        return policy_contexts(logged, *args, **kwargs)
+    monkeypatch.setattr(checkpoint, "create_selective_checkpoint_contexts", logging_contexts)
+
+    routing = MODEL_CASES.get(case)
+
+    def torchtitan_model(grouped):
+        moe = dict(moe_enabled=True, moe_inter_dim=32,
+                   moe_args=MoEArgs(use_grouped_mm=grouped, load_balance_coeff=1e-3, **routing)) if routing else {}
+        args = Qwen3ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                              max_seq_len=64, **moe)
+        torch.manual_seed(0)
+        model = Qwen3Model(args)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+            for name, p in model.named_parameters():
+                if "router" in name:  # clear preferences (no near-ties for rounding to flip)
+                    p.normal_(0.0, 0.5, generator=g)
+        return model
+
+    model = torchtitan_model(grouped=True)
+    state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    save_list = set(_op_sac_save_list) | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    config = ActivationCheckpoint(mode="selective", selective_ac_option="op")
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, _apply_op_sac(block, config, base_fqn=f"layers.{name}", op_sac_save_list=save_list))
+    tokens = torch.randint(0, 256, (2, 41), generator=torch.Generator().manual_seed(5))
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    model(inputs)  # the forward records what the policy keeps
+
+    model = torchtitan_model(grouped=False)  # the same weights, float32 throughout
+    weights, batch, out, kept = (tmp_path / n for n in ("w.safetensors", "b.safetensors", "o.safetensors", "kept.json"))
+    save_file({**state, **buffers}, str(weights))
+    save_file({"inputs": inputs, "labels": labels}, str(batch))
+    titan_args = dict(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256,
+                      ffn_hidden_dim=128, norm_eps=1e-6, rope_theta=1000000.0, rope_layout="half_split", qk_norm=True,
+                      max_seq_len=64, tie_word_embeddings=False, depth_init=True)
+    if routing:
+        titan_args["moe"] = dict(hidden_dim=32, load_balance_coeff=1e-3, **routing)
+    (tmp_path / "args.json").write_text(json.dumps(titan_args))
+    run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
+         "--batch", str(batch), "--out", str(out), "--ac-mode", "selective", "--ac-option", "op",
+         "--kept-shapes", str(kept)])
+    got = load_file(str(out))
+
+    logits = model(inputs)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()
+    loss.backward()
+    titan_kept = json.loads(kept.read_text())
+    numel = lambda blocks: [[int(torch.Size(s).numel()) for s in b] for b in blocks]
+    print(f"{case}: torchtitan keeps {saved}; titan {titan_kept}")
+    assert len(saved) == 2 and all(saved), saved
+    # A linear's output is (batch, seq, out) in titan and (batch x seq, out) in torchtitan's matmul: same elements.
+    assert numel(titan_kept) == numel(saved)
+    assert abs(got["loss"].item() - loss.item()) <= 1e-5 * loss.item()
+    for name, p in model.named_parameters():
+        if p.grad.abs().max() == 0:
+            assert got["grad." + name].abs().max() == 0, name
+            continue
+        worst = ((got["grad." + name] - p.grad).abs().max() / p.grad.abs().max()).item()
+        assert worst < 1e-5, f"{case} {name}: gradients differ by {worst:.2e} of the largest entry"

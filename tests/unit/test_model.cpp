@@ -144,8 +144,8 @@ TEST(ActivationCheckpointing, GradientsIdenticalAndMemoryLower) {
     std::string label = std::string(c.mode) + ":" + c.option;
     EXPECT_EQ(r.loss, none.loss) << label;
     ASSERT_EQ(r.grads.size(), none.grads.size());
-    // Recomputing whole blocks replays the same operations: bitwise equal. Op-level AC recomputes RMSNorm alone,
-    // which sums the residual stream's gradient contributions in another order: equal up to float32 rounding.
+    // Recomputing whole blocks replays the same operations: bitwise equal. Op-level AC's kept products go through
+    // titan's linear backward instead of LibTorch's: equal up to float32 rounding.
     const bool bitwise = std::string(c.option) != "op";
     for (size_t i = 0; i < r.grads.size(); ++i) {
       if (bitwise) EXPECT_TRUE(at::equal(r.grads[i], none.grads[i])) << label << " parameter " << i;
@@ -154,10 +154,12 @@ TEST(ActivationCheckpointing, GradientsIdenticalAndMemoryLower) {
     peaks[label] = r.peak_bytes;
     EXPECT_LT(r.peak_bytes, none.peak_bytes) << label;
   }
-  EXPECT_LT(peaks["full:1"], peaks["selective:2"]);
-  EXPECT_LT(peaks["selective:2"], peaks["selective:op"]);
+  // torchtitan's op-level policy keeps about a third of a block's activations (here: 2 of 2 blocks, against
+  // selective 2's 1 of 2 whole).
+  EXPECT_LT(peaks["full:1"], peaks["selective:op"]);
+  EXPECT_LT(peaks["selective:op"], peaks["selective:2"]);
   for (const auto& [label, bytes] : peaks)
-    std::printf("[ memory ] activation checkpointing %-12s peak %.1f MiB (%.0f%% of none)\n", label.c_str(), bytes / 1048576.0,
+    std::printf("[ memory ] activation checkpointing %-12s peak %.3f MiB (%.1f%% of none)\n", label.c_str(), bytes / 1048576.0,
                 100.0 * bytes / none.peak_bytes);
 }
 

@@ -306,9 +306,10 @@ std::vector<KeySpec> describe(JobConfig& c) {
   choices(b.add("mode", &c.activation_checkpoint.mode, "activation checkpointing: none, selective, full or memory_budget"),
           {"selective", "full", "memory_budget", "none"});
   b.add("selective_ac_option", &c.activation_checkpoint.selective_ac_option,
-        "selective mode: an integer N checkpoints every N-th block, \"op\" recomputes cheap ops only");
+        "selective mode: an integer N checkpoints every N-th block; \"op\" keeps attention's and every other linear's "
+        "outputs and recomputes the rest (torchtitan's policy)");
   b.add("per_op_sac_force_recompute_mm_shapes_by_fqns", &c.activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns,
-        "MoE router matmuls op-level AC recomputes (no effect on dense Llama)");
+        "linears (by name substring) that op-level AC always recomputes, uncounted: the MoE router's gate");
   b.add("early_stop", &c.activation_checkpoint.early_stop, "stop recomputation early (PyTorch non-reentrant checkpoint option; no effect here)");
   between(b.add("memory_budget", &c.activation_checkpoint.memory_budget, "memory_budget mode's compute/memory trade-off"), 0, 1);
   b.add("visualize_memory_budget_pareto", &c.activation_checkpoint.visualize_memory_budget_pareto, "plot the memory budget trade-off");

@@ -6,6 +6,7 @@
 #include "titan/common/error.h"
 #include "titan/nn/autocast.h"
 #include "titan/nn/float8.h"
+#include "titan/nn/kept_ops.h"
 
 namespace titan::distributed {
 namespace {
@@ -15,6 +16,7 @@ struct Closure : torch::CustomClassHolder {
   nn::Context context;
   std::vector<at::Tensor> parameters;
   nn::AutocastState autocast;
+  std::shared_ptr<nn::KeptOps> kept;  // op-level selective checkpointing: what the forward kept
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -23,8 +25,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     at::Tensor output;
     {
       at::NoGradGuard no_grad;
+      if (closure->kept) closure->context.kept_ops = closure->kept;
       output = closure->next(inputs.vec(), closure->context);
     }
+    if (closure->kept) nn::KeptOps::notify(closure->kept->kept());
     ctx->save_for_backward(inputs.vec());
     ctx->saved_data["closure"] = c10::IValue::make_capsule(closure);
     ctx->saved_data["num_parameters"] = static_cast<int64_t>(parameters.size());
@@ -42,6 +46,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     {
       at::AutoGradMode grad_mode(true);
       nn::AutocastRegion region(closure->autocast);
+      if (closure->kept) closure->kept->start_recomputation();
       output = closure->next(inputs, closure->context);
     }
 
@@ -59,6 +64,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                                          /*create_graph=*/false, /*allow_unused=*/true);
       for (size_t j = 0; j < grads.size(); ++j) result[slot[j]] = grads[j];
     }
+    if (closure->kept) closure->kept->release();
     return result;
   }
 };
@@ -66,7 +72,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 }  // namespace
 
 at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next,
-                             const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>* cast_ahead) {
+                             const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>* cast_ahead,
+                             Recompute recompute) {
   if (!at::GradMode::is_enabled()) return next(inputs, context);
   nn::cast_weights_ahead(cast_ahead ? *cast_ahead : parameters);  // the forward below runs without gradients
   auto closure = c10::make_intrusive<Closure>();
@@ -74,15 +81,16 @@ at::Tensor checkpointed_call(const nn::Unit::Inputs& inputs, const nn::Context& 
   closure->context = context;
   closure->parameters = parameters;
   closure->autocast = nn::AutocastState::current();
+  if (recompute == Recompute::all_but_kept_ops) closure->kept = std::make_shared<nn::KeptOps>();
   return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(parameters), closure);
 }
 
-void checkpoint_unit(nn::Unit& unit) {
+void checkpoint_unit(nn::Unit& unit, Recompute recompute) {
   // Recomputation must run inside FSDP's gather/reshard wrappers, never around them.
   if (unit.has_wrapper("fsdp_unshard") || unit.has_wrapper("fsdp_reshard"))
     fail("activation checkpointing must be applied before FSDP (torchtitan's order: TP, CP, AC, FSDP)");
   nn::Unit* self = &unit;
-  unit.add_wrapper("activation_checkpoint", [self](const nn::Unit::Inputs& inputs, const nn::Context& context,
+  unit.add_wrapper("activation_checkpoint", [self, recompute](const nn::Unit::Inputs& inputs, const nn::Context& context,
                                                    const nn::Unit::Next& next) {
     // Float8 linears cast their weights to float8 from the float32 masters: a bf16 copy of those would go unused.
     std::vector<at::Tensor> cast_ahead;
@@ -91,7 +99,7 @@ void checkpoint_unit(nn::Unit& unit) {
       if (unit && unit->has_wrapper(nn::float8::kWrapperName)) continue;
       for (const auto& p : module->parameters(/*recurse=*/false)) cast_ahead.push_back(p);
     }
-    return checkpointed_call(inputs, context, next, self->parameters(), &cast_ahead);
+    return checkpointed_call(inputs, context, next, self->parameters(), &cast_ahead, recompute);
   });
 }
 

@@ -79,9 +79,9 @@ void for_each_vector_span(int64_t n, const F& f) {
 
 class Attention : public torch::autograd::Function<Attention> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                            const at::Tensor& documents) {
-    const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+  // The output and the float32 log-sum-exp of every query row, without autograd.
+  static std::pair<at::Tensor, at::Tensor> compute(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& documents) {
     isa::AttentionShape s = shape(q, k, v, documents);
     at::Tensor out = new_bhsd(q, s.heads);
     at::Tensor lse = at::empty({s.batch, s.heads, s.seq}, q.options().dtype(at::kFloat));
@@ -95,6 +95,23 @@ class Attention : public torch::autograd::Function<Attention> {
         TITAN_ISA_CALL(attention_forward, s, qp, kp, vp, op, lp, begin, end);
       });
     });
+    return {out, lse};
+  }
+
+  // With `kept_out` and `kept_lse` non-empty (compute()'s results for these inputs, kept by op-level selective
+  // checkpointing) the forward reuses them instead of computing again.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const at::Tensor& documents, const at::Tensor& kept_out, const at::Tensor& kept_lse) {
+    const at::Tensor q = last_dim_contiguous(q_in), k = last_dim_contiguous(k_in), v = last_dim_contiguous(v_in);
+    at::Tensor out, lse;
+    if (kept_out.numel() > 0) {
+      TORCH_CHECK(kept_out.sizes() == q.sizes() && kept_out.scalar_type() == q.scalar_type() &&
+                      kept_lse.sizes() == q.sizes().slice(0, 3),
+                  "attention: the kept output ", kept_out.sizes(), " does not belong to queries ", q.sizes());
+      out = kept_out, lse = kept_lse;
+    } else {
+      std::tie(out, lse) = compute(q, k, v, documents);
+    }
     ctx->save_for_backward({q, k, v, out, lse, documents});
     return out;
   }
@@ -119,7 +136,7 @@ class Attention : public torch::autograd::Function<Attention> {
         TITAN_ISA_CALL(attention_backward, s, qp, kp, vp, op, gp, lp, gq, gk, gv, begin, end);
       });
     });
-    return {grad_q, grad_k, grad_v, at::Tensor()};
+    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 
  private:
@@ -582,18 +599,38 @@ std::vector<std::string> cuda_kernel_checks() {
 #endif
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) {
+namespace {
+
+// Checks attention's shapes; the documents as the autograd function takes them ("none" is an empty tensor, as
+// autograd functions take no undefined tensors).
+at::Tensor attention_documents(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(2) == k.size(2) && q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0,
               "fused attention: shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not fit");
-  // Autograd functions take no undefined tensors: "no documents" is an empty one.
-  at::Tensor docs = at::empty({0}, at::kInt);
-  if (documents.defined()) {
-    TORCH_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) && documents.size(1) == q.size(2),
-                "fused attention: documents ", documents.sizes(), " for q ", q.sizes());
-    docs = documents.to(at::kInt).contiguous();
-  }
-  return Attention::apply(q, k, v, docs);
+  if (!documents.defined()) return at::empty({0}, at::kInt);
+  TORCH_CHECK(documents.dim() == 2 && documents.size(0) == q.size(0) && documents.size(1) == q.size(2),
+              "fused attention: documents ", documents.sizes(), " for q ", q.sizes());
+  return documents.to(at::kInt).contiguous();
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) {
+  const at::Tensor none = at::empty({0}, q.options());
+  return Attention::apply(q, k, v, attention_documents(q, k, v, documents), none, none);
+}
+
+std::pair<at::Tensor, at::Tensor> attention_outputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& documents) {
+  const at::Tensor docs = attention_documents(q, k, v, documents);
+  at::NoGradGuard no_grad;
+  return Attention::compute(last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), docs);
+}
+
+at::Tensor attention_with_outputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents,
+                                  const at::Tensor& out, const at::Tensor& lse) {
+  TORCH_CHECK(out.defined() && out.numel() > 0 && lse.defined(), "attention_with_outputs: no kept output");
+  return Attention::apply(q, k, v, attention_documents(q, k, v, documents), out, lse);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

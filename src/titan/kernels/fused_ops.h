@@ -63,6 +63,14 @@ std::vector<std::string> cuda_kernel_checks();
 // position's document index, non-decreasing) is given. The result is (batch, heads, seq, head_dim), a transposed
 // view of a (batch, seq, heads, head_dim) tensor.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents);
+// The same forward without autograd, with the float32 log-sum-exp of every query row (batch, heads, seq): what
+// op-level selective checkpointing keeps of attention (nn/kept_ops.h).
+std::pair<at::Tensor, at::Tensor> attention_outputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& documents);
+// attention() whose forward is already known: attention_outputs() of the same inputs. Returns `out`, differentiable
+// with attention's backward, without computing it again.
+at::Tensor attention_with_outputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents,
+                                  const at::Tensor& out, const at::Tensor& lse);
 
 // x / sqrt(mean(x^2, last dim) + eps) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

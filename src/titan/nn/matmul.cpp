@@ -55,6 +55,33 @@ struct Bf16LinearInFloat : torch::autograd::Function<Bf16LinearInFloat> {
   }
 };
 
+// y = x W^T whose result `y` is already known (kept by op-level selective checkpointing): returns y with linear's
+// backward, dx = dy W and dW = dy^T x, computing no product in forward.
+struct LinearWithOutput : torch::autograd::Function<LinearWithOutput> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y) {
+    ctx->save_for_backward({x, weight});
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor dy = grads[0].to(weight.scalar_type());
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = nn::matmul(dy, weight).to(x.scalar_type());
+    if (ctx->needs_input_grad(1)) dw = nn::mm(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(weight.scalar_type()));
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+// What autocast hands a lower-precision op (linear, mm) for `t`: its cast (weights through the cast cache), or t.
+at::Tensor autocast_operand(const at::Tensor& t) {
+  const auto device = t.device().type();
+  if ((device != at::kCPU && device != at::kCUDA) || !at::autocast::is_autocast_enabled(device)) return t;
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(device), t, device);
+}
+
 }  // namespace
 
 bool emulates_bf16_gemm() {
@@ -102,6 +129,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   const at::Tensor xb = autocast ? at::autocast::cached_cast(at::kBFloat16, x, at::kCPU) : x;
   const at::Tensor wb = autocast ? at::autocast::cached_cast(at::kBFloat16, weight, at::kCPU) : weight;
   return Bf16LinearInFloat::apply(xb, wb);
+}
+
+at::Tensor linear_with_output(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y) {
+  const at::Tensor xc = autocast_operand(x), wc = autocast_operand(weight);
+  TORCH_CHECK(y.dim() == x.dim() && y.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
+                  y.size(-1) == weight.size(0) && y.scalar_type() == wc.scalar_type(),
+              "linear: the kept output ", y.sizes(), " (", y.scalar_type(), ") does not belong to input ", x.sizes(),
+              " and weight ", weight.sizes(), " (", wc.scalar_type(), ")");
+  return LinearWithOutput::apply(xc, wc, y);
 }
 
 }  // namespace titan::nn

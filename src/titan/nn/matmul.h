@@ -28,5 +28,8 @@ at::Tensor matmul(const at::Tensor& a, const at::Tensor& b);
 // x @ weight^T as at::linear computes it, under autocast in the autocast dtype, differentiable. Where bf16 is
 // computed in float32 it keeps the bf16 input and weight for backward, as autocast's linear would.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
+// linear(x, weight) whose result `y` is already known (kept by op-level selective checkpointing, nn/kept_ops.h):
+// returns y, differentiable as linear's result (under autocast through the same casts), computing no product.
+at::Tensor linear_with_output(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y);
 
 }  // namespace titan::nn

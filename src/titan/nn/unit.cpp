@@ -1,6 +1,7 @@
 #include "titan/nn/unit.h"
 
 #include "titan/kernels/fused_ops.h"
+#include "titan/nn/kept_ops.h"
 #include "titan/nn/matmul.h"
 
 namespace titan::nn {
@@ -27,7 +28,10 @@ Linear::Linear(int64_t in_features, int64_t out_features, const ParameterOptions
   weight = register_parameter("weight", new_parameter({out_features, in_features}, options));
 }
 
-at::Tensor Linear::forward(const Inputs& inputs, const Context&) { return nn::linear(inputs[0], weight); }
+at::Tensor Linear::forward(const Inputs& inputs, const Context& context) {
+  if (context.kept_ops && !recompute_under_op_checkpointing) return context.kept_ops->linear(inputs[0], weight);
+  return nn::linear(inputs[0], weight);
+}
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, const ParameterOptions& options) {
   weight = register_parameter("weight", new_parameter({num_embeddings, dim}, options));

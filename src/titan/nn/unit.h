@@ -5,12 +5,15 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "titan/nn/storage.h"
 
 namespace titan::nn {
+
+class KeptOps;  // nn/kept_ops.h
 
 // Per-forward inputs every unit may read: the RoPE table for this sequence length and optional positions.
 struct Context {
@@ -21,6 +24,8 @@ struct Context {
   // Defined: int64 (batch, seq_len) labels, and the model's last unit returns the summed cross-entropy of its
   // logits against them (float32 scalar) instead of the logits (the fused output projection and loss).
   at::Tensor labels;
+  // Set inside a block checkpointed with op-level selective checkpointing: the outputs kept from its forward.
+  std::shared_ptr<KeptOps> kept_ops;
 };
 
 class Unit : public torch::nn::Module {
@@ -52,6 +57,9 @@ class Linear : public Unit {
  public:
   Linear(int64_t in_features, int64_t out_features, const ParameterOptions& options = {});
   at::Tensor weight;
+  // Under op-level selective checkpointing: always recomputed and not counted among the block's products
+  // (activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns; nn/kept_ops.h).
+  bool recompute_under_op_checkpointing = false;
 
  protected:
   at::Tensor forward(const Inputs& inputs, const Context& context) override;

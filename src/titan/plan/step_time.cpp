@@ -137,21 +137,27 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double tokens = static_cast<double>(training.local_batch_size) * seq / cp;
 
   // Recomputation in backward, as a share of the layers' forward: full AC recomputes every block; selective layer
-  // AC every N-th; titan's op-level AC recomputes the norms and the SwiGLU gating only (no matmul, no attention).
+  // AC every N-th; op-level AC (torchtitan's policy, titan's too: nn/kept_ops.h) every block but attention and
+  // every other linear (wq, wv, w1, w2 kept; wk, wo, w3 and the router recomputed, and the routed experts' grouped
+  // products; with float8 every float8 linear, which the policy does not count).
   double recompute_layers = 0;
   if (ac.mode == "full") recompute_layers = 1;
   else if (ac.mode == "selective" && ac.selective_ac_option != "op")
     recompute_layers = std::floor(static_cast<double>(a.n_layers) / std::max(1.0, std::atof(ac.selective_ac_option.c_str()))) /
                        static_cast<double>(a.n_layers);
   const double op_recompute = ac.mode == "selective" && ac.selective_ac_option == "op" ? 1.0 : 0.0;
-  // torchtitan's op-level policy recomputes every other matmul of the block (wk, wo, w3) and no attention.
-  double op_matmul_recompute = 0;
-  if (torchtitan && op_recompute > 0)
-    op_matmul_recompute = (d * d_kv + d_attn * d + d * hidden) / layer_params;
+  double op_recomputed_params = 0;  // of the block's 2-D weights
+  if (op_recompute > 0) {
+    const double gated = a.moe ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
+    const double router = a.moe ? d * static_cast<double>(a.moe->num_experts) : 0;
+    op_recomputed_params = d * d_kv + d_attn * d + d * gated + router;
+    if (speed.float8) op_recomputed_params = std::max(op_recomputed_params, float8_params);
+  }
 
   const double peak = cluster.peak_bf16_flops * cluster.matmul_efficiency;
   const double layer_matmul_flops =
-      tokens * layers * 2 * (layer_params + active_expert_params) / tp * (3 + recompute_layers + op_matmul_recompute);
+      tokens * layers * 2 / tp *
+      (layer_params * (3 + recompute_layers) + op_recomputed_params + active_expert_params * (3 + recompute_layers + op_recompute));
   const double output_flops = tokens * output_share * 2 * vocab * d / tp * 3;
   // float8: the converted linear layers at the fp8 peak (the output projection stays in bf16), plus the casts.
   const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * kFloat8RelativeEfficiency : peak;

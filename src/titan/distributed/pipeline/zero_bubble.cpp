@@ -7,6 +7,7 @@
 #include <map>
 
 #include "titan/common/error.h"
+#include "titan/nn/kept_ops.h"
 #include "titan/nn/matmul.h"
 
 namespace titan::distributed::pipeline {
@@ -19,9 +20,11 @@ using torch::autograd::variable_list;
 // a device thread, hence not thread-local).
 std::atomic<DeferredWeights*> g_capture{nullptr};
 
+// `kept`: empty, or the output of the same call in forward (op-level selective checkpointing), returned as it is.
 struct DeferrableLinear : torch::autograd::Function<DeferrableLinear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& kept) {
     ctx->save_for_backward({x, weight});
+    if (kept.numel() > 0) return kept;
     return nn::linear(x, weight);  // under autocast in the compute dtype, as nn::Linear
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -32,10 +35,10 @@ struct DeferrableLinear : torch::autograd::Function<DeferrableLinear> {
     at::Tensor dx = nn::matmul(dy, weight.to(dy.scalar_type())).to(x.scalar_type());
     if (DeferredWeights* capture = g_capture.load()) {
       capture->add({weight, x, dy});
-      return {dx, at::Tensor()};
+      return {dx, at::Tensor(), at::Tensor()};
     }
     at::Tensor dw = nn::matmul(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type()));
-    return {dx, dw.to(weight.scalar_type())};
+    return {dx, dw.to(weight.scalar_type()), at::Tensor()};
   }
 };
 
@@ -67,9 +70,14 @@ void DeferredWeights::apply() {
 }
 
 void defer_weight_gradient(nn::Linear& linear) {
-  at::Tensor* weight = &linear.weight;
-  linear.add_innermost_wrapper("zero_bubble", [weight](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
-    return DeferrableLinear::apply(inputs[0], *weight);
+  nn::Linear* self = &linear;
+  linear.add_innermost_wrapper("zero_bubble", [self](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next&) {
+    const at::Tensor& x = inputs[0];
+    if (!context.kept_ops || self->recompute_under_op_checkpointing)
+      return DeferrableLinear::apply(x, self->weight, at::empty({0}, x.options()));
+    return context.kept_ops->product([&](const at::Tensor& kept) {
+      return DeferrableLinear::apply(x, self->weight, kept.defined() ? kept : at::empty({0}, x.options()));
+    });
   });
 }
 

@@ -8,6 +8,7 @@
 #include "titan/distributed/loss_parallel.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/models/common/moe.h"
+#include "titan/nn/kept_ops.h"
 #include "titan/nn/matmul.h"
 
 namespace titan::models {
@@ -70,8 +71,12 @@ at::Tensor pairs_to_halves(const at::Tensor& t) {
 at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
   const bool masked = context.attn_mask.defined();
-  if (kernels::fused_kernel_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined()))
-    return kernels::attention(q, k, v, masked ? context.documents : at::Tensor());
+  if (kernels::fused_kernel_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined())) {
+    const at::Tensor documents = masked ? context.documents : at::Tensor();
+    // Op-level selective checkpointing keeps the kernel's output; LibTorch's attention below is recomputed.
+    if (context.kept_ops) return context.kept_ops->attention(q, k, v, documents);
+    return kernels::attention(q, k, v, documents);
+  }
   return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(context.attn_mask) : std::nullopt,
                                           /*dropout_p=*/0.0, /*is_causal=*/!masked,
                                           /*scale=*/std::nullopt, /*enable_gqa=*/q.size(1) != k.size(1));

@@ -26,7 +26,6 @@ namespace {
 // kernels (RoPE and SwiGLU; attention is LibTorch's there) keep neither the float32 view nor the SiLU output.
 struct BlockActivations {
   double full = 0;         // no checkpointing
-  double op_saved = 0;     // what op-level checkpointing (norms and SwiGLU gating recomputed) does not keep
   double input_only = 0;   // a checkpointed block keeps its input only
   double backward_buffers = 0;  // what a block's backward allocates beside what it saved
 };
@@ -60,14 +59,30 @@ BlockActivations block_activations(const DecoderArgs& a, double r, double c, boo
   if (tp > 1) gathered = 2 * d * c;
   BlockActivations out;
   out.full = sharded / t + gathered;
-  // What op-level AC drops: the SiLU output and the norms' outputs; the CPU kernels leave nothing of it.
-  out.op_saved = fused ? 0.0 : ((kernels == FusedKernels::cuda ? 0 : h * c) + (autocast ? 2 * d * r : 0)) / t;
   // The fused kernels' backward allocates less beside what they saved, but with the loss fused (no logits held
   // through the blocks' backward) the measured peak of the fused path sits in the blocks' backward: about what
   // the block saved (debug model, full AC, 4 x 2048: 0.66x with half of it).
   out.backward_buffers = out.full;
   out.input_only = d * r / t;
   return out;
+}
+
+// What op-level selective checkpointing keeps of a block per token (nn/kept_ops.h, torchtitan's policy): the
+// block's input, attention's output and float32 log-sum-exp, and the outputs of every other linear in forward
+// order (the 1st, 3rd, ...), counted without the router's gate and without float8 linears (here: all of a block's
+// when float8 is on). Under TP a column-parallel output is split; a row-parallel one (wo, w2) is each rank's whole
+// partial sum before its reduce-scatter. torchtitan keeps the reduce-scatters' outputs too.
+double op_kept_per_token(const DecoderArgs& a, double r, double c, int64_t tp, bool float8, Execution execution) {
+  const double d = static_cast<double>(a.dim), q = static_cast<double>(a.n_heads * a.head_dim()),
+               k = static_cast<double>(a.kv_heads() * a.head_dim()), t = static_cast<double>(tp);
+  std::vector<double> widths = {q / t, k / t, k / t, d};  // wq, wk, wv, wo
+  const double h = a.moe ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
+  if (h > 0) widths.insert(widths.end(), {h / t, h / t, d});  // w1, w3, w2 (of the shared experts in a MoE block)
+  double kept = d * r / t + q / t * c + static_cast<double>(a.n_heads) / t * 4;
+  if (!float8)
+    for (size_t i = 0; i < widths.size(); i += 2) kept += widths[i] * c;
+  if (execution == Execution::torchtitan && tp > 1) kept += 2 * d / t * c;
+  return kept;
 }
 
 }  // namespace
@@ -186,13 +201,11 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   if (ac.mode == "full") {
     per_token = static_cast<double>(layers_here) * block.input_only;
     recompute = block.full;
-  } else if (ac.mode == "selective" && ac.selective_ac_option == "op" && execution == Execution::torchtitan) {
-    // The block input, the outputs of wq, wv, w1 and w2 (every other matmul), attention's output and log-sum-exp.
-    const double k = static_cast<double>(a.kv_heads() * a.head_dim()), h = static_cast<double>(a.ffn_hidden_dim());
-    per_token = static_cast<double>(layers_here) * ((d * r + (3 * d + k + h) * c) / tp + static_cast<double>(a.n_heads) * 4 / tp);
-    recompute = block.full;
   } else if (ac.mode == "selective" && ac.selective_ac_option == "op") {
-    per_token = static_cast<double>(layers_here) * (block.full - block.op_saved);
+    const double kept = op_kept_per_token(a, r, c, dims.tp, !config.model.converters.empty(), execution);
+    per_token = static_cast<double>(layers_here) * kept;
+    // The recomputed block reuses what was kept rather than holding a second copy.
+    recompute = std::max(block.input_only, block.full - (kept - block.input_only));
   } else if (ac.mode == "selective") {
     const int64_t every = std::max<int64_t>(1, std::atoll(ac.selective_ac_option.c_str()));
     const int64_t checkpointed = layers_here / every;

@@ -100,18 +100,25 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Decoder&
     return summary;
   }
   if (ac.selective_ac_option == "op") {
+    // torchtitan's policy: each block checkpointed whole, keeping attention's output and every other product's.
+    const auto& forced = ac.per_op_sac_force_recompute_mm_shapes_by_fqns;
     for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
-      auto& block = model.layers[static_cast<size_t>(i)];
-      checkpoint_unit(*block->attention_norm);
-      checkpoint_unit(*block->ffn_norm);
-      summary.wrapped_units += 2;
-      // The SwiGLU gating of the dense feed-forward (of a MoE block's shared experts; the routed experts keep theirs).
-      nn::Unit* gate = block->feed_forward ? block->feed_forward->gate.get()
-                       : block->moe && block->moe->shared_experts ? block->moe->shared_experts->gate.get()
-                                                                   : nullptr;
-      if (gate) checkpoint_unit(*gate), ++summary.wrapped_units;
+      auto& block = *model.layers[static_cast<size_t>(i)];
+      for (const auto& item : block.named_modules()) {
+        const std::string fqn = cat("layers.", i, item.key().empty() ? "" : ".", item.key());
+        if (!std::any_of(forced.begin(), forced.end(), [&](const std::string& f) { return fqn.find(f) != std::string::npos; }))
+          continue;
+        auto* linear = dynamic_cast<nn::Linear*>(item.value().get());
+        if (!linear)
+          fail("activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns matches ", quote(fqn),
+               ", which is not a linear layer");
+        linear->recompute_under_op_checkpointing = true;
+      }
+      checkpoint_unit(block, distributed::Recompute::all_but_kept_ops);
+      ++summary.wrapped_units;
     }
-    summary.description = "op-level selective activation checkpointing (RMSNorm and SwiGLU gating recomputed)";
+    summary.description = cat("op-level selective activation checkpointing of ", summary.wrapped_units,
+                              " blocks (attention and every other linear kept, the rest recomputed)");
     return summary;
   }
   const int64_t every = std::stoll(ac.selective_ac_option);

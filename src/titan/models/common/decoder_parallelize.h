@@ -38,8 +38,9 @@ void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vecto
 // embeddings under FSDP.
 void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config);
 
-// torchtitan's modes: full (every block), selective N (every N-th block), selective "op" (RMSNorm and the SwiGLU
-// gating recomputed). Throws UserError for memory_budget (needs a graph compiler).
+// torchtitan's modes: full (every block), selective N (every N-th block), selective "op" (every block, keeping
+// attention's output and every other linear's: nn/kept_ops.h). Throws UserError for memory_budget (needs a graph
+// compiler).
 distributed::ActivationCheckpointSummary apply_activation_checkpointing(Decoder& model, const ModuleRange& part,
                                                                          const config::ActivationCheckpoint& ac);
 
