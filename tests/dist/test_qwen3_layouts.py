@@ -5,8 +5,10 @@ same losses, gradient norms and learning rates (1e-5 relative) over 10 float32 s
 TP 2 x FSDP 2 resumes on one process and continues as the uninterrupted run does. Qwen3-MoE with load balancing likewise
 on FSDP 2, expert parallelism (EP 2 x efsdp 2, EP 4, HSDP 2 x EP 2, CP 2 x EP 2, PP 2 x EP 2), zero-bubble PP 2 and
 tensor parallelism (TP 2 x FSDP 2, TP 2 x EP 2 with ETP 1, FSDP 4 x TP 2 x EP 2 with ETP 2), and a checkpoint saved under EP 2 x efsdp 2
-resumes on one process and on EP 4 with the same weights, AdamW moments and balancing biases."""
+resumes on one process, on EP 4 and on FSDP 4 without EP with the same weights, AdamW moments and balancing biases,
+and what FSDP 4 then saves loads on EP 2 x efsdp 2."""
 import json
+import shutil
 import os
 import re
 
@@ -187,9 +189,10 @@ def test_balancing_changes_the_run(tmp_path, moe_reference):
     assert worst > 1e-4
 
 
-def test_moe_checkpoint_from_ep2_efsdp2_resumes_on_one_process_and_on_ep4(tmp_path, moe_reference):
-    """Saved on EP 2 x efsdp 2 at step 10, loaded on one process and on EP 4: the same weights, AdamW moments and
-    balancing biases (bitwise), and steps 11 and 12 as the uninterrupted run's."""
+def test_moe_checkpoint_from_ep2_efsdp2_resumes_on_one_process_ep4_and_fsdp4_and_back(tmp_path, moe_reference):
+    """Saved on EP 2 x efsdp 2 at step 10, loaded on one process, on EP 4 and on FSDP 4 without EP: the same weights,
+    AdamW moments and balancing biases (bitwise), and steps 11 and 12 as the uninterrupted run's. And back: what
+    FSDP 4 saves at step 12 loads on EP 2 x efsdp 2 as on one process, bitwise."""
     from safetensors.torch import load_file as load
 
     ref_meta, _, _ = moe_reference
@@ -200,7 +203,7 @@ def test_moe_checkpoint_from_ep2_efsdp2_resumes_on_one_process_and_on_ep4(tmp_pa
                         "--checkpoint.no_last_save_model_only"]
     run(save, env={"OMP_NUM_THREADS": "1"}, timeout=900)
     states = {}
-    for name, np, extra in [("one_process", 1, []), ("ep4", 4, ["--parallelism.expert_parallel_degree", "4"])]:
+    for name, np, extra in [("one_process", 1, []), ("ep4", 4, ["--parallelism.expert_parallel_degree", "4"]), ("fsdp4", 4, [])]:
         out = tmp_path / name
         resume = ([] if np == 1 else mpirun(np)) + [
             binary("titan_train_probe"), "--probe.out", str(out), "--probe.loaded_state", "--job.dump_folder", str(dump), *COMMON,
@@ -212,12 +215,37 @@ def test_moe_checkpoint_from_ep2_efsdp2_resumes_on_one_process_and_on_ep4(tmp_pa
         assert [s["step"] for s in meta["steps"]] == [11, 12]
         compare_steps(meta, {"steps": ref_meta["steps"][10:]}, f"resumed from ep2_efsdp2 on {name}", check_lr=True)
         states[name] = load(str(out / "loaded_state.safetensors"))
-    a, b = states["one_process"], states["ep4"]
-    assert sorted(a) == sorted(b)
+    a = states["one_process"]
     assert "model.layers.1.moe.expert_bias" in a and a["model.layers.1.moe.expert_bias"].abs().max() > 0
     assert any(k.startswith("optimizer.exp_avg.layers.0.moe.experts.w1") for k in a)
+    for other in ("ep4", "fsdp4"):
+        b = states[other]
+        assert sorted(a) == sorted(b), other
+        for key in a:
+            assert torch.equal(a[key], b[key]), (other, key)
+
+    # Back: FSDP 4 without EP resumes from a copy of the step-10 checkpoint in a folder of its own and saves step 12
+    # there, which loads on EP 2 x efsdp 2 and on one process (one more step each, from the same state).
+    fsdp4_dump = tmp_path / "fsdp4_dump"
+    shutil.copytree(dump / "checkpoint" / "step-10", fsdp4_dump / "checkpoint" / "step-10")
+    run(mpirun(4) + [binary("titan"), "train", "--job.dump_folder", str(fsdp4_dump), *COMMON, *MOE, "--training.steps", "12",
+                     "--training.local_batch_size", "2", "--lr_scheduler.total_steps", "12", "--checkpoint.enable",
+                     "--checkpoint.load_step", "10", "--checkpoint.interval", "12", "--checkpoint.no_last_save_model_only"],
+        env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    back = {}
+    for name, np, extra in [("back_one_process", 1, []), ("back_ep2", 4, ["--parallelism.expert_parallel_degree", "2"])]:
+        out = tmp_path / name
+        resume = ([] if np == 1 else mpirun(np)) + [
+            binary("titan_train_probe"), "--probe.out", str(out), "--probe.loaded_state", "--job.dump_folder", str(fsdp4_dump),
+            *COMMON, *MOE, "--training.steps", "13", "--training.local_batch_size", "2", "--lr_scheduler.total_steps", "13",
+            "--checkpoint.enable", "--checkpoint.load_step", "12", *extra]
+        run(resume, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+        back[name] = (load(str(out / "loaded_state.safetensors")), json.loads((out / "metrics.json").read_text()))
+    (a, meta_a), (b, meta_b) = back["back_one_process"], back["back_ep2"]
+    assert sorted(a) == sorted(b) and "model.layers.0.moe.expert_bias" in a
     for key in a:
-        assert torch.equal(a[key], b[key]), key
+        assert torch.equal(a[key], b[key]), ("back", key)
+    compare_steps(meta_b, meta_a, "step 13 after FSDP 4's checkpoint, EP 2 against one process", check_lr=True)
 
 
 def test_a_collapsed_router_trains_on_ep2_or_stops_every_rank_by_name(tmp_path):
