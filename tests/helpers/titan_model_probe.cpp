@@ -4,11 +4,14 @@
 // usage: titan_model_probe [--model llama3|qwen3] --flavor F|--hf-config DIR/config.json --weights W.safetensors
 //                          --batch B.safetensors --out O.safetensors [--ac-mode none|full|selective] [--ac-option N|op]
 //                          [--autocast-bf16] [--float8 tensorwise|rowwise|rowwise_with_gw_hp] [--kept-shapes K.json]
+//                          [--memory-json M.json]
 //        titan_model_probe --args-json A.json --titan-weights W.safetensors --batch B.safetensors --out O.safetensors
 // With --hf-config the family is config.json's model_type. With --args-json (ModelArgs::to_json, as checkpoint
 // metadata holds it: every MoE option) the weights and the gradients written carry titan's (= torchtitan's) names,
 // and buffers found in the weights file (the MoE balancing biases) are loaded too. --kept-shapes writes, for each
 // block's forward under op-level selective checkpointing, the shapes of the tensors it kept (a JSON list of lists).
+// --memory-json writes the tensor bytes the forward and loss leave allocated ("after_forward") and the peak through
+// forward and backward ("peak"), both above what was allocated before the forward (bench/bench_activation_memory.py).
 #include <ATen/autocast_mode.h>
 
 #include <filesystem>
@@ -16,6 +19,7 @@
 #include <iostream>
 
 #include "titan/components/checkpoint/formats/safetensors.h"
+#include "titan/components/metrics/allocation_tracker.h"
 #include "titan/components/quantization/float8.h"
 #include "titan/nn/loss.h"
 #include "titan/config/job_config.h"
@@ -33,6 +37,8 @@ int main(int argc, char** argv) {
     else if (i + 1 < argc) opt[a] = argv[++i];
   }
   try {
+    const bool track_memory = opt.count("--memory-json") > 0;
+    if (track_memory) titan::metrics::install_cpu_allocation_tracker();
     // The shape: a flavor, or a Hugging Face config.json (--hf-config).
     const bool from_hf = opt.count("--hf-config") > 0, titan_layout = opt.count("--args-json") > 0;
     nlohmann::json args_json;
@@ -86,6 +92,8 @@ int main(int argc, char** argv) {
     });
 
     at::Tensor logits, loss;
+    titan::metrics::reset_cpu_peak_bytes();
+    const int64_t before_forward = titan::metrics::cpu_bytes_in_use();
     if (autocast) {
       at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
       at::autocast::set_autocast_enabled(at::kCPU, true);
@@ -97,7 +105,11 @@ int main(int argc, char** argv) {
       at::autocast::set_autocast_enabled(at::kCPU, false);
       at::autocast::clear_cache();
     }
+    const int64_t after_forward = titan::metrics::cpu_bytes_in_use() - before_forward;
     loss.backward();
+    if (track_memory)
+      std::ofstream(opt.at("--memory-json")) << nlohmann::json{{"after_forward", after_forward},
+                                                               {"peak", titan::metrics::cpu_peak_bytes() - before_forward}}.dump();
 
     std::vector<std::pair<std::string, at::Tensor>> out = {{"logits", logits.detach().to(at::kFloat)},
                                                            {"loss", loss.detach().reshape({1})}};

@@ -27,9 +27,9 @@ struct MemoryEstimate {
 };
 
 // Whose execution the estimate describes: titan's own (the start-up check, `titan plan`), or torchtitan's as of its
-// published benchmarks (`titan plan --as torchtitan`): its op-level selective AC saves the outputs of every other
-// matmul and of attention and recomputes the rest, and its loss keeps float32 logits (12 bytes per logit at the
-// peak instead of titan's compute-dtype copy on top).
+// published benchmarks (`titan plan --as torchtitan`): under TP its op-level selective AC also keeps the
+// reduce-scatters' outputs, and its loss keeps float32 logits (12 bytes per logit at the peak instead of titan's
+// compute-dtype copy on top).
 enum class Execution { titan, torchtitan };
 
 // The trainer's mixed-precision rule: without FSDP, float32 parameters with mixed_precision_param = bfloat16 compute
