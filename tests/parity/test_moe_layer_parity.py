@@ -173,9 +173,12 @@ MODEL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case,float8", [(case, None) for case in MODEL_CASES] +
-                         [("qwen3_softmax_top2", "tensorwise"), ("sigmoid_groups_shared_scores_first", "rowwise")])
-def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, float8):
+@pytest.mark.parametrize("case,float8,ac", [(case, None, None) for case in MODEL_CASES] +
+                         [("qwen3_softmax_top2", "tensorwise", None), ("sigmoid_groups_shared_scores_first", "rowwise", None),
+                          # titan under op-level checkpointing: float8 linears recomputed, attention and the shared
+                          # experts' kept outputs reused
+                          ("sigmoid_groups_shared_scores_first", "rowwise", "op")])
+def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, float8, ac):
     """Loss, logits and every gradient of torchtitan's Qwen3 MoE model against titan's (float32, 2 x 40 tokens, two
     blocks), with non-zero balancing biases so that they steer the choice of experts in both. With float8, both
     models' linears (attention, shared experts; not the output, and not the 8-expert router, whose 8 rows do not
@@ -231,7 +234,8 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
                       moe=dict(hidden_dim=32, load_balance_coeff=1e-3, **routing))
     (tmp_path / "args.json").write_text(json.dumps(titan_args))
     run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
-         "--batch", str(batch), "--out", str(out), *(["--float8", float8] if float8 else [])])
+         "--batch", str(batch), "--out", str(out), *(["--float8", float8] if float8 else []),
+         *(["--ac-mode", "selective", "--ac-option", ac] if ac else [])])
     got = load_file(str(out))
 
     logits = model(inputs)
@@ -239,7 +243,7 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
     loss.backward()
     diff = ((got["logits"] - logits.detach()).abs().max() / logits.detach().abs().max()).item()
-    case = f"{case}{', float8 ' + float8 if float8 else ''}"
+    case = f"{case}{', float8 ' + float8 if float8 else ''}{', titan under ' + ac + ' AC' if ac else ''}"
     print(f"{case}: logits max difference {diff:.2e} of the largest; loss {got['loss'].item():.7f} vs {loss.item():.7f}")
     assert diff < 1e-5
     assert abs(got["loss"].item() - loss.item()) <= 1e-5 * loss.item()
