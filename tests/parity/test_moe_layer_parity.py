@@ -173,6 +173,41 @@ MODEL_CASES = {
 }
 
 
+def torchtitan_qwen3(routing, grouped=False, vary_norms=False):
+    """torchtitan's Qwen3 model, two blocks of width 64: MoE with `routing` (dense when None), its own init, then
+    routers drawn wider (clear preferences: no near-ties for rounding to flip) and, with vary_norms, non-trivial
+    norm weights (so that their gradients are checked)."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+    from torchtitan.models.qwen3.model.model import Qwen3Model
+
+    moe = dict(moe_enabled=True, moe_inter_dim=32,
+               moe_args=MoEArgs(use_grouped_mm=grouped, load_balance_coeff=1e-3, **routing)) if routing else {}
+    args = Qwen3ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                          max_seq_len=64, **moe)
+    torch.manual_seed(0)
+    model = Qwen3Model(args)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+        for name, p in model.named_parameters():
+            if vary_norms and "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "router" in name:
+                p.normal_(0.0, 0.5, generator=g)
+    return model, g
+
+
+def titan_qwen3_args(routing):
+    """The same model's arguments for titan_model_probe --args-json."""
+    args = dict(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256,
+                ffn_hidden_dim=128, norm_eps=1e-6, rope_theta=1000000.0, rope_layout="half_split", qk_norm=True,
+                max_seq_len=64, tie_word_embeddings=False, depth_init=True)
+    if routing:
+        args["moe"] = dict(hidden_dim=32, load_balance_coeff=1e-3, **routing)
+    return args
+
+
 @pytest.mark.parametrize("case,float8,ac", [(case, None, None) for case in MODEL_CASES] +
                          [("qwen3_softmax_top2", "tensorwise", None), ("sigmoid_groups_shared_scores_first", "rowwise", None),
                           # titan under op-level checkpointing: float8 linears recomputed, attention and the shared
@@ -184,26 +219,11 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
     models' linears (attention, shared experts; not the output, and not the 8-expert router, whose 8 rows do not
     divide by 16) are float8 linears, emulated: torchao's Float8Linear in torchtitan's model, as its converter makes
     them; the routed experts stay in float32 in both."""
-    from torchtitan.models.moe import MoEArgs
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    from torchtitan.models.qwen3.model.model import Qwen3Model
-
     histc = torch.histc
     monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
     routing = MODEL_CASES[case]
-    args = Qwen3ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                          max_seq_len=64, moe_enabled=True, moe_inter_dim=32,
-                          moe_args=MoEArgs(use_grouped_mm=False, load_balance_coeff=1e-3, **routing))
-    torch.manual_seed(0)
-    model = Qwen3Model(args)
-    g = torch.Generator().manual_seed(3)
+    model, g = torchtitan_qwen3(routing, vary_norms=True)
     with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-        for name, p in model.named_parameters():
-            if "norm" in name:  # non-trivial norm weights, so that their gradients are checked
-                p.uniform_(0.5, 1.5)
-            elif "router" in name:  # clear preferences (no near-ties for rounding to flip)
-                p.normal_(0.0, 0.5, generator=g)
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
@@ -228,11 +248,7 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
     weights, batch, out = tmp_path / "w.safetensors", tmp_path / "b.safetensors", tmp_path / "o.safetensors"
     save_file({**state, **biases}, str(weights))
     save_file({"inputs": inputs, "labels": labels}, str(batch))
-    titan_args = dict(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256,
-                      ffn_hidden_dim=128, norm_eps=1e-6, rope_theta=1000000.0, rope_layout="half_split", qk_norm=True,
-                      max_seq_len=64, tie_word_embeddings=False, depth_init=True,
-                      moe=dict(hidden_dim=32, load_balance_coeff=1e-3, **routing))
-    (tmp_path / "args.json").write_text(json.dumps(titan_args))
+    (tmp_path / "args.json").write_text(json.dumps(titan_qwen3_args(routing)))
     run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
          "--batch", str(batch), "--out", str(out), *(["--float8", float8] if float8 else []),
          *(["--ac-mode", "selective", "--ac-option", ac] if ac else [])])
@@ -280,10 +296,7 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
     import torchtitan.models.moe.utils as moe_utils
     from torchtitan.config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import _apply_op_sac
-    from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.infra.parallelize import _op_sac_save_list
-    from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-    from torchtitan.models.qwen3.model.model import Qwen3Model
 
     histc = torch.histc
     monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
@@ -309,23 +322,7 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
     monkeypatch.setattr(checkpoint, "create_selective_checkpoint_contexts", logging_contexts)
 
     routing = MODEL_CASES.get(case)
-
-    def torchtitan_model(grouped):
-        moe = dict(moe_enabled=True, moe_inter_dim=32,
-                   moe_args=MoEArgs(use_grouped_mm=grouped, load_balance_coeff=1e-3, **routing)) if routing else {}
-        args = Qwen3ModelArgs(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
-                              max_seq_len=64, **moe)
-        torch.manual_seed(0)
-        model = Qwen3Model(args)
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            model.init_weights(buffer_device=torch.device("cpu"))
-            for name, p in model.named_parameters():
-                if "router" in name:  # clear preferences (no near-ties for rounding to flip)
-                    p.normal_(0.0, 0.5, generator=g)
-        return model
-
-    model = torchtitan_model(grouped=True)
+    model, _ = torchtitan_qwen3(routing, grouped=True)
     state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
     buffers = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     save_list = set(_op_sac_save_list) | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
@@ -336,16 +333,11 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     model(inputs)  # the forward records what the policy keeps
 
-    model = torchtitan_model(grouped=False)  # the same weights, float32 throughout
+    model, _ = torchtitan_qwen3(routing)  # the same weights, float32 throughout
     weights, batch, out, kept = (tmp_path / n for n in ("w.safetensors", "b.safetensors", "o.safetensors", "kept.json"))
     save_file({**state, **buffers}, str(weights))
     save_file({"inputs": inputs, "labels": labels}, str(batch))
-    titan_args = dict(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256,
-                      ffn_hidden_dim=128, norm_eps=1e-6, rope_theta=1000000.0, rope_layout="half_split", qk_norm=True,
-                      max_seq_len=64, tie_word_embeddings=False, depth_init=True)
-    if routing:
-        titan_args["moe"] = dict(hidden_dim=32, load_balance_coeff=1e-3, **routing)
-    (tmp_path / "args.json").write_text(json.dumps(titan_args))
+    (tmp_path / "args.json").write_text(json.dumps(titan_qwen3_args(routing)))
     run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
          "--batch", str(batch), "--out", str(out), "--ac-mode", "selective", "--ac-option", "op",
          "--kept-shapes", str(kept)])
