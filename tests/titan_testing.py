@@ -77,18 +77,23 @@ def write_metadata(directory, meta, reseal=True):
 
 def read_checkpoint(directory):
     """Full tensors of a titan checkpoint step directory, assembled from the pieces its metadata.json lists: boxes
-    (versions 2 and 3) or dim-0 row ranges (version 1). An independent reader of the format in docs/checkpoint.md; it
-    checks that the pieces cover every element exactly once."""
+    (versions 2 to 4) or dim-0 row ranges (version 1). An independent reader of the format in docs/checkpoint.md; it
+    checks that the pieces cover every element exactly once, each file's CRC-32 and (version 4) each piece's, with
+    Python's zlib."""
     import json
+    import zlib
 
     import numpy as np
 
     dtypes = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "bfloat16": None}
     directory = Path(directory)
     meta = json.loads((directory / "metadata.json").read_text())
-    assert meta["format"] == "titan-dcp" and meta["version"] in (1, 2, 3), meta.get("version")
+    assert meta["format"] == "titan-dcp" and meta["version"] in (1, 2, 3, 4), meta.get("version")
     if meta["version"] >= 3:
         assert meta["metadata_crc32"] == metadata_checksum(meta), "metadata checksum"
+    for name, info in meta["files"].items():
+        data = (directory / name).read_bytes()
+        assert len(data) == info["bytes"] and zlib.crc32(data) == info["crc32"], f"{name}: size or CRC-32"
     out = {}
     for key, entry in meta["tensors"].items():
         shape = entry["shape"]
@@ -99,6 +104,8 @@ def read_checkpoint(directory):
         count = np.zeros(shape, dtype=np.int64)
         for piece in entry["pieces"]:
             raw = (directory / piece["file"]).read_bytes()[piece["offset"]:piece["offset"] + piece["bytes"]]
+            if meta["version"] >= 4:
+                assert zlib.crc32(raw) == piece["crc32"], f"{key}: a piece's CRC-32"
             if "box" in piece:
                 offsets, lengths = piece["box"]["offsets"], piece["box"]["lengths"]
             else:

@@ -155,14 +155,16 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
     step10 = dump / "checkpoint" / "step-10"
     data = step10 / "rank-00000.bin"
 
-    def expect(needle, **kw):
-        result = train(dump, 1, 12, check=False, **kw)
+    def expect(needle, ranks=1, **kw):
+        result = train(dump, ranks, 12, check=False, **kw)
         assert result.returncode == 2 and needle in result.stderr, result.stdout[-2000:] + result.stderr
         assert "frame #" not in result.stderr
 
     original = data.read_bytes()
     data.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
     expect("fails its CRC-32 check")
+    # FSDP 2 reads half of each piece saved by one rank: the whole piece is still checked.
+    expect('fails its CRC-32 check (corrupt) in the 2097152 bytes at 0 that hold "model.tok_embeddings.weight"', ranks=2)
     data.write_bytes(original[:-10])
     expect("truncated or changed")
     data.write_bytes(original)
@@ -170,7 +172,7 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
            extra=["--model.flavor", "debugmodel_gqa"])
     # metadata.json: its own checksum catches any edit (swapped offsets loaded the wrong weights silently before).
     pristine = json.loads((step10 / "metadata.json").read_text())
-    assert pristine["version"] == 3 and pristine["metadata_crc32"] == metadata_checksum(pristine)
+    assert pristine["version"] == 4 and pristine["metadata_crc32"] == metadata_checksum(pristine)
     meta = copy.deepcopy(pristine)
     wq, wk = (meta["tensors"][f"model.layers.0.attention.{w}.weight"]["pieces"][0] for w in ("wq", "wk"))
     wq["offset"], wk["offset"] = wk["offset"], wq["offset"]

@@ -80,6 +80,8 @@ class Checkpointer {
   std::string background_error_;
   std::atomic<bool> abandon_{false};
   std::map<std::string, at::Tensor> pinned_buffers_;  // async_with_pinned_mem: host copies reused by every save
+  std::map<std::string, at::Tensor> host_buffers_;    // async saves of host-resident state: its copies, reused
+  at::Tensor host_arena_;                             // ... all in this one mapping
 };
 
 }  // namespace titan::checkpoint

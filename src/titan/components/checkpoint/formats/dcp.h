@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@ struct Piece {
   std::string file;
   uint64_t offset = 0, bytes = 0;
   distributed::Box box;  // the part of the global tensor held, stored contiguously (row-major) at offset
+  std::optional<uint32_t> crc32;  // of its bytes (version 4; older checkpoints have one per file only)
 };
 
 struct TensorEntry {
@@ -33,7 +35,8 @@ struct TensorEntry {
 std::string dtype_string(at::ScalarType dtype);
 at::ScalarType parse_dtype(const std::string& name, const std::string& where);
 
-// Writes one rank's data file. Tensors are copied to the CPU and written row range by row range.
+// Writes one rank's data file: each piece's bytes (copied to the CPU first if they are elsewhere), with the piece's
+// CRC-32 in its metadata and the whole file's in the file's entry.
 class RankWriter {
  public:
   RankWriter(const std::string& directory, int rank);
@@ -48,8 +51,8 @@ class RankWriter {
   void write(const void* data, size_t n);
   std::string directory_, name_, path_;
   int rank_ = 0;
-  FILE* file_ = nullptr;
-  uint64_t written_ = 0;
+  int fd_ = -1;
+  uint64_t written_ = 0, started_ = 0;  // bytes written; bytes whose write-out was started
   uint32_t crc_ = 0;
   nlohmann::json tensors_ = nlohmann::json::object();
 };
@@ -63,11 +66,15 @@ nlohmann::json merge_rank_parts(const std::vector<nlohmann::json>& parts);
 // Writes metadata.json into `partial_directory` (fsynced) and renames the directory to `final_directory`.
 void commit(const std::string& partial_directory, const std::string& final_directory, const nlohmann::json& metadata);
 
-// A complete checkpoint opened for reading. Files are checked (size and CRC-32) the first time they are read.
+// A complete checkpoint opened for reading. A file's size is checked when it is first opened; a piece's CRC-32 the
+// first time it is read (files without per-piece CRCs, versions 1-3: the whole file's, then).
 class Reader {
  public:
   // Throws UserError when the directory has no metadata.json (incomplete) or the metadata is malformed.
   explicit Reader(std::string directory);
+  ~Reader();
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
   const nlohmann::json& metadata() const { return metadata_; }
   const std::map<std::string, TensorEntry>& tensors() const { return tensors_; }
   bool contains(const std::string& key) const { return tensors_.count(key) != 0; }
@@ -77,11 +84,15 @@ class Reader {
   const std::string& directory() const { return directory_; }
 
  private:
-  void verify(const std::string& file);
+  int open_file(const std::string& file);  // once per file, its size checked
+  void read_bytes(const std::string& file, uint64_t offset, uint64_t n, void* out);
+  void verify(const std::string& file);  // the whole file's CRC-32
   std::string directory_;
   nlohmann::json metadata_;
   std::map<std::string, TensorEntry> tensors_;
+  std::map<std::string, int> fds_;
   std::set<std::string> verified_;
+  std::set<std::pair<std::string, uint64_t>> verified_pieces_;  // (file, offset)
 };
 
 }  // namespace titan::checkpoint
