@@ -10,7 +10,6 @@ want_test_deps=1
 apt_packages=(g++ cmake ninja-build ccache pkg-config python3-venv
   libtomlplusplus-dev nlohmann-json3-dev libpcre2-dev libgtest-dev
   libopenmpi-dev openmpi-bin fortunes zlib1g-dev libzstd-dev libsentencepiece-dev zstd dict-gcide
-  libisal-dev  # ISA-L: faster checkpoint CRC-32 (optional for the build; zlib's otherwise)
   clang libclang-rt-14-dev)  # clang: the sanitized unit tests and libFuzzer harnesses (build-asan)
 missing=()
 for p in "${apt_packages[@]}"; do
