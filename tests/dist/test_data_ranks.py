@@ -79,13 +79,13 @@ def probe(corpora, out, np, batches, resume=None, extra=()):
 
 @pytest.fixture(scope="module")
 def reference(corpora, tmp_path_factory):
-    return probe(corpora, tmp_path_factory.mktemp("single"), 1, 12)
+    return probe(corpora, tmp_path_factory.mktemp("single"), 1, 18)
 
 
 @pytest.mark.parametrize("np", [2, 4])
 def test_ranks_serve_disjoint_parts_whose_union_is_the_single_process_stream(corpora, reference, tmp_path, np):
     steps = probe(corpora, tmp_path / f"np{np}", np, 12)
-    assert steps == reference
+    assert steps == reference[:12]
     for step in steps:  # every window of a step is served once
         assert len(set(step)) == len(step)
 
@@ -94,12 +94,15 @@ def test_resume_under_other_rank_counts_continues_the_stream_exactly(corpora, re
     first = probe(corpora, tmp_path / "a", 2, 5)
     second = probe(corpora, tmp_path / "b", 4, 4, resume=tmp_path / "a")
     third = probe(corpora, tmp_path / "c", 1, 3, resume=tmp_path / "b")
-    assert first + second + third == reference
+    assert first + second + third == reference[:12]
 
 
 def test_changing_the_seed_at_a_restart_serves_no_window_twice(corpora, reference, tmp_path):
+    """The new seed draws from the first document no lane had reached, so lanes first finish the documents they (and
+    the lanes behind them) had started under the old one: how many windows that takes depends on the documents'
+    lengths (here /usr/include, which differs between machines). Twelve steps after the restart leave room for it."""
     first = probe(corpora, tmp_path / "a", 2, 6)
-    second = probe(corpora, tmp_path / "b", 2, 6, resume=tmp_path / "a", extra=["--training.data_seed", "4"])
+    second = probe(corpora, tmp_path / "b", 2, 12, resume=tmp_path / "a", extra=["--training.data_seed", "4"])
     assert first == reference[:6]
     windows = [w for step in first + second for w in step]
     assert len(set(windows)) == len(windows)

@@ -1,4 +1,4 @@
-// nn/matmul.h: bf16 products computed in float32 (the path for x86 CPUs without AVX-512) against float64 products
+// nn/matmul.h: bf16 products computed in float32 (the path for x86 CPUs without AVX512_BF16) against float64 products
 // of the same bf16-rounded inputs and against LibTorch's own bf16 kernels, forward and backward, under autocast
 // and on bf16 tensors; the rule that picks the path against /proc/cpuinfo.
 #include <ATen/autocast_mode.h>
@@ -31,7 +31,7 @@ at::Tensor bf16_rounded(const at::Tensor& t) { return t.to(at::kBFloat16).to(at:
 // One bf16 rounding of the result (2^-8 relative) plus float32 accumulation over a few hundred terms.
 constexpr double kOneRounding = 1.0 / 256 + 1e-5;
 
-TEST(Matmul, RuleFollowsTheCpusAvx512Flags) {
+TEST(Matmul, RuleFollowsTheCpusAvx512Bf16Flags) {
   std::ifstream cpuinfo("/proc/cpuinfo");
   std::string line, flags;
   while (std::getline(cpuinfo, line))
@@ -42,9 +42,10 @@ TEST(Matmul, RuleFollowsTheCpusAvx512Flags) {
   if (flags.empty()) GTEST_SKIP() << "no /proc/cpuinfo flags line on this machine";
   if (std::getenv("TITAN_TEST_BF16_PRODUCTS_IN_FLOAT")) GTEST_SKIP() << "TITAN_TEST_BF16_PRODUCTS_IN_FLOAT chooses the path";
 #if defined(__x86_64__)
-  bool avx512 = true;
-  for (const char* f : {"avx512f", "avx512bw", "avx512vl", "avx512dq"}) avx512 = avx512 && flags.find(std::string(" ") + f + " ") != std::string::npos;
-  EXPECT_EQ(titan::nn::emulates_bf16_gemm(), !avx512) << "flags:" << flags;
+  bool bf16_hardware = true;
+  for (const char* f : {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+    bf16_hardware = bf16_hardware && flags.find(std::string(" ") + f + " ") != std::string::npos;
+  EXPECT_EQ(titan::nn::emulates_bf16_gemm(), !bf16_hardware) << "flags:" << flags;
 #else
   EXPECT_FALSE(titan::nn::emulates_bf16_gemm());
 #endif

@@ -31,7 +31,7 @@ StopBefore stop_before();
 std::optional<double> available_memory_bytes();
 
 // TITAN_TEST_BF16_PRODUCTS_IN_FLOAT=1 or 0: compute bf16 matmuls as float32 products of the bf16 inputs (the path of
-// CPUs without AVX-512), or not, whatever the CPU (nn/matmul.h).
+// CPUs without AVX512_BF16), or not, whatever the CPU (nn/matmul.h).
 std::optional<bool> bf16_products_in_float();
 
 // TITAN_TEST_MOE_COLLAPSE=1: every MoE router sends each token's k-th choice to expert k (expert 0 gets every

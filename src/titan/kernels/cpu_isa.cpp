@@ -3,6 +3,10 @@
 #include <atomic>
 #include <cstdlib>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 
@@ -33,6 +37,17 @@ bool cpu_has_avx512_core() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  // CPUID leaf 7, sub-leaf 1: EAX bit 5 is AVX512_BF16 (read directly: older compilers' __builtin_cpu_supports lacks it).
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  return cpu_has_avx512_core() && (eax & (1u << 5)) != 0;
 #else
   return false;
 #endif

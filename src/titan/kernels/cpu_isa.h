@@ -18,5 +18,9 @@ std::string isa_name(Isa isa);
 // Whether this x86 CPU has AVX-512 F, BW, VL and DQ, whatever this build holds (false elsewhere): what LibTorch
 // checks before sending bf16 matrix products to oneDNN (nn/matmul.h).
 bool cpu_has_avx512_core();
+// Whether this x86 CPU has AVX-512's BF16 extension (bf16 dot products in hardware: Cooper Lake, Sapphire Rapids
+// and later, AMD Zen 4 and later), whatever this build holds (false elsewhere). oneDNN's bf16 GEMM on AVX-512 CPUs
+// without it widens every element in software (nn/matmul.h).
+bool cpu_has_avx512_bf16();
 
 }  // namespace titan::kernels

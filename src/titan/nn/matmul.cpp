@@ -20,11 +20,11 @@ using torch::autograd::variable_list;
 
 std::atomic<int> g_forced{-1};  // -1: the CPU's rule; 0 or 1: set by set_bf16_gemm_emulation
 
-// What LibTorch checks before sending a bf16 GEMM to oneDNN on x86 (AMX implies these); other CPUs keep
-// LibTorch's own choice.
+// x86 CPUs without AVX-512 (LibTorch's scalar loop) or with AVX-512 but not its BF16 extension (oneDNN widening
+// each element in software); other CPUs keep LibTorch's own choice.
 bool cpu_lacks_fast_bf16_gemm() {
 #if defined(__x86_64__) || defined(__i386__)
-  return !kernels::cpu_has_avx512_core();
+  return !kernels::cpu_has_avx512_bf16();
 #else
   return false;
 #endif

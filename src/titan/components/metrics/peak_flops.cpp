@@ -160,7 +160,7 @@ double instruction_rate_bound(at::ScalarType compute_dtype, std::string& how) {
 }
 
 std::string cpu_dtype_name(at::ScalarType dtype) {
-  // bf16 on CPUs without AVX-512 multiplies in float32 (nn/matmul.h): that rate is the peak, under its own key.
+  // bf16 on CPUs without AVX512_BF16 multiplies in float32 (nn/matmul.h): that rate is the peak, under its own key.
   if (dtype == at::kBFloat16) return nn::emulates_bf16_gemm() ? "bf16 (products in float32)" : "bf16";
   return dtype == at::kHalf ? "fp16" : "fp32";
 }
