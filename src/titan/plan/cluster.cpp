@@ -96,7 +96,15 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
       {"peak_bf16_tflops", {&p.peak_bf16_flops, kTera}},      {"peak_fp8_tflops", {&p.peak_fp8_flops, kTera}},
       {"memory_gib", {&p.memory_bytes, kGiB}},                  {"memory_bandwidth_gbs", {&p.memory_bandwidth, kGB}},
       {"intra_node_bandwidth_gbs", {&p.intra_node_bandwidth, kGB}}, {"inter_node_bandwidth_gbs", {&p.inter_node_bandwidth, kGB}},
-      {"matmul_efficiency", {&p.matmul_efficiency, 1.0}}};
+      {"matmul_efficiency", {&p.matmul_efficiency, 1.0}},
+      {"compile_memory_share", {&p.calibration.compile_memory_share, 1.0}},
+      {"float8_relative_efficiency", {&p.calibration.float8_relative_efficiency, 1.0}},
+      {"ring_attention_overhead_per_rank", {&p.calibration.ring_attention_overhead_per_rank, 1.0}},
+      {"allocator_overhead", {&p.calibration.allocator_overhead, 1.0}}};
+  // The calibration keys have defaults (Calibration); overheads may be 0.
+  const std::vector<std::string> optional = {"peak_fp8_tflops", "compile_memory_share", "float8_relative_efficiency",
+                                             "ring_attention_overhead_per_rank", "allocator_overhead"};
+  const std::vector<std::string> zero_allowed = {"peak_fp8_tflops", "ring_attention_overhead_per_rank", "allocator_overhead"};
   std::vector<std::string> present;
   for (const auto& [key, node] : table) {
     const std::string k(key.str());
@@ -112,8 +120,8 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
       p.gpus_per_node = *v;
     } else if (auto it = numbers.find(k); it != numbers.end()) {
       auto v = node.value<double>();
-      // peak_fp8_tflops may be 0 (no float8 matmuls); every other figure must be positive.
-      const bool zero_ok = k == "peak_fp8_tflops";
+      // peak_fp8_tflops may be 0 (no float8 matmuls), and the overheads; every other figure must be positive.
+      const bool zero_ok = std::find(zero_allowed.begin(), zero_allowed.end(), k) != zero_allowed.end();
       if (!(node.is_integer() || node.is_floating_point()) || !v || !std::isfinite(*v) || *v < 0 || (*v == 0 && !zero_ok))
         fail(spec, ":", line, ": ", k, zero_ok ? " must be a finite number, 0 or more" : " must be a finite positive number");
       *it->second.target = *v * it->second.scale;
@@ -127,11 +135,15 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
   if (!table["base"]) {
     std::vector<std::string> missing;
     for (const auto& [k, n] : numbers)
-      if (k != "peak_fp8_tflops" && std::find(present.begin(), present.end(), k) == present.end()) missing.push_back(k);
+      if (std::find(optional.begin(), optional.end(), k) == optional.end() &&
+          std::find(present.begin(), present.end(), k) == present.end())
+        missing.push_back(k);
     if (!table["gpus_per_node"]) missing.push_back("gpus_per_node");
     if (!missing.empty()) fail(spec, ": ", join(missing, ", "), " missing (and no base profile gives them)");
   }
   if (p.matmul_efficiency > 1) fail(spec, ": matmul_efficiency must be a fraction of the peak (0 to 1), got ", p.matmul_efficiency);
+  if (p.calibration.compile_memory_share > 1)
+    fail(spec, ": compile_memory_share must be a fraction of the eager bytes (0 to 1), got ", p.calibration.compile_memory_share);
   return p;
 }
 

@@ -6,6 +6,16 @@
 
 namespace titan::plan {
 
+// The figures fitted to published torchtitan runs rather than derived from datasheets or counted (docs/plan.md, "The
+// constants"): the speed of what titan has not run on GPUs itself and the allocator's reserve. A profile may set its
+// own, for example those `titan plan --calibrate` fits to runs measured on that cluster.
+struct Calibration {
+  double compile_memory_share = 0.35;               // torch.compile: the memory-bound kernels' bytes shrink to this share
+  double float8_relative_efficiency = 0.8;          // float8 GEMMs' share of their peak against bf16 GEMMs' share of theirs
+  double ring_attention_overhead_per_rank = 0.09;   // ring attention's loss of efficiency per further CP rank
+  double allocator_overhead = 0.02;                 // the caching allocator's reserve above the allocated bytes
+};
+
 struct ClusterProfile {
   std::string name;                 // "h100-sxm", or the TOML file's `name`
   std::string description;          // "NVIDIA H100 SXM5 80GB (700 W)"
@@ -18,6 +28,7 @@ struct ClusterProfile {
   int64_t gpus_per_node = 8;        // GPUs sharing the intra-node link (the NVLink domain on GB200 NVL72)
   double matmul_efficiency = 0.7;   // fraction of peak_bf16_flops that large bf16 matmuls sustain
   std::string source;               // where the figures come from
+  Calibration calibration;
 };
 
 const std::vector<ClusterProfile>& builtin_cluster_profiles();

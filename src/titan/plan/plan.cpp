@@ -16,9 +16,6 @@ namespace titan::plan {
 
 namespace {
 
-// The caching allocator holds more than the tensors it serves at the peak (blocks split and rounded, streams
-// kept apart): this share of the allocated bytes, from torchtitan's published peaks (docs/plan.md).
-constexpr double kAllocatorOverhead = 0.03;
 // The CUDA/HIP context, kernels' modules and NCCL's buffers, which the allocator does not count.
 constexpr double kContextBytes = 1.5e9;
 
@@ -60,7 +57,7 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
   plan.layout = layout_of(dims, config);
   const bool autocast = protocols::computes_under_autocast(config, dims);
   plan.memory = spec.estimate_memory(args, config, dims, autocast, 0, execution, -1, protocols::FusedKernels::none);
-  plan.reserved_bytes = plan.memory.total() * (1 + kAllocatorOverhead);
+  plan.reserved_bytes = plan.memory.total() * (1 + cluster.calibration.allocator_overhead);
   plan.device_bytes = plan.reserved_bytes + kContextBytes;
   plan.fits = plan.device_bytes <= cluster.memory_bytes;
   if (dims.pp > 1 && per_pipeline_rank) {

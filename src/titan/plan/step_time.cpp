@@ -23,17 +23,12 @@ constexpr double kAttentionEfficiency = 0.55;
 constexpr double kBandwidthEfficiency = 0.8;
 // Share of a link's bandwidth that NCCL/RCCL collectives reach on large messages (bus bandwidth).
 constexpr double kLinkEfficiency = 0.8;
-// torch.compile fuses the memory-bound kernels around the matmuls: the bytes they move shrink to this share.
-constexpr double kCompileMemoryShare = 0.4;
 // float8 linear layers (torchao's dynamic tensor-wise scaling): each cast of an operand reads it in bf16 twice
 // (its absolute maximum, then the scaled copy) and writes one byte per element.
 constexpr double kFloat8CastBytesPerElement = 5;
-// float8 GEMMs reach this share of the efficiency bf16 GEMMs reach (of their own, twice as high, peak).
-constexpr double kFloat8RelativeEfficiency = 0.8;
-
-// Ring attention loses efficiency with each further context-parallel rank (smaller chunk pairs, the merges of
-// partial results, the shifts' synchronisation): fitted to torchtitan's CP tables (docs/plan.md).
-constexpr double kRingAttentionOverheadPerRank = 0.08;
+// Fitted, not derived (ClusterProfile::calibration): torch.compile's share of the memory-bound bytes, float8 GEMMs'
+// efficiency against bf16's, ring attention's loss per further context-parallel rank (smaller chunk pairs, the merges
+// of partial results, the shifts' synchronisation).
 
 // Counted, not fitted: flash attention's backward runs five tile matmuls to forward's two.
 constexpr double kAttentionBackwardRatio = 2.5;
@@ -160,7 +155,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
       (layer_params * (3 + recompute_layers) + op_recomputed_params + active_expert_params * (3 + recompute_layers + op_recompute));
   const double output_flops = tokens * output_share * 2 * vocab * d / tp * 3;
   // float8: the converted linear layers at the fp8 peak (the output projection stays in bf16), plus the casts.
-  const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * kFloat8RelativeEfficiency : peak;
+  const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * cluster.calibration.float8_relative_efficiency : peak;
   const double float8_flops_share = layer_rate > peak ? float8_share : 0.0;
   const double matmul_seconds = layer_matmul_flops * (float8_flops_share / layer_rate + (1 - float8_flops_share) / peak) + output_flops / peak;
   double cast_bytes = 0;
@@ -174,7 +169,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // Causal attention: each query meets seq_len / 2 keys on average, 2 FLOPs per multiply-add, QK^T and PV.
   const double attention_forward = tokens * layers * 2 * seq * d_attn / tp;
   const double attention_seconds = attention_forward * (1 + kAttentionBackwardRatio + recompute_layers) *
-                                   (1 + kRingAttentionOverheadPerRank * (cp - 1)) / (peak * kAttentionEfficiency);
+                                   (1 + cluster.calibration.ring_attention_overhead_per_rank * (cp - 1)) / (peak * kAttentionEfficiency);
 
   // Memory-bound kernels of one block per token, forward, counted from titan's eager block: two RMSNorms (about six
   // float32 passes each), RoPE on q and k (four float32 passes), the attention output's transposes, SwiGLU (read
@@ -187,7 +182,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   double memory_bytes = tokens * layers * block_forward_bytes / tp * (3 + recompute_layers + 0.5 * op_recompute) + cast_bytes;
   const double logits = tokens * output_share * (parallelism.disable_loss_parallel ? vocab : vocab / tp);
   memory_bytes += logits * (torchtitan ? kTorchtitanLossBytesPerLogit : loss_bytes_per_logit(c));
-  if (speed.compile) memory_bytes *= kCompileMemoryShare;
+  if (speed.compile) memory_bytes *= cluster.calibration.compile_memory_share;
   const double bandwidth = cluster.memory_bandwidth * kBandwidthEfficiency;
 
   // This rank's parameters (its pipeline share, divided by TP), and what FSDP/HSDP/DDP hold of them.
@@ -325,6 +320,8 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     if (t.seconds > largest) largest = t.seconds, out.bound = t.name;
   const double tokens_per_rank = static_cast<double>(training.local_batch_size) * seq / (tp * cp * static_cast<double>(dims.pp));
   out.tokens_per_second_per_device = tokens_per_rank / out.step_seconds;
+  out.tokens_per_second_low = out.tokens_per_second_per_device / kHeldOutSpeedRatioP90;
+  out.tokens_per_second_high = out.tokens_per_second_per_device / kHeldOutSpeedRatioP10;
   out.mfu = out.tokens_per_second_per_device * a.flops_per_token(training.seq_len) / cluster.peak_bf16_flops;
   return out;
 }
