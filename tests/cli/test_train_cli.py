@@ -42,6 +42,21 @@ def test_default_job_loss_falls(tmp_path):
     assert (tmp_path / "builtin_tokenizer" / "fortunes_bpe_2048.tiktoken").exists()
 
 
+def test_the_builtin_tokenizer_is_trained_once_per_build_and_corpus(tmp_path):
+    """The second run of the same build on the same corpus copies the first run's tokenizer from the user cache
+    ($XDG_CACHE_HOME/titan) instead of training it again: the same file, byte for byte."""
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    logs = []
+    for name in ("first", "second"):
+        result = run([binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+                      "--job.dump_folder", str(tmp_path / name), "--training.steps", "1", "--training.seq_len", "32"], env=env)
+        logs.append(result.stdout + result.stderr)
+    assert "training the built-in tokenizer" in logs[0] and "training the built-in tokenizer" not in logs[1], logs[1][-3000:]
+    assert "as trained earlier by this build on the same corpus" in logs[1]
+    files = [(tmp_path / name / "builtin_tokenizer" / "fortunes_bpe_2048.tiktoken").read_bytes() for name in ("first", "second")]
+    assert files[0] == files[1] and len(list((tmp_path / "cache" / "titan" / "builtin_tokenizer").iterdir())) == 1
+
+
 def test_help_lists_keys():
     out = run([binary("titan"), "train", "--help"]).stdout
     assert "--training.steps (int, default 10000)" in out

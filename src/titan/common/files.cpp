@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 
@@ -41,6 +42,22 @@ void fsync_path(const std::string& path, bool directory) {
   ::close(fd);
   if (rc != 0 && !(directory && error == EINVAL))
     fail("cannot flush ", quote(path), " to disk", describe_write_error(error));
+}
+
+std::filesystem::path user_cache_dir() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::filesystem::path(xdg) / "titan";
+  if (const char* home = std::getenv("HOME"); home && *home) return std::filesystem::path(home) / ".cache" / "titan";
+  return {};
+}
+
+std::string binary_identity() {
+  std::error_code error;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return "unknown binary";
+  const auto size = std::filesystem::file_size(exe, error);
+  if (error) return exe.string();
+  const auto mtime = std::filesystem::last_write_time(exe, error).time_since_epoch().count();
+  return cat(exe.string(), " (", size, " bytes, modified ", mtime, ")");
 }
 
 }  // namespace titan

@@ -1,6 +1,7 @@
 // Writing files so that a full disk or an I/O error is an error naming the file, never a silently short file:
 // whole-file writes through a temporary name and a rename, and fsync of files and folders.
 #pragma once
+#include <filesystem>
 #include <string>
 #include <string_view>
 
@@ -16,5 +17,11 @@ void fsync_path(const std::string& path, bool directory);
 
 // " (the disk is full)" for ENOSPC / EDQUOT, else ": <strerror>".
 std::string describe_write_error(int error);
+
+// titan's per-user cache folder: $XDG_CACHE_HOME/titan, else $HOME/.cache/titan; empty when neither is set.
+std::filesystem::path user_cache_dir();
+
+// What identifies this build of titan: its executable's path, size and modification time (a rebuild changes them).
+std::string binary_identity();
 
 }  // namespace titan

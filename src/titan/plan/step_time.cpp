@@ -75,15 +75,16 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
 
   // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer
   // each); the step is paced by the busiest rank, so its share is used.
+  const auto block = a.layer_parameter_shapes(0);
   double layer_params = 0;
-  for (const auto& p : a.parameter_shapes())
-    if (p.name.rfind("layers.0.", 0) == 0 && p.shape.size() == 2) layer_params += static_cast<double>(p.numel());
+  for (const auto& p : block)
+    if (p.shape.size() == 2) layer_params += static_cast<double>(p.numel());
   // The block's linear weights the float8 converter converts: its own selection (filter_fqns, the sizes).
   double float8_params = 0;
   if (speed.float8)
-    for (const auto& p : a.parameter_shapes()) {
+    for (const auto& p : block) {
       const std::string suffix = ".weight";
-      if (p.name.rfind("layers.0.", 0) != 0 || p.shape.size() != 2 || p.name.size() <= suffix.size() ||
+      if (p.shape.size() != 2 || p.name.size() <= suffix.size() ||
           p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) != 0)
         continue;
       const std::string module = p.name.substr(0, p.name.size() - suffix.size());
@@ -95,7 +96,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // runs through top_k of them. Under expert parallelism a rank holds E / EP experts (split over TP too when ETP is
   // TP) and computes the rows routed to them, on average its own tokens' top_k copies (split over TP either way).
   double expert_params = 0;
-  for (const auto& p : a.parameter_shapes())
+  for (const auto& p : block)
     if (p.name.rfind("layers.0.moe.experts.", 0) == 0) expert_params += static_cast<double>(p.numel());
   const double top_k = a.moe ? static_cast<double>(a.moe->top_k) : 0;
   const double active_expert_params = a.moe ? expert_params * top_k / static_cast<double>(a.moe->num_experts) : 0;

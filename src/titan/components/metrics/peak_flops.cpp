@@ -101,17 +101,6 @@ double measure_matmul_flops(at::ScalarType dtype, bool quick, std::string& shape
   return best;
 }
 
-// What identifies this build of titan: its executable's size and modification time (a rebuild changes them).
-std::string binary_identity() {
-  std::error_code error;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", error);
-  if (error) return "unknown binary";
-  const auto size = std::filesystem::file_size(exe, error);
-  if (error) return exe.string();
-  const auto mtime = std::filesystem::last_write_time(exe, error).time_since_epoch().count();
-  return cat(exe.string(), " (", size, " bytes, modified ", mtime, ")");
-}
-
 // Which machine this is: systemd's machine id, else the host name.
 std::string machine_identity() {
   std::ifstream id("/etc/machine-id");
@@ -123,9 +112,8 @@ std::string machine_identity() {
 }
 
 std::filesystem::path cache_file() {
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::filesystem::path(xdg) / "titan" / "peak_flops.json";
-  if (const char* home = std::getenv("HOME"); home && *home) return std::filesystem::path(home) / ".cache" / "titan" / "peak_flops.json";
-  return {};
+  const std::filesystem::path dir = user_cache_dir();
+  return dir.empty() ? dir : dir / "peak_flops.json";
 }
 
 // The instruction-rate bound: vector width x FMA units x clock x cores (what a vendor's datasheet would quote).

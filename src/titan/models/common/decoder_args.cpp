@@ -50,39 +50,44 @@ std::vector<ParameterShape> DecoderArgs::buffer_shapes() const {
 
 std::vector<ParameterShape> DecoderArgs::parameter_shapes() const {
   std::vector<ParameterShape> out;
+  out.push_back({"tok_embeddings.weight", {vocab_size, dim}});
+  for (int64_t i = 0; i < n_layers; ++i)
+    for (auto& p : layer_parameter_shapes(i)) out.push_back(std::move(p));
+  out.push_back({"norm.weight", {dim}});
+  if (!tie_word_embeddings) out.push_back({"output.weight", {vocab_size, dim}});
+  return out;
+}
+
+std::vector<ParameterShape> DecoderArgs::layer_parameter_shapes(int64_t layer) const {
+  std::vector<ParameterShape> out;
   const int64_t d = dim, hd = head_dim(), h = n_heads, kv = kv_heads(), f = ffn_hidden_dim();
-  out.push_back({"tok_embeddings.weight", {vocab_size, d}});
-  for (int64_t i = 0; i < n_layers; ++i) {
-    std::string p = "layers." + std::to_string(i) + ".";
-    out.push_back({p + "attention.wq.weight", {h * hd, d}});
-    out.push_back({p + "attention.wk.weight", {kv * hd, d}});
-    out.push_back({p + "attention.wv.weight", {kv * hd, d}});
-    out.push_back({p + "attention.wo.weight", {d, h * hd}});
-    if (qk_norm) {
-      out.push_back({p + "attention.q_norm.weight", {hd}});
-      out.push_back({p + "attention.k_norm.weight", {hd}});
-    }
-    if (moe) {
-      const int64_t e = moe->num_experts, m = moe->hidden_dim, shared = moe->hidden_dim * moe->num_shared_experts;
-      out.push_back({p + "moe.router.gate.weight", {e, d}});
-      out.push_back({p + "moe.experts.w1", {e, m, d}});
-      out.push_back({p + "moe.experts.w2", {e, d, m}});
-      out.push_back({p + "moe.experts.w3", {e, m, d}});
-      if (shared > 0) {
-        out.push_back({p + "moe.shared_experts.w1.weight", {shared, d}});
-        out.push_back({p + "moe.shared_experts.w2.weight", {d, shared}});
-        out.push_back({p + "moe.shared_experts.w3.weight", {shared, d}});
-      }
-    } else {
-      out.push_back({p + "feed_forward.w1.weight", {f, d}});
-      out.push_back({p + "feed_forward.w2.weight", {d, f}});
-      out.push_back({p + "feed_forward.w3.weight", {f, d}});
-    }
-    out.push_back({p + "attention_norm.weight", {d}});
-    out.push_back({p + "ffn_norm.weight", {d}});
+  const std::string p = "layers." + std::to_string(layer) + ".";
+  out.push_back({p + "attention.wq.weight", {h * hd, d}});
+  out.push_back({p + "attention.wk.weight", {kv * hd, d}});
+  out.push_back({p + "attention.wv.weight", {kv * hd, d}});
+  out.push_back({p + "attention.wo.weight", {d, h * hd}});
+  if (qk_norm) {
+    out.push_back({p + "attention.q_norm.weight", {hd}});
+    out.push_back({p + "attention.k_norm.weight", {hd}});
   }
-  out.push_back({"norm.weight", {d}});
-  if (!tie_word_embeddings) out.push_back({"output.weight", {vocab_size, d}});
+  if (moe) {
+    const int64_t e = moe->num_experts, m = moe->hidden_dim, shared = moe->hidden_dim * moe->num_shared_experts;
+    out.push_back({p + "moe.router.gate.weight", {e, d}});
+    out.push_back({p + "moe.experts.w1", {e, m, d}});
+    out.push_back({p + "moe.experts.w2", {e, d, m}});
+    out.push_back({p + "moe.experts.w3", {e, m, d}});
+    if (shared > 0) {
+      out.push_back({p + "moe.shared_experts.w1.weight", {shared, d}});
+      out.push_back({p + "moe.shared_experts.w2.weight", {d, shared}});
+      out.push_back({p + "moe.shared_experts.w3.weight", {shared, d}});
+    }
+  } else {
+    out.push_back({p + "feed_forward.w1.weight", {f, d}});
+    out.push_back({p + "feed_forward.w2.weight", {d, f}});
+    out.push_back({p + "feed_forward.w3.weight", {f, d}});
+  }
+  out.push_back({p + "attention_norm.weight", {d}});
+  out.push_back({p + "ffn_norm.weight", {d}});
   return out;
 }
 
@@ -96,8 +101,9 @@ double DecoderArgs::flops_per_token(int64_t seq_len) const {
   if (moe) {
     // Only top_k of the routed experts' parameters are active per token (floor of the product, as torchtitan).
     int64_t routed = 0;
-    for (const auto& p : parameter_shapes())
+    for (const auto& p : layer_parameter_shapes(0))
       if (p.name.find("moe.experts.") != std::string::npos) routed += p.numel();
+    routed *= n_layers;
     dense -= static_cast<double>(routed);
     dense += static_cast<double>(routed * moe->top_k / moe->num_experts);
   }

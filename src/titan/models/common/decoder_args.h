@@ -61,6 +61,9 @@ struct DecoderArgs : protocols::ModelArgs {
 
   std::string family() const override { return family_name; }
   std::vector<ParameterShape> parameter_shapes() const override;
+  // Block `layer`'s parameters alone ("layers.<layer>.*"): every block has the same ones (the plan's and the memory
+  // estimate's per-block sums, without building the whole model's list).
+  std::vector<ParameterShape> layer_parameter_shapes(int64_t layer) const;
   std::vector<ParameterShape> buffer_shapes() const override;  // layers.N.moe.expert_bias with MoE balancing
   std::vector<std::pair<std::string, std::string>> tied_aliases() const override {
     if (!tie_word_embeddings) return {};

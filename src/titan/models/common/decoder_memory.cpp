@@ -104,8 +104,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // split counts the embedding and the output as one layer each; the remainder goes to the first stages).
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
   double per_layer = 0, per_layer_experts = 0;
-  for (const auto& p : a.parameter_shapes()) {
-    if (p.name.rfind("layers.0.", 0) != 0) continue;
+  for (const auto& p : a.layer_parameter_shapes(0)) {
     per_layer += static_cast<double>(p.numel());
     if (p.name.rfind("layers.0.moe.experts.", 0) == 0) per_layer_experts += static_cast<double>(p.numel());
   }
