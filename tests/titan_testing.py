@@ -1,6 +1,8 @@
 """Shared helpers for titan's Python tests: where the binaries and the shared third-party data are."""
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +34,11 @@ def run(args, input_text=None, check=True, env=None, timeout=600):
     if env:
         merged_env.update(env)
     data = input_text.encode("utf-8") if isinstance(input_text, str) else input_text
+    start = time.monotonic()
     result = subprocess.run(args, input=data, capture_output=True, env=merged_env, timeout=timeout)
+    if os.environ.get("TITAN_TEST_LAUNCH_LOG"):  # where the suite's time goes: seconds, test and command per launch
+        with open(os.environ["TITAN_TEST_LAUNCH_LOG"], "a") as log:
+            log.write(f"{time.monotonic() - start:.1f}\t{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{' '.join(map(str, args))[:400]}\n")
     result.stdout = result.stdout.decode("utf-8", errors="surrogateescape")
     result.stderr = result.stderr.decode("utf-8", errors="surrogateescape")
     if check and result.returncode != 0:
@@ -121,3 +127,23 @@ def read_checkpoint(directory):
         assert (count == 1).all(), f"{key}: pieces do not cover every element exactly once"
         out[key] = full
     return meta, out
+
+
+def hf_per_expert_grads(model):
+    """A transformers MoE model's gradients under the names of its files: transformers keeps each layer's experts
+    fused in memory (gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I]); its files hold one
+    tensor per expert."""
+    out = {}
+    for pname, p in model.named_parameters():
+        fused = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", pname)
+        if not fused:
+            out[pname] = p.grad
+            continue
+        prefix, kind = fused.groups()
+        for j in range(p.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{j}.down_proj.weight"] = p.grad[j]
+            else:
+                gate, up = p.grad[j].chunk(2, dim=0)
+                out[f"{prefix}.{j}.gate_proj.weight"], out[f"{prefix}.{j}.up_proj.weight"] = gate, up
+    return out

@@ -51,7 +51,8 @@ int main(int argc, char** argv) {
                                      : spec.flavor(opt.at("--flavor"));
     titan::safetensors::File batch(opt.at("--batch"));
     at::Tensor inputs = batch.load("inputs"), labels = batch.load("labels");
-    const auto args = configured->with_context_length(inputs.size(1));
+    // The batch's length, or the configured one where longer (YaRN depends on it: DeepSeek-V3).
+    const auto args = configured->with_context_length(std::max<int64_t>(inputs.size(1), configured->context_length()));
     auto built = spec.build(*args, {});
     auto model = std::dynamic_pointer_cast<titan::models::Decoder>(built);
     const auto adapter = spec.state_dict_adapter(*args);
@@ -71,6 +72,8 @@ int main(int argc, char** argv) {
         auto hf = adapter->to_hf_name(item.key());
         item.value().copy_(adapter->from_hf_tensor(item.key(), weights.load(*hf)));
       }
+      for (auto& item : model->named_buffers())  // DeepSeek-V3's balancing biases (e_score_correction_bias)
+        if (auto hf = adapter->to_hf_name(item.key()); hf && weights.contains(*hf)) item.value().copy_(weights.load(*hf));
     }
     if (opt.count("--float8")) {  // float8 linears (emulated), the output projection kept in high precision
       titan::config::JobConfig job;

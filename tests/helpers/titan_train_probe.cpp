@@ -30,7 +30,7 @@ std::vector<std::pair<std::string, at::Tensor>> hf_weights(titan::Trainer& train
       for (int64_t j = 0; j < experts; ++j) out.emplace_back(titan::models::hf_slice_name(name, j), full[j].cpu().contiguous());
       continue;
     }
-    out.emplace_back(*titan::models::to_hf_name(name), titan::models::to_hf_tensor(name, full.cpu(), args));
+    out.emplace_back(*titan::models::to_hf_name(name, args), titan::models::to_hf_tensor(name, full.cpu(), args));
   }
   return out;
 }

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
+from titan_testing import SOURCE_DIR, binary, hf_per_expert_grads, read_checkpoint, run
 
 CONFIGS = {
     # name: (hidden, layers, heads, kv heads, head_dim, experts, top_k, expert width, renormalise, tied)
@@ -51,25 +51,6 @@ def make_batch(seq_len=40, batch=2, seed=1):
     return inputs, labels
 
 
-def per_expert_grads(model):
-    """HF's gradients under the names of its files: transformers keeps each layer's experts fused in memory
-    (gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I]); its files hold one tensor per expert."""
-    out = {}
-    for pname, p in model.named_parameters():
-        fused = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)", pname)
-        if not fused:
-            out[pname] = p.grad
-            continue
-        prefix, kind = fused.groups()
-        for j in range(p.shape[0]):
-            if kind == "down_proj":
-                out[f"{prefix}.{j}.down_proj.weight"] = p.grad[j]
-            else:
-                gate, up = p.grad[j].chunk(2, dim=0)
-                out[f"{prefix}.{j}.gate_proj.weight"], out[f"{prefix}.{j}.up_proj.weight"] = gate, up
-    return out
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
     model = hf_model(name)
@@ -87,7 +68,7 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
     valid = (labels != -100).sum()
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
     loss.backward()
-    grads = per_expert_grads(model)
+    grads = hf_per_expert_grads(model)
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
 

@@ -8,6 +8,7 @@
 #include "titan/components/metrics/allocation_tracker.h"
 #include "titan/config/job_config.h"
 #include "titan/models/common/decoder_parallelize.h"
+#include "titan/models/deepseek_v3/args.h"
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
 #include "titan/models/common/decoder_hf.h"
@@ -55,8 +56,11 @@ TEST(ModelArgs, UnknownFlavorListsKnownOnes) {
 }
 
 TEST(Model, BuiltParametersMatchShapeOnlyCount) {
-  for (const char* name : {"debugmodel", "debugmodel_gqa"}) {
-    auto args = flavor(name);
+  // Llama 3 with and without GQA; DeepSeek-V3 (latent attention, a dense block before the MoE ones) with plain and
+  // low-rank queries.
+  auto deepseek_lora = titan::deepseek_v3::flavor("debugmodel");
+  deepseek_lora.mla->q_lora_rank = 64;
+  for (auto args : {flavor("debugmodel"), flavor("debugmodel_gqa"), titan::deepseek_v3::flavor("debugmodel"), deepseek_lora}) {
     args.max_seq_len = 64;
     Transformer model(args);
     auto shapes = parameter_shapes(args);
@@ -65,8 +69,18 @@ TEST(Model, BuiltParametersMatchShapeOnlyCount) {
     for (size_t i = 0; i < shapes.size(); ++i) {
       EXPECT_EQ(named[i].key(), shapes[i].name);
       EXPECT_EQ(named[i].value().sizes().vec(), shapes[i].shape) << shapes[i].name;
-      EXPECT_TRUE(to_hf_name(named[i].key()).has_value()) << named[i].key();
-      EXPECT_EQ(from_hf_name(*to_hf_name(named[i].key())), named[i].key());
+      if (shapes[i].name.find("moe.experts.") != std::string::npos) continue;  // one HF tensor per expert
+      EXPECT_TRUE(to_hf_name(named[i].key(), args).has_value()) << named[i].key();
+      EXPECT_EQ(from_hf_name(*to_hf_name(named[i].key(), args), args), named[i].key());
+    }
+    // The buffers the shapes name (MoE balancing biases) are the model's, and map to HF names where the family's
+    // files hold them.
+    std::map<std::string, std::vector<int64_t>> buffers;
+    for (const auto& b : model.named_buffers()) buffers[b.key()] = b.value().sizes().vec();
+    for (const auto& b : args.buffer_shapes()) {
+      ASSERT_TRUE(buffers.count(b.name)) << b.name;
+      EXPECT_EQ(buffers.at(b.name), b.shape) << b.name;
+      EXPECT_TRUE(to_hf_name(b.name, args).has_value()) << b.name;
     }
   }
 }

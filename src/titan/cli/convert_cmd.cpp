@@ -172,8 +172,10 @@ Source read_hf(const std::string& from, const std::string& model_name, const std
   checkpoint::HfReader reader(from, *s.args, *adapter);  // checks config.json against the arguments and every weight's shape
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& p : s.args->parameter_shapes()) shapes[p.name] = p.shape;
+  for (const auto& b : s.args->buffer_shapes())
+    if (reader.contains(b.name)) shapes[b.name] = b.shape;  // DeepSeek-V3's e_score_correction_bias
   take_weights(s, [&](const std::string& name) {
-    if (!shapes.count(name)) return at::Tensor();  // state HF files do not hold (MoE balancing biases)
+    if (!shapes.count(name)) return at::Tensor();  // state HF files do not hold (Qwen3-MoE's balancing biases)
     at::Tensor t = at::empty(shapes.at(name), at::TensorOptions().dtype(reader.dtype(name)));
     reader.read_box(name, std::vector<int64_t>(t.dim(), 0), t);
     return t;

@@ -58,6 +58,8 @@ struct Model {
   std::optional<int64_t> moe_num_experts, moe_top_k, moe_inter_dim;
   // The balancing bias's step (torchtitan's moe_args.load_balance_coeff, 1e-3 in its flavors); 0 turns balancing off.
   std::optional<double> moe_load_balance_coeff;
+  // DeepSeek-V3: the dense blocks before the MoE ones, and the latent attention's widths (DeepSeekV3ModelArgs').
+  std::optional<int64_t> n_dense_layers, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
 };
 
 struct Optimizer {

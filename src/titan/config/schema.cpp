@@ -175,6 +175,16 @@ std::vector<KeySpec> describe(JobConfig& c) {
   positive(b.add("moe_inter_dim", &c.model.moe_inter_dim, "titan.cpp: each expert's SwiGLU width (Mixture-of-Experts flavors)"));
   at_least(b.add("moe_load_balance_coeff", &c.model.moe_load_balance_coeff,
                  "titan.cpp: step of the MoE balancing bias after each optimizer step (torchtitan's 1e-3); 0 turns it off"), 0);
+  at_least(b.add("n_dense_layers", &c.model.n_dense_layers,
+                 "titan.cpp: dense blocks before the Mixture-of-Experts ones (DeepSeek-V3; HF first_k_dense_replace)"), 0);
+  at_least(b.add("q_lora_rank", &c.model.q_lora_rank,
+                 "titan.cpp: latent attention (DeepSeek-V3): the queries' low-rank width, 0 for one projection"), 0);
+  positive(b.add("kv_lora_rank", &c.model.kv_lora_rank, "titan.cpp: latent attention (DeepSeek-V3): the compressed key/value width"));
+  at_least(b.add("qk_nope_head_dim", &c.model.qk_nope_head_dim,
+                 "titan.cpp: latent attention (DeepSeek-V3): each head's query/key columns without RoPE"), 0);
+  positive(b.add("qk_rope_head_dim", &c.model.qk_rope_head_dim,
+                 "titan.cpp: latent attention (DeepSeek-V3): each head's rotary query/key columns (the key's shared by all heads)"));
+  positive(b.add("v_head_dim", &c.model.v_head_dim, "titan.cpp: latent attention (DeepSeek-V3): each head's value width"));
   b.add("tie_word_embeddings", &c.model.tie_word_embeddings,
         "titan.cpp: share the embedding with the output projection; replaces the flavor's only when set");
   positive(b.add("max_seq_len", &c.model.max_seq_len,

@@ -6,6 +6,7 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/models/common/json_fields.h"
+#include "titan/models/deepseek_v3/spec.h"
 #include "titan/models/llama3/spec.h"
 #include "titan/models/qwen3/spec.h"
 
@@ -17,6 +18,7 @@ const std::vector<protocols::ModelSpec>& registered() {
   static const std::vector<protocols::ModelSpec> specs = {
       llama3::spec(),
       qwen3::spec(),
+      deepseek_v3::spec(),
   };
   return specs;
 }

@@ -45,17 +45,27 @@ RMSNorm::RMSNorm(int64_t dim, double eps, const ParameterOptions& options) : dim
 
 at::Tensor RMSNorm::forward(const Inputs& inputs, const Context&) {
   const at::Tensor& x = inputs[0];
+  double eps = eps_;
+  if (eps < 0) {
+    // torch.nn.RMSNorm built without eps: the machine epsilon of the dtype it normalises in.
+    switch (x.scalar_type()) {
+      case at::kBFloat16: eps = 0.0078125; break;
+      case at::kHalf: eps = 0.0009765625; break;
+      case at::kDouble: eps = 2.220446049250313e-16; break;
+      default: eps = 1.1920928955078125e-07; break;
+    }
+  }
   if (x.scalar_type() != weight.scalar_type()) {
     // Under autocast a norm can meet a bf16 input (Qwen3's q/k norms after their projections) and its float32
     // weight: normalised in float32, as transformers' Qwen3RMSNorm does, and handed on in the input's dtype. The
     // fused kernel takes the weight in the input's dtype (as FSDP's mixed precision hands it over) and keeps the
     // bf16 input for backward; the ATen composition keeps float32 copies, four times the memory.
     const at::Tensor cast_weight = weight.to(x.scalar_type());
-    if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, cast_weight})) return kernels::rms_norm(x, cast_weight, eps_);
-    return at::rms_norm(x.to(at::kFloat), {dim_}, weight.to(at::kFloat), eps_).to(x.scalar_type());
+    if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, cast_weight})) return kernels::rms_norm(x, cast_weight, eps);
+    return at::rms_norm(x.to(at::kFloat), {dim_}, weight.to(at::kFloat), eps).to(x.scalar_type());
   }
-  if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, weight})) return kernels::rms_norm(x, weight, eps_);
-  return at::rms_norm(x, {dim_}, weight, eps_);
+  if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, weight})) return kernels::rms_norm(x, weight, eps);
+  return at::rms_norm(x, {dim_}, weight, eps);
 }
 
 at::Tensor SwiGLU::forward(const Inputs& inputs, const Context&) {

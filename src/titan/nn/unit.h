@@ -76,6 +76,7 @@ class Embedding : public Unit {
 
 class RMSNorm : public Unit {
  public:
+  // eps < 0: the machine epsilon of the input's dtype (as torch.nn.RMSNorm without an eps).
   RMSNorm(int64_t dim, double eps, const ParameterOptions& options = {});
   at::Tensor weight;
 

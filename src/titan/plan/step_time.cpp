@@ -75,7 +75,9 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
 
   // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer
   // each); the step is paced by the busiest rank, so its share is used.
-  const auto block = a.layer_parameter_shapes(0);
+  // The last block stands for all (DeepSeek-V3's leading dense blocks are not modelled apart yet).
+  const auto block = a.layer_parameter_shapes(a.n_layers - 1);
+  const std::string experts_prefix = "layers." + std::to_string(a.n_layers - 1) + ".moe.experts.";
   double layer_params = 0;
   for (const auto& p : block)
     if (p.shape.size() == 2) layer_params += static_cast<double>(p.numel());
@@ -97,7 +99,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // TP) and computes the rows routed to them, on average its own tokens' top_k copies (split over TP either way).
   double expert_params = 0;
   for (const auto& p : block)
-    if (p.name.rfind("layers.0.moe.experts.", 0) == 0) expert_params += static_cast<double>(p.numel());
+    if (p.name.rfind(experts_prefix, 0) == 0) expert_params += static_cast<double>(p.numel());
   const double top_k = a.moe ? static_cast<double>(a.moe->top_k) : 0;
   const double active_expert_params = a.moe ? expert_params * top_k / static_cast<double>(a.moe->num_experts) : 0;
   const double ep = static_cast<double>(dims.ep);

@@ -305,6 +305,8 @@ class HfSource : public protocols::StateSource {
   HfSource(const std::string& directory, const HfModel& hf)
       : directory_(directory), reader_(directory, hf.args, hf.adapter) {
     for (const auto& p : hf.args.parameter_shapes()) shapes_["model." + p.name] = {p.name, p.shape};
+    for (const auto& b : hf.args.buffer_shapes())  // DeepSeek-V3's balancing biases where the files hold them
+      if (reader_.contains(b.name)) shapes_["model." + b.name] = {b.name, b.shape};
   }
   std::string name() const override { return "Hugging Face directory " + directory_; }
   std::string key_name(const std::string& key) const override {

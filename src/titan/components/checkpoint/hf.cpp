@@ -195,6 +195,10 @@ void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t
   out.copy_(source);
 }
 
+bool HfReader::contains(const std::string& titan_name) const {
+  return impl_->where.count(titan_name) > 0 || impl_->slices.count(titan_name) > 0;
+}
+
 at::ScalarType HfReader::dtype(const std::string& titan_name) const {
   if (auto sliced = impl_->slices.find(titan_name); sliced != impl_->slices.end() && !sliced->second.empty())
     return sliced->second.front().first->tensors().at(sliced->second.front().second).dtype;

@@ -41,6 +41,8 @@ class HfReader {
   // Fills `out` (any device and dtype) with the box of `titan_name` that starts at `offsets`.
   void read_box(const std::string& titan_name, const std::vector<int64_t>& offsets, at::Tensor out) const;
   at::ScalarType dtype(const std::string& titan_name) const;  // as stored
+  // Whether the files hold `titan_name` (state beside the parameters: DeepSeek-V3's e_score_correction_bias).
+  bool contains(const std::string& titan_name) const;
 
  private:
   struct Impl;

@@ -34,6 +34,31 @@ at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const Ro
   return at::polar(at::ones_like(angles), angles);
 }
 
+at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, const YarnScaling& yarn) {
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor exponents = at::arange(0, head_dim, 2, f32.dtype(at::kLong)).to(at::kFloat) / static_cast<double>(head_dim);
+  at::Tensor freqs = 1.0 / at::pow(theta, exponents);
+  if (end > yarn.original_seq_len) {
+    // The pair index at which a frequency turns `turns` times over the original context, and the ramp between the
+    // beta_fast and beta_slow indices: kept below it, divided by `factor` above.
+    const double d = static_cast<double>(head_dim), base = theta, original = static_cast<double>(yarn.original_seq_len);
+    auto pair_index = [&](double turns) { return d * std::log(original / (turns * 2 * M_PI)) / (2 * std::log(base)); };
+    const double low = std::max(std::floor(pair_index(yarn.beta_fast)), 0.0);
+    double high = std::min(std::ceil(pair_index(yarn.beta_slow)), d - 1);
+    if (low == high) high += 0.001;
+    at::Tensor ramp = at::clamp((at::arange(head_dim / 2, f32) - low) / (high - low), 0, 1);
+    at::Tensor kept = 1 - ramp;
+    freqs = freqs / yarn.factor * (1 - kept) + freqs * kept;
+  }
+  at::Tensor angles = at::outer(at::arange(end, f32), freqs);
+  return at::polar(at::ones_like(angles), angles);
+}
+
+at::Tensor precompute_rope(const DecoderArgs& args) {
+  if (args.yarn) return precompute_yarn_rope(args.rope_dim(), args.max_seq_len, args.rope_theta, *args.yarn);
+  return precompute_rope(args.rope_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
+}
+
 Attention::Attention(const DecoderArgs& args, const nn::ParameterOptions& options)
     : n_heads_(args.n_heads), n_kv_heads_(args.kv_heads()), head_dim_(args.head_dim()), rope_layout_(args.rope_layout) {
   wq = register_module("wq", std::make_shared<nn::Linear>(args.dim, n_heads_ * head_dim_, options));
@@ -117,6 +142,54 @@ at::Tensor Attention::forward(const Inputs& inputs, const nn::Context& context) 
   return (*wo)(out, context);
 }
 
+LatentAttention::LatentAttention(const DecoderArgs& args, const nn::ParameterOptions& options)
+    : mla_(*args.mla), query_scale_(args.attention_scale_factor()) {
+  const int64_t h = args.n_heads, qk = mla_.qk_head_dim();
+  if (mla_.q_lora_rank == 0) {
+    wq = register_module("wq", std::make_shared<nn::Linear>(args.dim, h * qk, options));
+  } else {
+    wq_a = register_module("wq_a", std::make_shared<nn::Linear>(args.dim, mla_.q_lora_rank, options));
+    q_norm = register_module("q_norm", std::make_shared<nn::RMSNorm>(mla_.q_lora_rank, mla_.norm_eps.value_or(args.norm_eps), options));
+    wq_b = register_module("wq_b", std::make_shared<nn::Linear>(mla_.q_lora_rank, h * qk, options));
+  }
+  wkv_a = register_module("wkv_a", std::make_shared<nn::Linear>(args.dim, mla_.kv_lora_rank + mla_.qk_rope_head_dim, options));
+  kv_norm = register_module("kv_norm", std::make_shared<nn::RMSNorm>(mla_.kv_lora_rank, mla_.norm_eps.value_or(args.norm_eps), options));
+  wkv_b = register_module("wkv_b", std::make_shared<nn::Linear>(mla_.kv_lora_rank, h * (mla_.qk_nope_head_dim + mla_.v_head_dim), options));
+  wo = register_module("wo", std::make_shared<nn::Linear>(h * mla_.v_head_dim, args.dim, options));
+  inner_attention = register_module("inner_attention", std::make_shared<InnerAttention>());
+}
+
+std::vector<nn::Linear*> LatentAttention::linears() const {
+  std::vector<nn::Linear*> out;
+  for (const auto& l : {wq, wq_a, wq_b, wkv_a, wkv_b, wo})
+    if (l) out.push_back(l.get());
+  return out;
+}
+
+at::Tensor LatentAttention::forward(const Inputs& inputs, const nn::Context& context) {
+  const at::Tensor& x = inputs[0];
+  const auto bs = x.size(0), seqlen = x.size(1);
+  const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, vd = mla_.v_head_dim;
+  at::Tensor q = wq ? (*wq)(x, context) : (*wq_b)((*q_norm)((*wq_a)(x, context), context), context);
+  q = q.view({bs, seqlen, -1, nope + rope});  // heads from the width: a tensor-parallel rank sees its own
+  const int64_t heads = q.size(2);
+  at::Tensor kv = (*wkv_a)(x, context);
+  at::Tensor latent = kv.narrow(-1, 0, mla_.kv_lora_rank);
+  at::Tensor k_rope = kv.narrow(-1, mla_.kv_lora_rank, rope).unsqueeze(2);  // one rotary key for every head
+  at::Tensor q_rope = kernels::rope_reference(q.narrow(-1, nope, rope), context.rope, context.positions);
+  k_rope = kernels::rope_reference(k_rope, context.rope, context.positions);
+  at::Tensor expanded = (*wkv_b)((*kv_norm)(latent, context), context).view({bs, seqlen, heads, nope + vd});
+  at::Tensor k = at::cat({expanded.narrow(-1, 0, nope), k_rope.expand({bs, seqlen, heads, rope})}, -1);
+  q = at::cat({q.narrow(-1, 0, nope), q_rope}, -1);
+  // softmax(scale q.k) with scale = factor / sqrt(qk width): the factor goes into the queries.
+  if (query_scale_ != 1.0) q = q * query_scale_;
+  at::Tensor v = expanded.narrow(-1, nope, vd);
+  if (vd < nope + rope) v = at::constant_pad_nd(v, {0, nope + rope - vd});
+  at::Tensor out = inner_attention->call({q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)}, context);
+  out = out.narrow(-1, 0, vd).transpose(1, 2).contiguous().view({bs, seqlen, -1});
+  return (*wo)(out, context);
+}
+
 FeedForward::FeedForward(int64_t dim, int64_t hidden_dim, const nn::ParameterOptions& options) {
   w1 = register_module("w1", std::make_shared<nn::Linear>(dim, hidden_dim, options));
   w2 = register_module("w2", std::make_shared<nn::Linear>(hidden_dim, dim, options));
@@ -130,8 +203,11 @@ at::Tensor FeedForward::forward(const Inputs& inputs, const nn::Context& context
 }
 
 TransformerBlock::TransformerBlock(int64_t layer_id, const DecoderArgs& args, const nn::ParameterOptions& options) {
-  attention = register_module("attention", std::make_shared<Attention>(args, options));
-  if (args.moe)
+  if (args.mla)
+    latent_attention = register_module("attention", std::make_shared<LatentAttention>(args, options));
+  else
+    attention = register_module("attention", std::make_shared<Attention>(args, options));
+  if (args.is_moe_layer(layer_id))
     moe = register_module("moe", std::make_shared<MoE>(args.dim, *args.moe, options));
   else
     feed_forward = register_module("feed_forward", std::make_shared<FeedForward>(args.dim, args.ffn_hidden_dim(), options));
@@ -141,9 +217,19 @@ TransformerBlock::TransformerBlock(int64_t layer_id, const DecoderArgs& args, co
   weight_init_std_ = 0.02 / std::sqrt(2.0 * depth);
 }
 
+InnerAttention& TransformerBlock::inner_attention() const {
+  return latent_attention ? *latent_attention->inner_attention : *attention->inner_attention;
+}
+
+std::vector<nn::Linear*> TransformerBlock::attention_linears() const {
+  if (latent_attention) return latent_attention->linears();
+  return {attention->wq.get(), attention->wk.get(), attention->wv.get(), attention->wo.get()};
+}
+
 at::Tensor TransformerBlock::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor& x = inputs[0];
-  at::Tensor h = x + (*attention)((*attention_norm)(x, context), context);
+  const at::Tensor normed_x = (*attention_norm)(x, context);
+  at::Tensor h = x + (latent_attention ? (*latent_attention)(normed_x, context) : (*attention)(normed_x, context));
   const at::Tensor normed = (*ffn_norm)(h, context);
   return h + (feed_forward ? (*feed_forward)(normed, context) : (*moe)(normed, context));
 }
@@ -167,11 +253,11 @@ Decoder::Decoder(const DecoderArgs& args, const nn::ParameterOptions& options) :
     layers.push_back(std::make_shared<TransformerBlock>(i, args, options));
     list->push_back(layers.back());
   }
-  norm = register_module("norm", std::make_shared<nn::RMSNorm>(args.dim, args.norm_eps, options));
+  norm = register_module("norm", std::make_shared<nn::RMSNorm>(args.dim, args.final_norm_dtype_eps ? -1.0 : args.norm_eps, options));
   output = register_module("output", std::make_shared<OutputProjection>(
                                          args.dim, args.vocab_size, args.tie_word_embeddings ? &tok_embeddings->weight : nullptr,
                                          options));
-  rope_ = precompute_rope(args.head_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
+  rope_ = precompute_rope(args);
 }
 
 void Decoder::move_buffers(const at::Device& device) {
@@ -193,15 +279,26 @@ std::map<std::string, nn::InitSpec> Decoder::init_specs() const {
     const std::string p = "layers." + std::to_string(i) + ".";
     const double std = layers[i]->output_init_std();
     const InitSpec residual_init = InitSpec::truncated_normal(0.0, std, -2.0, 2.0);
-    out.emplace(p + "attention.wq.weight", input_init);
-    out.emplace(p + "attention.wk.weight", input_init);
-    out.emplace(p + "attention.wv.weight", input_init);
-    out.emplace(p + "attention.wo.weight", residual_init);
+    if (args_.mla) {
+      // torchtitan's DeepSeek-V3: every input projection at 0.02, the output at the block's residual std.
+      std::vector<std::string> inputs = {"wkv_a", "wkv_b"};
+      if (args_.mla->q_lora_rank == 0) inputs.push_back("wq");
+      else inputs.insert(inputs.end(), {"wq_a", "wq_b"});
+      for (const auto& w : inputs) out.emplace(p + "attention." + w + ".weight", input_init);
+      if (args_.mla->q_lora_rank > 0) out.emplace(p + "attention.q_norm.weight", InitSpec::ones());
+      out.emplace(p + "attention.kv_norm.weight", InitSpec::ones());
+      out.emplace(p + "attention.wo.weight", residual_init);
+    } else {
+      out.emplace(p + "attention.wq.weight", input_init);
+      out.emplace(p + "attention.wk.weight", input_init);
+      out.emplace(p + "attention.wv.weight", input_init);
+      out.emplace(p + "attention.wo.weight", residual_init);
+    }
     if (args_.qk_norm) {
       out.emplace(p + "attention.q_norm.weight", InitSpec::ones());
       out.emplace(p + "attention.k_norm.weight", InitSpec::ones());
     }
-    if (args_.moe) {
+    if (layers[i]->moe) {
       // torchtitan's MoE init: the router and w2/w3 at the block's residual std, w1 at 0.02.
       out.emplace(p + "moe.router.gate.weight", residual_init);
       out.emplace(p + "moe.experts.w1", input_init);

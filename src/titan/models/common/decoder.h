@@ -18,6 +18,10 @@ namespace titan::models {
 
 // Complex64 (end, head_dim / 2) table of e^{i * position * frequency} with Llama 3.1 frequency scaling.
 at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling);
+// The same with YaRN's frequencies when `end` exceeds yarn.original_seq_len (DeepSeek-V3), plain ones otherwise.
+at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, const YarnScaling& yarn);
+// The model's table: rope_dim() columns pairs, max_seq_len rows, with the scaling its arguments name.
+at::Tensor precompute_rope(const DecoderArgs& args);
 // The table rotates interleaved (even, odd) pairs of q and k's last dimension: kernels::rope, or
 // kernels::rope_reference where the fused kernel does not apply.
 
@@ -44,6 +48,26 @@ class Attention : public nn::Unit {
   RopeLayout rope_layout_;
 };
 
+// Multi-head latent attention (DeepSeek-V3, torchtitan's parameter names): see LatentAttentionArgs. The rotary
+// parts are rotated in the interleaved layout; the attention core sees queries/keys of qk_nope_head_dim +
+// qk_rope_head_dim and values zero-padded to that width (its output's padding is dropped), so the fused kernel and
+// the context-parallel wrapper apply unchanged; YaRN's softmax scale is folded into the queries.
+class LatentAttention : public nn::Unit {
+ public:
+  LatentAttention(const DecoderArgs& args, const nn::ParameterOptions& options);
+  std::shared_ptr<nn::Linear> wq, wq_a, wq_b, wkv_a, wkv_b, wo;  // wq without q_lora_rank, wq_a/wq_b with it
+  std::shared_ptr<nn::RMSNorm> q_norm, kv_norm;                  // q_norm with q_lora_rank
+  std::shared_ptr<InnerAttention> inner_attention;
+  std::vector<nn::Linear*> linears() const;
+
+ protected:
+  at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
+
+ private:
+  LatentAttentionArgs mla_;
+  double query_scale_;
+};
+
 class FeedForward : public nn::Unit {
  public:
   FeedForward(int64_t dim, int64_t hidden_dim, const nn::ParameterOptions& options);
@@ -64,12 +88,16 @@ class MoE;  // models/common/moe.h
 class TransformerBlock : public nn::Unit {
  public:
   TransformerBlock(int64_t layer_id, const DecoderArgs& args, const nn::ParameterOptions& options);
-  std::shared_ptr<Attention> attention;
+  std::shared_ptr<Attention> attention;                 // grouped-query attention, or null with latent attention
+  std::shared_ptr<LatentAttention> latent_attention;    // with args.mla (registered as "attention")
   std::shared_ptr<FeedForward> feed_forward;  // the dense feed-forward, or null in a Mixture-of-Experts block
   std::shared_ptr<MoE> moe;                   // with args.moe: the Mixture-of-Experts feed-forward instead
   std::shared_ptr<nn::RMSNorm> attention_norm, ffn_norm;
   // The init std of the residual-output projections (wo, w2, w3): 0.02 / sqrt(2 x depth).
   double output_init_std() const { return weight_init_std_; }
+  // The attention's core (either kind), and its projections.
+  InnerAttention& inner_attention() const;
+  std::vector<nn::Linear*> attention_linears() const;
 
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;

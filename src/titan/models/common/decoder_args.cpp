@@ -1,5 +1,7 @@
 #include "titan/models/common/decoder_args.h"
 
+#include <cmath>
+
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/models/common/json_fields.h"
@@ -30,21 +32,44 @@ void DecoderArgs::check() const {
     fail("RoPE scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor and original_max_position_embeddings > 0; got factor ",
          rope_scaling.factor, ", low_freq_factor ", rope_scaling.low_freq_factor, ", high_freq_factor ",
          rope_scaling.high_freq_factor, ", original_max_position_embeddings ", rope_scaling.original_max_position_embeddings);
-  if (head_dim_value) {
-    if (*head_dim_value <= 0) fail("head_dim must be positive, got ", *head_dim_value);
-  } else if (dim % n_heads != 0) {
-    fail("model dim ", dim, " is not divisible by n_heads ", n_heads);
+  if (mla) {
+    const LatentAttentionArgs& l = *mla;
+    if (l.q_lora_rank < 0 || l.kv_lora_rank <= 0 || l.qk_nope_head_dim < 0 || l.qk_rope_head_dim <= 0 || l.v_head_dim <= 0)
+      fail("latent attention needs q_lora_rank >= 0, kv_lora_rank > 0, qk_nope_head_dim >= 0, qk_rope_head_dim > 0 and "
+           "v_head_dim > 0; got ", l.q_lora_rank, ", ", l.kv_lora_rank, ", ", l.qk_nope_head_dim, ", ", l.qk_rope_head_dim, ", ",
+           l.v_head_dim);
+    if (l.qk_rope_head_dim % 2 != 0) fail("qk_rope_head_dim ", l.qk_rope_head_dim, " must be even for rotary embeddings");
+    if (qk_norm) fail("latent attention has no per-head q/k norms (qk_norm)");
+    if (rope_scaling.enabled) fail("latent attention takes YaRN scaling, not Llama 3.1's rope_scaling");
+  } else {
+    if (head_dim_value) {
+      if (*head_dim_value <= 0) fail("head_dim must be positive, got ", *head_dim_value);
+    } else if (dim % n_heads != 0) {
+      fail("model dim ", dim, " is not divisible by n_heads ", n_heads);
+    }
+    if (head_dim() % 2 != 0) fail("head_dim ", head_dim(), " must be even for rotary embeddings");
+    if (kv_heads() <= 0 || n_heads % kv_heads() != 0)
+      fail("n_heads ", n_heads, " must be a multiple of n_kv_heads ", kv_heads());
+    if (yarn) fail("YaRN scaling applies to latent attention only here");
   }
-  if (head_dim() % 2 != 0) fail("head_dim ", head_dim(), " must be even for rotary embeddings");
-  if (kv_heads() <= 0 || n_heads % kv_heads() != 0)
-    fail("n_heads ", n_heads, " must be a multiple of n_kv_heads ", kv_heads());
+  if (yarn && (!(yarn->factor >= 1) || yarn->original_seq_len <= 0 || !(yarn->beta_fast > 0) || !(yarn->beta_slow > 0)))
+    fail("YaRN needs factor >= 1, original_seq_len > 0 and positive beta_fast/beta_slow; got factor ", yarn->factor,
+         ", original_seq_len ", yarn->original_seq_len, ", beta_fast ", yarn->beta_fast, ", beta_slow ", yarn->beta_slow);
+  if (n_dense_layers < 0 || (n_dense_layers > 0 && !moe))
+    fail("n_dense_layers = ", n_dense_layers, " needs a Mixture-of-Experts model (the dense blocks precede the MoE ones)");
   if (moe) moe->check();
+}
+
+double DecoderArgs::attention_scale_factor() const {
+  if (!yarn_active()) return 1.0;
+  const double m = 0.1 * yarn->mscale * std::log(yarn->factor) + 1.0;
+  return m * m;
 }
 
 std::vector<ParameterShape> DecoderArgs::buffer_shapes() const {
   std::vector<ParameterShape> out;
   if (moe && moe->load_balance_coeff)
-    for (int64_t i = 0; i < n_layers; ++i) out.push_back({cat("layers.", i, ".moe.expert_bias"), {moe->num_experts}});
+    for (int64_t i = n_dense_layers; i < n_layers; ++i) out.push_back({cat("layers.", i, ".moe.expert_bias"), {moe->num_experts}});
   return out;
 }
 
@@ -62,15 +87,30 @@ std::vector<ParameterShape> DecoderArgs::layer_parameter_shapes(int64_t layer) c
   std::vector<ParameterShape> out;
   const int64_t d = dim, hd = head_dim(), h = n_heads, kv = kv_heads(), f = ffn_hidden_dim();
   const std::string p = "layers." + std::to_string(layer) + ".";
-  out.push_back({p + "attention.wq.weight", {h * hd, d}});
-  out.push_back({p + "attention.wk.weight", {kv * hd, d}});
-  out.push_back({p + "attention.wv.weight", {kv * hd, d}});
-  out.push_back({p + "attention.wo.weight", {d, h * hd}});
+  if (mla) {
+    const LatentAttentionArgs& l = *mla;
+    if (l.q_lora_rank == 0) {
+      out.push_back({p + "attention.wq.weight", {h * hd, d}});
+    } else {
+      out.push_back({p + "attention.wq_a.weight", {l.q_lora_rank, d}});
+      out.push_back({p + "attention.q_norm.weight", {l.q_lora_rank}});
+      out.push_back({p + "attention.wq_b.weight", {h * hd, l.q_lora_rank}});
+    }
+    out.push_back({p + "attention.wkv_a.weight", {l.kv_lora_rank + l.qk_rope_head_dim, d}});
+    out.push_back({p + "attention.kv_norm.weight", {l.kv_lora_rank}});
+    out.push_back({p + "attention.wkv_b.weight", {h * (l.qk_nope_head_dim + l.v_head_dim), l.kv_lora_rank}});
+    out.push_back({p + "attention.wo.weight", {d, h * l.v_head_dim}});
+  } else {
+    out.push_back({p + "attention.wq.weight", {h * hd, d}});
+    out.push_back({p + "attention.wk.weight", {kv * hd, d}});
+    out.push_back({p + "attention.wv.weight", {kv * hd, d}});
+    out.push_back({p + "attention.wo.weight", {d, h * hd}});
+  }
   if (qk_norm) {
     out.push_back({p + "attention.q_norm.weight", {hd}});
     out.push_back({p + "attention.k_norm.weight", {hd}});
   }
-  if (moe) {
+  if (is_moe_layer(layer)) {
     const int64_t e = moe->num_experts, m = moe->hidden_dim, shared = moe->hidden_dim * moe->num_shared_experts;
     out.push_back({p + "moe.router.gate.weight", {e, d}});
     out.push_back({p + "moe.experts.w1", {e, m, d}});
@@ -101,15 +141,17 @@ double DecoderArgs::flops_per_token(int64_t seq_len) const {
   if (moe) {
     // Only top_k of the routed experts' parameters are active per token (floor of the product, as torchtitan).
     int64_t routed = 0;
-    for (const auto& p : layer_parameter_shapes(0))
-      if (p.name.find("moe.experts.") != std::string::npos) routed += p.numel();
-    routed *= n_layers;
+    if (moe_layers() > 0)
+      for (const auto& p : layer_parameter_shapes(n_layers - 1))
+        if (p.name.find("moe.experts.") != std::string::npos) routed += p.numel();
+    routed *= moe_layers();
     dense -= static_cast<double>(routed);
     dense += static_cast<double>(routed * moe->top_k / moe->num_experts);
   }
   if (tie_word_embeddings && counts_tied_output) dense += static_cast<double>(vocab_size * dim);
-  double attention = 12.0 * static_cast<double>(n_layers) * static_cast<double>(n_heads) * static_cast<double>(head_dim()) *
-                     static_cast<double>(seq_len);
+  // 6 x layers x heads x (query/key width + value width) x seq_len: QK^T and the product with V, forward and back.
+  double attention = 6.0 * static_cast<double>(n_layers) * static_cast<double>(n_heads) *
+                     static_cast<double>(head_dim() + value_head_dim()) * static_cast<double>(seq_len);
   return 6.0 * dense + attention;
 }
 
@@ -158,7 +200,22 @@ json DecoderArgs::to_json() const {
     m["num_limited_groups"] = moe->num_limited_groups ? json(*moe->num_limited_groups) : json(nullptr);
     m["load_balance_coeff"] = moe->load_balance_coeff ? json(*moe->load_balance_coeff) : json(nullptr);
     j["moe"] = m;
+    if (n_dense_layers > 0) j["n_dense_layers"] = n_dense_layers;
   }
+  if (mla)
+    j["mla"] = {{"q_lora_rank", mla->q_lora_rank},
+                {"kv_lora_rank", mla->kv_lora_rank},
+                {"qk_nope_head_dim", mla->qk_nope_head_dim},
+                {"qk_rope_head_dim", mla->qk_rope_head_dim},
+                {"v_head_dim", mla->v_head_dim},
+                {"norm_eps", mla->norm_eps ? json(*mla->norm_eps) : json(nullptr)}};
+  if (yarn)
+    j["yarn"] = {{"original_seq_len", yarn->original_seq_len},
+                 {"factor", yarn->factor},
+                 {"beta_fast", yarn->beta_fast},
+                 {"beta_slow", yarn->beta_slow},
+                 {"mscale", yarn->mscale}};
+  if (final_norm_dtype_eps) j["final_norm_dtype_eps"] = true;
   return j;
 }
 
@@ -224,7 +281,31 @@ DecoderArgs decoder_args_from_json(const json& j, const std::string& where, cons
     const json* coeff = mf.find("load_balance_coeff");
     moe.load_balance_coeff = coeff && !coeff->is_null() ? std::optional<double>(mf.number("load_balance_coeff", 0)) : std::nullopt;
     a.moe = moe;
+    if (f.find("n_dense_layers")) a.n_dense_layers = f.integer("n_dense_layers");
   }
+  if (const json* l = f.find("mla"); l && !l->is_null()) {
+    JsonFields lf{*l, where + ": mla", ""};
+    LatentAttentionArgs mla;
+    mla.q_lora_rank = lf.integer("q_lora_rank");
+    mla.kv_lora_rank = lf.integer("kv_lora_rank");
+    mla.qk_nope_head_dim = lf.integer("qk_nope_head_dim");
+    mla.qk_rope_head_dim = lf.integer("qk_rope_head_dim");
+    mla.v_head_dim = lf.integer("v_head_dim");
+    if (lf.find("norm_eps")) mla.norm_eps = lf.number("norm_eps", 0);
+    a.mla = mla;
+    a.head_dim_value.reset();
+  }
+  if (const json* y = f.find("yarn"); y && !y->is_null()) {
+    JsonFields yf{*y, where + ": yarn", ""};
+    YarnScaling yarn;
+    yarn.original_seq_len = yf.integer("original_seq_len");
+    yarn.factor = yf.number("factor", yarn.factor);
+    yarn.beta_fast = yf.number("beta_fast", yarn.beta_fast);
+    yarn.beta_slow = yf.number("beta_slow", yarn.beta_slow);
+    yarn.mscale = yf.number("mscale", yarn.mscale);
+    a.yarn = yarn;
+  }
+  a.final_norm_dtype_eps = f.boolean("final_norm_dtype_eps", false);
   try {
     a.check();
   } catch (const UserError& e) {
@@ -257,7 +338,27 @@ std::vector<std::string> DecoderArgs::computation_differences(const protocols::M
   compare("feed-forward (moe)", a.moe ? "Mixture of Experts" : "dense", b.moe ? "Mixture of Experts" : "dense");
   if (a.moe && b.moe)
     for (auto& line : a.moe->differences(*b.moe)) out.push_back(std::move(line));
-  if (!a.moe && !b.moe) compare("feed-forward hidden dim (intermediate_size)", a.ffn_hidden_dim(), b.ffn_hidden_dim());
+  if (a.moe && b.moe) compare("dense layers before the MoE ones (first_k_dense_replace)", a.n_dense_layers, b.n_dense_layers);
+  if (!a.moe || a.n_dense_layers > 0)
+    compare("feed-forward hidden dim (intermediate_size)", a.ffn_hidden_dim(), b.ffn_hidden_dim());
+  compare("attention", a.mla ? "latent (MLA)" : "grouped-query", b.mla ? "latent (MLA)" : "grouped-query");
+  if (a.mla && b.mla) {
+    compare("q_lora_rank", a.mla->q_lora_rank, b.mla->q_lora_rank);
+    compare("kv_lora_rank", a.mla->kv_lora_rank, b.mla->kv_lora_rank);
+    compare("qk_nope_head_dim", a.mla->qk_nope_head_dim, b.mla->qk_nope_head_dim);
+    compare("qk_rope_head_dim", a.mla->qk_rope_head_dim, b.mla->qk_rope_head_dim);
+    compare("v_head_dim", a.mla->v_head_dim, b.mla->v_head_dim);
+  }
+  compare("YaRN scaling (rope_scaling)", a.yarn_active() ? "active" : "off", b.yarn_active() ? "active" : "off");
+  if (a.yarn_active() && b.yarn_active()) {
+    compare("YaRN factor", a.yarn->factor, b.yarn->factor);
+    compare("YaRN original_seq_len (original_max_position_embeddings)", a.yarn->original_seq_len, b.yarn->original_seq_len);
+    compare("YaRN beta_fast", a.yarn->beta_fast, b.yarn->beta_fast);
+    compare("YaRN beta_slow", a.yarn->beta_slow, b.yarn->beta_slow);
+    compare("YaRN mscale", a.yarn->mscale, b.yarn->mscale);
+  }
+  // Not compared: the final norm's epsilon (torchtitan's DeepSeek-V3 flavors take the dtype's, a config.json
+  // rms_norm_eps), a difference of rounding size that torchtitan's own conversion ignores too.
   compare("norm_eps (rms_norm_eps)", a.norm_eps, b.norm_eps);
   compare("rope_theta", a.rope_theta, b.rope_theta);
   compare("q/k norms (qk_norm)", a.qk_norm ? "true" : "false", b.qk_norm ? "true" : "false");
@@ -297,7 +398,7 @@ DecoderArgs find_flavor(const std::map<std::string, DecoderArgs>& table, const s
 
 const DecoderArgs& as_decoder(const protocols::ModelArgs& args, const std::string& what) {
   const auto* d = dynamic_cast<const DecoderArgs*>(&args);
-  if (!d) fail(what, " supports the dense decoder families (llama3, qwen3); model.name = ", quote(args.family()), " is not one");
+  if (!d) fail(what, " supports the decoder families (llama3, qwen3, deepseek_v3); model.name = ", quote(args.family()), " is not one");
   return *d;
 }
 

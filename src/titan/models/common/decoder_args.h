@@ -2,6 +2,7 @@
 // the figures derived from shapes alone: parameter shapes and counts, training FLOPs per token. Each family's
 // flavors fill them (models/<family>/args.h).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -21,6 +22,33 @@ struct RopeScaling {
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 8192;
+};
+
+// YaRN context extension (DeepSeek-V3's RoPE, as torchtitan computes it): active when max_seq_len exceeds
+// original_seq_len. Frequencies whose wavelength fits fewer than beta_slow turns in the original context are divided
+// by `factor`, those with more than beta_fast turns kept, the band between ramped linearly; the softmax scale is
+// multiplied by (0.1 mscale ln(factor) + 1)^2.
+struct YarnScaling {
+  int64_t original_seq_len = 4096;
+  double factor = 40;
+  double beta_fast = 32;
+  double beta_slow = 1;
+  double mscale = 1.0;
+};
+
+// Multi-head latent attention (DeepSeek-V2/V3): queries through wq, or through a low-rank wq_a, an RMSNorm and wq_b
+// (q_lora_rank > 0); keys and values from one down-projection wkv_a to kv_lora_rank (normed, then expanded per head
+// by wkv_b into qk_nope_head_dim key and v_head_dim value columns) plus a qk_rope_head_dim rotary key that every
+// head shares. Each head's query and key are qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim.
+struct LatentAttentionArgs {
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 512;
+  int64_t qk_nope_head_dim = 128;
+  int64_t qk_rope_head_dim = 64;
+  int64_t v_head_dim = 128;
+  // The epsilon of q_norm and kv_norm when it is not norm_eps (transformers' DeepseekV3 fixes them at 1e-6).
+  std::optional<double> norm_eps;
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
 };
 
 // How each head's rotary pairs are laid out in q and k: (x0, x1), (x2, x3), ... (Meta's Llama) or the first
@@ -49,11 +77,33 @@ struct DecoderArgs : protocols::ModelArgs {
   // torchtitan's counting for the family: Llama 3's formula counts a tied output projection as a matmul and every
   // parameter; the MoE-family formula Qwen3 uses counts neither the tied output's FLOPs nor, when tied, the embedding.
   bool counts_tied_output = true;
-  // Set: every block's feed-forward is a Mixture of Experts (models/common/moe.h) instead of the dense SwiGLU.
+  // Set: every block's feed-forward is a Mixture of Experts (models/common/moe.h) instead of the dense SwiGLU,
+  // except the first n_dense_layers blocks (DeepSeek-V3), which keep the dense SwiGLU of width ffn_hidden_dim().
   std::optional<MoEArgs> moe;
+  int64_t n_dense_layers = 0;
+  // Set: multi-head latent attention (DeepSeek-V3) instead of grouped-query attention; n_kv_heads, head_dim and
+  // qk_norm do not apply.
+  std::optional<LatentAttentionArgs> mla;
+  std::optional<YarnScaling> yarn;  // with mla: YaRN RoPE on the rotary key/query parts
+  // The final norm's epsilon is the input dtype's machine epsilon (torchtitan's DeepSeek-V3 builds it without one)
+  // rather than norm_eps.
+  bool final_norm_dtype_eps = false;
 
-  int64_t kv_heads() const { return n_kv_heads.value_or(n_heads); }
-  int64_t head_dim() const { return head_dim_value.value_or(n_heads > 0 ? dim / n_heads : 0); }
+  int64_t kv_heads() const { return mla ? n_heads : n_kv_heads.value_or(n_heads); }
+  // Each head's query/key width (with latent attention: qk_nope_head_dim + qk_rope_head_dim).
+  int64_t head_dim() const {
+    if (mla) return mla->qk_head_dim();
+    return head_dim_value.value_or(n_heads > 0 ? dim / n_heads : 0);
+  }
+  int64_t value_head_dim() const { return mla ? mla->v_head_dim : head_dim(); }
+  // The rotated width of each query/key head (the RoPE table's 2 x columns).
+  int64_t rope_dim() const { return mla ? mla->qk_rope_head_dim : head_dim(); }
+  // Whether block `layer`'s feed-forward is the Mixture of Experts.
+  bool is_moe_layer(int64_t layer) const { return moe && layer >= n_dense_layers; }
+  int64_t moe_layers() const { return moe ? std::max<int64_t>(n_layers - n_dense_layers, 0) : 0; }
+  // The softmax scale's factor over 1/sqrt(head_dim) (YaRN's mscale squared when it is active, else 1).
+  double attention_scale_factor() const;
+  bool yarn_active() const { return yarn && max_seq_len > yarn->original_seq_len; }
   // hidden_dim when set; else int(2 * 4 * dim / 3), times ffn_dim_multiplier, rounded up to a multiple of multiple_of.
   int64_t ffn_hidden_dim() const;
   // Throws UserError when the dimensions do not fit together (heads dividing dim, GQA grouping, ...).
@@ -61,8 +111,8 @@ struct DecoderArgs : protocols::ModelArgs {
 
   std::string family() const override { return family_name; }
   std::vector<ParameterShape> parameter_shapes() const override;
-  // Block `layer`'s parameters alone ("layers.<layer>.*"): every block has the same ones (the plan's and the memory
-  // estimate's per-block sums, without building the whole model's list).
+  // Block `layer`'s parameters alone ("layers.<layer>.*"): the plan's and the memory estimate's per-block sums,
+  // without building the whole model's list. Blocks differ only where dense blocks precede the MoE ones.
   std::vector<ParameterShape> layer_parameter_shapes(int64_t layer) const;
   std::vector<ParameterShape> buffer_shapes() const override;  // layers.N.moe.expert_bias with MoE balancing
   std::vector<std::pair<std::string, std::string>> tied_aliases() const override {

@@ -19,6 +19,19 @@ const std::pair<const char*, const char*> kLayerNames[] = {
     {"moe.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"},
     {"moe.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"}};
 
+// DeepSeek-V3's latent attention (DeepseekV3ForCausalLM's names) and its routers' balancing biases; its other
+// names are the table's above.
+const std::pair<const char*, const char*> kLatentNames[] = {
+    {"attention.wq.weight", "self_attn.q_proj.weight"},
+    {"attention.wq_a.weight", "self_attn.q_a_proj.weight"},
+    {"attention.q_norm.weight", "self_attn.q_a_layernorm.weight"},
+    {"attention.wq_b.weight", "self_attn.q_b_proj.weight"},
+    {"attention.wkv_a.weight", "self_attn.kv_a_proj_with_mqa.weight"},
+    {"attention.kv_norm.weight", "self_attn.kv_a_layernorm.weight"},
+    {"attention.wkv_b.weight", "self_attn.kv_b_proj.weight"},
+    {"attention.wo.weight", "self_attn.o_proj.weight"},
+    {"moe.expert_bias", "mlp.gate.e_score_correction_bias"}};
+
 // The routed experts' 3-D weights: one HF tensor per expert (model.layers.N.mlp.experts.J.<projection>.weight).
 const std::pair<const char*, const char*> kExpertNames[] = {
     {"moe.experts.w1", "gate_proj"}, {"moe.experts.w2", "down_proj"}, {"moe.experts.w3", "up_proj"}};
@@ -36,7 +49,8 @@ at::Tensor halves_to_interleaved(const at::Tensor& w, int64_t heads) {
 }
 
 int64_t rotary_heads(const std::string& titan_name, const DecoderArgs& args) {
-  if (args.rope_layout != RopeLayout::interleaved) return 0;
+  // DeepSeek-V3's files keep the rotary columns interleaved (transformers' rope_interleave), as torchtitan does.
+  if (args.rope_layout != RopeLayout::interleaved || args.mla) return 0;
   if (titan_name.find("attention.wq.weight") != std::string::npos) return args.n_heads;
   if (titan_name.find("attention.wk.weight") != std::string::npos) return args.kv_heads();
   return 0;
@@ -52,27 +66,33 @@ at::Tensor from_hf_head_rows(const at::Tensor& hf_rows, int64_t rows_per_head) {
   return halves_to_interleaved(hf_rows, hf_rows.size(0) / rows_per_head);
 }
 
-std::optional<std::string> to_hf_name(const std::string& name) {
+std::optional<std::string> to_hf_name(const std::string& name, const DecoderArgs& args) {
   if (name == "tok_embeddings.weight") return "model.embed_tokens.weight";
   if (name == "norm.weight") return "model.norm.weight";
   if (name == "output.weight") return "lm_head.weight";
   static const std::regex layer(R"(layers\.(\d+)\.(.+))");
   std::smatch m;
-  if (std::regex_match(name, m, layer))
-    for (const auto& [titan, hf] : kLayerNames)
+  if (!std::regex_match(name, m, layer)) return std::nullopt;
+  if (args.mla)
+    for (const auto& [titan, hf] : kLatentNames)
       if (m[2] == titan) return "model.layers." + m[1].str() + "." + hf;
+  for (const auto& [titan, hf] : kLayerNames)
+    if (m[2] == titan && (!args.mla || std::string(titan).rfind("attention.", 0) != 0)) return "model.layers." + m[1].str() + "." + hf;
   return std::nullopt;
 }
 
-std::optional<std::string> from_hf_name(const std::string& name) {
+std::optional<std::string> from_hf_name(const std::string& name, const DecoderArgs& args) {
   if (name == "model.embed_tokens.weight") return "tok_embeddings.weight";
   if (name == "model.norm.weight") return "norm.weight";
   if (name == "lm_head.weight") return "output.weight";
   static const std::regex layer(R"(model\.layers\.(\d+)\.(.+))");
   std::smatch m;
-  if (std::regex_match(name, m, layer))
-    for (const auto& [titan, hf] : kLayerNames)
+  if (!std::regex_match(name, m, layer)) return std::nullopt;
+  if (args.mla)
+    for (const auto& [titan, hf] : kLatentNames)
       if (m[2] == hf) return "layers." + m[1].str() + "." + titan;
+  for (const auto& [titan, hf] : kLayerNames)
+    if (m[2] == hf && (!args.mla || std::string(titan).rfind("attention.", 0) != 0)) return "layers." + m[1].str() + "." + titan;
   return std::nullopt;
 }
 

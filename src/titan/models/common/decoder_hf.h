@@ -1,5 +1,5 @@
 // Mapping between the decoders' (torchtitan) parameter names and layout and Hugging Face's LlamaForCausalLM,
-// Qwen3ForCausalLM and Qwen3MoeForCausalLM: names (model.layers.N.self_attn.q_proj.weight, ...) and, for Llama's interleaved rotary layout,
+// Qwen3ForCausalLM, Qwen3MoeForCausalLM and DeepseekV3ForCausalLM: names (model.layers.N.self_attn.q_proj.weight, ...) and, for Llama's interleaved rotary layout,
 // the q/k row permutation to HF's half-split one (Qwen3 is half-split in both).
 #pragma once
 #include <ATen/ATen.h>
@@ -11,9 +11,10 @@
 
 namespace titan::models {
 
-// HF name for a titan name, or nullopt for names HF does not store.
-std::optional<std::string> to_hf_name(const std::string& titan_name);
-std::optional<std::string> from_hf_name(const std::string& hf_name);
+// HF name for a titan name, or nullopt for names HF does not store. Latent-attention models (DeepSeek-V3) take
+// DeepseekV3ForCausalLM's attention names, and their routers' balancing biases are e_score_correction_bias.
+std::optional<std::string> to_hf_name(const std::string& titan_name, const DecoderArgs& args);
+std::optional<std::string> from_hf_name(const std::string& hf_name, const DecoderArgs& args);
 
 // Mixture-of-Experts expert weights (layers.N.moe.experts.w1/w2/w3, [experts, out, in]): HF stores one [out, in]
 // tensor per expert (model.layers.N.mlp.experts.J.gate_proj/down_proj/up_proj.weight). The number of experts for

@@ -76,6 +76,29 @@ DecoderArgs apply_shape_keys(DecoderArgs a, const config::LoadedConfig& loaded) 
   if (m.moe_load_balance_coeff && !a.moe)
     fail("model.moe_load_balance_coeff ", loaded.where("model.moe_load_balance_coeff"),
          " applies to Mixture-of-Experts flavors; model.flavor ", quote(m.flavor), " is dense");
+  if (m.n_dense_layers) {
+    if (!a.moe)
+      fail("model.n_dense_layers = ", *m.n_dense_layers, " ", loaded.where("model.n_dense_layers"),
+           " applies to Mixture-of-Experts flavors; model.flavor ", quote(m.flavor), " is dense");
+    a.n_dense_layers = *m.n_dense_layers;
+  }
+  for (const auto& [key, value] : {std::pair{"model.q_lora_rank", m.q_lora_rank}, std::pair{"model.kv_lora_rank", m.kv_lora_rank},
+                                   std::pair{"model.qk_nope_head_dim", m.qk_nope_head_dim},
+                                   std::pair{"model.qk_rope_head_dim", m.qk_rope_head_dim}, std::pair{"model.v_head_dim", m.v_head_dim}})
+    if (value && !a.mla)
+      fail(key, " = ", *value, " ", loaded.where(key), " applies to latent attention (model.name = \"deepseek_v3\"); model.flavor ",
+           quote(m.flavor), " has grouped-query attention");
+  if (a.mla) {
+    for (const char* key : {"model.n_kv_heads", "model.head_dim"})
+      if (is_set(loaded, key))
+        fail(key, " ", loaded.where(key), " applies to grouped-query attention; latent attention's widths are model.qk_nope_head_dim, "
+             "model.qk_rope_head_dim and model.v_head_dim");
+    if (m.q_lora_rank) a.mla->q_lora_rank = *m.q_lora_rank;
+    if (m.kv_lora_rank) a.mla->kv_lora_rank = *m.kv_lora_rank;
+    if (m.qk_nope_head_dim) a.mla->qk_nope_head_dim = *m.qk_nope_head_dim;
+    if (m.qk_rope_head_dim) a.mla->qk_rope_head_dim = *m.qk_rope_head_dim;
+    if (m.v_head_dim) a.mla->v_head_dim = *m.v_head_dim;
+  }
   const int64_t seq_len = loaded.config.training.seq_len;
   if (m.max_seq_len && *m.max_seq_len < seq_len)
     fail("model.max_seq_len = ", *m.max_seq_len, " ", loaded.where("model.max_seq_len"),

@@ -104,9 +104,12 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // split counts the embedding and the output as one layer each; the remainder goes to the first stages).
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
   double per_layer = 0, per_layer_experts = 0;
-  for (const auto& p : a.layer_parameter_shapes(0)) {
+  // The last block stands for all (DeepSeek-V3's leading dense blocks are not modelled apart yet).
+  const int64_t last = a.n_layers - 1;
+  const std::string experts_prefix = "layers." + std::to_string(last) + ".moe.experts.";
+  for (const auto& p : a.layer_parameter_shapes(last)) {
     per_layer += static_cast<double>(p.numel());
-    if (p.name.rfind("layers.0.moe.experts.", 0) == 0) per_layer_experts += static_cast<double>(p.numel());
+    if (p.name.rfind(experts_prefix, 0) == 0) per_layer_experts += static_cast<double>(p.numel());
   }
   // The share of a block a rank computes with (after TP; FSDP gathers it whole): under expert parallelism only its
   // E / EP routed experts, split over TP too when ETP is TP.

@@ -28,9 +28,12 @@ void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vecto
       fail("parallelism.tensor_parallel_degree = ", tp, ": ", what, " = ", value, " does not divide by ", tp,
            "; pick a degree that divides it");
   };
+  if (args.mla)
+    fail("parallelism.tensor_parallel_degree = ", tp, ": tensor parallelism of latent attention (DeepSeek-V3) is not "
+         "supported yet; use FSDP, expert, pipeline or context parallelism");
   require(args.n_heads, "model n_heads (query heads)");
   require(args.kv_heads(), "model n_kv_heads (key/value heads)");
-  if (!args.moe) require(args.ffn_hidden_dim(), "the feed-forward hidden dimension");
+  if (!args.moe || args.n_dense_layers > 0) require(args.ffn_hidden_dim(), "the feed-forward hidden dimension");
   require(args.vocab_size, "the vocabulary size");
   // Sequence parallelism splits every sequence between the blocks.
   for (const auto& [name, length] : seq_lens) require(length, name);
@@ -212,7 +215,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
       cp = std::make_shared<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
                                                           distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
     for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size())))
-      model.layers[static_cast<size_t>(i)]->attention->inner_attention->add_innermost_wrapper(
+      model.layers[static_cast<size_t>(i)]->inner_attention().add_innermost_wrapper(
           "context_parallel", [cp](const nn::Unit::Inputs& in, const nn::Context& context, const nn::Unit::Next&) {
             if (context.attn_mask.defined())
               fail("context parallelism does not support block-causal attention (model.attn_mask_type = \"block_causal\") yet");
@@ -261,8 +264,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
       auto& block = *model.layers[static_cast<size_t>(i)];
       // The dense SwiGLU's (a MoE block's shared experts'); the routed experts' grouped products run at once.
       FeedForward* ffn = block.feed_forward ? block.feed_forward.get() : block.moe->shared_experts.get();
-      std::vector<nn::Linear*> linears = {block.attention->wq.get(), block.attention->wk.get(), block.attention->wv.get(),
-                                          block.attention->wo.get()};
+      std::vector<nn::Linear*> linears = block.attention_linears();
       if (ffn) linears.insert(linears.end(), {ffn->w1.get(), ffn->w2.get(), ffn->w3.get()});
       for (auto* linear : linears) distributed::pipeline::defer_weight_gradient(*linear);
     }
@@ -280,6 +282,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
       };
     distributed::ExpertParallel ep(mesh.get("ep"), model.args().moe->num_experts, headroom);
     for (int64_t i : blocks) {
+      if (!model.layers[static_cast<size_t>(i)]->moe) continue;  // a dense block before the MoE ones
       auto& experts = *model.layers[static_cast<size_t>(i)]->moe->experts;
       ep.apply(cat("layers.", i, ".moe.experts"), experts, {experts.w1, experts.w2, experts.w3}, out.parameters);
       if (dims.tp > 1 && dims.etp == 1) distributed::split_routed_rows(experts, mesh.get("tp"));
@@ -334,7 +337,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     for (int64_t i : blocks) {
       auto& block = *model.layers[static_cast<size_t>(i)];
       units.push_back({"layers." + std::to_string(i), {&block}, reshard});
-      if (dims.ep > 1) {
+      if (dims.ep > 1 && block.moe) {
         // As torchtitan: each block's experts are a unit of their own, sharded over the efsdp ranks.
         expert_units.push_back({"layers." + std::to_string(i) + ".moe.experts", {block.moe->experts.get()}, reshard});
         units.back().excluded.push_back(block.moe->experts.get());

@@ -13,8 +13,8 @@ class DecoderAdapter : public protocols::StateDictAdapter {
   DecoderAdapter(DecoderArgs args, DecoderFamily family,
                  std::function<nlohmann::json(const DecoderArgs&, const std::string&)> to_hf_config)
       : args_(std::move(args)), family_(std::move(family)), to_hf_config_(std::move(to_hf_config)) {}
-  std::optional<std::string> to_hf_name(const std::string& name) const override { return models::to_hf_name(name); }
-  std::optional<std::string> from_hf_name(const std::string& name) const override { return models::from_hf_name(name); }
+  std::optional<std::string> to_hf_name(const std::string& name) const override { return models::to_hf_name(name, args_); }
+  std::optional<std::string> from_hf_name(const std::string& name) const override { return models::from_hf_name(name, args_); }
   at::Tensor to_hf_tensor(const std::string& name, const at::Tensor& t) const override { return models::to_hf_tensor(name, t, args_); }
   at::Tensor from_hf_tensor(const std::string& name, const at::Tensor& t) const override {
     return models::from_hf_tensor(name, t, args_);
