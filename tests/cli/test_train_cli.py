@@ -22,7 +22,9 @@ def test_torchtitan_debug_toml_runs_unchanged(tmp_path):
     result = run([binary("titan"), "train", "--job.config_file", str(toml),
                   "--model.hf_assets_path", str(shared("tokenizers", "torchtitan_test")),
                   "--training.dataset_path", str(shared("text", "tinyshakespeare.txt")),
-                  "--job.dump_folder", str(tmp_path), "--training.steps", "2"])
+                  "--job.dump_folder", str(tmp_path), "--training.steps", "2",
+                  # The TOML's 8 x 2,048 tokens cost a minute here; the keys it sets are what is tested.
+                  "--training.local_batch_size", "2", "--training.seq_len", "512"])
     lines = step_lines(result.stdout)
     assert [int(m.group(1)) for m in lines] == [1, 2]  # log_freq = 1 in that TOML
     assert "selective activation checkpointing of every 2-th block (3 of 6)" in result.stdout
