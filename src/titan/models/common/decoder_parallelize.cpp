@@ -28,9 +28,6 @@ void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vecto
       fail("parallelism.tensor_parallel_degree = ", tp, ": ", what, " = ", value, " does not divide by ", tp,
            "; pick a degree that divides it");
   };
-  if (args.mla)
-    fail("parallelism.tensor_parallel_degree = ", tp, ": tensor parallelism of latent attention (DeepSeek-V3) is not "
-         "supported yet; use FSDP, expert, pipeline or context parallelism");
   require(args.n_heads, "model n_heads (query heads)");
   require(args.kv_heads(), "model n_kv_heads (key/value heads)");
   if (!args.moe || args.n_dense_layers > 0) require(args.ffn_hidden_dim(), "the feed-forward hidden dimension");
@@ -141,7 +138,8 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Decoder&
 namespace {
 
 // torchtitan's TP plan: embedding row-wise over the vocabulary into sequence shards; per block, sequence-parallel
-// norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split),
+// norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split;
+// latent attention: its per-head up-projections),
 // wo/w2 row-wise back into sequence shards; the final norm sequence-parallel; the output column-wise, its logits
 // left vocabulary-sharded for loss parallelism or gathered.
 // `split_experts`: the routed experts' hidden dimension over TP (no EP, or EP with ETP = TP); false when EP borrows
@@ -153,16 +151,31 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
   for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
     auto& block = model.layers[static_cast<size_t>(i)];
     tp.sequence_parallel(*block->attention_norm, block->attention_norm->weight);
-    auto& attention = *block->attention;
-    for (auto* linear : {attention.wq.get(), attention.wk.get(), attention.wv.get()})
-      tp.colwise(*linear, linear->weight, replicate, features);
-    tp.rowwise(*attention.wo, attention.wo->weight, sequence);
-    // Qwen3's q/k norms act on each rank's own heads: whole weights whose gradients are partial sums.
-    if (attention.q_norm) {
-      tp.replicated_partial(attention.q_norm->weight);
-      tp.replicated_partial(attention.k_norm->weight);
+    if (block->latent_attention) {
+      // torchtitan's DeepSeek-V3 plan: the per-head up-projections (wq or wq_b, wkv_b) column-wise, wo row-wise;
+      // the low-rank down-projections and their norms whole on every rank over the gathered sequence, their
+      // gradients partial sums (each rank's heads' share of the latent's and the shared rotary key's gradient).
+      auto& attention = *block->latent_attention;
+      for (auto* linear : {attention.wq.get(), attention.wq_b.get(), attention.wkv_b.get()})
+        if (linear) tp.colwise(*linear, linear->weight, replicate, features);
+      for (auto* linear : {attention.wq_a.get(), attention.wkv_a.get()})
+        if (linear) tp.replicated_partial(linear->weight);
+      for (auto* norm : {attention.q_norm.get(), attention.kv_norm.get()})
+        if (norm) tp.replicated_partial(norm->weight);
+      tp.rowwise(*attention.wo, attention.wo->weight, sequence);
+      tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
+    } else {
+      auto& attention = *block->attention;
+      for (auto* linear : {attention.wq.get(), attention.wk.get(), attention.wv.get()})
+        tp.colwise(*linear, linear->weight, replicate, features);
+      tp.rowwise(*attention.wo, attention.wo->weight, sequence);
+      // Qwen3's q/k norms act on each rank's own heads: whole weights whose gradients are partial sums.
+      if (attention.q_norm) {
+        tp.replicated_partial(attention.q_norm->weight);
+        tp.replicated_partial(attention.k_norm->weight);
+      }
+      tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
     }
-    tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
     tp.sequence_parallel(*block->ffn_norm, block->ffn_norm->weight);
     if (block->moe) {
       // torchtitan's MoE plan: every rank routes all tokens alike (the router whole, its gradient a partial sum) and
