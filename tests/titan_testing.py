@@ -147,3 +147,25 @@ def hf_per_expert_grads(model):
                 gate, up = p.grad[j].chunk(2, dim=0)
                 out[f"{prefix}.{j}.gate_proj.weight"], out[f"{prefix}.{j}.up_proj.weight"] = gate, up
     return out
+
+
+def probe_published_hf_model(tmp_path, model, inputs, labels):
+    """A transformers MoE model saved as such models are published (save_pretrained: one tensor per expert), loaded by
+    titan_model_probe, which runs the batch forward and backward; and the model itself run forward and backward on
+    the same batch (mean cross-entropy over the labels that are not -100). Returns the probe's tensors (logits, loss,
+    grad.<HF name>), the reference's logits and loss, and its gradients under the files' names."""
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    batch, out = tmp_path / "b.safetensors", tmp_path / "o.safetensors"
+    save_file({"inputs": inputs, "labels": labels}, str(batch))
+    run([binary("titan_model_probe"), "--hf-config", str(hf_dir / "config.json"), "--weights", str(hf_dir / "model.safetensors"),
+         "--batch", str(batch), "--out", str(out)])
+    model.zero_grad()
+    logits = model(input_ids=inputs).logits
+    valid = (labels != -100).sum()
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
+    loss.backward()
+    return load_file(str(out)), logits, loss, hf_per_expert_grads(model)

@@ -5,13 +5,13 @@ under op-level checkpointing, PP 2 (1F1B), CP 2 and TP 2 x FSDP 2 give the same 
 rates (1e-5 relative) over 10 float32 steps; a checkpoint saved on TP 2 x EP 2 (ETP 1) resumes on one process and
 continues as the uninterrupted run does."""
 import json
-import os
 import re
 
 import pytest
 from safetensors.torch import load_file
 
 from titan_testing import binary, compare_steps, run
+from test_pipeline_parallel_parity import mpirun
 
 STEPS = 10
 # A small DeepSeek-V3: width 64, 4 heads of 16 + 16 query/key and 16 value columns over a 32-wide latent, queries
@@ -27,10 +27,6 @@ COMMON = [*DEEPSEEK, "--model.hf_assets_path", "builtin", "--training.dataset", 
           "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.total_steps", "12", "--training.max_norm", "0.5",
           "--debug.seed", "0", "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--training.data_lanes", "4",
           "--activation_checkpoint.mode", "none"]
-
-
-def mpirun(np):
-    return [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(np)]
 
 
 def probe(tmp_path, name, np, extra, steps=STEPS):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from titan_testing import binary, hf_per_expert_grads, run, shared
+from titan_testing import binary, probe_published_hf_model, run, shared
 
 VOCAB = 256
 
@@ -171,22 +171,9 @@ def hf_model(name, seed=0):
 
 @pytest.mark.parametrize("name", list(HF_CASES))
 def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
-    model = hf_model(name)
-    hf_dir = tmp_path / "hf"
-    model.save_pretrained(hf_dir)  # per-expert tensors and the correction biases, as DeepSeek-V3 is published
+    model = hf_model(name)  # saved with the correction biases, as DeepSeek-V3 is published
     inputs, labels = make_batch()
-    batch, out = tmp_path / "b.safetensors", tmp_path / "o.safetensors"
-    save_file({"inputs": inputs, "labels": labels}, str(batch))
-    run([binary("titan_model_probe"), "--hf-config", str(hf_dir / "config.json"), "--weights", str(hf_dir / "model.safetensors"),
-         "--batch", str(batch), "--out", str(out)])
-    got = load_file(str(out))
-
-    model.zero_grad()
-    logits = model(input_ids=inputs).logits
-    valid = (labels != -100).sum()
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
-    loss.backward()
-    compare(name, got, logits, loss, hf_per_expert_grads(model), rtol=1e-3)
+    compare(name, *probe_published_hf_model(tmp_path, model, inputs, labels), rtol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["plain_queries_yarn_groups", "lora_queries_no_yarn_no_groups"])

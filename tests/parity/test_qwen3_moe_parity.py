@@ -10,11 +10,10 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from titan_testing import SOURCE_DIR, binary, hf_per_expert_grads, read_checkpoint, run
+from titan_testing import SOURCE_DIR, binary, probe_published_hf_model, read_checkpoint, run
 
 CONFIGS = {
     # name: (hidden, layers, heads, kv heads, head_dim, experts, top_k, expert width, renormalise, tied)
@@ -54,21 +53,8 @@ def make_batch(seq_len=40, batch=2, seed=1):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
     model = hf_model(name)
-    hf_dir = tmp_path / "hf"
-    model.save_pretrained(hf_dir)  # per-expert tensors, as Qwen3-MoE checkpoints are published
     inputs, labels = make_batch()
-    batch, out = tmp_path / "b.safetensors", tmp_path / "o.safetensors"
-    save_file({"inputs": inputs, "labels": labels}, str(batch))
-    run([binary("titan_model_probe"), "--hf-config", str(hf_dir / "config.json"), "--weights", str(hf_dir / "model.safetensors"),
-         "--batch", str(batch), "--out", str(out)])
-    got = load_file(str(out))
-
-    model.zero_grad()
-    logits = model(input_ids=inputs).logits
-    valid = (labels != -100).sum()
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
-    loss.backward()
-    grads = hf_per_expert_grads(model)
+    got, logits, loss, grads = probe_published_hf_model(tmp_path, model, inputs, labels)
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
 

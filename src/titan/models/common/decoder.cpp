@@ -13,10 +13,24 @@
 
 namespace titan::models {
 
+namespace {
+
+// theta^(-2i / head_dim) for each rotary pair i, float32.
+at::Tensor rope_frequencies(int64_t head_dim, double theta) {
+  at::Tensor exponents = at::arange(0, head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) / static_cast<double>(head_dim);
+  return 1.0 / at::pow(theta, exponents);
+}
+
+// e^{i * position * frequency} for positions 0 .. end-1.
+at::Tensor rotation_table(const at::Tensor& freqs, int64_t end) {
+  at::Tensor angles = at::outer(at::arange(end, at::TensorOptions().dtype(at::kFloat)), freqs);
+  return at::polar(at::ones_like(angles), angles);
+}
+
+}  // namespace
+
 at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling) {
-  auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor exponents = at::arange(0, head_dim, 2, f32.dtype(at::kLong)).to(at::kFloat) / static_cast<double>(head_dim);
-  at::Tensor freqs = 1.0 / at::pow(theta, exponents);
+  at::Tensor freqs = rope_frequencies(head_dim, theta);
   if (scaling.enabled) {
     // Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
     const double low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor;
@@ -29,15 +43,11 @@ at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const Ro
     at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
     freqs = at::where(medium, smoothed, scaled);
   }
-  at::Tensor positions = at::arange(end, f32);
-  at::Tensor angles = at::outer(positions, freqs);
-  return at::polar(at::ones_like(angles), angles);
+  return rotation_table(freqs, end);
 }
 
 at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, const YarnScaling& yarn) {
-  auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor exponents = at::arange(0, head_dim, 2, f32.dtype(at::kLong)).to(at::kFloat) / static_cast<double>(head_dim);
-  at::Tensor freqs = 1.0 / at::pow(theta, exponents);
+  at::Tensor freqs = rope_frequencies(head_dim, theta);
   if (end > yarn.original_seq_len) {
     // The pair index at which a frequency turns `turns` times over the original context, and the ramp between the
     // beta_fast and beta_slow indices: kept below it, divided by `factor` above.
@@ -46,12 +56,11 @@ at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, con
     const double low = std::max(std::floor(pair_index(yarn.beta_fast)), 0.0);
     double high = std::min(std::ceil(pair_index(yarn.beta_slow)), d - 1);
     if (low == high) high += 0.001;
-    at::Tensor ramp = at::clamp((at::arange(head_dim / 2, f32) - low) / (high - low), 0, 1);
+    at::Tensor ramp = at::clamp((at::arange(head_dim / 2, at::TensorOptions().dtype(at::kFloat)) - low) / (high - low), 0, 1);
     at::Tensor kept = 1 - ramp;
     freqs = freqs / yarn.factor * (1 - kept) + freqs * kept;
   }
-  at::Tensor angles = at::outer(at::arange(end, f32), freqs);
-  return at::polar(at::ones_like(angles), angles);
+  return rotation_table(freqs, end);
 }
 
 at::Tensor precompute_rope(const DecoderArgs& args) {
