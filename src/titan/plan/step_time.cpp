@@ -66,40 +66,51 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const Speedups speed = speedups_of(config);
   const double tp = static_cast<double>(dims.tp), cp = static_cast<double>(dims.cp);
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
-  const double d_attn = static_cast<double>(a.n_heads * a.head_dim()), d_kv = static_cast<double>(a.kv_heads() * a.head_dim());
-  // The feed-forward width a token passes through: a MoE block's top_k routed experts and its shared ones.
-  const double hidden = static_cast<double>(a.moe ? (a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim : a.ffn_hidden_dim());
+  // Attention's widths: the query (and key) width of all heads, the key/value projections' output, and the rotated
+  // width of q and k. Latent attention (DeepSeek-V3): queries and keys heads x (nope + rope) wide, values padded to
+  // that width for the attention core; wkv_a down-projects to the latent plus the shared rotary key, and RoPE turns
+  // the rope columns of each query head and the one shared key.
+  const double d_attn = static_cast<double>(a.n_heads * a.head_dim());
+  const double d_kv = a.mla ? static_cast<double>(a.mla->kv_lora_rank + a.mla->qk_rope_head_dim) : static_cast<double>(a.kv_heads() * a.head_dim());
+  const double d_rope = a.mla ? static_cast<double>((a.n_heads + 1) * a.mla->qk_rope_head_dim) : d_attn + d_kv;
+  // The feed-forward width a token passes through, over the blocks: a dense block's SwiGLU; a MoE block's top_k
+  // routed experts and its shared ones (DeepSeek-V3's dense blocks come first).
+  const double moe_share = static_cast<double>(a.moe_layers()) / static_cast<double>(std::max<int64_t>(1, a.n_layers));
+  const double moe_hidden = a.moe ? static_cast<double>((a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim) : 0;
+  const double hidden = moe_share * moe_hidden + (1 - moe_share) * static_cast<double>(a.ffn_hidden_dim());
   const double seq = static_cast<double>(training.seq_len);
   const double c = protocols::compute_dtype_bytes(config, dims);
   const double p_bytes = titan::config::dtype_bytes(training.dtype);
 
-  // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer
-  // each); the step is paced by the busiest rank, so its share is used.
-  // The last block stands for all (DeepSeek-V3's leading dense blocks are not modelled apart yet).
-  const auto block = a.layer_parameter_shapes(a.n_layers - 1);
-  const std::string experts_prefix = "layers." + std::to_string(a.n_layers - 1) + ".moe.experts.";
-  double layer_params = 0;
-  for (const auto& p : block)
-    if (p.shape.size() == 2) layer_params += static_cast<double>(p.numel());
+  // A block's weights, averaged over the model's blocks (they differ where DeepSeek-V3's dense blocks come first).
+  const double n_blocks = static_cast<double>(std::max<int64_t>(1, a.n_layers));
+  std::vector<protocols::ParameterShape> dense_block, moe_block;
+  if (a.moe_layers() < a.n_layers) dense_block = a.layer_parameter_shapes(0);
+  if (a.moe_layers() > 0) moe_block = a.layer_parameter_shapes(a.n_layers - 1);
+  const double dense_count = static_cast<double>(a.n_layers - a.moe_layers()), moe_count = static_cast<double>(a.moe_layers());
+  // Sums `value(p)` over each kind's parameters, weighted by how many blocks are of that kind, per block.
+  const auto per_block = [&](const auto& value) {
+    double total = 0;
+    for (const auto& p : dense_block) total += dense_count * value(p);
+    for (const auto& p : moe_block) total += moe_count * value(p);
+    return total / n_blocks;
+  };
+  const double layer_params = per_block([](const protocols::ParameterShape& p) { return p.shape.size() == 2 ? static_cast<double>(p.numel()) : 0.0; });
   // The block's linear weights the float8 converter converts: its own selection (filter_fqns, the sizes).
-  double float8_params = 0;
-  if (speed.float8)
-    for (const auto& p : block) {
-      const std::string suffix = ".weight";
-      if (p.shape.size() != 2 || p.name.size() <= suffix.size() ||
-          p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) != 0)
-        continue;
-      const std::string module = p.name.substr(0, p.name.size() - suffix.size());
-      if (quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8))
-        float8_params += static_cast<double>(p.numel());
-    }
+  const double float8_params = !speed.float8 ? 0.0 : per_block([&](const protocols::ParameterShape& p) {
+    const std::string suffix = ".weight";
+    if (p.shape.size() != 2 || p.name.size() <= suffix.size() || p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      return 0.0;
+    const std::string module = p.name.substr(0, p.name.size() - suffix.size());
+    return quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8) ? static_cast<double>(p.numel()) : 0.0;
+  });
   const double float8_share = layer_params > 0 ? float8_params / layer_params : 0;
   // Mixture of Experts: the routed experts' 3-D weights (the block's other weights, 2-D, are counted above). A token
   // runs through top_k of them. Under expert parallelism a rank holds E / EP experts (split over TP too when ETP is
   // TP) and computes the rows routed to them, on average its own tokens' top_k copies (split over TP either way).
-  double expert_params = 0;
-  for (const auto& p : block)
-    if (p.name.rfind(experts_prefix, 0) == 0) expert_params += static_cast<double>(p.numel());
+  const double expert_params = per_block([](const protocols::ParameterShape& p) {
+    return p.name.find(".moe.experts.") != std::string::npos ? static_cast<double>(p.numel()) : 0.0;
+  });
   const double top_k = a.moe ? static_cast<double>(a.moe->top_k) : 0;
   const double active_expert_params = a.moe ? expert_params * top_k / static_cast<double>(a.moe->num_experts) : 0;
   const double ep = static_cast<double>(dims.ep);
@@ -123,6 +134,8 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     }
     bubble = it->second;
   }
+  // Layers on this rank: under pipeline parallelism torchtitan's split (embedding and output count as a layer
+  // each); the step is paced by the busiest rank, so its share is used.
   const double units = static_cast<double>(a.n_layers + 2);
   const double stages = static_cast<double>(dims.pp * stages_per_rank);
   const double per_stage = std::ceil(units / stages);
@@ -146,9 +159,22 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double op_recompute = ac.mode == "selective" && ac.selective_ac_option == "op" ? 1.0 : 0.0;
   double op_recomputed_params = 0;  // of the block's 2-D weights
   if (op_recompute > 0) {
-    const double gated = a.moe ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
-    const double router = a.moe ? d * static_cast<double>(a.moe->num_experts) : 0;
-    op_recomputed_params = d * d_kv + d_attn * d + d * gated + router;
+    // The even-numbered linears in forward order (and the router): grouped-query attention's wk and wo, latent
+    // attention's wkv_a and wo (wq_b and wkv_b with low-rank queries); a dense block's w3, a MoE block's shared
+    // experts' w3.
+    const double gated = moe_share * (a.moe ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : 0.0) +
+                         (1 - moe_share) * static_cast<double>(a.ffn_hidden_dim());
+    const double router = a.moe ? moe_share * d * static_cast<double>(a.moe->num_experts) : 0;
+    // With low-rank queries attention has five linears, so the feed-forward's w1 and w2 are the even ones.
+    double attention_recomputed = d * d_kv + d_attn * d, feed_forward_recomputed = d * gated;
+    if (a.mla && a.mla->q_lora_rank > 0) {
+      attention_recomputed = static_cast<double>(a.mla->q_lora_rank) * d_attn +
+                             static_cast<double>(a.mla->kv_lora_rank * a.n_heads * (a.mla->qk_nope_head_dim + a.mla->v_head_dim));
+      feed_forward_recomputed = 2 * d * gated;
+    } else if (a.mla) {
+      attention_recomputed = d * d_kv + static_cast<double>(a.n_heads * a.mla->v_head_dim) * d;
+    }
+    op_recomputed_params = attention_recomputed + feed_forward_recomputed + router;
     if (speed.float8) op_recomputed_params = std::max(op_recomputed_params, float8_params);
   }
 
@@ -180,8 +206,8 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double r = p_bytes;
   // A MoE block also routes: the top_k copies of each token sorted by expert and back (read and write each way),
   // the float32 router scores and the weighted sum in float32.
-  const double routing_bytes = top_k * d * (4 * c + 8);
-  const double block_forward_bytes = 2 * 6 * d * 4 + 4 * (d_attn + d_kv) * 4 + 2 * d * c + 5 * hidden * c + 2 * 3 * d * r + routing_bytes;
+  const double routing_bytes = moe_share * top_k * d * (4 * c + 8);
+  const double block_forward_bytes = 2 * 6 * d * 4 + 4 * d_rope * 4 + 2 * d * c + 5 * hidden * c + 2 * 3 * d * r + routing_bytes;
   double memory_bytes = tokens * layers * block_forward_bytes / tp * (3 + recompute_layers + 0.5 * op_recompute) + cast_bytes;
   const double logits = tokens * output_share * (parallelism.disable_loss_parallel ? vocab : vocab / tp);
   memory_bytes += logits * (torchtitan ? kTorchtitanLossBytesPerLogit : loss_bytes_per_logit(c));

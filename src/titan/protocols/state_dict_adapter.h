@@ -34,6 +34,9 @@ class StateDictAdapter {
   virtual std::optional<std::pair<std::string, int64_t>> from_hf_slice_name(const std::string& /*hf_name*/) const {
     return std::nullopt;
   }
+  // Why an HF tensor this model has no place for is skipped rather than refused (a published DeepSeek-V3
+  // checkpoint's multi-token-prediction layer), or nullopt: every other tensor must map to the model.
+  virtual std::optional<std::string> skipped_hf_tensor(const std::string& /*hf_name*/) const { return std::nullopt; }
   // The config.json fields of the model; `torch_dtype` is "float32", "bfloat16" or "float16".
   virtual nlohmann::json hf_config(const std::string& torch_dtype) const = 0;
   // One line per field where the model a config.json describes computes differently from this one (UserError naming

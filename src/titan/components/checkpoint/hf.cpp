@@ -5,6 +5,7 @@
 
 #include "titan/common/error.h"
 #include "titan/common/files.h"
+#include "titan/common/logging.h"
 #include "titan/common/progress.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/formats/safetensors.h"
@@ -124,10 +125,15 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   } else {
     fail("no model.safetensors or model.safetensors.index.json in ", quote(directory));
   }
+  std::map<std::string, std::vector<std::string>> skipped;  // why -> the tensors skipped for it
   for (const auto& file : files) {
     impl_->files.push_back(std::make_unique<safetensors::File>(directory + "/" + file));
     const safetensors::File& f = *impl_->files.back();
     for (const auto& [hf_name, info] : f.tensors()) {
+      if (auto why = adapter.skipped_hf_tensor(hf_name)) {
+        skipped[*why].push_back(hf_name);
+        continue;
+      }
       if (auto slice = adapter.from_hf_slice_name(hf_name)) {
         auto& list = impl_->slices[slice->first];
         if (slice->second >= static_cast<int64_t>(list.size())) list.resize(static_cast<size_t>(slice->second) + 1);
@@ -139,6 +145,9 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
       impl_->where[*name] = {&f, hf_name};
     }
   }
+  for (const auto& [why, names] : skipped)
+    log::warn(quote(directory), ": skipped ", names.size(), " tensor(s) of ", why, ", from ", quote(names.front()), " to ",
+                  quote(names.back()));
   for (const auto& p : args.parameter_shapes()) {
     if (const int64_t count = adapter.hf_slices(p.name)) {
       auto it = impl_->slices.find(p.name);

@@ -2,6 +2,8 @@
 
 #include <regex>
 
+#include "titan/common/error.h"
+
 namespace titan::models {
 namespace {
 
@@ -94,6 +96,15 @@ std::optional<std::string> from_hf_name(const std::string& name, const DecoderAr
   for (const auto& [titan, hf] : kLayerNames)
     if (m[2] == hf && (!args.mla || std::string(titan).rfind("attention.", 0) != 0)) return "layers." + m[1].str() + "." + titan;
   return std::nullopt;
+}
+
+std::optional<std::string> skipped_hf_tensor(const std::string& name, const DecoderArgs& args) {
+  if (!args.mla) return std::nullopt;
+  static const std::regex layer(R"(model\.layers\.(\d+)\..+)");
+  std::smatch m;
+  if (!std::regex_match(name, m, layer) || (m[1].length() < 10 && std::stoll(m[1].str()) < args.n_layers)) return std::nullopt;
+  return cat("the multi-token-prediction layer past the model's ", args.n_layers,
+             " blocks (config.json's num_nextn_predict_layers), which titan's DeepSeek-V3, as torchtitan's, does not train");
 }
 
 int64_t hf_slices(const std::string& name, const DecoderArgs& args) {

@@ -15,6 +15,10 @@ namespace titan::models {
 // DeepseekV3ForCausalLM's attention names, and their routers' balancing biases are e_score_correction_bias.
 std::optional<std::string> to_hf_name(const std::string& titan_name, const DecoderArgs& args);
 std::optional<std::string> from_hf_name(const std::string& hf_name, const DecoderArgs& args);
+// Why an HF tensor is skipped rather than mapped, or nullopt: with latent attention (DeepSeek-V3) the blocks past
+// the model's last (model.layers.N for N >= n_layers: the published checkpoints' multi-token-prediction layer, whose
+// count config.json's num_nextn_predict_layers gives), which neither titan's model nor torchtitan's has.
+std::optional<std::string> skipped_hf_tensor(const std::string& hf_name, const DecoderArgs& args);
 
 // Mixture-of-Experts expert weights (layers.N.moe.experts.w1/w2/w3, [experts, out, in]): HF stores one [out, in]
 // tensor per expert (model.layers.N.mlp.experts.J.gate_proj/down_proj/up_proj.weight). The number of experts for

@@ -10,55 +10,81 @@
 #include "titan/common/strings.h"
 #include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/schedule.h"
+#include "titan/distributed/pipeline/stages.h"
 
 namespace titan::models {
 
 namespace {
 
+// Per token of one block: what its attention saves for backward beyond the residual stream (counted by the caller),
+// under titan's fused CPU kernels (`fused`) or its CUDA ones (`cuda`), split over `t` tensor-parallel ranks where
+// the heads are. Autocast's compute-dtype copies of the normalised input are counted here for each projection that
+// reads it.
+double attention_saved(const DecoderArgs& a, double c, bool autocast, bool fused, bool cuda, double t) {
+  const double d = static_cast<double>(a.dim), heads = static_cast<double>(a.n_heads);
+  if (a.mla) {
+    // Multi-head latent attention (LatentAttention::forward): the attention core's q, k and zero-padded v and its
+    // output, all `w` = heads x (nope + rope) wide, split over TP by heads; the output's value columns copied for wo;
+    // the log-sum-exp per head. Unsplit under TP (wq_a, wkv_a and their norms run whole on every rank): the
+    // down-projected kv (latent + shared rotary key) kept by kv_norm and kv_norm's output kept by wkv_b; with
+    // low-rank queries wq_a's output and q_norm's. Its RoPE (rope_reference) keeps only the angle table, and wkv_b's
+    // expanded output and the pre-RoPE queries die within the forward. The fused and the ATen attention keep the same.
+    const auto& m = *a.mla;
+    const double w = heads * static_cast<double>(m.qk_head_dim()), value = heads * static_cast<double>(m.v_head_dim);
+    const double latent = static_cast<double>(m.kv_lora_rank), rope = static_cast<double>(m.qk_rope_head_dim);
+    const double low_rank = static_cast<double>(m.q_lora_rank);
+    double saved = (4 * w + value) * c / t + heads / t * 4 + (2 * latent + rope) * c + 2 * low_rank * c;
+    if (autocast) saved += 2 * d * c;  // the normalised input cast for wq (or wq_a) and wkv_a
+    return saved;
+  }
+  // Grouped-query attention (Attention::forward): q (the query width: dim for Llama 3; heads x head_dim for Qwen3),
+  // k and v (the key width), RoPE's float32 view of q and k, the attention output and its contiguous copy, the
+  // log-sum-exp per head; Qwen3's q/k norms keep their inputs beside the rotated q and k. titan's fused CPU kernels
+  // keep neither RoPE's float32 view nor a second copy of the output; its CUDA ones keep no float32 view.
+  const double q = static_cast<double>(a.n_heads * a.head_dim()), k = static_cast<double>(a.kv_heads() * a.head_dim());
+  double saved = (q + k) * 4 + (q + 2 * k) * c + 2 * q * c + heads * 4;
+  if (a.qk_norm) saved += (q + k) * c;
+  if (fused) saved -= (q + k) * 4 + q * c;
+  if (cuda) saved -= (q + k) * 4;
+  if (autocast) saved += 3 * d * c;  // the normalised input cast for wq, wk and wv
+  return saved / t;
+}
 
-
-// Bytes one block saves for backward per token, counted from what titan's block keeps alive (model.cpp): the
+// Bytes one block saves for backward per token, counted from what titan's block keeps alive (decoder.cpp): the
 // residual stream in the parameter dtype `r` (block input, both norms' normalised outputs, the attention residual);
-// under autocast the compute-dtype (`c`) copies of the normalised inputs that wq/wk/wv and w1/w3 save; RoPE's
-// float32 view of q and k; q, k, v, the attention output and its contiguous copy in `c`, and the log-sum-exp per
-// head; the feed-forward's w1 and w3 outputs, the SiLU output and the product (4 x hidden in `c`). titan's fused CPU
-// kernels keep neither RoPE's float32 view, nor a second copy of the attention output, nor the SiLU output; its CUDA
-// kernels (RoPE and SwiGLU; attention is LibTorch's there) keep neither the float32 view nor the SiLU output.
+// the attention's share (above); the feed-forward's w1 and w3 outputs, the SiLU output and the product (4 x hidden in
+// `c`), and under autocast the compute-dtype copies of the normalised input w1 and w3 save. titan's fused CPU and
+// CUDA kernels keep no SiLU output. `moe_block`: the block's feed-forward is the Mixture of Experts (a model's
+// blocks differ where DeepSeek-V3's dense blocks come first).
 struct BlockActivations {
   double full = 0;         // no checkpointing
   double input_only = 0;   // a checkpointed block keeps its input only
   double backward_buffers = 0;  // what a block's backward allocates beside what it saved
 };
 
-BlockActivations block_activations(const DecoderArgs& a, double r, double c, bool autocast, int64_t tp, FusedKernels kernels) {
-  const bool fused = kernels == FusedKernels::cpu;
-  // q: the query width (dim for Llama 3; heads x head_dim for Qwen3); k: the key (and value) width.
-  const double d = static_cast<double>(a.dim), q = static_cast<double>(a.n_heads * a.head_dim()),
-               k = static_cast<double>(a.kv_heads() * a.head_dim()),
-               h = static_cast<double>(a.moe ? (a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim : a.ffn_hidden_dim()),
-               heads = static_cast<double>(a.n_heads);
-  const double t = static_cast<double>(tp);
-  double sharded = 4 * d * r + (q + k) * 4 + (q + 2 * k) * c + 2 * q * c + 4 * h * c + heads * 4;
-  // Qwen3's q/k norms keep their inputs (the projections' outputs) beside the rotated q and k.
-  if (a.qk_norm) sharded += (q + k) * c;
-  if (a.moe) {
+BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double r, double c, bool autocast, int64_t tp,
+                                   FusedKernels kernels) {
+  const bool fused = kernels == FusedKernels::cpu, cuda = kernels == FusedKernels::cuda;
+  const double d = static_cast<double>(a.dim), t = static_cast<double>(tp);
+  const double h = static_cast<double>(moe_block ? (a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim : a.ffn_hidden_dim());
+  double sharded = 4 * d * r + 4 * h * c;
+  if (moe_block) {
     // A Mixture-of-Experts block: `h` above counts the routed experts' SwiGLU for each of a token's top_k copies
     // (and the shared experts'); beside them the router's float32 scores, the copies sorted by expert, their
-    // outputs in both orders and the float32 outputs the weighted sum reads. Not yet measured (docs/moe.md).
+    // outputs in both orders and the float32 outputs the weighted sum reads (measured: docs/moe.md).
     const double experts = static_cast<double>(a.moe->num_experts), top_k = static_cast<double>(a.moe->top_k);
     sharded += 2 * experts * 4 + top_k * d * (3 * c + 4);
   }
   double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
-  if (autocast) sharded += 5 * d * c;
-  // Fused kernels: no float32 RoPE view, one attention output, no SiLU output; and under autocast the norms'
-  // float32 outputs die as soon as the linears have their bf16 copies (measured: docs/metrics.md).
-  // (Under tensor parallelism the measured peak keeps them: 0.83x without them at TP 2.)
-  if (fused) sharded -= (q + k) * 4 + q * c + h * c + (autocast && tp == 1 ? 2 * d * r : 0);
-  // The CUDA kernels save their inputs only (model.cpp, kernels/fused_ops.cpp); not measured on a GPU yet.
-  if (kernels == FusedKernels::cuda) sharded -= (q + k) * 4 + h * c;
+  if (autocast) sharded += 2 * d * c;
+  // Fused kernels: no SiLU output; and under autocast the norms' float32 outputs die as soon as the linears have
+  // their bf16 copies (measured: docs/metrics.md). (Under tensor parallelism the measured peak keeps them: 0.83x
+  // without them at TP 2.) The CUDA kernels save their inputs only (not measured on a GPU yet).
+  if (fused) sharded -= h * c + (autocast && tp == 1 ? 2 * d * r : 0);
+  if (cuda) sharded -= h * c;
   if (tp > 1) gathered = 2 * d * c;
   BlockActivations out;
-  out.full = sharded / t + gathered;
+  out.full = sharded / t + attention_saved(a, c, autocast, fused, cuda, t) + gathered;
   // The fused kernels' backward allocates less beside what they saved, but with the loss fused (no logits held
   // through the blocks' backward) the measured peak of the fused path sits in the blocks' backward: about what
   // the block saved (debug model, full AC, 4 x 2048: 0.66x with half of it).
@@ -71,18 +97,64 @@ BlockActivations block_activations(const DecoderArgs& a, double r, double c, boo
 // block's input, attention's output and float32 log-sum-exp, and the outputs of every other linear in forward
 // order (the 1st, 3rd, ...), counted without the router's gate and without float8 linears (here: all of a block's
 // when float8 is on). Under TP a column-parallel output is split; a row-parallel one (wo, w2) is each rank's whole
-// partial sum before its reduce-scatter. torchtitan keeps the reduce-scatters' outputs too.
-double op_kept_per_token(const DecoderArgs& a, double r, double c, int64_t tp, bool float8, Execution execution) {
-  const double d = static_cast<double>(a.dim), q = static_cast<double>(a.n_heads * a.head_dim()),
-               k = static_cast<double>(a.kv_heads() * a.head_dim()), t = static_cast<double>(tp);
-  std::vector<double> widths = {q / t, k / t, k / t, d};  // wq, wk, wv, wo
-  const double h = a.moe ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
+// partial sum before its reduce-scatter, and latent attention's wq_a and wkv_a run whole. torchtitan keeps the
+// reduce-scatters' outputs too.
+double op_kept_per_token(const DecoderArgs& a, bool moe_block, double r, double c, int64_t tp, bool float8, Execution execution) {
+  const double d = static_cast<double>(a.dim), t = static_cast<double>(tp), heads = static_cast<double>(a.n_heads);
+  std::vector<double> widths;  // the block's linears in forward order
+  double attention_output = 0;
+  if (a.mla) {
+    const auto& m = *a.mla;
+    const double w = heads * static_cast<double>(m.qk_head_dim());
+    if (m.q_lora_rank > 0)
+      widths = {static_cast<double>(m.q_lora_rank), w / t};  // wq_a, wq_b
+    else
+      widths = {w / t};  // wq
+    widths.insert(widths.end(), {static_cast<double>(m.kv_lora_rank + m.qk_rope_head_dim),                  // wkv_a
+                                 heads * static_cast<double>(m.qk_nope_head_dim + m.v_head_dim) / t, d});  // wkv_b, wo
+    attention_output = w / t;  // the attention core's output, values padded to the query width
+  } else {
+    const double q = static_cast<double>(a.n_heads * a.head_dim()), k = static_cast<double>(a.kv_heads() * a.head_dim());
+    widths = {q / t, k / t, k / t, d};  // wq, wk, wv, wo
+    attention_output = q / t;
+  }
+  const double h = moe_block ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
   if (h > 0) widths.insert(widths.end(), {h / t, h / t, d});  // w1, w3, w2 (of the shared experts in a MoE block)
-  double kept = d * r / t + q / t * c + static_cast<double>(a.n_heads) / t * 4;
+  double kept = d * r / t + attention_output * c + heads / t * 4;
   if (!float8)
     for (size_t i = 0; i < widths.size(); i += 2) kept += widths[i] * c;
   if (execution == Execution::torchtitan && tp > 1) kept += 2 * d / t * c;
   return kept;
+}
+
+// The blocks a rank runs, by kind: every block, or under pipeline parallelism its stages' (the trainer's split:
+// distributed/pipeline/stages.h). For the busiest pipeline rank (`pipeline_rank` < 0) `busiest` blocks, the
+// Mixture-of-Experts kind first (the heavier: DeepSeek-V3's dense blocks come first and are few).
+struct RankBlocks {
+  int64_t dense = 0, moe = 0;
+  int64_t total() const { return dense + moe; }
+};
+
+RankBlocks rank_blocks(const DecoderArgs& a, const config::JobConfig& config, const distributed::ParallelDims& dims,
+                       int64_t pipeline_rank, int64_t busiest) {
+  RankBlocks out;
+  if (dims.pp > 1 && pipeline_rank >= 0) {
+    try {
+      const auto plan = distributed::pipeline::plan_stages(a.n_layers, a.tie_word_embeddings, config, dims.pp);
+      if (plan.actions) {
+        for (int stage : plan.actions->stages_of(static_cast<int>(pipeline_rank)))
+          for (const auto& name : plan.names[static_cast<size_t>(stage)])
+            if (name.rfind("layers.", 0) == 0) (a.is_moe_layer(std::stoll(name.substr(7))) ? out.moe : out.dense) += 1;
+        return out;
+      }
+    } catch (const UserError&) {
+      // A layout the trainer refuses: it says why; the estimate falls back on the count below.
+    }
+  }
+  const int64_t n = dims.pp > 1 ? busiest : a.n_layers;
+  out.moe = std::min(n, a.moe_layers());
+  out.dense = n - out.moe;
+  return out;
 }
 
 }  // namespace
@@ -103,18 +175,25 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // This rank's share of the model: the stage with the most parameters under pipeline parallelism (torchtitan's
   // split counts the embedding and the output as one layer each; the remainder goes to the first stages).
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
-  double per_layer = 0, per_layer_experts = 0;
-  // The last block stands for all (DeepSeek-V3's leading dense blocks are not modelled apart yet).
-  const int64_t last = a.n_layers - 1;
-  const std::string experts_prefix = "layers." + std::to_string(last) + ".moe.experts.";
-  for (const auto& p : a.layer_parameter_shapes(last)) {
-    per_layer += static_cast<double>(p.numel());
-    if (p.name.rfind(experts_prefix, 0) == 0) per_layer_experts += static_cast<double>(p.numel());
-  }
-  // The share of a block a rank computes with (after TP; FSDP gathers it whole): under expert parallelism only its
-  // E / EP routed experts, split over TP too when ETP is TP.
+  // A block's parameters by kind (a dense model's blocks are all dense; DeepSeek-V3's dense blocks come first), with
+  // the routed experts' apart. The share of a block a rank computes with (after TP; FSDP gathers it whole): under
+  // expert parallelism only its E / EP routed experts, split over TP too when ETP is TP.
   const double expert_split = static_cast<double>(dims.ep) * (dims.ep > 1 && dims.etp == 1 ? 1.0 : static_cast<double>(dims.tp));
-  const double block_here = (per_layer - per_layer_experts) / static_cast<double>(dims.tp) + per_layer_experts / expert_split;
+  struct Kind {
+    double params = 0, experts = 0, here = 0;
+  };
+  const auto kind_of = [&](int64_t layer) {
+    Kind k;
+    const std::string experts_prefix = "layers." + std::to_string(layer) + ".moe.experts.";
+    for (const auto& p : a.layer_parameter_shapes(layer)) {
+      k.params += static_cast<double>(p.numel());
+      if (p.name.rfind(experts_prefix, 0) == 0) k.experts += static_cast<double>(p.numel());
+    }
+    k.here = (k.params - k.experts) / static_cast<double>(dims.tp) + k.experts / expert_split;
+    return k;
+  };
+  const Kind dense_block = a.moe_layers() < a.n_layers ? kind_of(0) : Kind{};
+  const Kind moe_block = a.moe_layers() > 0 ? kind_of(a.n_layers - 1) : Kind{};
   const bool pipelined = dims.pp > 1;
   const distributed::pipeline::ScheduleTraits schedule =
       pipelined ? distributed::pipeline::schedule_traits(parallelism.pipeline_parallel_schedule) : distributed::pipeline::ScheduleTraits{};
@@ -138,10 +217,14 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   const double embed = vocab * d, output = a.tie_word_embeddings ? 0 : vocab * d;
   double ends = embed + output + d;
   if (pipelined) ends = pipeline_rank < 0 ? std::max(embed, output + d) : (holds_first ? embed : 0) + (holds_last ? output + d : 0);
-  const double rank_params = static_cast<double>(layers_here) * per_layer + ends;
+  const RankBlocks blocks = rank_blocks(a, config, dims, pipeline_rank, layers_here);
+  layers_here = blocks.total();
+  const double dense_here = static_cast<double>(blocks.dense), moe_here = static_cast<double>(blocks.moe);
+  const double rank_params = dense_here * dense_block.params + moe_here * moe_block.params + ends;
   const double local = rank_params / tp / shards;
   // What this rank computes with: every block's TP share (its experts' EP share) and the ends' TP share.
-  const double rank_compute_params = static_cast<double>(layers_here) * block_here + ends / tp;
+  const double rank_compute_params = dense_here * dense_block.here + moe_here * moe_block.here + ends / tp;
+  const double block_here = std::max(blocks.dense > 0 ? dense_block.here : 0, blocks.moe > 0 ? moe_block.here : 0);
 
   MemoryEstimate e;
   e.terms.push_back({"parameters", local * p_bytes});
@@ -197,24 +280,33 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
   // computes it in the gathered weights' dtype.
   const double r = fsdp && execution == Execution::torchtitan ? c : p_bytes;
-  const BlockActivations block = block_activations(a, r, c, autocast, dims.tp, kernels);
   const auto& ac = config.activation_checkpoint;
-  double per_token = 0, recompute = 0;
-  if (ac.mode == "full") {
-    per_token = static_cast<double>(layers_here) * block.input_only;
-    recompute = block.full;
-  } else if (ac.mode == "selective" && ac.selective_ac_option == "op") {
-    const double kept = op_kept_per_token(a, r, c, dims.tp, !config.model.converters.empty(), execution);
-    per_token = static_cast<double>(layers_here) * kept;
-    // The recomputed block reuses what was kept rather than holding a second copy.
-    recompute = std::max(block.input_only, block.full - (kept - block.input_only));
-  } else if (ac.mode == "selective") {
-    const int64_t every = std::max<int64_t>(1, std::atoll(ac.selective_ac_option.c_str()));
-    const int64_t checkpointed = layers_here / every;
-    per_token = static_cast<double>(layers_here - checkpointed) * block.full + static_cast<double>(checkpointed) * block.input_only;
-    recompute = checkpointed > 0 ? block.full : 0;
-  } else {
-    per_token = static_cast<double>(layers_here) * block.full;
+  const bool float8 = !config.model.converters.empty();
+  // Per token: what the rank's blocks keep through the step, and the most one block holds while it runs backward
+  // (recomputed, and its gradients' buffers).
+  double per_token = 0, recompute = 0, backward_buffers = 0;
+  for (const bool moe_kind : {false, true}) {
+    const int64_t count = moe_kind ? blocks.moe : blocks.dense;
+    if (count == 0) continue;
+    const auto n = static_cast<double>(count);
+    const BlockActivations block = block_activations(a, moe_kind, r, c, autocast, dims.tp, kernels);
+    backward_buffers = std::max(backward_buffers, block.backward_buffers);
+    if (ac.mode == "full") {
+      per_token += n * block.input_only;
+      recompute = std::max(recompute, block.full);
+    } else if (ac.mode == "selective" && ac.selective_ac_option == "op") {
+      const double kept = op_kept_per_token(a, moe_kind, r, c, dims.tp, float8, execution);
+      per_token += n * kept;
+      // The recomputed block reuses what was kept rather than holding a second copy.
+      recompute = std::max(recompute, std::max(block.input_only, block.full - (kept - block.input_only)));
+    } else if (ac.mode == "selective") {
+      const int64_t every = std::max<int64_t>(1, std::atoll(ac.selective_ac_option.c_str()));
+      const int64_t checkpointed = count / every;
+      per_token += static_cast<double>(count - checkpointed) * block.full + static_cast<double>(checkpointed) * block.input_only;
+      if (checkpointed > 0) recompute = std::max(recompute, block.full);
+    } else {
+      per_token += n * block.full;
+    }
   }
   if (holds_last) per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
   // Under a multi-stage schedule `in_flight` counts (stage, micro-batch) pairs, each holding one stage's layers.
@@ -231,7 +323,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   e.terms.push_back({"recomputed block", layers_here > 0 ? tokens * recompute : 0, backward_phase});
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).
-  e.terms.push_back({"backward buffers", layers_here > 0 ? tokens * block.backward_buffers : 0, backward_phase});
+  e.terms.push_back({"backward buffers", tokens * backward_buffers, backward_phase});
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
@@ -251,7 +343,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12),
                        phased ? Phase::loss : Phase::step});
   }
-  e.terms.push_back({"rope table", static_cast<double>(training.seq_len) * static_cast<double>(a.head_dim() / 2) * 8});
+  e.terms.push_back({"rope table", static_cast<double>(training.seq_len) * static_cast<double>(a.rope_dim() / 2) * 8});
   e.terms.push_back({"runtime", runtime_bytes});
   return e;
 }

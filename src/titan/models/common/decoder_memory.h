@@ -1,7 +1,8 @@
-// How much memory one rank needs to train a dense decoder (Llama 3, Qwen3) under a job's layout, from shapes alone: parameters,
-// gradients, optimizer state, compute copies of the weights, activations under the activation-checkpointing mode,
-// logits and loss, the RoPE table. The start-up memory check uses it (and `titan plan` is to build on it); the
-// equations and their validation are in docs/metrics.md.
+// How much memory one rank needs to train a decoder (Llama 3, Qwen3, DeepSeek-V3: dense and Mixture-of-Experts
+// blocks, grouped-query and latent attention) under a job's layout, from shapes alone: parameters, gradients,
+// optimizer state, compute copies of the weights, activations under the activation-checkpointing mode, logits and
+// loss, the RoPE table. The start-up memory check and `titan plan` use it; the equations and their validation are in
+// docs/metrics.md.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -25,6 +25,7 @@ class DecoderAdapter : public protocols::StateDictAdapter {
   std::optional<std::pair<std::string, int64_t>> from_hf_slice_name(const std::string& name) const override {
     return models::from_hf_slice_name(name);
   }
+  std::optional<std::string> skipped_hf_tensor(const std::string& name) const override { return models::skipped_hf_tensor(name, args_); }
   at::Tensor from_hf_head_rows(const at::Tensor& rows, int64_t rows_per_head) const override {
     return models::from_hf_head_rows(rows, rows_per_head);
   }
