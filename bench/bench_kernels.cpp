@@ -267,6 +267,7 @@ int main(int argc, char** argv) {
       attention(dtype, 4, 12, 4, 512, 64);    // 100M flavor, 4 x 512
       attention(dtype, 1, 12, 4, 2048, 64);   // 100M flavor, 1 x 2048
       attention(dtype, 1, 8, 2, 1024, 128);   // Llama 3 8B's head_dim
+      attention(dtype, 4, 16, 16, 256, 192);  // DeepSeek-V3 debugmodel's latent attention, 4 x 256
     }
     if (wanted("elementwise")) elementwise(dtype, 4096, 768, 2048, 12, 64);
     if (wanted("loss")) loss(dtype, 2048, 256, 32768);

@@ -110,6 +110,8 @@ TEST(FusedKernels, AttentionMatchesScaledDotProductAttention) {
       check_attention(dtype, 1, 8, 2, 100, 32, true);   // head_dim 32, groups of 4 query heads, documents
       check_attention(dtype, 2, 2, 1, 37, 64, false);   // shorter than one block (odd rows)
       check_attention(dtype, 1, 4, 4, 5, 16, false);
+      check_attention(dtype, 1, 2, 2, 70, 192, false);  // latent attention's query/key width (DeepSeek-V3)
+      check_attention(dtype, 1, 2, 2, 70, 192, true);
     }
   }
 }

@@ -1,8 +1,8 @@
 // Causal / block-causal attention with an online softmax (the flash-attention algorithm) in float32, forward and
 // backward, for one instruction set. Queries are taken in blocks of 64 rows against blocks of 64 keys; scores are
 // computed against a transposed key block so that the innermost loops run along contiguous keys (or head_dim) and
-// vectorise. Head dims 16, 32, 64 and 128 get their own instantiations (constant loop bounds); others run the
-// general one. The copy built with AVX-512 BF16 runs bf16 inputs on the bf16 dot-product instruction instead (below).
+// vectorise. Head dims 16, 32, 64, 128 and 192 (DeepSeek-V3's latent attention) get their own instantiations
+// (constant loop bounds); others run the general one. The copy built with AVX-512 BF16 runs bf16 inputs on the bf16 dot-product instruction instead (below).
 #include "titan/kernels/isa/kernels.h"
 #include "titan/kernels/isa/scalar_math.h"
 
@@ -836,6 +836,7 @@ void forward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* 
       case 32: return forward_dot<32>(a, q, k, v, out, lse, begin, end);
       case 64: return forward_dot<64>(a, q, k, v, out, lse, begin, end);
       case 128: return forward_dot<128>(a, q, k, v, out, lse, begin, end);
+      case 192: return forward_dot<192>(a, q, k, v, out, lse, begin, end);
       default: break;
     }
   }
@@ -845,6 +846,7 @@ void forward_dispatch(const AttentionShape& a, const T* q, const T* k, const T* 
     case 32: return forward_vec<32>(a, q, k, v, out, lse, begin, end);
     case 64: return forward_vec<64>(a, q, k, v, out, lse, begin, end);
     case 128: return forward_vec<128>(a, q, k, v, out, lse, begin, end);
+    case 192: return forward_vec<192>(a, q, k, v, out, lse, begin, end);
     default: return forward_impl(a, q, k, v, out, lse, begin, end);
   }
 }
@@ -859,6 +861,7 @@ void backward_dispatch(const AttentionShape& a, const T* q, const T* k, const T*
       case 32: return backward_dot<32>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
       case 64: return backward_dot<64>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
       case 128: return backward_dot<128>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+      case 192: return backward_dot<192>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
       default: break;
     }
   }
@@ -868,6 +871,7 @@ void backward_dispatch(const AttentionShape& a, const T* q, const T* k, const T*
     case 32: return backward_vec<32>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
     case 64: return backward_vec<64>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
     case 128: return backward_vec<128>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
+    case 192: return backward_vec<192>(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
     default: return backward_impl(a, q, k, v, out, grad_out, lse, grad_q, grad_k, grad_v, begin, end);
   }
 }
