@@ -11,6 +11,7 @@
 #include "titan/common/strings.h"
 #include "titan/components/quantization/float8.h"
 #include "titan/distributed/pipeline/schedule.h"
+#include "titan/models/common/decoder_memory.h"
 
 namespace titan::plan {
 
@@ -66,12 +67,10 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const Speedups speed = speedups_of(config);
   const double tp = static_cast<double>(dims.tp), cp = static_cast<double>(dims.cp);
   const double d = static_cast<double>(a.dim), vocab = static_cast<double>(a.vocab_size);
-  // Attention's widths: the query (and key) width of all heads, the key/value projections' output, and the rotated
-  // width of q and k. Latent attention (DeepSeek-V3): queries and keys heads x (nope + rope) wide, values padded to
-  // that width for the attention core; wkv_a down-projects to the latent plus the shared rotary key, and RoPE turns
-  // the rope columns of each query head and the one shared key.
-  const double d_attn = static_cast<double>(a.n_heads * a.head_dim());
-  const double d_kv = a.mla ? static_cast<double>(a.mla->kv_lora_rank + a.mla->qk_rope_head_dim) : static_cast<double>(a.kv_heads() * a.head_dim());
+  // Attention's widths: the query width of all heads, the key/value width the attention core sees (latent
+  // attention's keys expanded per head and its values padded to the query width), and the width RoPE turns (latent
+  // attention: each query head's rope columns and the one shared rotary key).
+  const double d_attn = static_cast<double>(a.n_heads * a.head_dim()), d_kv = static_cast<double>(a.kv_heads() * a.head_dim());
   const double d_rope = a.mla ? static_cast<double>((a.n_heads + 1) * a.mla->qk_rope_head_dim) : d_attn + d_kv;
   // The feed-forward width a token passes through, over the blocks: a dense block's SwiGLU; a MoE block's top_k
   // routed experts and its shared ones (DeepSeek-V3's dense blocks come first).
@@ -159,22 +158,16 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double op_recompute = ac.mode == "selective" && ac.selective_ac_option == "op" ? 1.0 : 0.0;
   double op_recomputed_params = 0;  // of the block's 2-D weights
   if (op_recompute > 0) {
-    // The even-numbered linears in forward order (and the router): grouped-query attention's wk and wo, latent
-    // attention's wkv_a and wo (wq_b and wkv_b with low-rank queries); a dense block's w3, a MoE block's shared
-    // experts' w3.
-    const double gated = moe_share * (a.moe ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : 0.0) +
-                         (1 - moe_share) * static_cast<double>(a.ffn_hidden_dim());
+    // The 2nd, 4th, ... linears in forward order (models::block_linears), averaged over the blocks, and the router.
+    const auto recomputed = [&](bool moe_kind) {
+      const auto linears = models::block_linears(a, moe_kind);
+      double params = 0;
+      for (size_t i = 1; i < linears.size(); i += 2) params += linears[i].in * linears[i].out;
+      return params;
+    };
     const double router = a.moe ? moe_share * d * static_cast<double>(a.moe->num_experts) : 0;
-    // With low-rank queries attention has five linears, so the feed-forward's w1 and w2 are the even ones.
-    double attention_recomputed = d * d_kv + d_attn * d, feed_forward_recomputed = d * gated;
-    if (a.mla && a.mla->q_lora_rank > 0) {
-      attention_recomputed = static_cast<double>(a.mla->q_lora_rank) * d_attn +
-                             static_cast<double>(a.mla->kv_lora_rank * a.n_heads * (a.mla->qk_nope_head_dim + a.mla->v_head_dim));
-      feed_forward_recomputed = 2 * d * gated;
-    } else if (a.mla) {
-      attention_recomputed = d * d_kv + static_cast<double>(a.n_heads * a.mla->v_head_dim) * d;
-    }
-    op_recomputed_params = attention_recomputed + feed_forward_recomputed + router;
+    op_recomputed_params = (dense_count > 0 ? dense_count * recomputed(false) : 0.0) + (moe_count > 0 ? moe_count * recomputed(true) : 0.0);
+    op_recomputed_params = op_recomputed_params / n_blocks + router;
     if (speed.float8) op_recomputed_params = std::max(op_recomputed_params, float8_params);
   }
 

@@ -147,7 +147,7 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   }
   for (const auto& [why, names] : skipped)
     log::warn(quote(directory), ": skipped ", names.size(), " tensor(s) of ", why, ", from ", quote(names.front()), " to ",
-                  quote(names.back()));
+              quote(names.back()));
   for (const auto& p : args.parameter_shapes()) {
     if (const int64_t count = adapter.hf_slices(p.name)) {
       auto it = impl_->slices.find(p.name);

@@ -93,6 +93,36 @@ BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double 
   return out;
 }
 
+}  // namespace
+
+std::vector<BlockLinear> block_linears(const DecoderArgs& a, bool moe_block) {
+  using Split = BlockLinear::Split;
+  const double d = static_cast<double>(a.dim), heads = static_cast<double>(a.n_heads);
+  std::vector<BlockLinear> out;
+  if (a.mla) {
+    const auto& m = *a.mla;
+    const double w = heads * static_cast<double>(m.qk_head_dim()), latent = static_cast<double>(m.kv_lora_rank);
+    if (m.q_lora_rank > 0) {
+      const double low_rank = static_cast<double>(m.q_lora_rank);
+      out.push_back({d, low_rank, Split::none});  // wq_a
+      out.push_back({low_rank, w, Split::column});  // wq_b
+    } else {
+      out.push_back({d, w, Split::column});  // wq
+    }
+    out.push_back({d, latent + static_cast<double>(m.qk_rope_head_dim), Split::none});                       // wkv_a
+    out.push_back({latent, heads * static_cast<double>(m.qk_nope_head_dim + m.v_head_dim), Split::column});  // wkv_b
+    out.push_back({heads * static_cast<double>(m.v_head_dim), d, Split::row});                               // wo
+  } else {
+    const double q = static_cast<double>(a.n_heads * a.head_dim()), k = static_cast<double>(a.kv_heads() * a.head_dim());
+    out.insert(out.end(), {{d, q, Split::column}, {d, k, Split::column}, {d, k, Split::column}, {q, d, Split::row}});
+  }
+  const double h = moe_block ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
+  if (h > 0) out.insert(out.end(), {{d, h, Split::column}, {d, h, Split::column}, {h, d, Split::row}});  // w1, w3, w2
+  return out;
+}
+
+namespace {
+
 // What op-level selective checkpointing keeps of a block per token (nn/kept_ops.h, torchtitan's policy): the
 // block's input, attention's output and float32 log-sum-exp, and the outputs of every other linear in forward
 // order (the 1st, 3rd, ...), counted without the router's gate and without float8 linears (here: all of a block's
@@ -101,28 +131,12 @@ BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double 
 // reduce-scatters' outputs too.
 double op_kept_per_token(const DecoderArgs& a, bool moe_block, double r, double c, int64_t tp, bool float8, Execution execution) {
   const double d = static_cast<double>(a.dim), t = static_cast<double>(tp), heads = static_cast<double>(a.n_heads);
-  std::vector<double> widths;  // the block's linears in forward order
-  double attention_output = 0;
-  if (a.mla) {
-    const auto& m = *a.mla;
-    const double w = heads * static_cast<double>(m.qk_head_dim());
-    if (m.q_lora_rank > 0)
-      widths = {static_cast<double>(m.q_lora_rank), w / t};  // wq_a, wq_b
-    else
-      widths = {w / t};  // wq
-    widths.insert(widths.end(), {static_cast<double>(m.kv_lora_rank + m.qk_rope_head_dim),                  // wkv_a
-                                 heads * static_cast<double>(m.qk_nope_head_dim + m.v_head_dim) / t, d});  // wkv_b, wo
-    attention_output = w / t;  // the attention core's output, values padded to the query width
-  } else {
-    const double q = static_cast<double>(a.n_heads * a.head_dim()), k = static_cast<double>(a.kv_heads() * a.head_dim());
-    widths = {q / t, k / t, k / t, d};  // wq, wk, wv, wo
-    attention_output = q / t;
-  }
-  const double h = moe_block ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
-  if (h > 0) widths.insert(widths.end(), {h / t, h / t, d});  // w1, w3, w2 (of the shared experts in a MoE block)
-  double kept = d * r / t + attention_output * c + heads / t * 4;
+  // The attention core's output: the query width (latent attention's values are padded to it).
+  double kept = d * r / t + static_cast<double>(a.n_heads * a.head_dim()) / t * c + heads / t * 4;
+  const auto linears = block_linears(a, moe_block);
   if (!float8)
-    for (size_t i = 0; i < widths.size(); i += 2) kept += widths[i] * c;
+    for (size_t i = 0; i < linears.size(); i += 2)
+      kept += linears[i].out / (linears[i].split == BlockLinear::Split::column ? t : 1.0) * c;
   if (execution == Execution::torchtitan && tp > 1) kept += 2 * d / t * c;
   return kept;
 }

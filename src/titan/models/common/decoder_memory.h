@@ -21,6 +21,18 @@ using protocols::MemoryEstimate;
 using protocols::MemoryTerm;
 using protocols::Phase;
 
+// One linear of a block: its weight's input and output widths, and how tensor parallelism splits it (the output
+// column-wise, the input row-wise, or not at all: latent attention's wq_a and wkv_a run whole on every rank).
+struct BlockLinear {
+  enum class Split { column, row, none };
+  double in = 0, out = 0;
+  Split split = Split::none;
+};
+// A block's linears in forward order, as op-level checkpointing counts them (nn/kept_ops.h: the 1st, 3rd, ... are
+// kept, the others recomputed): attention's, then the dense feed-forward's or a MoE block's shared experts' (none
+// without shared experts); the router's gate is not counted. The memory estimate and `titan plan` both use it.
+std::vector<BlockLinear> block_linears(const DecoderArgs& args, bool moe_block);
+
 // `autocast`: the trainer computes in bfloat16 under autocast (float32 parameters without FSDP), keeping a bf16
 // copy of every weight for the step. `runtime_bytes`: what the process already holds (LibTorch, buffers) when
 // the estimate is made, added as its own term. `pipeline_rank`: the rank's coordinate on the pipeline dimension
