@@ -155,3 +155,74 @@ def test_parquet_sources_serve_the_same_windows_as_jsonl_and_resume(corpus, tmp_
     result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(tmp_path / "nulls.parquet"),
                   "--output", str(tmp_path / "t3")], check=False)
     assert result.returncode == 2 and 'no column "text"' in result.stderr and "[content]" in result.stderr, result.stderr
+
+
+def test_hugging_face_datasets_arrow_files_serve_the_same_windows_as_jsonl_and_resume(corpus, tmp_path):
+    """Arrow IPC as the `datasets` package writes it (save_to_disk folders, its cache files; the stream format)
+    and pyarrow's file format: the same rows as JSONL give the same windows, shuffled, across a resume, and in a
+    mixture; a DatasetDict folder, a missing column and a damaged file are refused by name."""
+    import datasets
+    import pyarrow as pa
+
+    _, paragraphs = corpus
+    path, _ = cl100k()
+    rows = paragraphs[:6000]
+    jl_dir, saved = tmp_path / "jl", tmp_path / "saved"
+    jl_dir.mkdir()
+    for i in range(2):
+        (jl_dir / f"part-{i}.jsonl").write_text("".join(json.dumps({"content": r}) + "\n" for r in rows[i * 3000:(i + 1) * 3000]))
+    dataset = datasets.Dataset.from_dict({"id": list(range(len(rows))), "content": rows})
+    dataset.save_to_disk(str(saved), num_shards=2)
+    assert sorted(p.name for p in saved.glob("*.arrow")) == ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
+
+    def probe(out, batches, resume=None, **source):
+        cmd = [binary("titan_data_probe"), "--probe.out", str(out), "--probe.batches", str(batches),
+               "--model.hf_assets_path", str(path), "--training.seq_len", "64", "--training.local_batch_size", "2",
+               "--training.shuffle_buffer", "50", "--training.shuffle_shards", "--training.data_seed", "9"]
+        for key, value in source.items():
+            cmd += [f"--training.{key}", str(value)]
+        result = run(cmd + (["--probe.resume", str(resume)] if resume else []), check=False)
+        assert result.returncode == 0, result.stderr
+        return json.loads((out / "rank0.json").read_text())["batches"]
+
+    column = {"text_field": "content"}
+    from_jsonl = probe(tmp_path / "j", 30, dataset_path=str(jl_dir), **column)
+    assert probe(tmp_path / "s", 30, dataset_path=str(saved), **column) == from_jsonl  # the folder, its JSON skipped
+    assert probe(tmp_path / "g", 30, dataset_path=str(saved / "data-*.arrow"), **column) == from_jsonl  # a glob
+    first = probe(tmp_path / "a", 13, dataset_path=str(saved), **column)
+    assert first + probe(tmp_path / "b", 17, resume=tmp_path / "a", dataset_path=str(saved), **column) == from_jsonl
+
+    # The file format (pyarrow.ipc.new_file) and one file alone: the same rows as one JSONL file.
+    table = pa.table({"content": rows[:3000]})
+    with pa.ipc.new_file(str(tmp_path / "one.arrow"), table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=100):
+            writer.write_batch(batch)
+    one = probe(tmp_path / "f", 10, dataset_path=str(tmp_path / "one.arrow"), **column)
+    assert one == probe(tmp_path / "fj", 10, dataset_path=str(jl_dir / "part-0.jsonl"), **column)
+
+    # The `datasets` cache: a JSON file loaded by datasets.load_dataset, read from the .arrow file it cached.
+    cached = datasets.load_dataset("json", data_files=str(jl_dir / "part-0.jsonl"), cache_dir=str(tmp_path / "cache"),
+                                   split="train")
+    cache_file = cached.cache_files[0]["filename"]
+    assert probe(tmp_path / "c", 10, dataset_path=cache_file, **column) == one
+
+    # In a mixture with JSONL: the same draws as the same mixture of two JSONL sources.
+    mixture = lambda first_path: '[{name="a", path="%s", text_field="content", weight=0.7}, ' \
+                                 '{name="b", path="%s", text_field="content", weight=0.3}]' % (first_path, jl_dir / "part-1.jsonl")
+    assert probe(tmp_path / "m1", 12, datasets=mixture(saved / "data-00000-of-00002.arrow")) == \
+        probe(tmp_path / "m2", 12, datasets=mixture(jl_dir / "part-0.jsonl"))
+
+    # A DatasetDict folder names its splits; a missing column lists the columns; a damaged file names itself.
+    datasets.DatasetDict({"train": dataset.select(range(10)), "test": dataset.select(range(5))}).save_to_disk(str(tmp_path / "dd"))
+    bad = run([binary("titan_data_probe"), "--probe.out", str(tmp_path / "x"), "--probe.batches", "1",
+               "--model.hf_assets_path", str(path), "--training.dataset_path", str(tmp_path / "dd")], check=False)
+    assert bad.returncode == 2 and "DatasetDict with the splits [test, train]" in bad.stderr, bad.stderr
+    bad = run([binary("titan_data_probe"), "--probe.out", str(tmp_path / "x"), "--probe.batches", "1",
+               "--model.hf_assets_path", str(path), "--training.dataset_path", str(saved)], check=False)
+    assert bad.returncode == 2 and 'no column "text"' in bad.stderr and "[id, content]" in bad.stderr, bad.stderr
+    damaged = tmp_path / "damaged.arrow"
+    damaged.write_bytes((saved / "data-00000-of-00002.arrow").read_bytes()[:5000])
+    bad = run([binary("titan_data_probe"), "--probe.out", str(tmp_path / "x"), "--probe.batches", "1",
+               "--model.hf_assets_path", str(path), "--training.dataset_path", str(damaged), "--training.text_field",
+               "content"], check=False)
+    assert bad.returncode == 2 and "damaged.arrow" in bad.stderr, bad.stderr

@@ -1,5 +1,5 @@
 // libFuzzer harness: the dataset readers. The first byte picks the format (text, JSONL plain / gzip / zstd, token
-// shard, Parquet, fortune); the rest is the file. Every row is read and, for text formats, its text extracted.
+// shard, Parquet, fortune, Arrow IPC); the rest is the file. Every row is read and, for text formats, its text extracted.
 #include <string>
 
 #include "fuzz_util.h"
@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   };
   static const Kind kinds[] = {{"d.txt", Format::Text},      {"d.jsonl", Format::Jsonl},    {"d.jsonl.gz", Format::Jsonl},
                                {"d.jsonl.zst", Format::Jsonl}, {"d.tokens", Format::Tokens},  {"d.parquet", Format::Parquet},
-                               {"d.fortune", Format::Fortune}};
+                               {"d.fortune", Format::Fortune}, {"d.arrow", Format::Arrow}};
   const Kind& kind = kinds[data[0] % (sizeof(kinds) / sizeof(kinds[0]))];
   titan::data::SourceSpec spec;
   spec.name = "fuzz";

@@ -91,6 +91,13 @@ def seeds_data_readers():
         buffer = io.BytesIO()
         pq.write_table(pa.table({"text": TEXTS + [None], "n": list(range(len(TEXTS) + 1))}), buffer, row_group_size=3)
         out.append(b"\x05" + buffer.getvalue())
+        table = pa.table({"text": TEXTS + [None], "n": list(range(len(TEXTS) + 1))})
+        for writer in (pa.ipc.new_stream, pa.ipc.new_file):  # the stream format (datasets') and the file format
+            sink = io.BytesIO()
+            with writer(sink, table.schema) as w:
+                for batch in table.to_batches(max_chunksize=3):
+                    w.write_batch(batch)
+            out.append(b"\x07" + sink.getvalue())
     except ImportError:
         pass
     return out

@@ -148,10 +148,15 @@ def test_meta_consolidated_pth_imports_bitwise(trained, tmp_path):
     folder = tmp_path / "Meta-Llama-debug"
     folder.mkdir()
     torch.save(state, folder / "consolidated.00.pth")
-    (folder / "params.json").write_text("{}")
+    # Meta's params.json gives the shape (the debug model's, as Meta's ModelArgs names it): no --flavor needed.
+    params = {"dim": 256, "n_layers": 6, "n_heads": 16, "vocab_size": 2048, "multiple_of": 256, "norm_eps": 1e-5,
+              "rope_theta": 500000.0, "use_scaled_rope": True}
+    (folder / "params.json").write_text(json.dumps(params))
     out = tmp_path / "imported"
-    run([binary("titan"), "convert", "--from", str(folder), "--to", str(out), "--flavor", "debugmodel"])
-    _, imported = read_checkpoint(out)
+    result = run([binary("titan"), "convert", "--from", str(folder), "--to", str(out)])
+    assert "params.json (debugmodel)" in result.stderr, result.stderr
+    meta, imported = read_checkpoint(out)
+    assert meta["flavor"] == "debugmodel" and meta["model"]["rope_scaling"]["factor"] == 8
     assert sorted(imported) == sorted(original)
     for key in original:
         expected = torch.from_numpy(original[key]).to(torch.bfloat16).float().numpy()
@@ -174,12 +179,43 @@ def test_meta_consolidated_pth_imports_bitwise(trained, tmp_path):
     _, merged = read_checkpoint(merged_out)
     for key in original:
         assert np.array_equal(merged[key], imported[key]), key
+    # A --flavor is checked against params.json field by field.
+    wrong = run([binary("titan"), "convert", "--from", str(folder), "--to", str(tmp_path / "w"), "--flavor",
+                 "debugmodel_gqa"], check=False)
+    assert wrong.returncode == 2 and "n_kv_heads (num_key_value_heads): 16 vs 4" in wrong.stderr, wrong.stderr
+    # Another shape than any flavor (Llama 3 before 3.1: no RoPE scaling) imports as "custom" with that setting.
+    (folder / "params.json").write_text(json.dumps({**params, "use_scaled_rope": False}))
+    custom = tmp_path / "custom"
+    run([binary("titan"), "convert", "--from", str(folder), "--to", str(custom)])
+    custom_meta, _ = read_checkpoint(custom)
+    assert custom_meta["flavor"] == "custom" and custom_meta["model"]["rope_scaling"] is None
+    (folder / "params.json").write_text(json.dumps({**params, "n_layers": "six"}))
+    bad = run([binary("titan"), "convert", "--from", str(folder), "--to", str(tmp_path / "b")], check=False)
+    assert bad.returncode == 2 and "params.json: n_layers must be an integer" in bad.stderr, bad.stderr
     # Not a torch.save archive: a clear error.
     bogus = tmp_path / "bogus.pth"
     bogus.write_bytes(b"\x80\x02not a zip")
     result = run([binary("titan"), "convert", "--from", str(bogus), "--to", str(tmp_path / "z"), "--flavor", "debugmodel"],
                  check=False)
     assert result.returncode == 2 and "not a torch.save ZIP archive" in result.stderr, result.stderr
+
+
+def test_a_wrapped_torch_save_state_dict_is_read_one_level_down(trained, tmp_path):
+    """torch.save({"model": model.state_dict(), "step": 10}) is read from under "model" (and says so); two dicts of
+    tensors cannot be told apart and are refused by name."""
+    _, original = read_checkpoint(trained)
+    state = {key[len("model."):]: torch.from_numpy(value) for key, value in original.items()}
+    wrapped = tmp_path / "wrapped.pt"
+    torch.save({"model": state, "step": 10, "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3}]}}, wrapped)
+    out = tmp_path / "out"
+    result = run([binary("titan"), "convert", "--from", str(wrapped), "--to", str(out), "--flavor", "debugmodel"])
+    assert 'under "model"' in result.stderr, result.stderr
+    _, imported = read_checkpoint(out)
+    assert sorted(imported) == sorted(original) and all(np.array_equal(imported[k], original[k]) for k in original)
+    torch.save({"model": state, "ema": state}, tmp_path / "two.pt")
+    two = run([binary("titan"), "convert", "--from", str(tmp_path / "two.pt"), "--to", str(tmp_path / "o2"),
+               "--flavor", "debugmodel"], check=False)
+    assert two.returncode == 2 and '"model", "ema"' in two.stderr and "cannot tell" in two.stderr, two.stderr
 
 
 def test_damaged_torch_save_files_are_refused_by_name(tmp_path):

@@ -4,6 +4,7 @@ on in titan from where they stopped (model, AdamW state, step, LR schedule) unde
 checkpoints export to DCP directories that torchtitan loads (2 ranks) with every tensor equal."""
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -224,6 +225,31 @@ def test_single_process_dcp_with_strided_and_bf16_tensors_converts_bitwise(tmp_p
     _, weights = read_checkpoint(out)
     for name, value in expected.items():
         assert np.array_equal(weights["model." + name], as_numpy(value)), name
+
+
+def test_dcp_of_a_wrapped_state_dict_is_read_one_level_down(tmp_path):
+    """dcp.save({"model": model.state_dict()}) nests every key under "model."; titan convert and
+    checkpoint.initial_load_path read the model from there and say so."""
+    import torch.distributed.checkpoint as dcp
+
+    generator = torch.Generator().manual_seed(1)
+    state = {name: torch.randn(*shape, generator=generator) for name, shape in dcp_tensors_names()}
+    source = tmp_path / "wrapped"
+    dcp.save({"model": state, "step": 7}, checkpoint_id=str(source))
+    out = tmp_path / "titan"
+    result = run([binary("titan"), "convert", "--from", str(source), "--to", str(out), "--flavor", "debugmodel"])
+    assert 'under "model."' in result.stderr, result.stderr
+    _, weights = read_checkpoint(out)
+    for name, value in state.items():
+        assert np.array_equal(weights["model." + name], value.numpy()), name
+    # Training starts from it: the first step's loss is the one the converted weights give.
+    common = ["--checkpoint.interval", "100", "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
+    direct = titan_train(tmp_path / "direct", 1, ["--checkpoint.initial_load_path", str(out), *common])
+    nested = titan_train(tmp_path / "nested", 1, ["--checkpoint.initial_load_path", str(source),
+                                                   "--checkpoint.initial_load_model_only", *common])
+    assert 'under "model."' in nested.stderr + nested.stdout
+    loss = lambda r: re.findall(r"loss:\s*([0-9.]+)", r.stdout + r.stderr)
+    assert loss(direct) and loss(direct) == loss(nested), (loss(direct), loss(nested))
 
 
 def dcp_tensors_names():

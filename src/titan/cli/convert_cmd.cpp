@@ -30,7 +30,8 @@ const char* kConvertUsage =
     "                     [--dtype float32|bfloat16|float16] [--tokenizer PATH] [--max-shard-mb N]\n"
     "  --from: a titan checkpoint step directory (metadata.json), a torch DCP directory (.metadata: torchtitan's\n"
     "          checkpoints), a Hugging Face directory (config.json + safetensors), Meta's consolidated.00.pth or a\n"
-    "          folder of consolidated.NN.pth model-parallel shards, or any torch.save state dict with titan's names.\n"
+    "          folder of consolidated.NN.pth model-parallel shards (their params.json gives the shape), or any torch.save\n"
+    "          state dict with titan's names (also one level down: {\"model\": state_dict}).\n"
     "  --format of --to: titan (a model-only titan checkpoint directory, for checkpoint.initial_load_path), hf (a\n"
     "          Hugging Face directory: config.json, model.safetensors or shards + index), dcp (a torch DCP directory in\n"
     "          torchtitan's layout: the weights, and from a full titan checkpoint the AdamW state, step and LR schedule\n"
@@ -38,8 +39,9 @@ const char* kConvertUsage =
     "          checkpoint, titan from anything else.\n"
     "  --model: the model family (model.name: llama3, qwen3) where the source does not record it (torch DCP, .pth;\n"
     "          default llama3); titan checkpoints and Hugging Face directories (model_type) carry theirs.\n"
-    "  --flavor: the model's shape where the source does not record it (torch DCP, .pth); titan checkpoints and\n"
-    "          Hugging Face directories carry theirs, and a --flavor given is compared with it field by field.\n"
+    "  --flavor: the model's shape where the source does not record it (torch DCP, a .pth without params.json); titan\n"
+    "          checkpoints, Hugging Face directories and Meta's params.json carry theirs, and a --flavor given is compared\n"
+    "          with it field by field.\n"
     "  --dtype: of the written weights (default: as stored).\n"
     "  --tokenizer: for --format hf, the tokenizer whose files (tokenizer.json + tokenizer_config.json) go into the\n"
     "          export; default: the one a titan checkpoint's run used, or an HF directory's own.\n";
@@ -151,7 +153,11 @@ Source read_torch_dcp(const std::string& from, const std::string& model_name, co
   s.flavor_name = flavor_name;
   s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
   s.args = flavor_for(*s.spec, flavor_name, s.description);
-  take_weights(s, [&](const std::string& name) { return reader.has_tensor(name) ? reader.read(name) : at::Tensor(); });
+  const std::string nested = checkpoint::torch_dcp::nested_model_prefix(reader);  // {"model": state_dict} saves
+  if (!nested.empty()) std::cerr << "note: " << from << " holds the model's tensors under \"model.\"; read them from there\n";
+  take_weights(s, [&](const std::string& name) {
+    return reader.has_tensor(nested + name) ? reader.read(nested + name) : at::Tensor();
+  });
   return s;
 }
 
@@ -183,17 +189,19 @@ Source read_hf(const std::string& from, const std::string& model_name, const std
   return s;
 }
 
-// Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8).
+// Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8), with
+// params.json beside them; or any torch.save state dict (one wrapping level, {"model": state_dict}, unwrapped).
 Source read_pth(const std::vector<std::string>& parts, const std::string& from, const std::string& model_name,
                 const std::string& flavor_name) {
   Source s;
   s.description = parts.size() == 1 ? parts[0] : from;
-  s.flavor_name = flavor_name;
   s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
-  s.args = flavor_for(*s.spec, flavor_name, s.description);
   std::vector<std::map<std::string, at::Tensor>> shards;
   for (const auto& part : parts) {
-    shards.push_back(checkpoint::load_torch(part));
+    std::string unwrapped;
+    shards.push_back(checkpoint::load_torch(part, &unwrapped));
+    if (!unwrapped.empty())
+      std::cerr << "note: " << part << " holds its tensors under " << quote(unwrapped) << "; read them from there\n";
     shards.back().erase("rope.freqs");  // Llama 2's precomputed RoPE table: not a parameter
   }
   std::map<std::string, at::Tensor> weights;
@@ -217,6 +225,38 @@ Source read_pth(const std::vector<std::string>& parts, const std::string& from, 
         weights[name] = at::cat(pieces, dim1 ? 1 : 0);
       }
     }
+  }
+  // The shape: Meta's params.json beside the files where the family reads it, else --flavor.
+  const fs::path params = fs::path(parts[0]).parent_path() / "params.json";
+  if (fs::exists(params) && s.spec->read_meta_params) {
+    // params.json does not say whether the output reads the embedding's table: the weights do (no output.weight,
+    // or one equal to the embedding, as Llama 3.2's 1B and 3B).
+    auto output = weights.find("output.weight");
+    auto embedding = weights.find("tok_embeddings.weight");
+    const bool tied = output == weights.end() ||
+                      (embedding != weights.end() && output->second.sizes() == embedding->second.sizes() &&
+                       output->second.scalar_type() == embedding->second.scalar_type() && at::equal(output->second, embedding->second));
+    s.args = s.spec->read_meta_params(params.string(), tied);
+    if (!flavor_name.empty()) {
+      const auto differences = s.args->computation_differences(*s.spec->flavor(flavor_name));
+      if (!differences.empty())
+        fail("--flavor ", flavor_name, " is not the model ", params.string(), " describes (params.json vs flavor):\n  ",
+             join(differences, "\n  "), "\nleave --flavor out to import the model params.json describes");
+      s.flavor_name = flavor_name;
+    } else {
+      // A built-in flavor of the same shape gives its name; anything else is "custom".
+      s.flavor_name = "custom";
+      for (const auto& name : s.spec->flavor_names())
+        if (s.args->computation_differences(*s.spec->flavor(name)).empty()) {
+          s.flavor_name = name;
+          break;
+        }
+    }
+    std::cerr << "read the model's shape from " << params.string() << " (" << s.flavor_name
+              << (tied ? ", output tied to the embedding" : "") << ")\n";
+  } else {
+    s.flavor_name = flavor_name;
+    s.args = flavor_for(*s.spec, flavor_name, s.description);
   }
   take_weights(s, [&](const std::string& name) { return weights.count(name) ? weights.at(name) : at::Tensor(); });
   return s;

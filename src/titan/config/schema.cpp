@@ -233,8 +233,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
         "a mixture: [[training.datasets]] tables {name, path, format, weight, text_field, loop}; on the command line "
         "a TOML array, e.g. '[{path=\"a.jsonl.zst\", weight=0.7}, {path=\"b/\", weight=0.3}]' (titan.cpp)");
   choices(b.add("dataset_format", &c.training.dataset_format, "format of training.dataset_path files (titan.cpp)"),
-          {"auto", "text", "jsonl", "fortune", "tokens", "parquet"});
-  b.add("text_field", &c.training.text_field, "JSONL/Parquet field holding the text for training.dataset_path (titan.cpp)");
+          {"auto", "text", "jsonl", "fortune", "tokens", "parquet", "arrow"});
+  b.add("text_field", &c.training.text_field, "JSONL/Parquet/Arrow field holding the text for training.dataset_path (titan.cpp)");
   at_least(b.add("data_seed", &c.training.data_seed, "seed of shard order, row shuffle and mixture draws; may change at a restart (titan.cpp)"), 0);
   at_least(b.add("shuffle_buffer", &c.training.shuffle_buffer, "rows per shuffled block; memory holds one block per source (titan.cpp)"), 0);
   b.add("shuffle_shards", &c.training.shuffle_shards, "visit each source's files in a seeded random order every epoch (titan.cpp)");

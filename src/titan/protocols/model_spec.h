@@ -43,6 +43,9 @@ struct ModelSpec {
   std::function<std::shared_ptr<const ModelArgs>(const nlohmann::json& j, const std::string& where)> args_from_json;
   // The arguments a Hugging Face config.json describes (UserError naming the file and field otherwise).
   std::function<std::shared_ptr<const ModelArgs>(const std::string& config_json_path)> read_hf_config;
+  // The arguments Meta's params.json describes (beside consolidated.NN.pth), for families Meta publishes in that
+  // form (Llama 3; null otherwise). `tied`: whether the weights share the embedding's table with the output.
+  std::function<std::shared_ptr<const ModelArgs>(const std::string& params_json_path, bool tied)> read_meta_params;
   // The model, its parameters created with `options` (without storage when options.allocate is false).
   std::function<std::shared_ptr<nn::Model>(const ModelArgs& args, const nn::ParameterOptions& options)> build;
   // Every check of the layout against the model, before anything is built or communicated.

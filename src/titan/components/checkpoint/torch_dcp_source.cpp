@@ -1,6 +1,7 @@
 #include "titan/components/checkpoint/torch_dcp_source.h"
 
 #include "titan/common/error.h"
+#include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/checkpoint/formats/torchtitan_checkpoint.h"
 
@@ -11,6 +12,9 @@ using json = nlohmann::json;
 TorchDcpSource::TorchDcpSource(const std::string& directory, bool weights_only) : reader_(directory) {
   namespace tt = torchtitan;
   const std::string state_prefix = tt::kOptimizerStatePrefix;
+  const std::string nested = torch_dcp::nested_model_prefix(reader_);  // {"model": state_dict} saves
+  if (!nested.empty())
+    log::info("torch DCP checkpoint ", directory, " holds the model's tensors under \"model.\"; reading them from there");
   bool has_optimizer_state = false;
   json steps = json::object();
   for (const auto& [key, item] : reader_.tensors()) {
@@ -29,7 +33,7 @@ TorchDcpSource::TorchDcpSource(const std::string& directory, bool weights_only) 
       }
     } else if (!starts_with(key, "optimizer.") && !starts_with(key, "lr_scheduler.") && !starts_with(key, "train_state.") &&
                !starts_with(key, "dataloader.")) {
-      titan_to_dcp_["model." + key] = key;
+      titan_to_dcp_["model." + key.substr(nested.size())] = key;
     }
   }
   step_ = reader_.read_integer(tt::kStepKey);

@@ -25,6 +25,7 @@ const char* format_name(Format f) {
     case Format::Fortune: return "fortune";
     case Format::Tokens: return "tokens";
     case Format::Parquet: return "parquet";
+    case Format::Arrow: return "arrow";
   }
   return "?";
 }
@@ -39,6 +40,7 @@ std::optional<Format> format_from_name(const std::string& path) {
   if (ends(".txt") || ends(".text") || ends(".md")) return Format::Text;
   if (ends(".tokens")) return Format::Tokens;
   if (ends(".parquet")) return Format::Parquet;
+  if (ends(".arrow")) return Format::Arrow;
   return std::nullopt;
 }
 
@@ -47,7 +49,18 @@ Format parse_format(const std::string& name) {
   if (name == "jsonl") return Format::Jsonl;
   if (name == "fortune") return Format::Fortune;
   if (name == "tokens") return Format::Tokens;
+  if (name == "arrow") return Format::Arrow;
   return Format::Parquet;
+}
+
+// Hugging Face `datasets` writes these JSON files beside its .arrow data (save_to_disk folders, its cache); they
+// describe the dataset and are not data.
+bool is_datasets_metadata(const fs::path& file) {
+  const std::string name = file.filename().string();
+  if (name != "dataset_info.json" && name != "state.json") return false;
+  for (const auto& e : fs::directory_iterator(file.parent_path()))
+    if (e.path().extension() == ".arrow") return true;
+  return false;
 }
 
 bool is_glob(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
@@ -96,7 +109,8 @@ SourceSpec resolve_source(const config::DatasetSource& source, const std::string
     if (f) spec.shards.push_back({file, *f});
     else if (!from_scan)
       fail(where, ": cannot tell the format of ", quote(file), " from its name; expected .txt, .jsonl, .json, "
-           ".tokens or .parquet (optionally .gz/.zst), or set format = \"text\" | \"jsonl\" | \"fortune\" | \"tokens\"");
+           ".tokens, .parquet or .arrow (optionally .gz/.zst), or set format = \"text\" | \"jsonl\" | \"fortune\" | "
+           "\"tokens\" | \"parquet\" | \"arrow\"");
   };
   std::vector<std::string> candidates;
   if (is_glob(source.path)) {
@@ -112,17 +126,28 @@ SourceSpec resolve_source(const config::DatasetSource& source, const std::string
   } else if (fs::is_regular_file(source.path)) {
     add_file(source.path, false);
   } else {
+    // A DatasetDict saved by `datasets` holds one folder per split: training reads one of them.
+    if (fs::exists(fs::path(source.path) / "dataset_dict.json")) {
+      std::vector<std::string> splits;
+      for (const auto& e : fs::directory_iterator(source.path))
+        if (e.is_directory()) splits.push_back(e.path().filename().string());
+      std::sort(splits.begin(), splits.end());
+      fail(where, ": ", quote(source.path), " is a Hugging Face DatasetDict with the splits [", join(splits, ", "),
+           "]; set the path to one split's folder, e.g. ", quote((fs::path(source.path) / (splits.empty() ? "train" : splits[0])).string()));
+    }
     for (const auto& e : fs::recursive_directory_iterator(source.path))
-      if (e.is_regular_file() && !e.path().string().ends_with(".partial")) add_file(e.path().string(), true);
+      if (e.is_regular_file() && !e.path().string().ends_with(".partial") && !is_datasets_metadata(e.path()))
+        add_file(e.path().string(), true);
   }
   std::sort(spec.shards.begin(), spec.shards.end(), [](const Shard& a, const Shard& b) { return a.path < b.path; });
   if (spec.shards.empty())
-    fail(where, ": ", quote(source.path), " holds no data files (.txt, .jsonl, .json, .tokens, .parquet, "
+    fail(where, ": ", quote(source.path), " holds no data files (.txt, .jsonl, .json, .tokens, .parquet, .arrow, "
          "optionally compressed .gz/.zst)");
   for (const auto& s : spec.shards)
-    if (s.format == Format::Parquet && !parquet_supported())
-      fail(where, ": ", quote(s.path), " is Parquet, but this build has no Parquet support (pyarrow's Arrow C++ was "
-           "not found when it was configured; scripts/setup.sh installs it); convert it to JSONL or token shards");
+    if ((s.format == Format::Parquet || s.format == Format::Arrow) && !parquet_supported())
+      fail(where, ": ", quote(s.path), " is ", s.format == Format::Arrow ? "Arrow IPC" : "Parquet", ", but this build has "
+           "no Arrow support (pyarrow's Arrow C++ was not found when it was configured; scripts/setup.sh installs it); "
+           "convert it to JSONL or token shards");
   return spec;
 }
 
@@ -160,6 +185,7 @@ struct ShardRowReader::Impl {
   std::unique_ptr<FileReader> file;
   std::unique_ptr<TokenShardReader> tokens;
   std::unique_ptr<ParquetTextReader> parquet;
+  std::unique_ptr<ArrowTextReader> arrow;
   bool text_done = false;
 };
 
@@ -167,6 +193,7 @@ ShardRowReader::ShardRowReader(const Shard& shard, uint32_t shard_index, const s
     : impl_(std::make_unique<Impl>()), shard_(shard), shard_index_(shard_index) {
   if (shard.format == Format::Tokens) impl_->tokens = std::make_unique<TokenShardReader>(shard.path);
   else if (shard.format == Format::Parquet) impl_->parquet = std::make_unique<ParquetTextReader>(shard.path, text_field);
+  else if (shard.format == Format::Arrow) impl_->arrow = std::make_unique<ArrowTextReader>(shard.path, text_field);
   else impl_->file = std::make_unique<FileReader>(shard.path);
 }
 
@@ -238,6 +265,11 @@ bool ShardRowReader::next(RawRow& row) {
     }
     case Format::Parquet: {
       if (!impl_->parquet->read(position_.row, row.bytes, row.null_text)) return false;
+      row.offset = position_.row;
+      break;
+    }
+    case Format::Arrow: {
+      if (!impl_->arrow->read(position_.row, row.bytes, row.null_text)) return false;
       row.offset = position_.row;
       break;
     }

@@ -10,7 +10,7 @@
 
 namespace titan::data {
 
-enum class Format { Text, Jsonl, Fortune, Tokens, Parquet };
+enum class Format { Text, Jsonl, Fortune, Tokens, Parquet, Arrow };
 const char* format_name(Format f);
 
 struct Shard {

@@ -106,6 +106,40 @@ DecoderArgs from_hf_config(const json& config, const std::string& path) {
   return a;
 }
 
+DecoderArgs from_meta_params(const json& params, const std::string& path, bool tied) {
+  if (!params.is_object()) fail(path, ": expected a JSON object (Meta's params.json)");
+  models::JsonFields f{params, path, "Meta's params.json"};
+  for (const char* key : {"vision_chunk_size", "vision_max_num_chunks", "vision_num_cross_attention_layers",
+                          "vision_model", "quantization_args", "lora_args", "moe_args"})
+    if (f.find(key)) fail(path, ": ", key, " is set; titan imports Meta's text-only, unquantized Llama 3 checkpoints");
+  DecoderArgs a;
+  a.dim = f.integer("dim");
+  a.n_layers = f.integer("n_layers");
+  a.n_heads = f.integer("n_heads");
+  if (f.find("n_kv_heads")) a.n_kv_heads = f.integer("n_kv_heads");
+  a.vocab_size = f.integer("vocab_size");
+  if (a.vocab_size <= 0) fail(path, ": vocab_size = ", a.vocab_size, "; Meta's checkpoints record the real size");
+  // Meta's ModelArgs defaults where a field is absent.
+  a.multiple_of = f.find("multiple_of") ? f.integer("multiple_of") : 256;
+  if (f.find("ffn_dim_multiplier")) a.ffn_dim_multiplier = f.number("ffn_dim_multiplier", 1.0);
+  a.norm_eps = f.number("norm_eps", 1e-5);
+  a.rope_theta = f.number("rope_theta", 500000.0);
+  a.rope_scaling = models::RopeScaling{};
+  a.rope_scaling.enabled = f.boolean("use_scaled_rope", false);
+  a.rope_scaling.factor = f.number("rope_scaling_factor", 8.0);
+  a.rope_scaling.high_freq_factor = f.number("rope_high_freq_factor", a.rope_scaling.high_freq_factor);
+  a.tie_word_embeddings = tied;
+  if (!(a.rope_theta > 0)) fail(path, ": rope_theta must be positive, got ", a.rope_theta);
+  if (a.rope_scaling.enabled && !(a.rope_scaling.factor > 0))
+    fail(path, ": rope_scaling_factor must be positive, got ", a.rope_scaling.factor);
+  try {
+    a.check();
+  } catch (const UserError& e) {
+    fail(path, ": ", e.what());
+  }
+  return a;
+}
+
 DecoderArgs read_hf_config(const std::string& config_json_path) {
   return from_hf_config(models::read_json_file(config_json_path, "a Hugging Face config.json"), config_json_path);
 }

@@ -17,4 +17,11 @@ nlohmann::json to_hf_config(const DecoderArgs& args, const std::string& torch_dt
 DecoderArgs from_hf_config(const nlohmann::json& config, const std::string& path);
 DecoderArgs read_hf_config(const std::string& config_json_path);
 
+// The arguments Meta's params.json (beside consolidated.NN.pth) describes: dim, n_layers, n_heads, n_kv_heads,
+// vocab_size, multiple_of, ffn_dim_multiplier, norm_eps, rope_theta, use_scaled_rope (Llama 3.1 scaling, factor
+// rope_scaling_factor or 8). The file does not say whether the output shares the embedding's table: `tied` does
+// (the caller knows from the weights). UserError naming the file and field for a missing size, a value of the
+// wrong type, or a setting titan's Llama 3 cannot compute (a vision model's fields, quantization, LoRA).
+DecoderArgs from_meta_params(const nlohmann::json& params, const std::string& path, bool tied);
+
 }  // namespace titan::llama3

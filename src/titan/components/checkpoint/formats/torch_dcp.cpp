@@ -423,4 +423,16 @@ void write_checkpoint(const std::string& directory, const std::vector<TensorToWr
   if (ec) fail("cannot rename ", quote(partial), " to ", quote(directory), ": ", ec.message());
 }
 
+std::string nested_model_prefix(const Reader& reader) {
+  bool any = false;
+  for (const auto& [key, item] : reader.tensors()) {
+    if (starts_with(key, "optimizer.") || starts_with(key, "lr_scheduler.") || starts_with(key, "train_state.") ||
+        starts_with(key, "dataloader."))
+      continue;
+    if (!starts_with(key, "model.")) return "";
+    any = true;
+  }
+  return any ? "model." : "";
+}
+
 }  // namespace titan::checkpoint::torch_dcp

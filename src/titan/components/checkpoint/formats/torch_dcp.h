@@ -58,6 +58,11 @@ class Reader {
   std::map<std::string, Location> objects_;
 };
 
+// "model." when every tensor outside torchtitan's training state (optimizer., lr_scheduler., train_state.,
+// dataloader.) lies under it, as in a DCP save of {"model": model.state_dict()}: the model's keys are then read one
+// level down. Empty otherwise (torchtitan's own checkpoints keep the model's keys at the top).
+std::string nested_model_prefix(const Reader& reader);
+
 struct TensorToWrite {
   std::string key;                // the flat key, e.g. "optimizer.state.norm.weight.exp_avg"
   std::vector<std::string> path;  // the nested state-dict path it flattens, e.g. {"optimizer", "state.norm.weight.exp_avg"}

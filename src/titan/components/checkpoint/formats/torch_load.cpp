@@ -240,13 +240,34 @@ pickle::Ptr read_pickle(const ZipReader& zip, const std::string& path) {
 
 }  // namespace
 
-std::map<std::string, at::Tensor> load_torch(const std::string& path) {
+std::map<std::string, at::Tensor> load_torch(const std::string& path, std::string* unwrapped) {
   ZipReader zip(path);
   pickle::Ptr root = read_pickle(zip, path);
   if (!root->is(Kind::dict)) fail(quote(path), ": the pickle's top-level object is not a dict (a state dict was expected)");
+  auto holds_tensors = [&](const Value& dict) {
+    for (const auto& [key, value] : dict.entries)
+      if (key->is(Kind::string) && tensor_record(*value, path)) return true;
+    return false;
+  };
+  const Value* state = root.get();
+  if (!holds_tensors(*root)) {
+    // One wrapping level: {"model": state_dict, ...} with exactly one dict of tensors among the values.
+    std::vector<std::string> wrapped;
+    for (const auto& [key, value] : root->entries)
+      if (key->is(Kind::string) && value->is(Kind::dict) && holds_tensors(*value)) {
+        wrapped.push_back(key->text);
+        state = value.get();
+      }
+    if (wrapped.size() > 1) {
+      for (auto& key : wrapped) key = quote(key);
+      fail(quote(path), ": holds several dicts of tensors (", join(wrapped, ", "),
+           "); titan cannot tell which is the model's state dict. Save that one alone: torch.save(checkpoint[KEY], PATH)");
+    }
+    if (wrapped.size() == 1 && unwrapped) *unwrapped = wrapped[0];
+  }
   std::map<std::string, at::Tensor> out;
   TensorMaterializer materialize(zip, path);
-  for (const auto& [key, value] : root->entries) {
+  for (const auto& [key, value] : state->entries) {
     if (!key->is(Kind::string)) continue;
     if (auto t = tensor_record(*value, path)) out[key->text] = materialize(*t, key->text);
     else if (value->is(Kind::object))  // anything else is a non-tensor value, skipped; unknown objects are refused

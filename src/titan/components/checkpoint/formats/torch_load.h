@@ -13,7 +13,10 @@
 namespace titan::checkpoint {
 
 // Every tensor of the file's top-level dict (CPU, contiguous copies, stored dtype). Non-tensor values are skipped.
-std::map<std::string, at::Tensor> load_torch(const std::string& path);
+// A dict without tensors of its own that holds exactly one dict of tensors under a string key (torch.save({"model":
+// model.state_dict(), "step": 10})) is read one level down, and `unwrapped` (when given) is set to that key; two
+// or more such dicts are refused by name, since which one is the model cannot be told.
+std::map<std::string, at::Tensor> load_torch(const std::string& path, std::string* unwrapped = nullptr);
 
 // The torch.save archive in bytes [offset, offset + length) of `path`: a tensor (a contiguous CPU copy) or any
 // pickled object, as a value tree.
