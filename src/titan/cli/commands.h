@@ -11,5 +11,6 @@ int run_estimate(const std::vector<std::string>& args);
 int run_plan(const std::vector<std::string>& args);
 int run_data(const std::vector<std::string>& args);
 int run_convert(const std::vector<std::string>& args);
+int run_generate(const std::vector<std::string>& args);
 
 }  // namespace titan::cli

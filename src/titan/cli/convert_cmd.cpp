@@ -7,6 +7,7 @@
 #include <map>
 
 #include "titan/cli/commands.h"
+#include "titan/cli/model_source.h"
 #include "titan/common/error.h"
 #include "titan/common/progress.h"
 #include "titan/common/strings.h"
@@ -46,223 +47,7 @@ const char* kConvertUsage =
     "  --tokenizer: for --format hf, the tokenizer whose files (tokenizer.json + tokenizer_config.json) go into the\n"
     "          export; default: the one a titan checkpoint's run used, or an HF directory's own.\n";
 
-// What is read from the source: the weights under titan's names, and the training state where it has one.
-struct Source {
-  std::string description;  // for messages
-  std::string flavor_name;
-  const protocols::ModelSpec* spec = nullptr;
-  std::shared_ptr<const protocols::ModelArgs> args;
-  std::vector<std::pair<std::string, at::Tensor>> weights;  // in parameter order
-  at::ScalarType stored = at::kFloat;
-  bool training_state = false;
-  std::map<std::string, at::Tensor> exp_avg, exp_avg_sq;
-  std::map<std::string, double> optimizer_steps;
-  int64_t step = 0, tokens_seen = 0, lr_completed = 0;
-  nlohmann::json optimizer_settings;  // titan checkpoints from this version on
-  std::string tokenizer_path;         // the tokenizer the model was trained with, where the source records it
-};
-
-std::shared_ptr<const protocols::ModelArgs> flavor_for(const protocols::ModelSpec& spec, const std::string& flavor_name,
-                                                      const std::string& what) {
-  if (flavor_name.empty())
-    fail(what, " does not record the model's shape; pass --flavor (the titan model it holds; --model names its family, default llama3)");
-  return spec.flavor(flavor_name);
-}
-
-// Every parameter from `get(name, shape)`, checked against the shape the arguments give.
-template <typename Get>
-void take_weights(Source& s, Get&& get) {
-  const auto shapes = s.args->parameter_shapes();
-  Progress progress("reading " + s.description, static_cast<int64_t>(shapes.size()), "tensors");
-  for (const auto& p : shapes) {
-    at::Tensor t = get(p.name);
-    progress.advance(1);
-    if (!t.defined()) fail(s.description, ": no tensor ", quote(p.name), " (is it a ", s.flavor_name, " model?)");
-    if (t.sizes().vec() != p.shape)
-      fail(s.description, ": ", quote(p.name), " has shape ", t.sizes(), ", the model (", s.flavor_name, ") expects ",
-           at::IntArrayRef(p.shape));
-    s.stored = t.scalar_type();
-    s.weights.emplace_back(p.name, t);
-  }
-  // Untrained state (MoE balancing biases) where the source has it: Hugging Face Qwen3-MoE files do not.
-  for (const auto& b : s.args->buffer_shapes()) {
-    at::Tensor t = get(b.name);
-    if (!t.defined()) continue;
-    if (t.sizes().vec() != b.shape)
-      fail(s.description, ": ", quote(b.name), " has shape ", t.sizes(), ", the model (", s.flavor_name, ") expects ", at::IntArrayRef(b.shape));
-    s.weights.emplace_back(b.name, t.to(at::kFloat));
-  }
-}
-
-Source read_titan(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
-  checkpoint::Reader reader(from);
-  const auto& meta = reader.metadata();
-  Source s;
-  s.description = "titan checkpoint " + from;
-  // The family it was trained as (checkpoints from before families were recorded hold the default family's model).
-  std::string family = models::default_model_spec().name;
-  if (meta.contains("model") && meta.at("model").contains("family") && meta.at("model").at("family").is_string())
-    family = meta.at("model").at("family").get<std::string>();
-  if (!model_name.empty() && model_name != family)
-    fail("--model ", model_name, ": ", from, " holds a ", family, " model; leave --model out to convert it as saved");
-  s.spec = &models::model_spec(family);
-  if (meta.contains("model")) {
-    // The shape it was trained with; a --flavor must describe the same model.
-    s.args = s.spec->args_from_json(meta.at("model"), from + "/metadata.json: model");
-    if (!flavor_name.empty()) {
-      const auto differences = s.args->computation_differences(*s.spec->flavor(flavor_name));
-      if (!differences.empty())
-        fail("--flavor ", flavor_name, " is not the model ", from, " holds (checkpoint vs flavor):\n  ", join(differences, "\n  "),
-             "\nleave --flavor out to convert the model as saved");
-    }
-    s.flavor_name = flavor_name.empty() ? meta.value("flavor", "custom") : flavor_name;
-  } else {
-    s.flavor_name = flavor_name.empty() ? meta.value("flavor", "") : flavor_name;
-    s.args = flavor_for(*s.spec, s.flavor_name, from);
-  }
-  s.tokenizer_path = meta.value("tokenizer", "");
-  auto read = [&](const std::string& key) -> at::Tensor {
-    if (!reader.contains(key)) return {};
-    const auto& entry = reader.tensors().at(key);
-    at::Tensor full = at::empty(entry.shape, at::TensorOptions().dtype(entry.dtype));
-    reader.read_box(key, std::vector<int64_t>(entry.shape.size(), 0), full);  // whatever layout saved it
-    return full;
-  };
-  take_weights(s, [&](const std::string& name) { return read("model." + name); });
-  if (!meta.value("model_only", false) && meta.contains("optimizer")) {
-    s.training_state = true;
-    for (const auto& [name, step] : meta.at("optimizer").at("steps").items()) {
-      s.optimizer_steps[name] = step.get<double>();
-      s.exp_avg[name] = read("optimizer.exp_avg." + name);
-      s.exp_avg_sq[name] = read("optimizer.exp_avg_sq." + name);
-      if (!s.exp_avg[name].defined() || !s.exp_avg_sq[name].defined())
-        fail(s.description, ": optimizer state of ", quote(name), " is missing");
-    }
-    s.step = meta.at("train_state").at("step").get<int64_t>();
-    s.tokens_seen = meta.at("train_state").at("tokens_seen").get<int64_t>();
-    s.lr_completed = meta.at("lr_scheduler").at("completed").get<int64_t>();
-    s.optimizer_settings = meta.value("optimizer_settings", nlohmann::json());
-  }
-  return s;
-}
-
-Source read_torch_dcp(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
-  checkpoint::torch_dcp::Reader reader(from);
-  Source s;
-  s.description = "torch DCP checkpoint " + from;
-  s.flavor_name = flavor_name;
-  s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
-  s.args = flavor_for(*s.spec, flavor_name, s.description);
-  const std::string nested = checkpoint::torch_dcp::nested_model_prefix(reader);  // {"model": state_dict} saves
-  if (!nested.empty()) std::cerr << "note: " << from << " holds the model's tensors under \"model.\"; read them from there\n";
-  take_weights(s, [&](const std::string& name) {
-    return reader.has_tensor(nested + name) ? reader.read(nested + name) : at::Tensor();
-  });
-  return s;
-}
-
-Source read_hf(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
-  // The family is config.json's model_type, the shape its fields; a --flavor is checked against it field by field
-  // (HfReader).
-  Source s;
-  s.description = "Hugging Face model " + from;
-  s.spec = &models::spec_for_hf_directory(from);
-  if (!model_name.empty() && model_name != s.spec->name)
-    fail("--model ", model_name, ": ", from, "/config.json describes a ", s.spec->name, " model; leave --model out to convert it as it is");
-  s.args = s.spec->read_hf_config((fs::path(from) / "config.json").string());
-  s.flavor_name = flavor_name.empty() ? "custom" : flavor_name;
-  if (!flavor_name.empty()) s.args = s.spec->flavor(flavor_name)->with_context_length(s.args->context_length());
-  for (const char* file : {"tokenizer.json", "tokenizer.model"})
-    if (s.tokenizer_path.empty() && fs::exists(fs::path(from) / file)) s.tokenizer_path = (fs::path(from) / file).string();
-  const auto adapter = s.spec->state_dict_adapter(*s.args);
-  checkpoint::HfReader reader(from, *s.args, *adapter);  // checks config.json against the arguments and every weight's shape
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& p : s.args->parameter_shapes()) shapes[p.name] = p.shape;
-  for (const auto& b : s.args->buffer_shapes())
-    if (reader.contains(b.name)) shapes[b.name] = b.shape;  // DeepSeek-V3's e_score_correction_bias
-  take_weights(s, [&](const std::string& name) {
-    if (!shapes.count(name)) return at::Tensor();  // state HF files do not hold (Qwen3-MoE's balancing biases)
-    at::Tensor t = at::empty(shapes.at(name), at::TensorOptions().dtype(reader.dtype(name)));
-    reader.read_box(name, std::vector<int64_t>(t.dim(), 0), t);
-    return t;
-  });
-  return s;
-}
-
-// Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8), with
-// params.json beside them; or any torch.save state dict (one wrapping level, {"model": state_dict}, unwrapped).
-Source read_pth(const std::vector<std::string>& parts, const std::string& from, const std::string& model_name,
-                const std::string& flavor_name) {
-  Source s;
-  s.description = parts.size() == 1 ? parts[0] : from;
-  s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
-  std::vector<std::map<std::string, at::Tensor>> shards;
-  for (const auto& part : parts) {
-    std::string unwrapped;
-    shards.push_back(checkpoint::load_torch(part, &unwrapped));
-    if (!unwrapped.empty())
-      std::cerr << "note: " << part << " holds its tensors under " << quote(unwrapped) << "; read them from there\n";
-    shards.back().erase("rope.freqs");  // Llama 2's precomputed RoPE table: not a parameter
-  }
-  std::map<std::string, at::Tensor> weights;
-  if (shards.size() == 1) {
-    weights = std::move(shards[0]);
-  } else {
-    // Meta's model parallelism: the embedding and the row-parallel projections (wo, w2) are split along dim 1,
-    // the column-parallel ones (wq, wk, wv, w1, w3, output) along dim 0; norms are replicated.
-    for (const auto& [name, first] : shards[0]) {
-      std::vector<at::Tensor> pieces;
-      for (size_t i = 0; i < shards.size(); ++i) {
-        auto it = shards[i].find(name);
-        if (it == shards[i].end()) fail(quote(parts[i]), ": no tensor ", quote(name), " (shards of different models?)");
-        pieces.push_back(it->second);
-      }
-      if (first.dim() == 1) {
-        weights[name] = first;
-      } else {
-        const bool dim1 = name == "tok_embeddings.weight" || ends_with(name, ".attention.wo.weight") ||
-                          ends_with(name, ".feed_forward.w2.weight");
-        weights[name] = at::cat(pieces, dim1 ? 1 : 0);
-      }
-    }
-  }
-  // The shape: Meta's params.json beside the files where the family reads it, else --flavor.
-  const fs::path params = fs::path(parts[0]).parent_path() / "params.json";
-  if (fs::exists(params) && s.spec->read_meta_params) {
-    // params.json does not say whether the output reads the embedding's table: the weights do (no output.weight,
-    // or one equal to the embedding, as Llama 3.2's 1B and 3B).
-    auto output = weights.find("output.weight");
-    auto embedding = weights.find("tok_embeddings.weight");
-    const bool tied = output == weights.end() ||
-                      (embedding != weights.end() && output->second.sizes() == embedding->second.sizes() &&
-                       output->second.scalar_type() == embedding->second.scalar_type() && at::equal(output->second, embedding->second));
-    s.args = s.spec->read_meta_params(params.string(), tied);
-    if (!flavor_name.empty()) {
-      const auto differences = s.args->computation_differences(*s.spec->flavor(flavor_name));
-      if (!differences.empty())
-        fail("--flavor ", flavor_name, " is not the model ", params.string(), " describes (params.json vs flavor):\n  ",
-             join(differences, "\n  "), "\nleave --flavor out to import the model params.json describes");
-      s.flavor_name = flavor_name;
-    } else {
-      // A built-in flavor of the same shape gives its name; anything else is "custom".
-      s.flavor_name = "custom";
-      for (const auto& name : s.spec->flavor_names())
-        if (s.args->computation_differences(*s.spec->flavor(name)).empty()) {
-          s.flavor_name = name;
-          break;
-        }
-    }
-    std::cerr << "read the model's shape from " << params.string() << " (" << s.flavor_name
-              << (tied ? ", output tied to the embedding" : "") << ")\n";
-  } else {
-    s.flavor_name = flavor_name;
-    s.args = flavor_for(*s.spec, flavor_name, s.description);
-  }
-  take_weights(s, [&](const std::string& name) { return weights.count(name) ? weights.at(name) : at::Tensor(); });
-  return s;
-}
-
-void write_titan(const Source& s, const std::string& to) {
+void write_titan(const ModelSource& s, const std::string& to) {
   if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new directory so nothing is overwritten");
   const std::string partial = to + ".partial";
   fs::remove_all(partial);
@@ -300,7 +85,7 @@ std::string pickled_float(double v) {
 
 // torchtitan's layout (torchtitan_checkpoint.h): model weights at the top level; with the training state also the
 // AdamW state and param_groups as torch.optim keeps them, the LR schedule (a LambdaLR) and the train state.
-void write_dcp(const Source& s, const std::string& to) {
+void write_dcp(const ModelSource& s, const std::string& to) {
   namespace tt = checkpoint::torchtitan;
   using checkpoint::torch_dcp::ObjectToWrite;
   using checkpoint::torch_dcp::TensorToWrite;
@@ -415,29 +200,8 @@ int run_convert(const std::vector<std::string>& args) {
   if (!format.empty() && format != "titan" && format != "hf" && format != "dcp" && format != "pt")
     fail("--format ", quote(format), ": expected titan, hf, dcp or pt");
 
-  Source source;
   bool from_titan = false;
-  if (fs::exists(fs::path(from) / "metadata.json")) {
-    source = read_titan(from, model_name, flavor_name);
-    from_titan = true;
-  } else if (checkpoint::torch_dcp::is_checkpoint(from)) {
-    source = read_torch_dcp(from, model_name, flavor_name);
-  } else if (fs::exists(fs::path(from) / "config.json")) {
-    source = read_hf(from, model_name, flavor_name);
-  } else {
-    std::vector<std::string> parts;
-    if (fs::is_directory(from)) {
-      for (const auto& e : fs::directory_iterator(from))
-        if (e.path().filename().string().starts_with("consolidated.") && e.path().extension() == ".pth") parts.push_back(e.path().string());
-      std::sort(parts.begin(), parts.end());
-    } else if (fs::is_regular_file(from) && (ends_with(from, ".pth") || ends_with(from, ".pt"))) {
-      parts = {from};
-    }
-    if (parts.empty())
-      fail(quote(from), " is neither a titan checkpoint directory (metadata.json), a torch DCP one (.metadata), a "
-           "Hugging Face one (config.json) nor .pth files");
-    source = read_pth(parts, from, model_name, flavor_name);
-  }
+  ModelSource source = read_model_source(from, model_name, flavor_name, &from_titan);
   if (!dtype_name.empty()) {
     const at::ScalarType dtype = checkpoint::parse_dtype(dtype_name, "--dtype");
     if (source.training_state && format == "dcp")

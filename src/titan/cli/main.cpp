@@ -23,6 +23,7 @@ std::string usage() {
     "  tokenizer   encode, decode or train tokenizers (`titan tokenizer --help`)\n"
     "  data        pre-tokenize datasets into token shards, inspect shards (`titan data --help`)\n"
     "  convert     checkpoints between titan, Hugging Face safetensors, torch.save .pt and Meta .pth (`titan convert --help`)\n"
+    "  generate    sample continuations of prompts from a checkpoint (`titan generate --help`)\n"
     "  estimate    parameters, FLOPs per token and training-state memory of a job's model\n"
     "  plan        memory per rank, step time, tokens/s and MFU of a layout on a GPU cluster; --search finds the best\n"
     "\n"
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
     if (command == "plan") return titan::cli::run_plan(rest);
     if (command == "data") return titan::cli::run_data(rest);
     if (command == "convert") return titan::cli::run_convert(rest);
+    if (command == "generate") return titan::cli::run_generate(rest);
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), usage().c_str());
     return 2;
   } catch (const titan::UserError& e) {

@@ -21,6 +21,12 @@ std::vector<int32_t> Tokenizer::encode_document(std::string_view text) const {
   return out;
 }
 
+std::vector<int32_t> Tokenizer::encode_prompt(std::string_view text) const {
+  std::vector<int32_t> out = encode_document(text);
+  if (eos_id_ && !out.empty() && out.back() == *eos_id_) out.pop_back();
+  return out;
+}
+
 namespace {
 
 bool looks_like_tiktoken(const fs::path& file) {

@@ -37,6 +37,8 @@ class Tokenizer {
 
   // A training document: BOS + encode(text) + EOS, without doubling a BOS/EOS that encode() already adds.
   std::vector<int32_t> encode_document(std::string_view text) const;
+  // A prompt to continue: BOS + encode(text), without the document's EOS (torchtitan's generation script's form).
+  std::vector<int32_t> encode_prompt(std::string_view text) const;
 
  protected:
   std::optional<int32_t> bos_id_, eos_id_;

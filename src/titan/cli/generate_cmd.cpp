@@ -1,0 +1,268 @@
+// `titan generate`: samples continuations of prompts from any checkpoint titan reads (a titan step folder, a
+// Hugging Face directory, a torch DCP folder, Meta's .pth), on one process, with a KV cache: greedy, temperature,
+// top-k, top-p, a seed, several prompts as one left-padded batch, stopping at the tokenizer's EOS.
+#include <ATen/autocast_mode.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <sstream>
+
+#include "titan/cli/commands.h"
+#include "titan/cli/model_source.h"
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/tokenizer/tokenizer.h"
+#include "titan/models/common/kv_cache.h"
+
+namespace titan::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* kGenerateUsage =
+    "usage: titan generate --checkpoint PATH [--prompt TEXT]... [--prompt-file FILE]... [--tokenizer PATH]\n"
+    "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+    "                      [--model NAME] [--flavor F] [--dtype float32|bfloat16] [--device cpu|cuda]\n"
+    "                      [--ignore-eos] [--json]\n"
+    "  --checkpoint: a titan checkpoint step folder, a Hugging Face directory, a torch DCP folder (torchtitan's;\n"
+    "          with --flavor), Meta's consolidated.NN.pth folder or a torch.save state dict (as `titan convert --from`).\n"
+    "  --prompt: a prompt (repeat for a batch); --prompt-file: a file whose whole text is one prompt; with neither,\n"
+    "          standard input is one prompt. Each is encoded as BOS + its tokens and continued.\n"
+    "  --tokenizer: a tokenizer file or directory; default: the one the checkpoint records (a titan run's, an HF\n"
+    "          directory's own).\n"
+    "  --max-new-tokens: tokens to add to each prompt at most (default 64); a prompt stops early at EOS.\n"
+    "  --temperature: 0 is greedy (the most likely token); default 1. --top-k: sample among the K most likely\n"
+    "          tokens; --top-p: among the most likely tokens whose probabilities add up to P, in (0, 1].\n"
+    "  --seed: the sampling seed (default: a random one, printed so that the run can be repeated).\n"
+    "  --dtype: float32 (default) or bfloat16 (autocast, as training's mixed precision).\n"
+    "  --ignore-eos: always generate --max-new-tokens (timing). --json: one JSON object per prompt on standard\n"
+    "          output (prompt, prompt_ids, ids, text, stop) instead of the text.\n";
+
+struct Options {
+  std::string checkpoint, tokenizer, model, flavor, dtype = "float32", device = "cpu";
+  std::vector<std::string> prompts;
+  int64_t max_new_tokens = 64, top_k = 0;
+  double temperature = 1.0, top_p = 1.0;
+  std::optional<uint64_t> seed;
+  bool ignore_eos = false, json = false;
+};
+
+int64_t integer(const std::string& option, const std::string& value) {
+  try {
+    size_t used = 0;
+    const long long v = std::stoll(value, &used);
+    if (used == value.size()) return v;
+  } catch (const std::exception&) {
+  }
+  fail(option, " expects an integer, got ", quote(value));
+}
+
+double number(const std::string& option, const std::string& value) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(value, &used);
+    if (used == value.size()) return v;
+  } catch (const std::exception&) {
+  }
+  fail(option, " expects a number, got ", quote(value));
+}
+
+Options parse(const std::vector<std::string>& args) {
+  Options o;
+  bool prompt_given = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--ignore-eos") { o.ignore_eos = true; continue; }
+    if (a == "--json") { o.json = true; continue; }
+    if (i + 1 >= args.size()) fail(a, " expects a value\n", kGenerateUsage);
+    const std::string v = args[++i];
+    if (a == "--checkpoint") o.checkpoint = v;
+    else if (a == "--prompt") o.prompts.push_back(v), prompt_given = true;
+    else if (a == "--prompt-file") {
+      std::ifstream in(v, std::ios::binary);
+      if (!in) fail("--prompt-file ", quote(v), ": cannot be read");
+      o.prompts.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      prompt_given = true;
+    } else if (a == "--tokenizer") o.tokenizer = v;
+    else if (a == "--model") o.model = v;
+    else if (a == "--flavor") o.flavor = v;
+    else if (a == "--dtype") o.dtype = v;
+    else if (a == "--device") o.device = v;
+    else if (a == "--max-new-tokens") o.max_new_tokens = integer(a, v);
+    else if (a == "--top-k") o.top_k = integer(a, v);
+    else if (a == "--temperature") o.temperature = number(a, v);
+    else if (a == "--top-p") o.top_p = number(a, v);
+    else if (a == "--seed") o.seed = static_cast<uint64_t>(integer(a, v));
+    else fail("unknown option ", quote(a), " for `titan generate`\n", kGenerateUsage);
+  }
+  if (o.checkpoint.empty()) fail("`titan generate` needs --checkpoint\n", kGenerateUsage);
+  if (!prompt_given) o.prompts.emplace_back(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  for (size_t i = 0; i < o.prompts.size(); ++i)
+    if (o.prompts[i].empty())
+      fail("prompt ", i + 1, " is empty", prompt_given ? "" : " (nothing on standard input)", "; give the text to continue");
+  if (o.max_new_tokens < 1) fail("--max-new-tokens must be at least 1, got ", o.max_new_tokens);
+  if (!(o.temperature >= 0) || !std::isfinite(o.temperature)) fail("--temperature must be 0 (greedy) or positive, got ", o.temperature);
+  if (!(o.top_p > 0 && o.top_p <= 1)) fail("--top-p must be in (0, 1], got ", o.top_p);
+  if (o.top_k < 0) fail("--top-k must be positive (0: off), got ", o.top_k);
+  if (o.dtype != "float32" && o.dtype != "bfloat16") fail("--dtype ", quote(o.dtype), ": expected float32 or bfloat16");
+  return o;
+}
+
+// The next token of each row from its logits (float32, batch x vocab): argmax at temperature 0, else a draw from
+// the softmax of logits / temperature restricted to the top-k and to the top-p nucleus.
+at::Tensor next_tokens(at::Tensor logits, const Options& o, at::Generator& generator) {
+  if (o.temperature == 0) return logits.argmax(-1);
+  logits = logits / o.temperature;
+  const double minus_inf = -std::numeric_limits<double>::infinity();
+  if (o.top_k > 0 && o.top_k < logits.size(-1)) {
+    const at::Tensor kth = std::get<0>(logits.topk(o.top_k, -1)).narrow(-1, o.top_k - 1, 1);
+    logits = logits.masked_fill(logits < kth, minus_inf);
+  }
+  if (o.top_p < 1) {
+    auto [sorted, order] = logits.sort(-1, /*descending=*/true);
+    const at::Tensor probs = at::softmax(sorted, -1);
+    // A token stays when the tokens ahead of it hold less than top_p of the mass (the first always stays).
+    const at::Tensor outside = (probs.cumsum(-1) - probs) >= o.top_p;
+    logits = at::full_like(logits, minus_inf).scatter(-1, order, sorted.masked_fill(outside, minus_inf));
+  }
+  return at::multinomial(at::softmax(logits, -1), 1, /*replacement=*/false, generator).squeeze(-1);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+int run_generate(const std::vector<std::string>& args) {
+  for (const auto& a : args)
+    if (a == "--help" || a == "-h") {
+      std::cout << kGenerateUsage;
+      return 0;
+    }
+  const Options o = parse(args);
+  ModelSource source = read_model_source(o.checkpoint, o.model, o.flavor);
+  const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : source.tokenizer_path;
+  if (tokenizer_path.empty() || !fs::exists(tokenizer_path))
+    fail(source.description, tokenizer_path.empty() ? " records no tokenizer" : " records the tokenizer " + tokenizer_path + ", which no longer exists",
+         "; pass --tokenizer PATH (a tokenizer file or model.hf_assets_path)");
+  const auto tok = tokenizer::load(tokenizer_path);
+  if (tok->vocab_size() > source.args->vocabulary())
+    fail("the tokenizer ", tokenizer_path, " has ", tok->vocab_size(), " ids, more than the model's vocabulary (",
+         source.args->vocabulary(), "): not the model's tokenizer");
+
+  // The prompts, left-padded into one batch.
+  std::vector<std::vector<int32_t>> prompts;
+  int64_t longest = 0;
+  for (const auto& text : o.prompts) {
+    prompts.push_back(tok->encode_prompt(text));
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts.back().size()));
+  }
+  const int64_t context = source.args->context_length(), total = longest + o.max_new_tokens;
+  if (total > context)
+    fail("the longest prompt (", longest, " tokens) and --max-new-tokens ", o.max_new_tokens, " make ", total,
+         " positions, more than the model's context of ", context, " (max_seq_len); shorten the prompt or ask for fewer tokens");
+  const int64_t batch = static_cast<int64_t>(prompts.size());
+  at::Tensor tokens = at::zeros({batch, longest}, at::kLong), padding = at::empty({batch}, at::kLong);
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto& p = prompts[static_cast<size_t>(b)];
+    const int64_t pad = longest - static_cast<int64_t>(p.size());
+    padding[b] = pad;
+    for (size_t j = 0; j < p.size(); ++j) tokens[b][pad + static_cast<int64_t>(j)] = p[j];
+  }
+
+  // The model, with the checkpoint's weights.
+  const at::Device device(o.device);
+  auto built = source.spec->build(*source.args, {});
+  auto model = std::dynamic_pointer_cast<models::Decoder>(built);
+  if (!model) fail("model family ", source.spec->name, " cannot be sampled from yet");
+  {
+    at::NoGradGuard no_grad;
+    std::map<std::string, at::Tensor> weights(source.weights.begin(), source.weights.end());
+    for (auto& item : model->named_parameters()) item.value().copy_(weights.at(item.key()));
+    for (auto& item : model->named_buffers())
+      if (auto it = weights.find(item.key()); it != weights.end()) item.value().copy_(it->second);
+    source.weights.clear();
+  }
+  model->to(device);
+  model->move_buffers(device);
+  model->eval();
+
+  models::KvCache cache(*model, padding.to(device), total);
+  const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const bool autocast = o.dtype == "bfloat16";
+  c10::InferenceMode inference;
+  if (autocast) {
+    at::autocast::set_autocast_dtype(device.type(), at::kBFloat16);
+    at::autocast::set_autocast_enabled(device.type(), true);
+  }
+  const int64_t n = static_cast<int64_t>(model->layers.size());
+  // The logits of each row's last token of `input` (batch x count), whose cache positions start at `start`.
+  auto step = [&](const at::Tensor& input, int64_t start) {
+    const int64_t count = input.size(1);
+    cache.advance_to(start);
+    const at::Tensor positions = cache.positions(start, count).to(device);
+    at::Tensor h = model->forward_modules(input.to(device), 0, n + 2, start + count, positions);
+    h = h.narrow(1, count - 1, 1);
+    return model->forward_modules(h, n + 2, n + 3, 1).select(1, 0).to(at::kCPU, at::kFloat);
+  };
+
+  std::vector<std::vector<int32_t>> generated(static_cast<size_t>(batch));
+  std::vector<bool> stopped(static_cast<size_t>(batch), false);
+  const auto eos = tok->eos_id();
+  const auto start_time = std::chrono::steady_clock::now();
+  at::Tensor logits = step(tokens, 0);
+  const double prefill_seconds = seconds_since(start_time);
+  int64_t produced = 0;
+  for (int64_t t = 0; t < o.max_new_tokens; ++t) {
+    const at::Tensor next = next_tokens(logits, o, generator);
+    bool all_stopped = true;
+    for (int64_t b = 0; b < batch; ++b) {
+      if (stopped[static_cast<size_t>(b)]) continue;
+      const int32_t id = static_cast<int32_t>(next[b].item<int64_t>());
+      generated[static_cast<size_t>(b)].push_back(id);
+      ++produced;
+      if (!o.ignore_eos && eos && id == *eos) stopped[static_cast<size_t>(b)] = true;
+      else all_stopped = false;
+    }
+    if (all_stopped || t + 1 == o.max_new_tokens) break;
+    logits = step(next.view({batch, 1}), longest + t);
+  }
+  const double total_seconds = seconds_since(start_time);
+  if (autocast) at::autocast::set_autocast_enabled(device.type(), false);
+
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto& ids = generated[static_cast<size_t>(b)];
+    const std::string text = tok->decode(ids, /*skip_special_tokens=*/true);
+    if (o.json) {
+      nlohmann::json j = {{"prompt", o.prompts[static_cast<size_t>(b)]},
+                          {"prompt_ids", prompts[static_cast<size_t>(b)]},
+                          {"ids", ids},
+                          {"text", text},
+                          {"stop", stopped[static_cast<size_t>(b)] ? "eos" : "length"}};
+      std::cout << j.dump() << "\n";
+    } else {
+      if (batch > 1) std::cout << "[" << b + 1 << "] ";
+      std::cout << o.prompts[static_cast<size_t>(b)] << text << "\n";
+    }
+  }
+  std::cout.flush();
+  const double decode_seconds = total_seconds - prefill_seconds;
+  std::cerr << strprintf("generated %lld tokens for %lld prompt(s) in %.2f s: prefill %lld tokens in %.3f s, "
+                         "then %.1f tokens/s (%s, %s, seed %llu, %s)\n",
+                         static_cast<long long>(produced), static_cast<long long>(batch), total_seconds,
+                         static_cast<long long>(batch * longest), prefill_seconds,
+                         decode_seconds > 0 ? static_cast<double>(produced - batch) / decode_seconds : 0.0,
+                         source.description.c_str(), o.dtype.c_str(), static_cast<unsigned long long>(seed),
+                         o.temperature == 0 ? "greedy" : "sampled");
+  return 0;
+}
+
+}  // namespace titan::cli

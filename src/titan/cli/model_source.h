@@ -1,0 +1,40 @@
+// The model weights (and, where the source has one, the training state) of any checkpoint titan reads, under
+// titan's names with the family and shape they belong to: titan checkpoints, torch DCP directories (torchtitan's),
+// Hugging Face directories, Meta's consolidated.NN.pth (+ params.json) and torch.save state dicts. `titan convert`
+// and `titan generate` read their --from through it.
+#pragma once
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "titan/protocols/model_spec.h"
+
+namespace titan::cli {
+
+struct ModelSource {
+  std::string description;  // for messages
+  std::string flavor_name;
+  const protocols::ModelSpec* spec = nullptr;
+  std::shared_ptr<const protocols::ModelArgs> args;
+  std::vector<std::pair<std::string, at::Tensor>> weights;  // in parameter order, then the buffers the source holds
+  at::ScalarType stored = at::kFloat;
+  bool training_state = false;
+  std::map<std::string, at::Tensor> exp_avg, exp_avg_sq;
+  std::map<std::string, double> optimizer_steps;
+  int64_t step = 0, tokens_seen = 0, lr_completed = 0;
+  nlohmann::json optimizer_settings;  // titan checkpoints from this version on
+  std::string tokenizer_path;         // the tokenizer the model was trained with, where the source records it
+};
+
+// Reads `from` by what it holds (metadata.json, .metadata, config.json, .pth/.pt files). `model_name` (the family)
+// and `flavor_name` are needed where the source does not record them and checked against it where it does.
+// `from_titan` (when given) says whether it was a titan checkpoint. UserError naming the path otherwise.
+ModelSource read_model_source(const std::string& from, const std::string& model_name, const std::string& flavor_name,
+                              bool* from_titan = nullptr);
+
+}  // namespace titan::cli
