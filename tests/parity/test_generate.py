@@ -1,9 +1,13 @@
 """`titan generate` against Hugging Face transformers' generate(do_sample=False) on the HF export of the same
 checkpoint, token for token, for every family the registry has (Llama 3, Qwen3 dense and MoE, DeepSeek-V3), with
 a batch of two prompts of different lengths (left-padded in titan, each alone in transformers); seeded sampling
-repeats; bad input is refused by name."""
+repeats; bad input is refused by name. `titan convert --format gguf` of the same checkpoints: the `gguf` package
+reads every tensor back (F32, F16, BF16 exactly, Q8_0 within its step) with llama.cpp's names and metadata, and
+llama.cpp itself (llama-cpp-python, where installed) tokenizes as titan does and continues greedily as
+transformers does."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,3 +104,98 @@ def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint):
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
     missing = run([binary("titan"), "generate", "--checkpoint", str(step.parent / "nothing"), "--prompt", "x"], check=False)
     assert missing.returncode == 2 and "nothing" in missing.stderr, missing.stderr
+
+
+GGUF_NAMES = {"attention_norm": "attn_norm", "attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
+              "attention.wo": "attn_output", "attention.q_norm": "attn_q_norm", "attention.k_norm": "attn_k_norm",
+              "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down"}
+
+
+def gguf_name(name):
+    if name.startswith("layers."):
+        _, layer, rest = name.split(".", 2)
+        return f"blk.{layer}.{GGUF_NAMES[rest[:-len('.weight')]]}.weight"
+    return {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}.get(name, name)
+
+
+def test_gguf_export_reads_back_with_llama_cpps_names_and_metadata(checkpoint, tmp_path):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from titan_testing import read_checkpoint
+
+    family, step, _ = checkpoint
+    if family in ("qwen3_moe", "deepseek_v3"):
+        refused = run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "m.gguf")], check=False)
+        assert refused.returncode == 2 and "covers dense Llama 3" in refused.stderr, refused.stderr
+        return
+    meta, weights = read_checkpoint(step)
+    for kind in ("f32", "f16", "bf16", "q8_0"):
+        path = tmp_path / f"{kind}.gguf"
+        run([binary("titan"), "convert", "--from", str(step), "--to", str(path), "--gguf-type", kind])
+        reader = GGUFReader(str(path))
+        field = lambda key: reader.fields[key].contents()
+        arch = "llama" if family == "llama3" else "qwen3"
+        assert field("general.architecture") == arch and field(f"{arch}.block_count") == meta["model"]["n_layers"]
+        assert field(f"{arch}.embedding_length") == meta["model"]["dim"]
+        assert field(f"{arch}.attention.head_count_kv") == meta["model"]["n_kv_heads"]
+        assert field(f"{arch}.feed_forward_length") == meta["model"]["ffn_hidden_dim"]
+        assert len(field("tokenizer.ggml.tokens")) == meta["model"]["vocab_size"] and field("tokenizer.ggml.pre") == "llama-bpe"
+        tensors = {t.name: t for t in reader.tensors}
+        expected = {gguf_name(k[len("model."):]): v for k, v in weights.items()}
+        if family == "llama3":
+            assert "rope_freqs.weight" in tensors  # Llama 3.1's scaling as llama.cpp's frequency factors
+            tensors.pop("rope_freqs.weight")
+        assert sorted(tensors) == sorted(expected)
+        for name, value in expected.items():
+            t = tensors[name]
+            got = dequantize(t.data, t.tensor_type).reshape(value.shape)
+            if value.ndim == 1 or kind == "f32":
+                assert t.tensor_type.name == "F32" and np.array_equal(got, value), name
+            elif kind == "q8_0":
+                # Each block of 32 keeps max|x| / 127 as its step, in float16: every value within half a step, plus
+                # 127 times the step's float16 rounding (2^-11 relative).
+                blocks = value.reshape(-1, 32)
+                step_size = np.abs(blocks).max(axis=1, keepdims=True) / 127
+                assert t.tensor_type.name == "Q8_0"
+                assert (np.abs(got.reshape(-1, 32) - blocks) <= step_size * (0.5 + 127 / 2048) + 1e-9).all(), name
+            else:
+                cast = torch.from_numpy(value).to(torch.float16 if kind == "f16" else torch.bfloat16).float().numpy()
+                assert t.tensor_type.name == kind.upper() and np.array_equal(got, cast), name
+
+
+def test_llama_cpp_runs_the_gguf_export_as_transformers_runs_the_hf_one(checkpoint, tmp_path):
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp; docs/generate.md)")
+    from transformers import AutoModelForCausalLM
+
+    family, step, hf = checkpoint
+    if family != "llama3":
+        pytest.skip("llama.cpp is checked on the Llama 3 export")
+    ours = rows(generate(step, "--temperature", "0", "--ignore-eos", "--json", "--prompt", PROMPTS[0]))[0]
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(torch.tensor([ours["prompt_ids"]])).logits[0].numpy()
+    report = {}
+    for kind in ("f32", "f16", "q8_0"):
+        path = tmp_path / f"{kind}.gguf"
+        run([binary("titan"), "convert", "--from", str(step), "--to", str(path), "--gguf-type", kind])
+        llm = Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+        # The embedded tokenizer: llama.cpp splits and merges the prompt as titan does.
+        assert llm.tokenize(PROMPTS[0].encode(), add_bos=True) == ours["prompt_ids"], kind
+        llm.eval(ours["prompt_ids"])
+        logits = np.array(llm.scores[:len(ours["prompt_ids"])])
+        report[kind] = float(np.abs(logits - reference).max())
+        llm.reset()
+        tokens = []
+        for token in llm.generate(ours["prompt_ids"], temp=0.0, top_k=1, reset=True):
+            tokens.append(token)
+            if len(tokens) == NEW:
+                break
+        if kind != "q8_0":
+            assert tokens == ours["ids"], (kind, tokens, ours["ids"])
+        report[kind + "_same_tokens"] = sum(a == b for a, b in zip(tokens, ours["ids"]))
+    print("llama.cpp against transformers, largest logit difference over the prompt:", json.dumps(report))
+    assert report["f32"] < 1e-3 and report["f16"] < 5e-2

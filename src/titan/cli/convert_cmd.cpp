@@ -7,6 +7,7 @@
 #include <map>
 
 #include "titan/cli/commands.h"
+#include "titan/cli/gguf_export.h"
 #include "titan/cli/model_source.h"
 #include "titan/common/error.h"
 #include "titan/common/progress.h"
@@ -27,8 +28,9 @@ namespace {
 namespace fs = std::filesystem;
 
 const char* kConvertUsage =
-    "usage: titan convert --from PATH --to PATH [--format titan|hf|dcp|pt] [--model NAME] [--flavor F]\n"
+    "usage: titan convert --from PATH --to PATH [--format titan|hf|dcp|pt|gguf] [--model NAME] [--flavor F]\n"
     "                     [--dtype float32|bfloat16|float16] [--tokenizer PATH] [--max-shard-mb N]\n"
+    "                     [--gguf-type f32|f16|bf16|q8_0]\n"
     "  --from: a titan checkpoint step directory (metadata.json), a torch DCP directory (.metadata: torchtitan's\n"
     "          checkpoints), a Hugging Face directory (config.json + safetensors), Meta's consolidated.00.pth or a\n"
     "          folder of consolidated.NN.pth model-parallel shards (their params.json gives the shape), or any torch.save\n"
@@ -36,15 +38,17 @@ const char* kConvertUsage =
     "  --format of --to: titan (a model-only titan checkpoint directory, for checkpoint.initial_load_path), hf (a\n"
     "          Hugging Face directory: config.json, model.safetensors or shards + index), dcp (a torch DCP directory in\n"
     "          torchtitan's layout: the weights, and from a full titan checkpoint the AdamW state, step and LR schedule\n"
-    "          too), pt (a torch.save file of the weights). Default: pt when --to ends in .pt/.pth, hf from a titan\n"
-    "          checkpoint, titan from anything else.\n"
+    "          too), pt (a torch.save file of the weights), gguf (a llama.cpp file: dense Llama 3 and Qwen3, the\n"
+    "          tokenizer embedded). Default: pt when --to ends in .pt/.pth, gguf for .gguf, hf from a titan checkpoint,\n"
+    "          titan from anything else.\n"
+    "  --gguf-type: the GGUF matrices' type (norms stay F32); default f32, or bf16/f16 as the weights are stored.\n"
     "  --model: the model family (model.name: llama3, qwen3) where the source does not record it (torch DCP, .pth;\n"
     "          default llama3); titan checkpoints and Hugging Face directories (model_type) carry theirs.\n"
     "  --flavor: the model's shape where the source does not record it (torch DCP, a .pth without params.json); titan\n"
     "          checkpoints, Hugging Face directories and Meta's params.json carry theirs, and a --flavor given is compared\n"
     "          with it field by field.\n"
     "  --dtype: of the written weights (default: as stored).\n"
-    "  --tokenizer: for --format hf, the tokenizer whose files (tokenizer.json + tokenizer_config.json) go into the\n"
+    "  --tokenizer: for --format hf and gguf, the tokenizer whose files (tokenizer.json + tokenizer_config.json) go into the\n"
     "          export; default: the one a titan checkpoint's run used, or an HF directory's own.\n";
 
 void write_titan(const ModelSource& s, const std::string& to) {
@@ -176,7 +180,7 @@ void write_dcp(const ModelSource& s, const std::string& to) {
 }  // namespace
 
 int run_convert(const std::vector<std::string>& args) {
-  std::string from, to, model_name, flavor_name, dtype_name, format, tokenizer_path;
+  std::string from, to, model_name, flavor_name, dtype_name, format, tokenizer_path, gguf_type;
   int64_t max_shard_mb = 5000;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
@@ -194,11 +198,12 @@ int run_convert(const std::vector<std::string>& args) {
     else if (a == "--format") format = v;
     else if (a == "--tokenizer") tokenizer_path = v;
     else if (a == "--max-shard-mb") max_shard_mb = std::stoll(v);
+    else if (a == "--gguf-type") gguf_type = v;
     else fail("unknown option ", quote(a), " for `titan convert`\n", kConvertUsage);
   }
   if (from.empty() || to.empty()) fail("`titan convert` needs --from and --to\n", kConvertUsage);
-  if (!format.empty() && format != "titan" && format != "hf" && format != "dcp" && format != "pt")
-    fail("--format ", quote(format), ": expected titan, hf, dcp or pt");
+  if (!format.empty() && format != "titan" && format != "hf" && format != "dcp" && format != "pt" && format != "gguf")
+    fail("--format ", quote(format), ": expected titan, hf, dcp, pt or gguf");
 
   bool from_titan = false;
   ModelSource source = read_model_source(from, model_name, flavor_name, &from_titan);
@@ -210,7 +215,19 @@ int run_convert(const std::vector<std::string>& args) {
     for (auto& [name, t] : source.weights) t = t.to(dtype);
     source.stored = dtype;
   }
-  if (format.empty()) format = ends_with(to, ".pt") || ends_with(to, ".pth") ? "pt" : from_titan ? "hf" : "titan";
+  if (format.empty())
+    format = ends_with(to, ".pt") || ends_with(to, ".pth") ? "pt" : ends_with(to, ".gguf") ? "gguf" : from_titan ? "hf" : "titan";
+  if (!gguf_type.empty() && format != "gguf") fail("--gguf-type is for --format gguf (the output is ", format, ")");
+  if (format == "gguf") {
+    const std::string path = !tokenizer_path.empty() ? tokenizer_path : source.tokenizer_path;
+    if (path.empty() || !fs::exists(path))
+      fail("--format gguf embeds the tokenizer: ", source.description,
+           path.empty() ? " records none" : " records " + path + ", which no longer exists", "; pass --tokenizer PATH");
+    if (gguf_type.empty())
+      gguf_type = source.stored == at::kBFloat16 ? "bf16" : source.stored == at::kHalf ? "f16" : "f32";
+    write_gguf(source, to, gguf_type, *tokenizer::load(path));
+    return 0;
+  }
   if (format == "pt") {
     if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new file name so nothing is overwritten");
     checkpoint::save_torch(to, source.weights);

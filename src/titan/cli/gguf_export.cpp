@@ -1,0 +1,162 @@
+#include "titan/cli/gguf_export.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <unistd.h>
+
+#include "titan/common/error.h"
+#include "titan/common/strings.h"
+#include "titan/components/checkpoint/formats/gguf.h"
+#include "titan/components/tokenizer/regex_splitter.h"
+#include "titan/models/common/decoder_args.h"
+
+namespace titan::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// llama.cpp's token types.
+constexpr int32_t kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5;
+// Qwen2's (and Qwen3's) split pattern: Llama 3's with single digits.
+const char* const kQwen2Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+// llama.cpp's tensor name for a titan parameter of a dense decoder.
+std::string gguf_name(const std::string& name) {
+  static const std::map<std::string, std::string> top = {
+      {"tok_embeddings.weight", "token_embd.weight"}, {"norm.weight", "output_norm.weight"}, {"output.weight", "output.weight"}};
+  if (auto it = top.find(name); it != top.end()) return it->second;
+  static const std::map<std::string, std::string> block = {
+      {"attention_norm.weight", "attn_norm.weight"},   {"attention.wq.weight", "attn_q.weight"},
+      {"attention.wk.weight", "attn_k.weight"},        {"attention.wv.weight", "attn_v.weight"},
+      {"attention.wo.weight", "attn_output.weight"},   {"attention.q_norm.weight", "attn_q_norm.weight"},
+      {"attention.k_norm.weight", "attn_k_norm.weight"}, {"ffn_norm.weight", "ffn_norm.weight"},
+      {"feed_forward.w1.weight", "ffn_gate.weight"},   {"feed_forward.w3.weight", "ffn_up.weight"},
+      {"feed_forward.w2.weight", "ffn_down.weight"}};
+  const size_t dot = name.find('.', 7);
+  if (starts_with(name, "layers.") && dot != std::string::npos)
+    if (auto it = block.find(name.substr(dot + 1)); it != block.end())
+      return "blk." + name.substr(7, dot - 7) + "." + it->second;
+  fail("internal: no llama.cpp name for ", quote(name));
+}
+
+// Llama 3.1's RoPE scaling as llama.cpp applies it: each frequency divided by a factor (rope_freqs.weight).
+at::Tensor rope_factors(const models::DecoderArgs& a) {
+  const auto& r = a.rope_scaling;
+  const int64_t pairs = a.head_dim() / 2;
+  at::Tensor out = at::ones({pairs}, at::kFloat);
+  const double low_wavelen = r.original_max_position_embeddings / r.low_freq_factor;
+  const double high_wavelen = r.original_max_position_embeddings / r.high_freq_factor;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const double freq = 1.0 / std::pow(a.rope_theta, 2.0 * static_cast<double>(i) / static_cast<double>(a.head_dim()));
+    const double wavelen = 2 * M_PI / freq;
+    double factor = 1.0;
+    if (wavelen > low_wavelen) {
+      factor = r.factor;
+    } else if (wavelen >= high_wavelen) {
+      const double smooth = (r.original_max_position_embeddings / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+      factor = 1.0 / ((1 - smooth) / r.factor + smooth);
+    }
+    out[i] = factor;
+  }
+  return out;
+}
+
+// The tokenizer as llama.cpp's BPE ("gpt2") vocabulary, from the tokenizer.json transformers would load.
+void add_tokenizer(gguf::Writer& w, const tokenizer::Tokenizer& tok, int64_t vocab_size) {
+  const fs::path scratch = fs::temp_directory_path() / cat("titan-gguf-tokenizer-", ::getpid());
+  fs::remove_all(scratch);
+  fs::create_directories(scratch);
+  tok.save_hf_files(scratch.string());
+  json hf;
+  if (fs::exists(scratch / "tokenizer.json")) hf = json::parse(std::ifstream(scratch / "tokenizer.json"));
+  fs::remove_all(scratch);
+  if (!hf.is_object() || !hf.contains("model") || hf["model"].value("type", "") != "BPE")
+    fail("the tokenizer ", tok.source_path(), " is not a byte-level BPE (", tok.description(),
+         "); titan's GGUF export embeds BPE tokenizers (Llama 3's, Qwen's, titan's built-in) only");
+  std::vector<std::string> tokens(static_cast<size_t>(vocab_size));
+  std::vector<int32_t> types(static_cast<size_t>(vocab_size), kUnused);
+  std::vector<bool> known(static_cast<size_t>(vocab_size), false);
+  auto place = [&](int64_t id, const std::string& text, int32_t type) {
+    if (id < 0 || id >= vocab_size) fail("the tokenizer ", tok.source_path(), " has id ", id, " beyond the model's vocabulary of ", vocab_size);
+    tokens[static_cast<size_t>(id)] = text;
+    types[static_cast<size_t>(id)] = type;
+    known[static_cast<size_t>(id)] = true;
+  };
+  for (const auto& [text, id] : hf["model"]["vocab"].items()) place(id.get<int64_t>(), text, kNormal);
+  for (const auto& added : hf.value("added_tokens", json::array()))
+    place(added.at("id").get<int64_t>(), added.at("content").get<std::string>(), added.value("special", false) ? kControl : kUserDefined);
+  for (int64_t id = 0; id < vocab_size; ++id)
+    if (!known[static_cast<size_t>(id)]) tokens[static_cast<size_t>(id)] = cat("[PAD", id, "]");
+  std::vector<std::string> merges;
+  for (const auto& m : hf["model"].value("merges", json::array()))
+    merges.push_back(m.is_string() ? m.get<std::string>() : m.at(0).get<std::string>() + " " + m.at(1).get<std::string>());
+  // llama.cpp picks its pre-tokenizer by name: the split pattern says which.
+  std::string pattern;
+  for (const auto& p : hf.value("pre_tokenizer", json::object()).value("pretokenizers", json::array()))
+    if (p.value("type", "") == "Split" && p.contains("pattern") && p["pattern"].contains("Regex")) pattern = p["pattern"]["Regex"];
+  std::string pre = "default";
+  if (pattern == tokenizer::kLlama3Pattern) pre = "llama-bpe";
+  else if (pattern == kQwen2Pattern) pre = "qwen2";
+  else
+    std::cerr << "warning: the tokenizer's split pattern is neither Llama 3's nor Qwen's; llama.cpp will split text with "
+                 "its default pattern, so its tokens for a text may differ from titan's (token ids given directly are unaffected)\n";
+  w.add_string("tokenizer.ggml.model", "gpt2");
+  w.add_string("tokenizer.ggml.pre", pre);
+  w.add_strings("tokenizer.ggml.tokens", tokens);
+  w.add_int32s("tokenizer.ggml.token_type", types);
+  w.add_strings("tokenizer.ggml.merges", merges);
+  if (tok.bos_id()) w.add_uint32("tokenizer.ggml.bos_token_id", static_cast<uint32_t>(*tok.bos_id()));
+  if (tok.eos_id()) w.add_uint32("tokenizer.ggml.eos_token_id", static_cast<uint32_t>(*tok.eos_id()));
+  w.add_bool("tokenizer.ggml.add_bos_token", tok.bos_id().has_value());
+}
+
+}  // namespace
+
+void write_gguf(const ModelSource& source, const std::string& to, const std::string& type_name, const tokenizer::Tokenizer& tok) {
+  const auto* a = dynamic_cast<const models::DecoderArgs*>(source.args.get());
+  if (!a || a->moe || a->mla || (a->family_name != "llama3" && a->family_name != "qwen3"))
+    fail("--format gguf: ", source.description, " holds a ", source.spec->name,
+         a && a->moe ? " Mixture-of-Experts" : a && a->mla ? " latent-attention" : "",
+         " model; titan's GGUF export covers dense Llama 3 (llama.cpp's llama) and dense Qwen3 (qwen3) so far");
+  const gguf::TensorType type = gguf::parse_tensor_type(type_name, "--gguf-type");
+  const std::string arch = a->family_name == "llama3" ? "llama" : "qwen3";
+  if (a->family_name == "qwen3" && a->rope_scaling.enabled)
+    fail("--format gguf: this Qwen3 model has Llama 3.1 RoPE scaling, which llama.cpp's qwen3 does not apply");
+  gguf::Writer w;
+  w.add_string("general.architecture", arch);
+  w.add_string("general.name", source.flavor_name.empty() ? "titan" : source.flavor_name);
+  const uint32_t file_type = type == gguf::TensorType::f32 ? 0 : type == gguf::TensorType::f16 ? 1
+                             : type == gguf::TensorType::q8_0 ? 7 : 32;
+  w.add_uint32("general.file_type", file_type);
+  if (type == gguf::TensorType::q8_0) w.add_uint32("general.quantization_version", 2);
+  auto u32 = [](int64_t v) { return static_cast<uint32_t>(v); };
+  w.add_uint32(arch + ".context_length", u32(a->max_seq_len));
+  w.add_uint32(arch + ".embedding_length", u32(a->dim));
+  w.add_uint32(arch + ".block_count", u32(a->n_layers));
+  w.add_uint32(arch + ".feed_forward_length", u32(a->ffn_hidden_dim()));
+  w.add_uint32(arch + ".attention.head_count", u32(a->n_heads));
+  w.add_uint32(arch + ".attention.head_count_kv", u32(a->kv_heads()));
+  w.add_float32(arch + ".rope.freq_base", static_cast<float>(a->rope_theta));
+  w.add_float32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(a->norm_eps));
+  w.add_uint32(arch + ".attention.key_length", u32(a->head_dim()));
+  w.add_uint32(arch + ".attention.value_length", u32(a->head_dim()));
+  w.add_uint32(arch + ".rope.dimension_count", u32(a->head_dim()));
+  w.add_uint32(arch + ".vocab_size", u32(a->vocab_size));
+  add_tokenizer(w, tok, a->vocab_size);
+  for (const auto& [name, tensor] : source.weights) {
+    gguf::TensorType t = tensor.dim() == 1 ? gguf::TensorType::f32 : type;
+    if (t == gguf::TensorType::q8_0 && tensor.size(-1) % 32 != 0) t = gguf::TensorType::f16;
+    w.add_tensor(gguf_name(name), tensor, t);
+  }
+  if (a->family_name == "llama3" && a->rope_scaling.enabled) w.add_tensor("rope_freqs.weight", rope_factors(*a), gguf::TensorType::f32);
+  w.write(to);
+  std::cerr << "wrote GGUF file " << to << " (llama.cpp architecture " << arch << ", " << gguf::tensor_type_name(type)
+            << " matrices) from " << source.description << "\n";
+}
+
+}  // namespace titan::cli
