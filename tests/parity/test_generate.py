@@ -80,7 +80,7 @@ def test_greedy_continuations_equal_transformers_generate(checkpoint):
     assert [r["ids"] for r in again] == [r["ids"] for r in ours]
 
 
-def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint):
+def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint, tmp_path):
     family, step, _ = checkpoint
     if family != "llama3":
         pytest.skip("one family shows the sampler and the errors")
@@ -92,6 +92,12 @@ def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint):
     # top-k 1 leaves only the most likely token: greedy.
     greedy = rows(generate(step, "--prompt", PROMPTS[0], "--temperature", "0", "--ignore-eos", "--json"))[0]["ids"]
     assert rows(generate(step, "--prompt", PROMPTS[0], "--top-k", "1", "--seed", "3", "--ignore-eos", "--json"))[0]["ids"] == greedy
+    # The prompt from a file or standard input: the same tokens.
+    (tmp_path / "prompt.txt").write_text(PROMPTS[0])
+    from_file = rows(generate(step, "--prompt-file", str(tmp_path / "prompt.txt"), "--temperature", "0", "--ignore-eos", "--json"))
+    from_stdin = run([binary("titan"), "generate", "--checkpoint", str(step), "--max-new-tokens", str(NEW), "--temperature", "0",
+                      "--ignore-eos", "--json"], input_text=PROMPTS[0])
+    assert from_file[0]["ids"] == rows(from_stdin)[0]["ids"] == greedy
     # Plain output: the prompt and its continuation; tokens/s on standard error.
     plain = generate(step, "--prompt", PROMPTS[0], "--temperature", "0")
     assert plain.stdout.startswith(PROMPTS[0]) and "tokens/s" in plain.stderr
