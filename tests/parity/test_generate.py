@@ -178,8 +178,8 @@ def test_llama_cpp_runs_the_gguf_export_as_transformers_runs_the_hf_one(checkpoi
     from transformers import AutoModelForCausalLM
 
     family, step, hf = checkpoint
-    if family != "llama3":
-        pytest.skip("llama.cpp is checked on the Llama 3 export")
+    if family not in ("llama3", "qwen3"):
+        pytest.skip("the GGUF export covers dense Llama 3 and Qwen3")
     ours = rows(generate(step, "--temperature", "0", "--ignore-eos", "--json", "--prompt", PROMPTS[0]))[0]
     model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
     with torch.no_grad():
@@ -203,5 +203,5 @@ def test_llama_cpp_runs_the_gguf_export_as_transformers_runs_the_hf_one(checkpoi
         if kind != "q8_0":
             assert tokens == ours["ids"], (kind, tokens, ours["ids"])
         report[kind + "_same_tokens"] = sum(a == b for a, b in zip(tokens, ours["ids"]))
-    print("llama.cpp against transformers, largest logit difference over the prompt:", json.dumps(report))
+    print(f"{family}: llama.cpp against transformers, largest logit difference over the prompt:", json.dumps(report))
     assert report["f32"] < 1e-3 and report["f16"] < 5e-2
