@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Sampling speed: `titan generate` against Hugging Face transformers' generate() on the same checkpoint and CPU.
 
-A model of the chosen flavor (random initial weights, saved by a one-step titan run with a learning rate of 0, so
-both read the same weights) is exported to Hugging Face; both then continue the same prompt ids greedily for --new
+A model of the chosen flavor (saved by a one-step titan run at 256 tokens, its context; both systems read the same weights) is exported to
+Hugging Face; both then continue the same prompt ids greedily for --new
 tokens (EOS ignored) at batch sizes 1 and 4, float32, on --threads threads. titan's rate is what it prints for the
 decoding phase (tokens after the first per row / their time); transformers' is timed around generate() less a
 one-token generate() of the same batch (its prefill), so both rates leave the prefill out. Each system runs as a
@@ -68,8 +68,8 @@ def main():
     a = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_generate_"))
     subprocess.run([str(TITAN), "train", "--job.dump_folder", str(work / "dump"), "--model.flavor", a.flavor,
-                    "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.seq_len", "64",
-                    "--training.local_batch_size", "1", "--training.steps", "1", "--optimizer.lr", "0",
+                    "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.seq_len", "256",
+                    "--training.local_batch_size", "1", "--training.steps", "1",
                     "--checkpoint.enable", "--checkpoint.interval", "1"], check=True, capture_output=True)
     step = work / "dump" / "checkpoint" / "step-1"
     hf = work / "hf"
