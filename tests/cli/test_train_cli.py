@@ -233,11 +233,11 @@ def test_freed_host_memory_is_reused_instead_of_faulted_in_again(tmp_path):
     defaults = {"TITAN_HOST_ALLOCATOR": "malloc"}
     kept_2, log = faults(2, {})
     assert "host allocator: blocks of 1 MiB and more mapped in size classes and kept for reuse" in log
-    kept_8, _ = faults(8, {})
+    kept_4, _ = faults(4, {})
     default_2, log = faults(2, defaults)
     assert "host allocator: the C library's malloc with its defaults (TITAN_HOST_ALLOCATOR=malloc)" in log
-    default_8, _ = faults(8, defaults)
-    kept, default = (kept_8 - kept_2) / 6, (default_8 - default_2) / 6
+    default_4, _ = faults(4, defaults)
+    kept, default = (kept_4 - kept_2) / 2, (default_4 - default_2) / 2
     print(f"page faults per step: {kept:.0f} kept, {default:.0f} with glibc's defaults")
     assert kept < 0.25 * default, (kept, default)
 
@@ -248,7 +248,7 @@ def test_the_host_block_cache_keeps_the_peak_near_the_live_tensors(tmp_path):
     (2026-11-24). The cache must stay well below the heap's peak on the same job."""
     def peak(env):
         result = run([binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
-                      "--job.dump_folder", str(tmp_path / str(len(env))), "--training.steps", "3", "--metrics.log_freq", "1",
+                      "--job.dump_folder", str(tmp_path / str(len(env))), "--training.steps", "2", "--metrics.log_freq", "1",
                       "--training.local_batch_size", "8", "--training.seq_len", "1024", "--activation_checkpoint.mode", "full",
                       "--training.mixed_precision_param", "float32"], env=env)
         return max(float(m) for m in re.findall(r"step: .*  memory: +([\d.]+)GiB", result.stdout))
