@@ -97,8 +97,9 @@ def read_checkpoint(directory):
     assert meta["format"] == "titan-dcp" and meta["version"] in (1, 2, 3, 4), meta.get("version")
     if meta["version"] >= 3:
         assert meta["metadata_crc32"] == metadata_checksum(meta), "metadata checksum"
+    files = {}  # each file read once (a piece used to read its whole file again)
     for name, info in meta["files"].items():
-        data = (directory / name).read_bytes()
+        files[name] = data = (directory / name).read_bytes()
         assert len(data) == info["bytes"] and zlib.crc32(data) == info["crc32"], f"{name}: size or CRC-32"
     out = {}
     for key, entry in meta["tensors"].items():
@@ -109,7 +110,9 @@ def read_checkpoint(directory):
             full = np.zeros(shape, dtype=dtypes[entry["dtype"]])
         count = np.zeros(shape, dtype=np.int64)
         for piece in entry["pieces"]:
-            raw = (directory / piece["file"]).read_bytes()[piece["offset"]:piece["offset"] + piece["bytes"]]
+            if piece["file"] not in files:
+                files[piece["file"]] = (directory / piece["file"]).read_bytes()
+            raw = files[piece["file"]][piece["offset"]:piece["offset"] + piece["bytes"]]
             if meta["version"] >= 4:
                 assert zlib.crc32(raw) == piece["crc32"], f"{key}: a piece's CRC-32"
             if "box" in piece:

@@ -1,5 +1,5 @@
-"""Distributed checkpoints on real MPI ranks: bitwise resume (20 steps straight against 10 + save + a new process +
-10), loading under another layout (FSDP 4 -> 1 process, FSDP 2, HSDP 2x2, DDP 2), crash-atomicity with kills
+"""Distributed checkpoints on real MPI ranks: bitwise resume (10 steps straight against 5 + save + a new process +
+5), loading under another layout (FSDP 4 -> 1 process, FSDP 2, HSDP 2x2, DDP 2), crash-atomicity with kills
 injected inside the write and the commit and with kill -9 of a running rank, and clear errors for bad checkpoints.
 Checkpoints are read back here with a small independent reader (metadata.json + raw rows)."""
 import contextlib
@@ -17,10 +17,12 @@ import pytest
 
 from titan_testing import SOURCE_DIR, binary, metadata_checksum, read_checkpoint, run, write_metadata
 
+# The resume and layout tests: FULL steps straight against HALF + save + a new process + HALF.
+HALF, FULL = 5, 10
 COMMON = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--training.seq_len", "64",
           "--training.local_batch_size", "1", "--metrics.log_freq", "1", "--checkpoint.enable",
-          "--checkpoint.interval", "10", "--checkpoint.no_last_save_model_only", "--debug.seed", "0",
-          "--training.mixed_precision_param", "float32", "--lr_scheduler.total_steps", "20", "--training.data_lanes", "4",
+          "--checkpoint.interval", str(HALF), "--checkpoint.no_last_save_model_only", "--debug.seed", "0",
+          "--training.mixed_precision_param", "float32", "--lr_scheduler.total_steps", str(FULL), "--training.data_lanes", "4",
           "--training.global_batch_size", "4", "--activation_checkpoint.mode", "none", "--metrics.disable_color_printing"]
 LAYOUTS = {
     1: [],
@@ -52,55 +54,55 @@ def straight_runs():
 
 @pytest.mark.parametrize("layout,mode", [(1, "disabled"), (4, "disabled"), (2, "async"), (4, "async")])
 def test_resume_is_bitwise_identical(tmp_path, tmp_path_factory, straight_runs, layout, mode):
-    """20 straight steps against 10 + save + a new process + 10. One straight run per layout serves both save modes
-    (a background save must not change training either: the resumed run's losses and step-20 state are held to the
+    """FULL straight steps against HALF + save + a new process + HALF. One straight run per layout serves both save
+    modes (a background save must not change training either: the resumed run's losses and last state are held to the
     straight run's, whatever mode that one saved in)."""
     extra = ["--checkpoint.async_mode", mode]
     if layout not in straight_runs:
         folder = tmp_path_factory.mktemp(f"straight{layout}")
-        straight_runs[layout] = (folder, train(folder, layout, 20, extra=extra))
+        straight_runs[layout] = (folder, train(folder, layout, FULL, extra=extra))
     folder, straight = straight_runs[layout]
-    train(tmp_path / "resumed", layout, 10, extra=extra)
-    resumed = train(tmp_path / "resumed", layout, 20, extra=extra)
+    train(tmp_path / "resumed", layout, HALF, extra=extra)
+    resumed = train(tmp_path / "resumed", layout, FULL, extra=extra)
     if mode == "async":
         assert "training blocked" in resumed.stdout and "in the background" in resumed.stdout
-    assert f"Loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / 'step-10'}" in resumed.stdout
-    assert losses(resumed.stdout) == losses(straight.stdout)[10:]
-    meta_a, a = read_checkpoint(folder / "checkpoint" / "step-20")
-    meta_b, b = read_checkpoint(tmp_path / "resumed" / "checkpoint" / "step-20")
+    assert f"Loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / f'step-{HALF}'}" in resumed.stdout
+    assert losses(resumed.stdout) == losses(straight.stdout)[HALF:]
+    meta_a, a = read_checkpoint(folder / "checkpoint" / f"step-{FULL}")
+    meta_b, b = read_checkpoint(tmp_path / "resumed" / "checkpoint" / f"step-{FULL}")
     assert sorted(a) == sorted(b) and len(a) == 3 * 57  # model, exp_avg, exp_avg_sq of 57 parameters
     for key in a:
         assert np.array_equal(a[key], b[key]), key  # bitwise
-    assert meta_a["train_state"] == meta_b["train_state"] == {"step": 20, "tokens_seen": 20 * 4 * 64}
+    assert meta_a["train_state"] == meta_b["train_state"] == {"step": FULL, "tokens_seen": FULL * 4 * 64}
     assert meta_a["optimizer"] == meta_b["optimizer"]
 
 
 def test_checkpoint_loads_under_other_layouts(tmp_path, tmp_path_factory, straight_runs):
     """Saved by FSDP over 4 ranks, resumed by 1 process, FSDP 2, HSDP 2x2 and DDP 2: the same training continues
-    (same data stream: 4 lanes), so step-20 weights agree with the straight FSDP 4 run to float32 reduction order.
+    (same data stream: 4 lanes), so the last weights agree with the straight FSDP 4 run to float32 reduction order.
     (The straight run is the resume test's, when it ran first.)"""
     if 4 not in straight_runs:
         folder = tmp_path_factory.mktemp("straight4")
-        straight_runs[4] = (folder, train(folder, 4, 20))
+        straight_runs[4] = (folder, train(folder, 4, FULL))
     source, straight = straight_runs[4]
-    _, reference = read_checkpoint(source / "checkpoint" / "step-20")
+    _, reference = read_checkpoint(source / "checkpoint" / f"step-{FULL}")
     for layout in [1, 2, "hsdp", "ddp"]:
         dump = tmp_path / f"to_{layout}"
         (dump / "checkpoint").mkdir(parents=True)
-        shutil.copytree(source / "checkpoint" / "step-10", dump / "checkpoint" / "step-10")
-        resumed = train(dump, layout, 20)
+        shutil.copytree(source / "checkpoint" / f"step-{HALF}", dump / "checkpoint" / f"step-{HALF}")
+        resumed = train(dump, layout, FULL)
         assert "Loaded checkpoint" in resumed.stdout and "saved by 4 rank(s)" in resumed.stdout
-        for (s1, l1), (s2, l2) in zip(losses(resumed.stdout), losses(straight.stdout)[10:]):
+        for (s1, l1), (s2, l2) in zip(losses(resumed.stdout), losses(straight.stdout)[HALF:]):
             assert s1 == s2 and abs(float(l1) - float(l2)) <= 2e-5, (layout, s1, l1, l2)
-        _, got = read_checkpoint(dump / "checkpoint" / "step-20")
+        _, got = read_checkpoint(dump / "checkpoint" / f"step-{FULL}")
         for key, ref in reference.items():
             np.testing.assert_allclose(got[key], ref, rtol=1e-3, atol=2e-5, err_msg=f"{layout} {key}")
 
 
 @pytest.fixture(scope="module")
-def ten_steps_on_two_ranks(tmp_path_factory):
+def half_the_steps_on_two_ranks(tmp_path_factory):
     dump = tmp_path_factory.mktemp("prefix") / "run"
-    train(dump, 2, 10)
+    train(dump, 2, HALF)
     return dump
 
 
@@ -108,19 +110,19 @@ def ten_steps_on_two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("crash,mode", [("bytes:0", "disabled"), ("bytes:20000000", "disabled"),
                                         ("before_metadata", "disabled"), ("before_rename", "disabled"),
                                         ("bytes:20000000", "async"), ("before_rename", "async")])
-def test_a_save_killed_anywhere_leaves_the_previous_checkpoint(tmp_path, ten_steps_on_two_ranks, crash, mode):
+def test_a_save_killed_anywhere_leaves_the_previous_checkpoint(tmp_path, half_the_steps_on_two_ranks, crash, mode):
     dump = tmp_path / "run"
-    shutil.copytree(ten_steps_on_two_ranks, dump, symlinks=True)  # the same first 10 steps and step-10 checkpoint
-    killed = train(dump, 2, 20, env={"TITAN_TEST_CHECKPOINT_CRASH": crash, "TITAN_TEST_CHECKPOINT_CRASH_RANK": "0"}, check=False,
+    shutil.copytree(half_the_steps_on_two_ranks, dump, symlinks=True)  # the same first steps and their checkpoint
+    killed = train(dump, 2, FULL, env={"TITAN_TEST_CHECKPOINT_CRASH": crash, "TITAN_TEST_CHECKPOINT_CRASH_RANK": "0"}, check=False,
                    extra=["--checkpoint.async_mode", mode])
     assert killed.returncode != 0
     folder = dump / "checkpoint"
-    assert (folder / "step-10" / "metadata.json").exists()
-    assert not (folder / "step-20" / "metadata.json").exists()
-    resumed = train(dump, 2, 20)
+    assert (folder / f"step-{HALF}" / "metadata.json").exists()
+    assert not (folder / f"step-{FULL}" / "metadata.json").exists()
+    resumed = train(dump, 2, FULL)
     assert "removing incomplete checkpoint" in resumed.stdout
-    assert f"Loaded checkpoint {folder / 'step-10'}" in resumed.stdout
-    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-20"]
+    assert f"Loaded checkpoint {folder / f'step-{HALF}'}" in resumed.stdout
+    assert sorted(p.name for p in folder.iterdir()) == sorted([f"step-{HALF}", f"step-{FULL}"])
 
 
 def test_kill_9_of_a_running_rank_then_resume(tmp_path):
@@ -151,7 +153,7 @@ def test_kill_9_of_a_running_rank_then_resume(tmp_path):
 
 def test_bad_checkpoints_are_refused_by_name(tmp_path):
     dump = tmp_path / "run"
-    train(dump, 1, 10)
+    train(dump, 1, 10, extra=["--checkpoint.interval", "10"])
     step10 = dump / "checkpoint" / "step-10"
     data = step10 / "rank-00000.bin"
 
