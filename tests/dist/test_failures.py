@@ -171,7 +171,7 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path):
     """SIGTERM asks for a stop after the current (long) step; a SIGINT sent right after it ends the process at once,
     killed by the signal, without finishing the step. (The two are sent back to back: a pause between them could let
     the first one's clean stop win at a step boundary.)"""
-    proc, lines = single_job(tmp_path, 1024, ["--training.local_batch_size", "4"])
+    proc, lines = single_job(tmp_path, 512, ["--training.local_batch_size", "2"])
     start = time.time()
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGINT)
