@@ -1,11 +1,13 @@
 """`titan generate` against Hugging Face transformers' generate(do_sample=False) on the HF export of the same
 checkpoint, token for token, for every family the registry has (Llama 3, Qwen3 dense and MoE, DeepSeek-V3), with
 a batch of two prompts of different lengths (left-padded in titan, each alone in transformers); seeded sampling
-repeats; bad input is refused by name. `titan convert --format gguf` of the same checkpoints: the `gguf` package
+repeats; bad input is refused by name; under mpirun, tensor parallelism over 2 ranks gives one process's tokens. `titan convert --format gguf` of the same checkpoints: the `gguf` package
 reads every tensor back (F32, F16, BF16 exactly, Q8_0 within its step) with llama.cpp's names and metadata, and
 llama.cpp itself (llama-cpp-python, where installed) tokenizes as titan does and continues greedily as
 transformers does."""
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -23,7 +25,9 @@ FAMILIES = {
               "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "32", "--model.hidden_dim", "128"],
     "qwen3_moe": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.dim", "64", "--model.n_layers", "2",
                   "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "32", "--model.moe_num_experts", "4",
-                  "--model.moe_top_k", "2", "--model.moe_inter_dim", "32"],
+                  "--model.moe_top_k", "2", "--model.moe_inter_dim", "32",
+                  # Hugging Face's Qwen3-MoE has no routing bias: without balancing the export is exact (docs/moe.md).
+                  "--model.moe_load_balance_coeff", "0"],
     # The 671B flavor's routing (sigmoid scores over expert groups: what DeepseekV3ForCausalLM computes) on a tiny shape.
     "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.vocab_size", "2048", "--model.dim", "64", "--model.n_layers", "2",
                     "--model.n_dense_layers", "1", "--model.n_heads", "4", "--model.hidden_dim", "128", "--model.q_lora_rank", "32",
@@ -75,6 +79,12 @@ def test_greedy_continuations_equal_transformers_generate(checkpoint):
             top = logits.topk(2).values
             assert (top[0] - top[1]).item() < 1e-4, (family, row["prompt"], row["ids"], theirs)
             print(f"{family}: a near-tie at token {first} ({(top[0] - top[1]).item():.1e})")
+        else:
+            # Each new token's log-probability under the model, as transformers computes it over the whole sequence.
+            with torch.no_grad():
+                logits = model(torch.tensor([row["prompt_ids"] + theirs])).logits[0, len(row["prompt_ids"]) - 1:-1]
+            expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(theirs).view(-1, 1)).view(-1)
+            assert np.allclose(row["logprobs"], expected.numpy(), rtol=1e-4, atol=1e-4), (family, row["logprobs"], expected)
     # The Hugging Face export itself is a checkpoint titan generates from: the same tokens.
     again = rows(generate(hf, "--temperature", "0", "--ignore-eos", "--json", *sum((["--prompt", p] for p in PROMPTS), [])))
     assert [r["ids"] for r in again] == [r["ids"] for r in ours]
@@ -110,6 +120,33 @@ def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint, tmp
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
     missing = run([binary("titan"), "generate", "--checkpoint", str(step.parent / "nothing"), "--prompt", "x"], check=False)
     assert missing.returncode == 2 and "nothing" in missing.stderr, missing.stderr
+
+
+def test_tensor_parallel_sampling_equals_one_process(checkpoint):
+    """Under mpirun the model runs tensor-parallel over the ranks (the training plan without sequence parallelism):
+    TP 2 gives one process's greedy tokens for every family, rank 0 holding about half the parameters; for Llama 3
+    also a seeded sample and a prompt on standard input (read by rank 0 alone); a degree the heads do not divide by
+    is refused by name."""
+    family, step, _ = checkpoint
+    mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np"]
+    tp = lambda np, *extra, **kw: run([*mpirun, str(np), binary("titan"), "generate", "--checkpoint", str(step),
+                                       "--max-new-tokens", str(NEW), *extra], env={"OMP_NUM_THREADS": "1"}, **kw)
+    prompts = sum((["--prompt", p] for p in PROMPTS), [])
+    one = rows(generate(step, "--temperature", "0", "--ignore-eos", "--json", *prompts))
+    two = tp(2, "--temperature", "0", "--ignore-eos", "--json", *prompts)
+    same = lambda a, b: (all(x["ids"] == y["ids"] and np.allclose(x["logprobs"], y["logprobs"], rtol=1e-5, atol=1e-5)
+                             for x, y in zip(a, b)) and len(a) == len(b))
+    assert same(rows(two), one), (family, rows(two), one)
+    held, whole = map(int, re.search(r"rank 0 holds (\d+) of (\d+) parameters", two.stderr).groups())
+    assert 0.4 * whole < held < 0.75 * whole, (family, held, whole)
+    if family != "llama3":
+        return
+    sampled = ["--prompt", PROMPTS[0], "--temperature", "0.9", "--top-k", "50", "--top-p", "0.9", "--seed", "7", "--ignore-eos", "--json"]
+    assert same(rows(tp(2, *sampled)), rows(generate(step, *sampled)))
+    from_stdin = tp(2, "--temperature", "0", "--ignore-eos", "--json", input_text=PROMPTS[0])
+    assert same(rows(from_stdin), one[:1])
+    refused = tp(3, "--prompt", "x", check=False)
+    assert refused.returncode != 0 and "tensor parallelism over the launch's ranks = 3" in refused.stderr, refused.stderr
 
 
 GGUF_NAMES = {"attention_norm": "attn_norm", "attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",

@@ -1,6 +1,8 @@
 // `titan generate`: samples continuations of prompts from any checkpoint titan reads (a titan step folder, a
-// Hugging Face directory, a torch DCP folder, Meta's .pth), on one process, with a KV cache: greedy, temperature,
-// top-k, top-p, a seed, several prompts as one left-padded batch, stopping at the tokenizer's EOS.
+// Hugging Face directory, a torch DCP folder, Meta's .pth), with a KV cache: greedy, temperature, top-k, top-p, a
+// seed, several prompts as one left-padded batch, stopping at the tokenizer's EOS. On one process, or under tensor
+// parallelism over the ranks of an mpirun/srun launch: rank 0 reads the prompts, samples and prints; every rank
+// runs its share of the model.
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -18,6 +20,8 @@
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/tokenizer.h"
+#include "titan/distributed/init_world.h"
+#include "titan/models/common/decoder_parallelize.h"
 #include "titan/models/common/kv_cache.h"
 
 namespace titan::cli {
@@ -41,8 +45,12 @@ const char* kGenerateUsage =
     "          tokens; --top-p: among the most likely tokens whose probabilities add up to P, in (0, 1].\n"
     "  --seed: the sampling seed (default: a random one, printed so that the run can be repeated).\n"
     "  --dtype: float32 (default) or bfloat16 (autocast, as training's mixed precision).\n"
+    "  --device: cpu (default) or cuda. Under mpirun or srun with N ranks the model runs tensor-parallel over them\n"
+    "          (each rank on its GPU where LibTorch sees GPUs, else on the CPU); rank 0 reads standard input,\n"
+    "          samples and prints.\n"
     "  --ignore-eos: always generate --max-new-tokens (timing). --json: one JSON object per prompt on standard\n"
-    "          output (prompt, prompt_ids, ids, text, stop) instead of the text.\n";
+    "          output (prompt, prompt_ids, ids, logprobs, text, stop) instead of the text; logprobs: each new\n"
+    "          token's log-probability under the model (before temperature, top-k and top-p).\n";
 
 struct Options {
   std::string checkpoint, tokenizer, model, flavor, dtype = "float32", device = "cpu";
@@ -50,7 +58,7 @@ struct Options {
   int64_t max_new_tokens = 64, top_k = 0;
   double temperature = 1.0, top_p = 1.0;
   std::optional<uint64_t> seed;
-  bool ignore_eos = false, json = false;
+  bool ignore_eos = false, json = false, device_given = false;
 };
 
 int64_t integer(const std::string& option, const std::string& value) {
@@ -73,7 +81,9 @@ double number(const std::string& option, const std::string& value) {
   fail(option, " expects a number, got ", quote(value));
 }
 
-Options parse(const std::vector<std::string>& args) {
+// `read_stdin`: false on the ranks after the first of a launch (only rank 0 reads standard input; it sends the
+// others the encoded prompts).
+Options parse(const std::vector<std::string>& args, bool read_stdin) {
   Options o;
   bool prompt_given = false;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -93,7 +103,7 @@ Options parse(const std::vector<std::string>& args) {
     else if (a == "--model") o.model = v;
     else if (a == "--flavor") o.flavor = v;
     else if (a == "--dtype") o.dtype = v;
-    else if (a == "--device") o.device = v;
+    else if (a == "--device") o.device = v, o.device_given = true;
     else if (a == "--max-new-tokens") o.max_new_tokens = integer(a, v);
     else if (a == "--top-k") o.top_k = integer(a, v);
     else if (a == "--temperature") o.temperature = number(a, v);
@@ -102,7 +112,8 @@ Options parse(const std::vector<std::string>& args) {
     else fail("unknown option ", quote(a), " for `titan generate`\n", kGenerateUsage);
   }
   if (o.checkpoint.empty()) fail("`titan generate` needs --checkpoint\n", kGenerateUsage);
-  if (!prompt_given) o.prompts.emplace_back(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  if (!prompt_given && read_stdin)
+    o.prompts.emplace_back(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
   for (size_t i = 0; i < o.prompts.size(); ++i)
     if (o.prompts[i].empty())
       fail("prompt ", i + 1, " is empty", prompt_given ? "" : " (nothing on standard input)", "; give the text to continue");
@@ -138,6 +149,13 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Rank 0's host tensor on every rank of `group` (collective), through the group's own device.
+at::Tensor broadcast_from_first(distributed::Communicator& group, const at::Tensor& tensor) {
+  at::Tensor moved = tensor.to(group.tensor_device()).contiguous();
+  group.broadcast(moved, 0);
+  return moved.to(at::kCPU);
+}
+
 }  // namespace
 
 int run_generate(const std::vector<std::string>& args) {
@@ -146,7 +164,9 @@ int run_generate(const std::vector<std::string>& args) {
       std::cout << kGenerateUsage;
       return 0;
     }
-  const Options o = parse(args);
+  const distributed::LaunchInfo launch = distributed::detect_launch();
+  const bool first = launch.rank == 0;
+  const Options o = parse(args, first);
   ModelSource source = read_model_source(o.checkpoint, o.model, o.flavor);
   const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : source.tokenizer_path;
   if (tokenizer_path.empty() || !fs::exists(tokenizer_path))
@@ -157,28 +177,49 @@ int run_generate(const std::vector<std::string>& args) {
     fail("the tokenizer ", tokenizer_path, " has ", tok->vocab_size(), " ids, more than the model's vocabulary (",
          source.args->vocabulary(), "): not the model's tokenizer");
 
-  // The prompts, left-padded into one batch.
+  // Under a launch of several ranks: each rank's device and the communicators of the tensor-parallel group.
+  at::Device device(o.device);
+  std::shared_ptr<distributed::Communicator> group, control;
+  if (launch.world_size > 1) {
+    distributed::ProcessWorld world = distributed::init_world(launch, std::chrono::seconds(300));
+    if (o.device_given && device.type() != world.device.type())
+      fail("--device ", o.device, ": under ", launch.launcher, " each rank takes ", world.device.is_cuda() ? "its GPU" : "the CPU",
+           " (LibTorch ", world.device.is_cuda() ? "sees GPUs" : "sees no GPU", "); leave --device out");
+    device = world.device;
+    group = world.comm;
+    control = world.control;
+  }
+
+  // The prompts, left-padded into one batch (encoded by rank 0, which read them).
   std::vector<std::vector<int32_t>> prompts;
   int64_t longest = 0;
   for (const auto& text : o.prompts) {
     prompts.push_back(tok->encode_prompt(text));
     longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts.back().size()));
   }
+  int64_t batch = static_cast<int64_t>(prompts.size());
+  if (control) {
+    const at::Tensor shape = broadcast_from_first(*control, at::tensor({batch, longest}, at::kLong));
+    batch = shape[0].item<int64_t>();
+    longest = shape[1].item<int64_t>();
+  }
   const int64_t context = source.args->context_length(), total = longest + o.max_new_tokens;
   if (total > context)
     fail("the longest prompt (", longest, " tokens) and --max-new-tokens ", o.max_new_tokens, " make ", total,
          " positions, more than the model's context of ", context, " (max_seq_len); shorten the prompt or ask for fewer tokens");
-  const int64_t batch = static_cast<int64_t>(prompts.size());
-  at::Tensor tokens = at::zeros({batch, longest}, at::kLong), padding = at::empty({batch}, at::kLong);
-  for (int64_t b = 0; b < batch; ++b) {
+  at::Tensor tokens = at::zeros({batch, longest}, at::kLong), padding = at::zeros({batch}, at::kLong);
+  for (int64_t b = 0; b < static_cast<int64_t>(prompts.size()); ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];
     const int64_t pad = longest - static_cast<int64_t>(p.size());
     padding[b] = pad;
     for (size_t j = 0; j < p.size(); ++j) tokens[b][pad + static_cast<int64_t>(j)] = p[j];
   }
+  if (control) {
+    tokens = broadcast_from_first(*control, tokens);
+    padding = broadcast_from_first(*control, padding);
+  }
 
-  // The model, with the checkpoint's weights.
-  const at::Device device(o.device);
+  // The model, with the checkpoint's weights (each rank keeps its slices under tensor parallelism).
   auto built = source.spec->build(*source.args, {});
   auto model = std::dynamic_pointer_cast<models::Decoder>(built);
   if (!model) fail("model family ", source.spec->name, " cannot be sampled from yet");
@@ -190,11 +231,16 @@ int run_generate(const std::vector<std::string>& args) {
       if (auto it = weights.find(item.key()); it != weights.end()) item.value().copy_(it->second);
     source.weights.clear();
   }
+  int64_t whole_parameters = 0, local_parameters = 0;
+  for (const auto& item : model->parameters()) whole_parameters += item.numel();
+  if (group) models::parallelize_for_sampling(*model, group);
+  for (const auto& item : model->parameters()) local_parameters += item.numel();
   model->to(device);
   model->move_buffers(device);
   model->eval();
 
   models::KvCache cache(*model, padding.to(device), total);
+  // Rank 0 samples (and its seed is the one printed); the others take its tokens.
   const uint64_t seed = o.seed ? *o.seed : std::random_device{}();
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
   const bool autocast = o.dtype == "bfloat16";
@@ -215,6 +261,7 @@ int run_generate(const std::vector<std::string>& args) {
   };
 
   std::vector<std::vector<int32_t>> generated(static_cast<size_t>(batch));
+  std::vector<std::vector<double>> logprobs(static_cast<size_t>(batch));  // the model's, before temperature
   std::vector<bool> stopped(static_cast<size_t>(batch), false);
   const auto eos = tok->eos_id();
   const auto start_time = std::chrono::steady_clock::now();
@@ -222,12 +269,15 @@ int run_generate(const std::vector<std::string>& args) {
   const double prefill_seconds = seconds_since(start_time);
   int64_t produced = 0;
   for (int64_t t = 0; t < o.max_new_tokens; ++t) {
-    const at::Tensor next = next_tokens(logits, o, generator);
+    at::Tensor next = first ? next_tokens(logits, o, generator) : at::zeros({batch}, at::kLong);
+    if (control) next = broadcast_from_first(*control, next);
     bool all_stopped = true;
+    const at::Tensor chosen = first ? at::log_softmax(logits, -1).gather(-1, next.view({batch, 1})).view({batch}) : at::Tensor();
     for (int64_t b = 0; b < batch; ++b) {
       if (stopped[static_cast<size_t>(b)]) continue;
       const int32_t id = static_cast<int32_t>(next[b].item<int64_t>());
       generated[static_cast<size_t>(b)].push_back(id);
+      if (first) logprobs[static_cast<size_t>(b)].push_back(chosen[b].item<double>());
       ++produced;
       if (!o.ignore_eos && eos && id == *eos) stopped[static_cast<size_t>(b)] = true;
       else all_stopped = false;
@@ -237,6 +287,7 @@ int run_generate(const std::vector<std::string>& args) {
   }
   const double total_seconds = seconds_since(start_time);
   if (autocast) at::autocast::set_autocast_enabled(device.type(), false);
+  if (!first) return 0;
 
   for (int64_t b = 0; b < batch; ++b) {
     const auto& ids = generated[static_cast<size_t>(b)];
@@ -245,6 +296,7 @@ int run_generate(const std::vector<std::string>& args) {
       nlohmann::json j = {{"prompt", o.prompts[static_cast<size_t>(b)]},
                           {"prompt_ids", prompts[static_cast<size_t>(b)]},
                           {"ids", ids},
+                          {"logprobs", logprobs[static_cast<size_t>(b)]},
                           {"text", text},
                           {"stop", stopped[static_cast<size_t>(b)] ? "eos" : "length"}};
       std::cout << j.dump() << "\n";
@@ -256,11 +308,15 @@ int run_generate(const std::vector<std::string>& args) {
   std::cout.flush();
   const double decode_seconds = total_seconds - prefill_seconds;
   std::cerr << strprintf("generated %lld tokens for %lld prompt(s) in %.2f s: prefill %lld tokens in %.3f s, "
-                         "then %.1f tokens/s (%s, %s, seed %llu, %s)\n",
+                         "then %.1f tokens/s (%s, %s%s, seed %llu, %s)\n",
                          static_cast<long long>(produced), static_cast<long long>(batch), total_seconds,
                          static_cast<long long>(batch * longest), prefill_seconds,
                          decode_seconds > 0 ? static_cast<double>(produced - batch) / decode_seconds : 0.0,
-                         source.description.c_str(), o.dtype.c_str(), static_cast<unsigned long long>(seed),
+                         source.description.c_str(), o.dtype.c_str(),
+                         group ? cat(", tensor parallel over ", group->size(), " ranks (", group->backend(), "; rank 0 holds ",
+                                     local_parameters, " of ", whole_parameters, " parameters)").c_str()
+                               : "",
+                         static_cast<unsigned long long>(seed),
                          o.temperature == 0 ? "greedy" : "sampled");
   return 0;
 }

@@ -58,7 +58,11 @@ int main(int argc, char** argv) {
     if (command == "plan") return titan::cli::run_plan(rest);
     if (command == "data") return titan::cli::run_data(rest);
     if (command == "convert") return titan::cli::run_convert(rest);
-    if (command == "generate") return titan::cli::run_generate(rest);
+    if (command == "generate") {
+      int code = titan::cli::run_generate(rest);  // under mpirun: tensor parallel over the ranks
+      titan::distributed::shutdown();
+      return code;
+    }
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), usage().c_str());
     return 2;
   } catch (const titan::UserError& e) {

@@ -113,8 +113,16 @@ void TensorParallel::rowwise_embedding(nn::Unit& module, at::Tensor& weight, Pla
   });
 }
 
-void TensorParallel::partial_region(nn::Unit& module) {
+void TensorParallel::partial_region(nn::Unit& module, Placement io) {
+  if (!(io.is_replicate() || io == Placement::shard(1)))
+    fail("tensor parallelism: a partial region takes and gives Replicate or Shard(1) activations");
   auto group = group_;
+  if (io.is_replicate()) {
+    module.add_wrapper("tp_partial_region", [group](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
+      return fc::all_reduce(next(inputs, context), group);
+    });
+    return;
+  }
   module.add_wrapper("tp_partial_region", [group](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     nn::Unit::Inputs in = inputs;
     in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);

@@ -48,8 +48,9 @@ class TensorParallel {
   // hidden dimension and the shared experts split, the router whole): its first input is all-gathered over the
   // sequence (Shard(1) -> Replicate; backward reduce-scatters the partial gradients) and its partial output
   // reduce-scattered back into sequence shards (Partial -> Shard(1)). The weights inside are placed with `split`
-  // and `replicated_partial`.
-  void partial_region(nn::Unit& module);
+  // and `replicated_partial`. With `io` Replicate (sampling, without sequence parallelism) the input is used as it
+  // is and the partial output all-reduced.
+  void partial_region(nn::Unit& module, Placement io = Placement::shard(1));
   // `weight` split along `dim` (Shard(dim)@tp) inside a partial region, with no communication of its own.
   void split(at::Tensor& weight, int64_t dim) { shard(weight, dim); }
 

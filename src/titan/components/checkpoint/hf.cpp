@@ -42,6 +42,8 @@ void save_hf(const std::string& directory, const protocols::ModelArgs& args, con
     if (e.path().extension() == ".safetensors")
       fail(quote(directory), " already holds weights (", e.path().filename().string(), "); choose an empty folder");
   std::vector<std::pair<std::string, at::Tensor>> hf;
+  std::vector<std::string> dropped;  // non-zero tensors the format has no name for (Qwen3-MoE's routing biases)
+  double dropped_max = 0;
   for (const auto& [name, t] : titan_tensors) {
     if (const int64_t slices = adapter.hf_slices(name)) {  // one HF tensor per expert
       const at::Tensor whole = t.detach().to(at::kCPU).to(dtype);
@@ -49,9 +51,20 @@ void save_hf(const std::string& directory, const protocols::ModelArgs& args, con
       continue;
     }
     auto hf_name = adapter.to_hf_name(name);
-    if (!hf_name) continue;
+    if (!hf_name) {
+      if (const double largest = t.numel() ? t.detach().abs().max().item<double>() : 0.0; largest > 0) {
+        dropped.push_back(name);
+        dropped_max = std::max(dropped_max, largest);
+      }
+      continue;
+    }
     hf.emplace_back(*hf_name, adapter.to_hf_tensor(name, t.detach().to(at::kCPU).to(dtype)).contiguous());
   }
+  if (!dropped.empty())
+    log::warn(quote(directory), ": the Hugging Face format of this model has no place for ", dropped.size(), " tensor(s), from ",
+              quote(dropped.front()), " to ", quote(dropped.back()), " (largest magnitude ", dropped_max,
+              "): left out, so the export differs from the checkpoint where they matter (Mixture-of-Experts routing biases "
+              "decide near-tied expert choices; train with model.moe_load_balance_coeff = 0 for an exact export)");
   // Shards in parameter order, each up to max_shard_bytes.
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
   int64_t size = 0, total = 0;

@@ -21,11 +21,12 @@ namespace titan::models {
 
 using distributed::Placement;
 
-void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vector<std::pair<std::string, int64_t>>& seq_lens) {
+void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vector<std::pair<std::string, int64_t>>& seq_lens,
+                           const std::string& degree) {
   if (tp <= 1) return;
   auto require = [&](int64_t value, const std::string& what) {
     if (value % tp != 0)
-      fail("parallelism.tensor_parallel_degree = ", tp, ": ", what, " = ", value, " does not divide by ", tp,
+      fail(degree, " = ", tp, ": ", what, " = ", value, " does not divide by ", tp,
            "; pick a degree that divides it");
   };
   require(args.n_heads, "model n_heads (query heads)");
@@ -141,12 +142,18 @@ namespace {
 // norms, attention and feed-forward inputs gathered over the sequence, wq/wk/wv/w1/w3 column-wise (heads split;
 // latent attention: its per-head up-projections),
 // wo/w2 row-wise back into sequence shards; the final norm sequence-parallel; the output column-wise, its logits
-// left vocabulary-sharded for loss parallelism or gathered.
+// left vocabulary-sharded for loss parallelism or gathered. Without `sequence_parallel` (sampling: one new token
+// per row cannot be split over the ranks) every activation between the styles is whole on every rank: the
+// row-wise outputs and the MoE layer's partial sums are all-reduced instead of reduce-scattered.
 // `split_experts`: the routed experts' hidden dimension over TP (no EP, or EP with ETP = TP); false when EP borrows
 // the TP ranks (ETP 1: each rank's experts whole, the routed rows split over TP instead).
 void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed::TensorParallel& tp, bool loss_parallel,
-                           int64_t overlap_chunks, bool split_experts) {
-  const Placement replicate = Placement::replicate(), sequence = Placement::shard(1), features = Placement::shard(-1);
+                           int64_t overlap_chunks, bool split_experts, bool sequence_parallel = true) {
+  const Placement replicate = Placement::replicate(), features = Placement::shard(-1);
+  const Placement sequence = sequence_parallel ? Placement::shard(1) : replicate;
+  auto region = [&](nn::Unit& module, nn::Unit& rowwise_output) {
+    if (sequence_parallel) tp.sequence_parallel_region(module, rowwise_output, overlap_chunks);
+  };
   if (part.contains(0)) tp.rowwise_embedding(*model.tok_embeddings, model.tok_embeddings->weight, sequence);
   for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size()))) {
     auto& block = model.layers[static_cast<size_t>(i)];
@@ -163,7 +170,7 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
       for (auto* norm : {attention.q_norm.get(), attention.kv_norm.get()})
         if (norm) tp.replicated_partial(norm->weight);
       tp.rowwise(*attention.wo, attention.wo->weight, sequence);
-      tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
+      region(attention, *attention.wo);
     } else {
       auto& attention = *block->attention;
       for (auto* linear : {attention.wq.get(), attention.wk.get(), attention.wv.get()})
@@ -174,7 +181,7 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
         tp.replicated_partial(attention.q_norm->weight);
         tp.replicated_partial(attention.k_norm->weight);
       }
-      tp.sequence_parallel_region(attention, *attention.wo, overlap_chunks);
+      region(attention, *attention.wo);
     }
     tp.sequence_parallel(*block->ffn_norm, block->ffn_norm->weight);
     if (block->moe) {
@@ -193,14 +200,14 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
         tp.split(moe.shared_experts->w3->weight, 0);
         tp.split(moe.shared_experts->w2->weight, 1);
       }
-      tp.partial_region(moe);
+      tp.partial_region(moe, sequence);
       continue;
     }
     auto& ffn = *block->feed_forward;
     tp.colwise(*ffn.w1, ffn.w1->weight, replicate, features);
     tp.colwise(*ffn.w3, ffn.w3->weight, replicate, features);
     tp.rowwise(*ffn.w2, ffn.w2->weight, sequence);
-    tp.sequence_parallel_region(ffn, *ffn.w2, overlap_chunks);
+    region(ffn, *ffn.w2);
   }
   const int64_t n = static_cast<int64_t>(model.layers.size());
   if (part.contains(n + 1)) tp.sequence_parallel(*model.norm, model.norm->weight);
@@ -208,6 +215,16 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
 }
 
 }  // namespace
+
+void parallelize_for_sampling(Decoder& model, std::shared_ptr<distributed::Communicator> group) {
+  const int64_t n = group->size();
+  if (n <= 1) return;
+  check_tensor_parallel(model.args(), n, {}, "tensor parallelism over the launch's ranks");
+  std::vector<distributed::ShardedParameter> params = distributed::describe_parameters(model);
+  distributed::TensorParallel tp(std::move(group), params);
+  apply_tensor_parallel(model, ModuleRange::whole(model), tp, /*loss_parallel=*/false, /*overlap_chunks=*/1,
+                        /*split_experts=*/true, /*sequence_parallel=*/false);
+}
 
 ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
                       const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward,

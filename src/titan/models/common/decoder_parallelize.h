@@ -32,7 +32,9 @@ std::vector<int64_t> block_indices(const ModuleRange& range, int64_t n_layers);
 
 // Throws UserError naming the numbers when the model cannot be split over `tp` ranks: query heads, key/value
 // heads, the feed-forward width, the vocabulary and every sequence length (name -> length) must divide by it.
-void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vector<std::pair<std::string, int64_t>>& seq_lens);
+// `degree` names the setting in the message.
+void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vector<std::pair<std::string, int64_t>>& seq_lens,
+                           const std::string& degree = "parallelism.tensor_parallel_degree");
 // Every check of the layout against the model and the configuration, before anything is built or communicated
 // (so that all ranks fail the same way, without a hang): TP divisibility, options TP cannot run, tied
 // embeddings under FSDP.
@@ -53,5 +55,12 @@ distributed::ActivationCheckpointSummary apply_activation_checkpointing(Decoder&
 ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,
                       const distributed::FsdpOptions& fsdp, const ModuleRange& part, bool split_backward = false,
                       std::shared_ptr<distributed::ContextParallel> cp = nullptr);
+
+// Tensor parallelism for sampling (titan generate) over `group`, as torchtitan's generation script applies it:
+// the training plan without sequence parallelism, so that each rank holds its share of the heads, of the
+// feed-forward (and experts') hidden units and of the vocabulary, every activation between them whole, and the
+// logits gathered on every rank. The model's storage must hold the whole weights (each rank keeps its slices).
+// Throws UserError naming the numbers that do not divide by the group's size. Nothing is communicated here.
+void parallelize_for_sampling(Decoder& model, std::shared_ptr<distributed::Communicator> group);
 
 }  // namespace titan::models
