@@ -127,7 +127,7 @@ def test_tensor_parallel_sampling_equals_one_process(checkpoint):
     TP 2 gives one process's greedy tokens for every family, rank 0 holding about half the parameters; for Llama 3
     also a seeded sample and a prompt on standard input (read by rank 0 alone); a degree the heads do not divide by
     is refused by name."""
-    family, step, _ = checkpoint
+    family, step, hf = checkpoint
     mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np"]
     tp = lambda np, *extra, **kw: run([*mpirun, str(np), binary("titan"), "generate", "--checkpoint", str(step),
                                        "--max-new-tokens", str(NEW), *extra], env={"OMP_NUM_THREADS": "1"}, **kw)
@@ -139,6 +139,8 @@ def test_tensor_parallel_sampling_equals_one_process(checkpoint):
     assert same(rows(two), one), (family, rows(two), one)
     held, whole = map(int, re.search(r"rank 0 holds (\d+) of (\d+) parameters", two.stderr).groups())
     assert 0.4 * whole < held < 0.75 * whole, (family, held, whole)
+    # Each rank reads only its slices: from the Hugging Face export too (per-expert files, permuted rotary rows).
+    assert same(rows(tp(2, "--checkpoint", str(hf), "--temperature", "0", "--ignore-eos", "--json", *prompts)), one), family
     if family != "llama3":
         return
     sampled = ["--prompt", PROMPTS[0], "--temperature", "0.9", "--top-k", "50", "--top-p", "0.9", "--seed", "7", "--ignore-eos", "--json"]

@@ -21,6 +21,8 @@
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/distributed/init_world.h"
+#include "titan/distributed/sharded_parameter.h"
+#include "titan/nn/storage.h"
 #include "titan/models/common/decoder_parallelize.h"
 #include "titan/models/common/kv_cache.h"
 
@@ -167,15 +169,6 @@ int run_generate(const std::vector<std::string>& args) {
   const distributed::LaunchInfo launch = distributed::detect_launch();
   const bool first = launch.rank == 0;
   const Options o = parse(args, first);
-  ModelSource source = read_model_source(o.checkpoint, o.model, o.flavor);
-  const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : source.tokenizer_path;
-  if (tokenizer_path.empty() || !fs::exists(tokenizer_path))
-    fail(source.description, tokenizer_path.empty() ? " records no tokenizer" : " records the tokenizer " + tokenizer_path + ", which no longer exists",
-         "; pass --tokenizer PATH (a tokenizer file or model.hf_assets_path)");
-  const auto tok = tokenizer::load(tokenizer_path);
-  if (tok->vocab_size() > source.args->vocabulary())
-    fail("the tokenizer ", tokenizer_path, " has ", tok->vocab_size(), " ids, more than the model's vocabulary (",
-         source.args->vocabulary(), "): not the model's tokenizer");
 
   // Under a launch of several ranks: each rank's device and the communicators of the tensor-parallel group.
   at::Device device(o.device);
@@ -189,6 +182,36 @@ int run_generate(const std::vector<std::string>& args) {
     group = world.comm;
     control = world.control;
   }
+
+  // The model is built once the source has said its family and shape, without storage, and split over the ranks
+  // under TP; each rank then allocates and reads only its own slices of the weights.
+  std::shared_ptr<models::Decoder> model;
+  std::vector<distributed::ShardedParameter> params;
+  std::map<std::string, distributed::Box> pieces;
+  auto build = [&](const ModelSource& s) {
+    auto built = s.spec->build(*s.args, nn::ParameterOptions{at::TensorOptions().dtype(at::kFloat).device(device), /*allocate=*/false});
+    model = std::dynamic_pointer_cast<models::Decoder>(built);
+    if (!model) fail("model family ", s.spec->name, " cannot be sampled from yet");
+    model->move_buffers(device);
+    params = group ? models::parallelize_for_sampling(*model, group) : distributed::describe_parameters(*model);
+    distributed::materialize(params);
+    for (const auto& p : params) pieces.emplace(p.name, p.layout.local_box());
+  };
+  ModelSource source = read_model_source(o.checkpoint, o.model, o.flavor, nullptr,
+                                         [&](const ModelSource& s, const std::string& name, const std::vector<int64_t>& shape) {
+                                           if (!model) build(s);
+                                           auto it = pieces.find(name);
+                                           return it != pieces.end() ? it->second : distributed::Box::whole(shape);
+                                         });
+  if (!model) build(source);
+  const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : source.tokenizer_path;
+  if (tokenizer_path.empty() || !fs::exists(tokenizer_path))
+    fail(source.description, tokenizer_path.empty() ? " records no tokenizer" : " records the tokenizer " + tokenizer_path + ", which no longer exists",
+         "; pass --tokenizer PATH (a tokenizer file or model.hf_assets_path)");
+  const auto tok = tokenizer::load(tokenizer_path);
+  if (tok->vocab_size() > source.args->vocabulary())
+    fail("the tokenizer ", tokenizer_path, " has ", tok->vocab_size(), " ids, more than the model's vocabulary (",
+         source.args->vocabulary(), "): not the model's tokenizer");
 
   // The prompts, left-padded into one batch (encoded by rank 0, which read them).
   std::vector<std::vector<int32_t>> prompts;
@@ -219,24 +242,20 @@ int run_generate(const std::vector<std::string>& args) {
     padding = broadcast_from_first(*control, padding);
   }
 
-  // The model, with the checkpoint's weights (each rank keeps its slices under tensor parallelism).
-  auto built = source.spec->build(*source.args, {});
-  auto model = std::dynamic_pointer_cast<models::Decoder>(built);
-  if (!model) fail("model family ", source.spec->name, " cannot be sampled from yet");
+  // The checkpoint's weights (each rank's slices under tensor parallelism) into the model.
+  int64_t whole_parameters = 0, local_parameters = 0;
+  for (const auto& p : source.args->parameter_shapes()) whole_parameters += c10::multiply_integers(p.shape);
   {
     at::NoGradGuard no_grad;
     std::map<std::string, at::Tensor> weights(source.weights.begin(), source.weights.end());
-    for (auto& item : model->named_parameters()) item.value().copy_(weights.at(item.key()));
+    for (auto& p : params) {
+      p.local.copy_(weights.at(p.name));
+      local_parameters += p.local.numel();
+    }
     for (auto& item : model->named_buffers())
       if (auto it = weights.find(item.key()); it != weights.end()) item.value().copy_(it->second);
     source.weights.clear();
   }
-  int64_t whole_parameters = 0, local_parameters = 0;
-  for (const auto& item : model->parameters()) whole_parameters += item.numel();
-  if (group) models::parallelize_for_sampling(*model, group);
-  for (const auto& item : model->parameters()) local_parameters += item.numel();
-  model->to(device);
-  model->move_buffers(device);
   model->eval();
 
   models::KvCache cache(*model, padding.to(device), total);

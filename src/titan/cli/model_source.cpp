@@ -25,32 +25,59 @@ std::shared_ptr<const protocols::ModelArgs> flavor_for(const protocols::ModelSpe
   return spec.flavor(flavor_name);
 }
 
-// Every parameter from `get(name, shape)`, checked against the shape the arguments give.
+// A tensor of the source, read when asked: its whole shape and stored dtype, and how to fill a box of it.
+struct Stored {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+  std::function<void(const std::vector<int64_t>& offsets, at::Tensor& out)> read;
+  bool defined() const { return static_cast<bool>(read); }
+};
+
+// A tensor already in memory (a .pth file's).
+Stored in_memory(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  return {t.sizes().vec(), t.scalar_type(), [t](const std::vector<int64_t>& offsets, at::Tensor& out) {
+            at::Tensor box = t;
+            for (size_t d = 0; d < offsets.size(); ++d) box = box.narrow(static_cast<int64_t>(d), offsets[d], out.size(static_cast<int64_t>(d)));
+            out.copy_(box);
+          }};
+}
+
+// Every parameter from `get(name)`, checked against the shape the arguments give, read whole or as the piece
+// `piece_of` names.
 template <typename Get>
-void take_weights(ModelSource& s, Get&& get) {
+void take_weights(ModelSource& s, Get&& get, const PieceOf& piece_of) {
   const auto shapes = s.args->parameter_shapes();
   Progress progress("reading " + s.description, static_cast<int64_t>(shapes.size()), "tensors");
+  auto take = [&](const std::string& name, const Stored& t) {
+    const distributed::Box box = piece_of ? piece_of(s, name, t.shape) : distributed::Box::whole(t.shape);
+    at::Tensor out = at::empty(box.lengths, at::TensorOptions().dtype(t.dtype));
+    t.read(box.offsets, out);
+    return out;
+  };
   for (const auto& p : shapes) {
-    at::Tensor t = get(p.name);
+    const Stored t = get(p.name);
     progress.advance(1);
     if (!t.defined()) fail(s.description, ": no tensor ", quote(p.name), " (is it a ", s.flavor_name, " model?)");
-    if (t.sizes().vec() != p.shape)
-      fail(s.description, ": ", quote(p.name), " has shape ", t.sizes(), ", the model (", s.flavor_name, ") expects ",
+    if (t.shape != p.shape)
+      fail(s.description, ": ", quote(p.name), " has shape ", at::IntArrayRef(t.shape), ", the model (", s.flavor_name, ") expects ",
            at::IntArrayRef(p.shape));
-    s.stored = t.scalar_type();
-    s.weights.emplace_back(p.name, t);
+    s.stored = t.dtype;
+    s.weights.emplace_back(p.name, take(p.name, t));
   }
   // Untrained state (MoE balancing biases) where the source has it: Hugging Face Qwen3-MoE files do not.
   for (const auto& b : s.args->buffer_shapes()) {
-    at::Tensor t = get(b.name);
+    const Stored t = get(b.name);
     if (!t.defined()) continue;
-    if (t.sizes().vec() != b.shape)
-      fail(s.description, ": ", quote(b.name), " has shape ", t.sizes(), ", the model (", s.flavor_name, ") expects ", at::IntArrayRef(b.shape));
-    s.weights.emplace_back(b.name, t.to(at::kFloat));
+    if (t.shape != b.shape)
+      fail(s.description, ": ", quote(b.name), " has shape ", at::IntArrayRef(t.shape), ", the model (", s.flavor_name, ") expects ",
+           at::IntArrayRef(b.shape));
+    s.weights.emplace_back(b.name, take(b.name, t).to(at::kFloat));
   }
 }
 
-ModelSource read_titan(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
+ModelSource read_titan(const std::string& from, const std::string& model_name, const std::string& flavor_name,
+                       const PieceOf& piece_of) {
   checkpoint::Reader reader(from);
   const auto& meta = reader.metadata();
   ModelSource s;
@@ -84,7 +111,17 @@ ModelSource read_titan(const std::string& from, const std::string& model_name, c
     reader.read_box(key, std::vector<int64_t>(entry.shape.size(), 0), full);  // whatever layout saved it
     return full;
   };
-  take_weights(s, [&](const std::string& name) { return read("model." + name); });
+  take_weights(
+      s,
+      [&](const std::string& name) -> Stored {
+        const std::string key = "model." + name;
+        if (!reader.contains(key)) return {};
+        const auto& entry = reader.tensors().at(key);
+        return {entry.shape, entry.dtype, [&reader, key](const std::vector<int64_t>& offsets, at::Tensor& out) {
+                  reader.read_box(key, offsets, out);  // whatever layout saved it
+                }};
+      },
+      piece_of);
   if (!meta.value("model_only", false) && meta.contains("optimizer")) {
     s.training_state = true;
     for (const auto& [name, step] : meta.at("optimizer").at("steps").items()) {
@@ -102,7 +139,8 @@ ModelSource read_titan(const std::string& from, const std::string& model_name, c
   return s;
 }
 
-ModelSource read_torch_dcp(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
+ModelSource read_torch_dcp(const std::string& from, const std::string& model_name, const std::string& flavor_name,
+                           const PieceOf& piece_of) {
   checkpoint::torch_dcp::Reader reader(from);
   ModelSource s;
   s.description = "torch DCP checkpoint " + from;
@@ -111,13 +149,22 @@ ModelSource read_torch_dcp(const std::string& from, const std::string& model_nam
   s.args = flavor_for(*s.spec, flavor_name, s.description);
   const std::string nested = checkpoint::torch_dcp::nested_model_prefix(reader);  // {"model": state_dict} saves
   if (!nested.empty()) std::cerr << "note: " << from << " holds the model's tensors under \"model.\"; read them from there\n";
-  take_weights(s, [&](const std::string& name) {
-    return reader.has_tensor(nested + name) ? reader.read(nested + name) : at::Tensor();
-  });
+  take_weights(
+      s,
+      [&](const std::string& name) -> Stored {
+        const std::string key = nested + name;
+        if (!reader.has_tensor(key)) return {};
+        const auto& item = reader.tensors().at(key);
+        return {item.shape, item.dtype, [&reader, key](const std::vector<int64_t>& offsets, at::Tensor& out) {
+                  reader.read_box(key, offsets, out);
+                }};
+      },
+      piece_of);
   return s;
 }
 
-ModelSource read_hf(const std::string& from, const std::string& model_name, const std::string& flavor_name) {
+ModelSource read_hf(const std::string& from, const std::string& model_name, const std::string& flavor_name,
+                    const PieceOf& piece_of) {
   // The family is config.json's model_type, the shape its fields; a --flavor is checked against it field by field
   // (HfReader).
   ModelSource s;
@@ -136,19 +183,22 @@ ModelSource read_hf(const std::string& from, const std::string& model_name, cons
   for (const auto& p : s.args->parameter_shapes()) shapes[p.name] = p.shape;
   for (const auto& b : s.args->buffer_shapes())
     if (reader.contains(b.name)) shapes[b.name] = b.shape;  // DeepSeek-V3's e_score_correction_bias
-  take_weights(s, [&](const std::string& name) {
-    if (!shapes.count(name)) return at::Tensor();  // state HF files do not hold (Qwen3-MoE's balancing biases)
-    at::Tensor t = at::empty(shapes.at(name), at::TensorOptions().dtype(reader.dtype(name)));
-    reader.read_box(name, std::vector<int64_t>(t.dim(), 0), t);
-    return t;
-  });
+  take_weights(
+      s,
+      [&](const std::string& name) -> Stored {
+        if (!shapes.count(name)) return {};  // state HF files do not hold (Qwen3-MoE's balancing biases)
+        return {shapes.at(name), reader.dtype(name), [&reader, name](const std::vector<int64_t>& offsets, at::Tensor& out) {
+                  reader.read_box(name, offsets, out);
+                }};
+      },
+      piece_of);
   return s;
 }
 
 // Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8), with
 // params.json beside them; or any torch.save state dict (one wrapping level, {"model": state_dict}, unwrapped).
 ModelSource read_pth(const std::vector<std::string>& parts, const std::string& from, const std::string& model_name,
-                const std::string& flavor_name) {
+                     const std::string& flavor_name, const PieceOf& piece_of) {
   ModelSource s;
   s.description = parts.size() == 1 ? parts[0] : from;
   s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
@@ -214,21 +264,21 @@ ModelSource read_pth(const std::vector<std::string>& parts, const std::string& f
     s.flavor_name = flavor_name;
     s.args = flavor_for(*s.spec, flavor_name, s.description);
   }
-  take_weights(s, [&](const std::string& name) { return weights.count(name) ? weights.at(name) : at::Tensor(); });
+  take_weights(s, [&](const std::string& name) { return in_memory(weights.count(name) ? weights.at(name) : at::Tensor()); }, piece_of);
   return s;
 }
 
 }  // namespace
 
 ModelSource read_model_source(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                              bool* from_titan) {
+                              bool* from_titan, const PieceOf& piece_of) {
   if (from_titan) *from_titan = false;
   if (fs::exists(fs::path(from) / "metadata.json")) {
     if (from_titan) *from_titan = true;
-    return read_titan(from, model_name, flavor_name);
+    return read_titan(from, model_name, flavor_name, piece_of);
   }
-  if (checkpoint::torch_dcp::is_checkpoint(from)) return read_torch_dcp(from, model_name, flavor_name);
-  if (fs::exists(fs::path(from) / "config.json")) return read_hf(from, model_name, flavor_name);
+  if (checkpoint::torch_dcp::is_checkpoint(from)) return read_torch_dcp(from, model_name, flavor_name, piece_of);
+  if (fs::exists(fs::path(from) / "config.json")) return read_hf(from, model_name, flavor_name, piece_of);
   std::vector<std::string> parts;
   if (fs::is_directory(from)) {
     for (const auto& e : fs::directory_iterator(from))
@@ -240,7 +290,7 @@ ModelSource read_model_source(const std::string& from, const std::string& model_
   if (parts.empty())
     fail(quote(from), " is neither a titan checkpoint directory (metadata.json), a torch DCP one (.metadata), a "
          "Hugging Face one (config.json) nor .pth files");
-  return read_pth(parts, from, model_name, flavor_name);
+  return read_pth(parts, from, model_name, flavor_name, piece_of);
 }
 
 }  // namespace titan::cli

@@ -6,12 +6,14 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "titan/distributed/placement.h"
 #include "titan/protocols/model_spec.h"
 
 namespace titan::cli {
@@ -21,7 +23,8 @@ struct ModelSource {
   std::string flavor_name;
   const protocols::ModelSpec* spec = nullptr;
   std::shared_ptr<const protocols::ModelArgs> args;
-  std::vector<std::pair<std::string, at::Tensor>> weights;  // in parameter order, then the buffers the source holds
+  // In parameter order, then the buffers the source holds: whole, or the piece `piece_of` asked for.
+  std::vector<std::pair<std::string, at::Tensor>> weights;
   at::ScalarType stored = at::kFloat;
   bool training_state = false;
   std::map<std::string, at::Tensor> exp_avg, exp_avg_sq;
@@ -34,7 +37,11 @@ struct ModelSource {
 // Reads `from` by what it holds (metadata.json, .metadata, config.json, .pth/.pt files). `model_name` (the family)
 // and `flavor_name` are needed where the source does not record them and checked against it where it does.
 // `from_titan` (when given) says whether it was a titan checkpoint. UserError naming the path otherwise.
+// `piece_of` (when given) is asked, once the family and shape are known, which box of each weight to read (tensor
+// parallelism: a rank's slices); titan, torch DCP and Hugging Face files are read only there, .pth files whole and
+// then cut. Optimizer state is always read whole.
+using PieceOf = std::function<distributed::Box(const ModelSource& source, const std::string& name, const std::vector<int64_t>& shape)>;
 ModelSource read_model_source(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                              bool* from_titan = nullptr);
+                              bool* from_titan = nullptr, const PieceOf& piece_of = {});
 
 }  // namespace titan::cli

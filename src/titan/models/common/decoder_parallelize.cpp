@@ -216,14 +216,15 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
 
 }  // namespace
 
-void parallelize_for_sampling(Decoder& model, std::shared_ptr<distributed::Communicator> group) {
-  const int64_t n = group->size();
-  if (n <= 1) return;
-  check_tensor_parallel(model.args(), n, {}, "tensor parallelism over the launch's ranks");
+std::vector<distributed::ShardedParameter> parallelize_for_sampling(Decoder& model, std::shared_ptr<distributed::Communicator> group) {
   std::vector<distributed::ShardedParameter> params = distributed::describe_parameters(model);
+  const int64_t n = group->size();
+  if (n <= 1) return params;
+  check_tensor_parallel(model.args(), n, {}, "tensor parallelism over the launch's ranks");
   distributed::TensorParallel tp(std::move(group), params);
   apply_tensor_parallel(model, ModuleRange::whole(model), tp, /*loss_parallel=*/false, /*overlap_chunks=*/1,
                         /*split_experts=*/true, /*sequence_parallel=*/false);
+  return params;
 }
 
 ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const config::JobConfig& config,

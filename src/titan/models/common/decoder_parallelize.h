@@ -59,8 +59,9 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
 // Tensor parallelism for sampling (titan generate) over `group`, as torchtitan's generation script applies it:
 // the training plan without sequence parallelism, so that each rank holds its share of the heads, of the
 // feed-forward (and experts') hidden units and of the vocabulary, every activation between them whole, and the
-// logits gathered on every rank. The model's storage must hold the whole weights (each rank keeps its slices).
+// logits gathered on every rank. A model built without storage stays without (allocate each rank's slices with
+// distributed::materialize); one with storage keeps its slices of it. Returns every parameter with its placement.
 // Throws UserError naming the numbers that do not divide by the group's size. Nothing is communicated here.
-void parallelize_for_sampling(Decoder& model, std::shared_ptr<distributed::Communicator> group);
+std::vector<distributed::ShardedParameter> parallelize_for_sampling(Decoder& model, std::shared_ptr<distributed::Communicator> group);
 
 }  // namespace titan::models
