@@ -6,13 +6,15 @@ blocked per save, the first save and the later ones apart (both sides keep their
 titan always, DCP through one DefaultStager passed to every async_save). Prints figures and ratios; never fails
 on time.
 
-The state is the same on both sides: titan trains a few steps and saves a full checkpoint (weights and AdamW
+The state is the same on both sides: titan trains 8 steps, saving every 4, a full checkpoint (weights and AdamW
 moments, float32); `titan convert --format dcp` turns it into a DCP folder, from which the peer loads exactly those
 tensors onto its ranks (gloo, each rank holding its row-block of every tensor as a DTensor, as FSDP would) and then
 times `dcp.save` (FileSystemWriter's defaults: one thread, every file fsynced, as titan fsyncs), two `dcp.async_save`
 calls with one kept stager (the time until each returns is what blocks a training loop) and `dcp.load`. Loads on
 both sides read files just written (the page cache holds them), so they measure the format's reading cost more
-than the disk.
+than the disk. titan makes its staging memory in the background after the process's first step, so that the first
+save (3 steps later here; hundreds in a real run) finds it ready; DCP's first async_save makes its stager's memory
+itself.
 
 Flavors are titan's (debugmodel, 100M, ...); "1B:4" is the 1B flavor's shapes with 4 of its 16 layers (its
 128,256 x 2,048 embedding, 1 GB in float32, and 0.5B parameters: 6.2 GB of state, what fits the 24 GB machine twice
@@ -34,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(os.environ.get("TITAN_BIN_DIR", ROOT / "build" / "bin"))
+SAVE_EVERY = 4  # steps between saves
 MPIRUN = ["mpirun", "--oversubscribe", "--allow-run-as-root", "--bind-to", "none"]
 
 
@@ -59,7 +62,7 @@ def train(dump, flavor, steps, ranks, extra=()):
     cmd = [str(BIN / "titan"), "train", "--job.config_file", str(ROOT / "configs" / "debug_model.toml"),
            "--job.dump_folder", str(dump), *flavor_args(flavor), "--training.seq_len", "32",
            "--training.local_batch_size", "1", "--training.steps", str(steps), "--checkpoint.enable",
-           "--checkpoint.interval", "1", "--checkpoint.no_last_save_model_only", "--checkpoint.keep_latest_k", "0",
+           "--checkpoint.interval", str(SAVE_EVERY), "--checkpoint.no_last_save_model_only", "--checkpoint.keep_latest_k", "0",
            "--metrics.disable_color_printing", "--activation_checkpoint.mode", "none", *extra]
     if ranks > 1:
         cmd = [*MPIRUN, "-np", str(ranks), *cmd, "--parallelism.data_parallel_shard_degree", str(ranks)]
@@ -73,15 +76,15 @@ def titan_figures(base, flavor, ranks, mode):
     """Save MB and seconds, load seconds and blocked seconds (first save, later saves) of titan's checkpoint in `mode`."""
     dump = base / f"titan_{flavor.replace(':', '_')}_{ranks}_{mode}"
     shutil.rmtree(dump, ignore_errors=True)
-    out = train(dump, flavor, 3, ranks, ["--checkpoint.async_mode", mode])
+    out = train(dump, flavor, 2 * SAVE_EVERY, ranks, ["--checkpoint.async_mode", mode])
     saves = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(r"Saved checkpoint .*?: ([\d.]+) MB in ([\d.]+) s", out)]
     blocked = [float(x) for x in re.findall(r"training blocked ([\d.]+) s", out)]
     mb, seconds = saves[-1]
-    load_out = train(dump, flavor, 4, ranks, ["--checkpoint.async_mode", mode])
+    load_out = train(dump, flavor, 2 * SAVE_EVERY + 1, ranks, ["--checkpoint.async_mode", mode])
     load_s = float(re.search(r"Loaded checkpoint .* in ([\d.]+) s", load_out).group(1))
     later = sorted(blocked[1:])
     return dict(mb=mb, save_s=seconds, load_s=load_s, blocked_first_s=blocked[0] if blocked else seconds,
-                blocked_later_s=later[len(later) // 2] if later else seconds, folder=dump / "checkpoint" / "step-3")
+                blocked_later_s=later[len(later) // 2] if later else seconds, folder=dump / "checkpoint" / f"step-{2 * SAVE_EVERY}")
 
 
 def dcp_figures(base, flavor, ranks, titan_step):

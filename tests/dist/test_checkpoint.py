@@ -66,6 +66,8 @@ def test_resume_is_bitwise_identical(tmp_path, tmp_path_factory, straight_runs, 
     resumed = train(tmp_path / "resumed", layout, FULL, extra=extra)
     if mode == "async":
         assert "training blocked" in resumed.stdout and "in the background" in resumed.stdout
+        # The first save's staging memory was made ahead, after the process's first step, and that save used it.
+        assert "staging memory for the first save made" in resumed.stdout, resumed.stdout[-3000:]
     assert f"Loaded checkpoint {tmp_path / 'resumed' / 'checkpoint' / f'step-{HALF}'}" in resumed.stdout
     assert losses(resumed.stdout) == losses(straight.stdout)[HALF:]
     meta_a, a = read_checkpoint(folder / "checkpoint" / f"step-{FULL}")

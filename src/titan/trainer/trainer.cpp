@@ -494,6 +494,9 @@ void Trainer::after_step(std::optional<StepResult> r, int64_t first_step) {
   if (save_now) {
     save_checkpoint(step == c.training.steps);
     metrics_->restart_clock();  // saving time does not count against training throughput
+  } else if (step == first_step + 1 && checkpointer_ && c.checkpoint.enable) {
+    // Async saves: the first save's staging memory, made in the background now that the optimizer state exists.
+    checkpointer_->prepare_staging(checkpoint_parts_, step, c.training.steps);
   }
   if (validate_now) {
     validate();

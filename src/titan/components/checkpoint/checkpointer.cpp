@@ -1,5 +1,6 @@
 #include "titan/components/checkpoint/checkpointer.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/accumulate.h>
@@ -49,6 +50,22 @@ at::Tensor host_buffer(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::from_blob(aligned, sizes, [base, mapped](void*) { ::munmap(base, mapped); }, at::TensorOptions().dtype(dtype));
 }
 
+// What a staging copy of one piece needs to know.
+struct PieceShape {
+  std::string key;
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype;
+  std::optional<at::Device> device;  // a device tensor's (copied into pinned memory), none for host tensors
+};
+
+std::vector<PieceShape> shapes_of(const std::vector<protocols::TensorPiece>& pieces) {
+  std::vector<PieceShape> out;
+  for (const auto& p : pieces)
+    out.push_back({p.key, p.tensor.sizes().vec(), p.tensor.scalar_type(),
+                   p.tensor.is_cpu() ? std::nullopt : std::optional<at::Device>(p.tensor.device())});
+  return out;
+}
+
 // What an asynchronous save writes from: copies of the state in host memory. Host-resident state is copied into
 // one mapping (`arena`, with a view per key) kept for the next save and made again only when the set of tensors
 // or a shape changes; device tensors are copied with non-blocking transfers, into pinned buffers kept for the next
@@ -59,35 +76,53 @@ class HostStaging {
   HostStaging(at::Tensor* arena, std::map<std::string, at::Tensor>* kept, std::map<std::string, at::Tensor>* pinned)
       : arena_(arena), kept_(kept), pinned_(pinned) {}
 
-  // Replaces every piece's tensor by its host copy.
-  void stage(std::vector<protocols::TensorPiece>& pieces) {
+  // Makes the buffers a save of pieces of these shapes copies into, unless the kept ones fit. With `touch` (ahead
+  // of the first save, in the background) every page of the host mapping is written once, so that the kernel's
+  // zeroing of fresh pages happens now rather than inside the save; pinned buffers are made for device pieces.
+  void prepare(const std::vector<PieceShape>& pieces, bool touch) {
     size_t host_pieces = 0;
     bool same = true;
     for (const auto& piece : pieces) {
-      if (!piece.tensor.is_cpu()) continue;
+      if (piece.device) continue;
       ++host_pieces;
       auto it = kept_->find(piece.key);
-      same = same && it != kept_->end() && it->second.sizes() == piece.tensor.sizes() &&
-             it->second.scalar_type() == piece.tensor.scalar_type();
+      same = same && it != kept_->end() && it->second.sizes() == piece.sizes && it->second.scalar_type() == piece.dtype;
     }
     if (!same || host_pieces != kept_->size()) {
       kept_->clear();
       *arena_ = at::Tensor();
       constexpr size_t kAlign = 64;
+      auto bytes_of = [](const PieceShape& p) { return static_cast<size_t>(c10::multiply_integers(p.sizes)) * c10::elementSize(p.dtype); };
       size_t total = 0;
       for (const auto& piece : pieces)
-        if (piece.tensor.is_cpu()) total += (piece.tensor.nbytes() + kAlign - 1) / kAlign * kAlign;
+        if (!piece.device) total += (bytes_of(piece) + kAlign - 1) / kAlign * kAlign;
       *arena_ = host_buffer({static_cast<int64_t>(std::max<size_t>(total, 1))}, at::kByte);
+      if (touch) {
+        auto* bytes = static_cast<volatile char*>(arena_->data_ptr());
+        for (size_t i = 0; i < total; i += 4096) bytes[i] = 0;
+      }
       size_t offset = 0;
       for (const auto& piece : pieces) {
-        if (!piece.tensor.is_cpu()) continue;
-        const size_t bytes = piece.tensor.nbytes();
-        (*kept_)[piece.key] = arena_->narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(bytes))
-                                  .view(piece.tensor.scalar_type())
-                                  .view(piece.tensor.sizes());
+        if (piece.device) continue;
+        const size_t bytes = bytes_of(piece);
+        (*kept_)[piece.key] = arena_->narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(bytes)).view(piece.dtype).view(piece.sizes);
         offset += (bytes + kAlign - 1) / kAlign * kAlign;
       }
     }
+    if (!pinned_) return;
+    for (const auto& piece : pieces) {
+      if (!piece.device) continue;
+      at::Tensor& buffer = (*pinned_)[piece.key];
+      if (!buffer.defined() || buffer.sizes() != piece.sizes || buffer.scalar_type() != piece.dtype) {
+        c10::DeviceGuard guard(*piece.device);  // pinned memory belongs to this rank's GPU's context
+        buffer = at::empty(piece.sizes, at::TensorOptions().dtype(piece.dtype).pinned_memory(true));
+      }
+    }
+  }
+
+  // Replaces every piece's tensor by its host copy.
+  void stage(std::vector<protocols::TensorPiece>& pieces) {
+    prepare(shapes_of(pieces), /*touch=*/false);
     for (auto& piece : pieces) {
       const at::Tensor t = piece.tensor.detach();
       if (t.is_cpu()) {
@@ -99,10 +134,7 @@ class HostStaging {
       device_ = t.device();
       at::Tensor host;
       if (pinned_) {
-        at::Tensor& buffer = (*pinned_)[piece.key];
-        if (!buffer.defined() || buffer.sizes() != t.sizes() || buffer.scalar_type() != t.scalar_type())
-          buffer = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(true));
-        host = buffer;
+        host = pinned_->at(piece.key);
       } else {
         host = at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()));
       }
@@ -186,6 +218,35 @@ Checkpointer::~Checkpointer() {
   abandon_background();
   if (purge_thread_.joinable()) purge_thread_.join();
   if (background_.joinable()) background_.join();
+  if (staging_thread_.joinable()) staging_thread_.join();
+}
+
+void Checkpointer::prepare_staging(const protocols::StatefulParts& parts, int64_t step, int64_t last_step) {
+  if (config_.async_mode == "disabled" || staging_thread_.joinable()) return;
+  // Only ahead of a save of the whole state (the last save may be model-only, in another dtype).
+  bool full_save_ahead = false;
+  for (int64_t s = step + 1; s <= last_step && !full_save_ahead; ++s)
+    full_save_ahead = should_save(s, s == last_step) && !(s == last_step && config_.last_save_model_only);
+  if (!full_save_ahead) return;
+  std::vector<protocols::TensorPiece> items;
+  for (const auto& [name, part] : parts) {
+    protocols::SavedState saved = part->state_dict(protocols::SaveOptions{});
+    for (auto& piece : saved.tensors) items.push_back(std::move(piece));
+  }
+  staging_thread_ = std::thread([this, shapes = shapes_of(items)] {
+    try {
+      const double start = now_seconds();
+      HostStaging(&host_arena_, &host_buffers_, config_.async_mode == "async_with_pinned_mem" ? &pinned_buffers_ : nullptr)
+          .prepare(shapes, /*touch=*/true);
+      double bytes = 0;
+      for (const auto& p : shapes) bytes += static_cast<double>(c10::multiply_integers(p.sizes)) * static_cast<double>(c10::elementSize(p.dtype));
+      log::info(strprintf("Asynchronous checkpoints: %.1f MB of staging memory for the first save made in %.2f s in the background",
+                          bytes / 1e6, now_seconds() - start));
+    } catch (const std::exception& e) {
+      // The save makes its buffers itself then.
+      log::warn("could not prepare the asynchronous checkpoint's staging memory ahead of the first save: ", e.what());
+    }
+  });
 }
 
 void Checkpointer::wait() {
@@ -386,6 +447,7 @@ void Checkpointer::save(const protocols::StatefulParts& parts, const HfModel& hf
     add_fields(rank_state, saved.rank, name);
   }
   if (async) {
+    if (staging_thread_.joinable()) staging_thread_.join();  // the buffers made ahead (prepare_staging)
     HostStaging staging(&host_arena_, &host_buffers_, config_.async_mode == "async_with_pinned_mem" ? &pinned_buffers_ : nullptr);
     staging.stage(items);
     staging.finish();  // the copies to host memory are complete before training changes the originals

@@ -47,6 +47,11 @@ class Checkpointer {
   // export_dtype) when last_save_model_only, and with last_save_in_hf a Hugging Face directory (weights, config, the
   // run's tokenizer) in place of the titan checkpoint.
   void save(const protocols::StatefulParts& parts, const HfModel& hf, int64_t step, bool last);
+  // Async modes: makes, in the background, the host memory a save of `parts` copies into (a mapping whose pages are
+  // touched, or pinned buffers for device state), so that the first save blocks training no longer than later
+  // ones, which reuse it. Nothing is made when no save of the whole state falls in (step, last_step]. Call when the
+  // state has its shapes for good (after the first optimizer step). Not collective.
+  void prepare_staging(const protocols::StatefulParts& parts, int64_t step, int64_t last_step);
   // Waits for the background write (async_mode) and purge of old checkpoints. A background write that failed is an
   // error (UserError naming the checkpoint and the cause): a run must not go on, or end successfully, without the
   // checkpoint it asked for.
@@ -76,6 +81,7 @@ class Checkpointer {
   double background_timeout_seconds_;
   std::thread purge_thread_;
   std::thread background_;  // async_mode: the write of the last save
+  std::thread staging_thread_;  // prepare_staging's (the buffers below are its until save joins it)
   std::mutex error_mutex_;
   std::string background_error_;
   std::atomic<bool> abandon_{false};
