@@ -125,8 +125,8 @@ def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint, tmp
 def test_tensor_parallel_sampling_equals_one_process(checkpoint):
     """Under mpirun the model runs tensor-parallel over the ranks (the training plan without sequence parallelism):
     TP 2 gives one process's greedy tokens for every family, rank 0 holding about half the parameters; for Llama 3
-    also a seeded sample and a prompt on standard input (read by rank 0 alone); a degree the heads do not divide by
-    is refused by name."""
+    also a seeded sample and a prompt on standard input (read by rank 0 alone), an empty one refused on every rank;
+    a degree the heads do not divide by is refused by name."""
     family, step, hf = checkpoint
     mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np"]
     tp = lambda np, *extra, **kw: run([*mpirun, str(np), binary("titan"), "generate", "--checkpoint", str(step),
@@ -147,6 +147,9 @@ def test_tensor_parallel_sampling_equals_one_process(checkpoint):
     assert same(rows(tp(2, *sampled)), rows(generate(step, *sampled)))
     from_stdin = tp(2, "--temperature", "0", "--ignore-eos", "--json", input_text=PROMPTS[0])
     assert same(rows(from_stdin), one[:1])
+    # A failure on rank 0 alone (nothing on standard input) stops every rank at once, naming it.
+    empty = tp(2, input_text="", check=False)
+    assert empty.returncode != 0 and "prompt 1 is empty" in empty.stderr and "failed on rank(s) 0" in empty.stderr, empty.stderr
     refused = tp(3, "--prompt", "x", check=False)
     assert refused.returncode != 0 and "tensor parallelism over the launch's ranks = 3" in refused.stderr, refused.stderr
 

@@ -84,8 +84,9 @@ double number(const std::string& option, const std::string& value) {
 }
 
 // `read_stdin`: false on the ranks after the first of a launch (only rank 0 reads standard input; it sends the
-// others the encoded prompts).
-Options parse(const std::vector<std::string>& args, bool read_stdin) {
+// others the encoded prompts). `check_stdin`: whether an empty standard input is refused here (a launch of several
+// ranks refuses it on rank 0 later, where the other ranks learn of it instead of waiting).
+Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_stdin) {
   Options o;
   bool prompt_given = false;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -117,7 +118,7 @@ Options parse(const std::vector<std::string>& args, bool read_stdin) {
   if (!prompt_given && read_stdin)
     o.prompts.emplace_back(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
   for (size_t i = 0; i < o.prompts.size(); ++i)
-    if (o.prompts[i].empty())
+    if (o.prompts[i].empty() && (prompt_given || check_stdin))
       fail("prompt ", i + 1, " is empty", prompt_given ? "" : " (nothing on standard input)", "; give the text to continue");
   if (o.max_new_tokens < 1) fail("--max-new-tokens must be at least 1, got ", o.max_new_tokens);
   if (!(o.temperature >= 0) || !std::isfinite(o.temperature)) fail("--temperature must be 0 (greedy) or positive, got ", o.temperature);
@@ -151,6 +152,31 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Runs `work` on every rank and then, under a launch of several ranks, learns over `control` (collective) whether
+// every rank got through: a rank whose `work` threw rethrows its error, and the others fail naming the ranks that
+// stopped, so that no rank waits in a later collective for one that is gone.
+template <typename Work>
+void on_every_rank(distributed::Communicator* control, const std::string& what, Work&& work) {
+  std::exception_ptr error;
+  try {
+    work();
+  } catch (...) {
+    if (!control) throw;
+    error = std::current_exception();
+  }
+  if (!control) return;
+  at::Tensor failed = at::zeros({control->size()}, at::kLong);
+  failed[control->rank()] = error ? 1 : 0;
+  failed = failed.to(control->tensor_device());
+  control->all_reduce(failed, distributed::ReduceOp::Sum);
+  failed = failed.cpu();
+  if (error) std::rethrow_exception(error);
+  std::vector<int64_t> ranks;
+  for (int64_t r = 0; r < failed.size(0); ++r)
+    if (failed[r].item<int64_t>() != 0) ranks.push_back(r);
+  if (!ranks.empty()) fail(what, " failed on rank(s) ", join_ints(ranks), " (the error is theirs, above); this rank stops too");
+}
+
 // Rank 0's host tensor on every rank of `group` (collective), through the group's own device.
 at::Tensor broadcast_from_first(distributed::Communicator& group, const at::Tensor& tensor) {
   at::Tensor moved = tensor.to(group.tensor_device()).contiguous();
@@ -168,7 +194,8 @@ int run_generate(const std::vector<std::string>& args) {
     }
   const distributed::LaunchInfo launch = distributed::detect_launch();
   const bool first = launch.rank == 0;
-  const Options o = parse(args, first);
+  const bool several = launch.world_size > 1;
+  const Options o = parse(args, first, /*check_stdin=*/!several);
 
   // Under a launch of several ranks: each rank's device and the communicators of the tensor-parallel group.
   at::Device device(o.device);
@@ -181,6 +208,9 @@ int run_generate(const std::vector<std::string>& args) {
     device = world.device;
     group = world.comm;
     control = world.control;
+    // Loading may take the ranks different times (files read from a shared file system): the agreement after it
+    // waits that long for the slowest.
+    for (auto* c : {group.get(), control.get()}) c->set_timeout(std::chrono::seconds(3600));
   }
 
   // The model is built once the source has said its family and shape, without storage, and split over the ranks
@@ -197,34 +227,46 @@ int run_generate(const std::vector<std::string>& args) {
     distributed::materialize(params);
     for (const auto& p : params) pieces.emplace(p.name, p.layout.local_box());
   };
-  ModelSource source = read_model_source(o.checkpoint, o.model, o.flavor, nullptr,
-                                         [&](const ModelSource& s, const std::string& name, const std::vector<int64_t>& shape) {
-                                           if (!model) build(s);
-                                           auto it = pieces.find(name);
-                                           return it != pieces.end() ? it->second : distributed::Box::whole(shape);
-                                         });
-  if (!model) build(source);
-  const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : source.tokenizer_path;
-  if (tokenizer_path.empty() || !fs::exists(tokenizer_path))
-    fail(source.description, tokenizer_path.empty() ? " records no tokenizer" : " records the tokenizer " + tokenizer_path + ", which no longer exists",
-         "; pass --tokenizer PATH (a tokenizer file or model.hf_assets_path)");
-  const auto tok = tokenizer::load(tokenizer_path);
-  if (tok->vocab_size() > source.args->vocabulary())
-    fail("the tokenizer ", tokenizer_path, " has ", tok->vocab_size(), " ids, more than the model's vocabulary (",
-         source.args->vocabulary(), "): not the model's tokenizer");
-
-  // The prompts, left-padded into one batch (encoded by rank 0, which read them).
+  ModelSource source;
+  // Rank 0 alone reads the tokenizer and the prompts (encoded, left-padded into one batch): the others take their
+  // shape and the EOS id from it.
+  std::unique_ptr<tokenizer::Tokenizer> tok;
   std::vector<std::vector<int32_t>> prompts;
-  int64_t longest = 0;
-  for (const auto& text : o.prompts) {
-    prompts.push_back(tok->encode_prompt(text));
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts.back().size()));
-  }
-  int64_t batch = static_cast<int64_t>(prompts.size());
+  int64_t longest = 0, batch = 0, eos_id = -1;
+  on_every_rank(control.get(), "reading the checkpoint, tokenizer or prompts", [&] {
+    source = read_model_source(o.checkpoint, o.model, o.flavor, nullptr,
+                               [&](const ModelSource& s, const std::string& name, const std::vector<int64_t>& shape) {
+                                 if (!model) build(s);
+                                 auto it = pieces.find(name);
+                                 return it != pieces.end() ? it->second : distributed::Box::whole(shape);
+                               },
+                               /*weights_only=*/true);
+    if (!model) build(source);
+    if (!first) return;
+    const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : source.tokenizer_path;
+    if (!o.tokenizer.empty() && !fs::exists(o.tokenizer)) fail("--tokenizer ", quote(o.tokenizer), ": no such file or directory");
+    if (tokenizer_path.empty() || !fs::exists(tokenizer_path))
+      fail(source.description, tokenizer_path.empty() ? " records no tokenizer" : " records the tokenizer " + tokenizer_path + ", which no longer exists",
+           "; pass --tokenizer PATH (a tokenizer file or model.hf_assets_path)");
+    tok = tokenizer::load(tokenizer_path);
+    if (tok->vocab_size() > source.args->vocabulary())
+      fail("the tokenizer ", tokenizer_path, " has ", tok->vocab_size(), " ids, more than the model's vocabulary (",
+           source.args->vocabulary(), "): not the model's tokenizer");
+    for (size_t i = 0; i < o.prompts.size(); ++i)
+      if (o.prompts[i].empty()) fail("prompt ", i + 1, " is empty (nothing on standard input); give the text to continue");
+    for (const auto& text : o.prompts) {
+      prompts.push_back(tok->encode_prompt(text));
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts.back().size()));
+    }
+    batch = static_cast<int64_t>(prompts.size());
+    if (tok->eos_id()) eos_id = *tok->eos_id();
+  });
   if (control) {
-    const at::Tensor shape = broadcast_from_first(*control, at::tensor({batch, longest}, at::kLong));
+    const at::Tensor shape = broadcast_from_first(*control, at::tensor({batch, longest, eos_id}, at::kLong));
     batch = shape[0].item<int64_t>();
     longest = shape[1].item<int64_t>();
+    eos_id = shape[2].item<int64_t>();
+    for (auto* c : {group.get(), control.get()}) c->set_timeout(std::chrono::seconds(300));
   }
   const int64_t context = source.args->context_length(), total = longest + o.max_new_tokens;
   if (total > context)
@@ -282,14 +324,25 @@ int run_generate(const std::vector<std::string>& args) {
   std::vector<std::vector<int32_t>> generated(static_cast<size_t>(batch));
   std::vector<std::vector<double>> logprobs(static_cast<size_t>(batch));  // the model's, before temperature
   std::vector<bool> stopped(static_cast<size_t>(batch), false);
-  const auto eos = tok->eos_id();
   const auto start_time = std::chrono::steady_clock::now();
   at::Tensor logits = step(tokens, 0);
   const double prefill_seconds = seconds_since(start_time);
   int64_t produced = 0;
   for (int64_t t = 0; t < o.max_new_tokens; ++t) {
-    at::Tensor next = first ? next_tokens(logits, o, generator) : at::zeros({batch}, at::kLong);
+    // A failure of rank 0's sampling (a non-finite logit) reaches the others as ids of -1.
+    at::Tensor next = at::full({batch}, -1, at::kLong);
+    std::exception_ptr sampling_error;
+    if (first) {
+      try {
+        next = next_tokens(logits, o, generator);
+      } catch (...) {
+        if (!control) throw;
+        sampling_error = std::current_exception();
+      }
+    }
     if (control) next = broadcast_from_first(*control, next);
+    if (sampling_error) std::rethrow_exception(sampling_error);
+    if (next[0].item<int64_t>() < 0) fail("rank 0 could not sample the next tokens (its error is above); this rank stops too");
     bool all_stopped = true;
     const at::Tensor chosen = first ? at::log_softmax(logits, -1).gather(-1, next.view({batch, 1})).view({batch}) : at::Tensor();
     for (int64_t b = 0; b < batch; ++b) {
@@ -298,7 +351,7 @@ int run_generate(const std::vector<std::string>& args) {
       generated[static_cast<size_t>(b)].push_back(id);
       if (first) logprobs[static_cast<size_t>(b)].push_back(chosen[b].item<double>());
       ++produced;
-      if (!o.ignore_eos && eos && id == *eos) stopped[static_cast<size_t>(b)] = true;
+      if (!o.ignore_eos && eos_id >= 0 && id == eos_id) stopped[static_cast<size_t>(b)] = true;
       else all_stopped = false;
     }
     if (all_stopped || t + 1 == o.max_new_tokens) break;

@@ -30,17 +30,20 @@ struct Stored {
   std::vector<int64_t> shape;
   at::ScalarType dtype = at::kFloat;
   std::function<void(const std::vector<int64_t>& offsets, at::Tensor& out)> read;
+  at::Tensor whole;  // a tensor already in memory, taken as it is when the whole of it is asked for
   bool defined() const { return static_cast<bool>(read); }
 };
 
 // A tensor already in memory (a .pth file's).
 Stored in_memory(const at::Tensor& t) {
   if (!t.defined()) return {};
-  return {t.sizes().vec(), t.scalar_type(), [t](const std::vector<int64_t>& offsets, at::Tensor& out) {
+  return {t.sizes().vec(), t.scalar_type(),
+          [t](const std::vector<int64_t>& offsets, at::Tensor& out) {
             at::Tensor box = t;
             for (size_t d = 0; d < offsets.size(); ++d) box = box.narrow(static_cast<int64_t>(d), offsets[d], out.size(static_cast<int64_t>(d)));
             out.copy_(box);
-          }};
+          },
+          t};
 }
 
 // Every parameter from `get(name)`, checked against the shape the arguments give, read whole or as the piece
@@ -51,6 +54,7 @@ void take_weights(ModelSource& s, Get&& get, const PieceOf& piece_of) {
   Progress progress("reading " + s.description, static_cast<int64_t>(shapes.size()), "tensors");
   auto take = [&](const std::string& name, const Stored& t) {
     const distributed::Box box = piece_of ? piece_of(s, name, t.shape) : distributed::Box::whole(t.shape);
+    if (t.whole.defined() && box == distributed::Box::whole(t.shape)) return t.whole;  // no second copy
     at::Tensor out = at::empty(box.lengths, at::TensorOptions().dtype(t.dtype));
     t.read(box.offsets, out);
     return out;
@@ -77,7 +81,7 @@ void take_weights(ModelSource& s, Get&& get, const PieceOf& piece_of) {
 }
 
 ModelSource read_titan(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                       const PieceOf& piece_of) {
+                       const PieceOf& piece_of, bool weights_only) {
   checkpoint::Reader reader(from);
   const auto& meta = reader.metadata();
   ModelSource s;
@@ -122,7 +126,7 @@ ModelSource read_titan(const std::string& from, const std::string& model_name, c
                 }};
       },
       piece_of);
-  if (!meta.value("model_only", false) && meta.contains("optimizer")) {
+  if (!weights_only && !meta.value("model_only", false) && meta.contains("optimizer")) {
     s.training_state = true;
     for (const auto& [name, step] : meta.at("optimizer").at("steps").items()) {
       s.optimizer_steps[name] = step.get<double>();
@@ -264,18 +268,28 @@ ModelSource read_pth(const std::vector<std::string>& parts, const std::string& f
     s.flavor_name = flavor_name;
     s.args = flavor_for(*s.spec, flavor_name, s.description);
   }
-  take_weights(s, [&](const std::string& name) { return in_memory(weights.count(name) ? weights.at(name) : at::Tensor()); }, piece_of);
+  // Each tensor leaves the map as it is taken, so that a piece's whole tensor is freed once the piece is cut.
+  take_weights(
+      s,
+      [&](const std::string& name) {
+        auto it = weights.find(name);
+        if (it == weights.end()) return Stored{};
+        Stored stored = in_memory(it->second);
+        weights.erase(it);
+        return stored;
+      },
+      piece_of);
   return s;
 }
 
 }  // namespace
 
 ModelSource read_model_source(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                              bool* from_titan, const PieceOf& piece_of) {
+                              bool* from_titan, const PieceOf& piece_of, bool weights_only) {
   if (from_titan) *from_titan = false;
   if (fs::exists(fs::path(from) / "metadata.json")) {
     if (from_titan) *from_titan = true;
-    return read_titan(from, model_name, flavor_name, piece_of);
+    return read_titan(from, model_name, flavor_name, piece_of, weights_only);
   }
   if (checkpoint::torch_dcp::is_checkpoint(from)) return read_torch_dcp(from, model_name, flavor_name, piece_of);
   if (fs::exists(fs::path(from) / "config.json")) return read_hf(from, model_name, flavor_name, piece_of);

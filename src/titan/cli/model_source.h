@@ -39,9 +39,9 @@ struct ModelSource {
 // `from_titan` (when given) says whether it was a titan checkpoint. UserError naming the path otherwise.
 // `piece_of` (when given) is asked, once the family and shape are known, which box of each weight to read (tensor
 // parallelism: a rank's slices); titan, torch DCP and Hugging Face files are read only there, .pth files whole and
-// then cut. Optimizer state is always read whole.
+// then cut. Optimizer state is read whole, and not at all with `weights_only`.
 using PieceOf = std::function<distributed::Box(const ModelSource& source, const std::string& name, const std::vector<int64_t>& shape)>;
 ModelSource read_model_source(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                              bool* from_titan = nullptr, const PieceOf& piece_of = {});
+                              bool* from_titan = nullptr, const PieceOf& piece_of = {}, bool weights_only = false);
 
 }  // namespace titan::cli
