@@ -34,6 +34,15 @@ struct Stored {
   bool defined() const { return static_cast<bool>(read); }
 };
 
+// `key` of a checkpoint reader that reads boxes (titan's, torch DCP's, the HF reader).
+template <typename Reader>
+Stored boxes_of(Reader& reader, std::string key, std::vector<int64_t> shape, at::ScalarType dtype) {
+  return {std::move(shape), dtype, [&reader, key = std::move(key)](const std::vector<int64_t>& offsets, at::Tensor& out) {
+            reader.read_box(key, offsets, out);  // whatever layout saved it
+          },
+          at::Tensor()};
+}
+
 // A tensor already in memory (a .pth file's).
 Stored in_memory(const at::Tensor& t) {
   if (!t.defined()) return {};
@@ -121,9 +130,7 @@ ModelSource read_titan(const std::string& from, const std::string& model_name, c
         const std::string key = "model." + name;
         if (!reader.contains(key)) return {};
         const auto& entry = reader.tensors().at(key);
-        return {entry.shape, entry.dtype, [&reader, key](const std::vector<int64_t>& offsets, at::Tensor& out) {
-                  reader.read_box(key, offsets, out);  // whatever layout saved it
-                }};
+        return boxes_of(reader, key, entry.shape, entry.dtype);
       },
       piece_of);
   if (!weights_only && !meta.value("model_only", false) && meta.contains("optimizer")) {
@@ -159,9 +166,7 @@ ModelSource read_torch_dcp(const std::string& from, const std::string& model_nam
         const std::string key = nested + name;
         if (!reader.has_tensor(key)) return {};
         const auto& item = reader.tensors().at(key);
-        return {item.shape, item.dtype, [&reader, key](const std::vector<int64_t>& offsets, at::Tensor& out) {
-                  reader.read_box(key, offsets, out);
-                }};
+        return boxes_of(reader, key, item.shape, item.dtype);
       },
       piece_of);
   return s;
@@ -191,9 +196,7 @@ ModelSource read_hf(const std::string& from, const std::string& model_name, cons
       s,
       [&](const std::string& name) -> Stored {
         if (!shapes.count(name)) return {};  // state HF files do not hold (Qwen3-MoE's balancing biases)
-        return {shapes.at(name), reader.dtype(name), [&reader, name](const std::vector<int64_t>& offsets, at::Tensor& out) {
-                  reader.read_box(name, offsets, out);
-                }};
+        return boxes_of(reader, name, shapes.at(name), reader.dtype(name));
       },
       piece_of);
   return s;

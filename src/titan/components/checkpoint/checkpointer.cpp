@@ -58,6 +58,8 @@ struct PieceShape {
   std::optional<at::Device> device;  // a device tensor's (copied into pinned memory), none for host tensors
 };
 
+size_t bytes_of(const PieceShape& p) { return static_cast<size_t>(c10::multiply_integers(p.sizes)) * c10::elementSize(p.dtype); }
+
 std::vector<PieceShape> shapes_of(const std::vector<protocols::TensorPiece>& pieces) {
   std::vector<PieceShape> out;
   for (const auto& p : pieces)
@@ -92,7 +94,6 @@ class HostStaging {
       kept_->clear();
       *arena_ = at::Tensor();
       constexpr size_t kAlign = 64;
-      auto bytes_of = [](const PieceShape& p) { return static_cast<size_t>(c10::multiply_integers(p.sizes)) * c10::elementSize(p.dtype); };
       size_t total = 0;
       for (const auto& piece : pieces)
         if (!piece.device) total += (bytes_of(piece) + kAlign - 1) / kAlign * kAlign;
@@ -239,7 +240,7 @@ void Checkpointer::prepare_staging(const protocols::StatefulParts& parts, int64_
       HostStaging(&host_arena_, &host_buffers_, config_.async_mode == "async_with_pinned_mem" ? &pinned_buffers_ : nullptr)
           .prepare(shapes, /*touch=*/true);
       double bytes = 0;
-      for (const auto& p : shapes) bytes += static_cast<double>(c10::multiply_integers(p.sizes)) * static_cast<double>(c10::elementSize(p.dtype));
+      for (const auto& p : shapes) bytes += static_cast<double>(bytes_of(p));
       log::info(strprintf("Asynchronous checkpoints: %.1f MB of staging memory for the first save made in %.2f s in the background",
                           bytes / 1e6, now_seconds() - start));
     } catch (const std::exception& e) {
