@@ -1,7 +1,7 @@
 """Context parallelism on real MPI ranks against one process at the same global batch: each sequence cut over 2 or
 4 ranks (headtail load balancing or none, keys/values all-gathered or passed around the ring), alone and with FSDP,
 HSDP, TP and activation checkpointing, gives the same losses and gradient norms (1e-5 relative), validation loss and
-final weights over 10 float32 steps; a checkpoint saved under CP loads on other layouts and training continues; bad
+final weights over 6 float32 steps; a checkpoint saved under CP loads on other layouts and training continues; bad
 sequence lengths and unsupported options are clear errors."""
 import json
 import re

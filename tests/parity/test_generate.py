@@ -156,13 +156,16 @@ def test_tensor_parallel_sampling_equals_one_process(checkpoint):
 
 GGUF_NAMES = {"attention_norm": "attn_norm", "attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
               "attention.wo": "attn_output", "attention.q_norm": "attn_q_norm", "attention.k_norm": "attn_k_norm",
-              "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down"}
+              "ffn_norm": "ffn_norm", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+              # Qwen3-MoE: the router and the grouped experts ([experts, out, in], llama.cpp's order too).
+              "moe.router.gate": "ffn_gate_inp", "moe.experts.w1": "ffn_gate_exps", "moe.experts.w3": "ffn_up_exps",
+              "moe.experts.w2": "ffn_down_exps"}
 
 
 def gguf_name(name):
     if name.startswith("layers."):
         _, layer, rest = name.split(".", 2)
-        return f"blk.{layer}.{GGUF_NAMES[rest[:-len('.weight')]]}.weight"
+        return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
     return {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}.get(name, name)
 
 
@@ -172,25 +175,43 @@ def test_gguf_export_reads_back_with_llama_cpps_names_and_metadata(checkpoint, t
 
     from titan_testing import read_checkpoint
 
-    family, step, _ = checkpoint
-    if family in ("qwen3_moe", "deepseek_v3"):
+    family, step, hf = checkpoint
+    if family == "deepseek_v3":
         refused = run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "m.gguf")], check=False)
-        assert refused.returncode == 2 and "covers dense Llama 3" in refused.stderr, refused.stderr
+        assert refused.returncode == 2 and "latent-attention model; titan's GGUF export covers Llama 3" in refused.stderr, refused.stderr
         return
+    if family == "qwen3_moe":
+        # A Qwen3-MoE whose top-k weights are not renormalised would load in llama.cpp's qwen3moe (which always
+        # renormalises) and compute another model: refused by name.
+        config = json.loads((hf / "config.json").read_text())
+        assert config["norm_topk_prob"] is True
+        unnormalised = tmp_path / "unnormalised"
+        unnormalised.mkdir()
+        for f in hf.iterdir():
+            (unnormalised / f.name).symlink_to(f)
+        (unnormalised / "config.json").unlink()
+        (unnormalised / "config.json").write_text(json.dumps(dict(config, norm_topk_prob=False)))
+        refused = run([binary("titan"), "convert", "--from", str(unnormalised), "--to", str(tmp_path / "m.gguf")], check=False)
+        assert refused.returncode == 2 and "norm_topk_prob = false" in refused.stderr, refused.stderr
     meta, weights = read_checkpoint(step)
     for kind in ("f32", "f16", "bf16", "q8_0"):
         path = tmp_path / f"{kind}.gguf"
         run([binary("titan"), "convert", "--from", str(step), "--to", str(path), "--gguf-type", kind])
         reader = GGUFReader(str(path))
         field = lambda key: reader.fields[key].contents()
-        arch = "llama" if family == "llama3" else "qwen3"
+        arch = {"llama3": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[family]
         assert field("general.architecture") == arch and field(f"{arch}.block_count") == meta["model"]["n_layers"]
         assert field(f"{arch}.embedding_length") == meta["model"]["dim"]
         assert field(f"{arch}.attention.head_count_kv") == meta["model"]["n_kv_heads"]
         assert field(f"{arch}.feed_forward_length") == meta["model"]["ffn_hidden_dim"]
         assert len(field("tokenizer.ggml.tokens")) == meta["model"]["vocab_size"] and field("tokenizer.ggml.pre") == "llama-bpe"
+        if family == "qwen3_moe":
+            moe = meta["model"]["moe"]
+            assert (field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count"), field(f"{arch}.expert_feed_forward_length")) == \
+                (moe["num_experts"], moe["top_k"], moe["hidden_dim"])
         tensors = {t.name: t for t in reader.tensors}
-        expected = {gguf_name(k[len("model."):]): v for k, v in weights.items()}
+        # The routing biases (zero here: trained without balancing) have no qwen3moe tensor.
+        expected = {gguf_name(k[len("model."):]): v for k, v in weights.items() if not k.endswith(".moe.expert_bias")}
         if family == "llama3":
             assert "rope_freqs.weight" in tensors  # Llama 3.1's scaling as llama.cpp's frequency factors
             tensors.pop("rope_freqs.weight")
@@ -198,7 +219,7 @@ def test_gguf_export_reads_back_with_llama_cpps_names_and_metadata(checkpoint, t
         for name, value in expected.items():
             t = tensors[name]
             got = dequantize(t.data, t.tensor_type).reshape(value.shape)
-            if value.ndim == 1 or kind == "f32":
+            if value.ndim == 1 or kind == "f32" or name.endswith("ffn_gate_inp.weight"):  # norms and routers stay F32
                 assert t.tensor_type.name == "F32" and np.array_equal(got, value), name
             elif kind == "q8_0":
                 # Each block of 32 keeps max|x| / 127 as its step, in float16: every value within half a step, plus
@@ -220,8 +241,8 @@ def test_llama_cpp_runs_the_gguf_export_as_transformers_runs_the_hf_one(checkpoi
     from transformers import AutoModelForCausalLM
 
     family, step, hf = checkpoint
-    if family not in ("llama3", "qwen3"):
-        pytest.skip("the GGUF export covers dense Llama 3 and Qwen3")
+    if family not in ("llama3", "qwen3", "qwen3_moe"):
+        pytest.skip("the GGUF export covers Llama 3, Qwen3 and Qwen3-MoE")
     ours = rows(generate(step, "--temperature", "0", "--ignore-eos", "--json", "--prompt", PROMPTS[0]))[0]
     model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
     with torch.no_grad():

@@ -38,7 +38,7 @@ const char* kConvertUsage =
     "  --format of --to: titan (a model-only titan checkpoint directory, for checkpoint.initial_load_path), hf (a\n"
     "          Hugging Face directory: config.json, model.safetensors or shards + index), dcp (a torch DCP directory in\n"
     "          torchtitan's layout: the weights, and from a full titan checkpoint the AdamW state, step and LR schedule\n"
-    "          too), pt (a torch.save file of the weights), gguf (a llama.cpp file: dense Llama 3 and Qwen3, the\n"
+    "          too), pt (a torch.save file of the weights), gguf (a llama.cpp file: Llama 3, Qwen3 and Qwen3-MoE, the\n"
     "          tokenizer embedded). Default: pt when --to ends in .pt/.pth, gguf for .gguf, hf from a titan checkpoint,\n"
     "          titan from anything else.\n"
     "  --gguf-type: the GGUF matrices' type (norms stay F32); default f32, or bf16/f16 as the weights are stored.\n"

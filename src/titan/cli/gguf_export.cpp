@@ -25,7 +25,8 @@ constexpr int32_t kNormal = 1, kControl = 3, kUserDefined = 4, kUnused = 5;
 const char* const kQwen2Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
-// llama.cpp's tensor name for a titan parameter of a dense decoder.
+// llama.cpp's tensor name for a titan parameter: a dense decoder's, and Qwen3-MoE's router and grouped experts
+// (titan's [experts, out, in] layout is llama.cpp's ffn_*_exps as they are).
 std::string gguf_name(const std::string& name) {
   static const std::map<std::string, std::string> top = {
       {"tok_embeddings.weight", "token_embd.weight"}, {"norm.weight", "output_norm.weight"}, {"output.weight", "output.weight"}};
@@ -36,7 +37,9 @@ std::string gguf_name(const std::string& name) {
       {"attention.wo.weight", "attn_output.weight"},   {"attention.q_norm.weight", "attn_q_norm.weight"},
       {"attention.k_norm.weight", "attn_k_norm.weight"}, {"ffn_norm.weight", "ffn_norm.weight"},
       {"feed_forward.w1.weight", "ffn_gate.weight"},   {"feed_forward.w3.weight", "ffn_up.weight"},
-      {"feed_forward.w2.weight", "ffn_down.weight"}};
+      {"feed_forward.w2.weight", "ffn_down.weight"},   {"moe.router.gate.weight", "ffn_gate_inp.weight"},
+      {"moe.experts.w1", "ffn_gate_exps.weight"},      {"moe.experts.w3", "ffn_up_exps.weight"},
+      {"moe.experts.w2", "ffn_down_exps.weight"}};
   const size_t dot = name.find('.', 7);
   if (starts_with(name, "layers.") && dot != std::string::npos)
     if (auto it = block.find(name.substr(dot + 1)); it != block.end())
@@ -115,16 +118,34 @@ void add_tokenizer(gguf::Writer& w, const tokenizer::Tokenizer& tok, int64_t voc
   w.add_bool("tokenizer.ggml.add_bos_token", tok.bos_id().has_value());
 }
 
+// What llama.cpp's qwen3moe computes in every block: softmax over all experts' router logits, the top-k renormalised
+// to sum to one, the experts' SwiGLU outputs weighted by them; no shared expert, no groups, no bias. Anything else
+// would load and silently compute another model, so it is refused by name.
+void check_qwen3moe(const models::DecoderArgs& a, const std::string& source) {
+  const models::MoEArgs& m = *a.moe;
+  std::string why;
+  if (m.score_func != "softmax") why = cat("its router scores are ", m.score_func, " (llama.cpp's qwen3moe takes a softmax)");
+  else if (!m.route_norm) why = "its top-k weights are not renormalised (Hugging Face's norm_topk_prob = false; llama.cpp's qwen3moe always renormalises them)";
+  else if (m.route_scale != 1.0) why = cat("its top-k weights are scaled by ", m.route_scale, " (llama.cpp's qwen3moe does not scale them)");
+  else if (m.num_shared_experts > 0) why = cat("it has ", m.num_shared_experts, " shared expert(s) (llama.cpp's qwen3moe has none)");
+  else if (m.num_expert_groups) why = "it routes over expert groups (llama.cpp's qwen3moe does not)";
+  else if (m.score_before_experts) why = "it scales the experts' inputs by the scores (llama.cpp's qwen3moe scales their outputs)";
+  else if (a.n_dense_layers > 0) why = cat("its first ", a.n_dense_layers, " block(s) are dense (llama.cpp's qwen3moe routes in every block)");
+  if (!why.empty()) fail("--format gguf: ", source, " is a Qwen3-MoE model that llama.cpp's qwen3moe cannot run as trained: ", why);
+}
+
 }  // namespace
 
 void write_gguf(const ModelSource& source, const std::string& to, const std::string& type_name, const tokenizer::Tokenizer& tok) {
   const auto* a = dynamic_cast<const models::DecoderArgs*>(source.args.get());
-  if (!a || a->moe || a->mla || (a->family_name != "llama3" && a->family_name != "qwen3"))
+  const bool moe = a && a->moe && a->family_name == "qwen3";
+  if (!a || a->mla || (a->moe && !moe) || (a->family_name != "llama3" && a->family_name != "qwen3"))
     fail("--format gguf: ", source.description, " holds a ", source.spec->name,
-         a && a->moe ? " Mixture-of-Experts" : a && a->mla ? " latent-attention" : "",
-         " model; titan's GGUF export covers dense Llama 3 (llama.cpp's llama) and dense Qwen3 (qwen3) so far");
+         a && a->mla ? " latent-attention" : a && a->moe ? " Mixture-of-Experts" : "",
+         " model; titan's GGUF export covers Llama 3 (llama.cpp's llama), Qwen3 (qwen3) and Qwen3-MoE (qwen3moe) so far");
+  if (moe) check_qwen3moe(*a, source.description);
   const gguf::TensorType type = gguf::parse_tensor_type(type_name, "--gguf-type");
-  const std::string arch = a->family_name == "llama3" ? "llama" : "qwen3";
+  const std::string arch = a->family_name == "llama3" ? "llama" : moe ? "qwen3moe" : "qwen3";
   if (a->family_name == "qwen3" && a->rope_scaling.enabled)
     fail("--format gguf: this Qwen3 model has Llama 3.1 RoPE scaling, which llama.cpp's qwen3 does not apply");
   gguf::Writer w;
@@ -147,13 +168,33 @@ void write_gguf(const ModelSource& source, const std::string& to, const std::str
   w.add_uint32(arch + ".attention.value_length", u32(a->head_dim()));
   w.add_uint32(arch + ".rope.dimension_count", u32(a->head_dim()));
   w.add_uint32(arch + ".vocab_size", u32(a->vocab_size));
+  if (moe) {
+    w.add_uint32(arch + ".expert_count", u32(a->moe->num_experts));
+    w.add_uint32(arch + ".expert_used_count", u32(a->moe->top_k));
+    w.add_uint32(arch + ".expert_feed_forward_length", u32(a->moe->hidden_dim));
+  }
   add_tokenizer(w, tok, a->vocab_size);
+  std::vector<std::string> dropped;  // non-zero routing biases, which qwen3moe has no tensor for
+  double dropped_max = 0;
   for (const auto& [name, tensor] : source.weights) {
-    gguf::TensorType t = tensor.dim() == 1 ? gguf::TensorType::f32 : type;
+    if (ends_with(name, ".moe.expert_bias")) {
+      if (const double largest = tensor.numel() ? tensor.abs().max().item<double>() : 0.0; largest > 0) {
+        dropped.push_back(name);
+        dropped_max = std::max(dropped_max, largest);
+      }
+      continue;
+    }
+    // The router stays F32 as llama.cpp's own converter keeps it: near-tied experts are chosen by its logits.
+    gguf::TensorType t = tensor.dim() == 1 || ends_with(name, ".moe.router.gate.weight") ? gguf::TensorType::f32 : type;
     if (t == gguf::TensorType::q8_0 && tensor.size(-1) % 32 != 0) t = gguf::TensorType::f16;
     w.add_tensor(gguf_name(name), tensor, t);
   }
   if (a->family_name == "llama3" && a->rope_scaling.enabled) w.add_tensor("rope_freqs.weight", rope_factors(*a), gguf::TensorType::f32);
+  if (!dropped.empty())
+    std::cerr << "warning: llama.cpp's qwen3moe has no routing bias; " << dropped.size() << " non-zero bias tensor(s), from "
+              << quote(dropped.front()) << " to " << quote(dropped.back()) << " (largest magnitude " << dropped_max
+              << "), are left out, so near-tied expert choices may differ from the checkpoint's (train with "
+                 "model.moe_load_balance_coeff = 0 for an exact export)\n";
   w.write(to);
   std::cerr << "wrote GGUF file " << to << " (llama.cpp architecture " << arch << ", " << gguf::tensor_type_name(type)
             << " matrices) from " << source.description << "\n";
