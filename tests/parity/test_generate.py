@@ -28,11 +28,13 @@ FAMILIES = {
                   "--model.moe_top_k", "2", "--model.moe_inter_dim", "32",
                   # Hugging Face's Qwen3-MoE has no routing bias: without balancing the export is exact (docs/moe.md).
                   "--model.moe_load_balance_coeff", "0"],
-    # The 671B flavor's routing (sigmoid scores over expert groups: what DeepseekV3ForCausalLM computes) on a tiny shape.
+    # The 671B flavor's routing (sigmoid scores over expert groups: what DeepseekV3ForCausalLM computes) on a tiny shape,
+    # with YaRN RoPE (8,192 positions over the original 4,096).
     "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.vocab_size", "2048", "--model.dim", "64", "--model.n_layers", "2",
                     "--model.n_dense_layers", "1", "--model.n_heads", "4", "--model.hidden_dim", "128", "--model.q_lora_rank", "32",
                     "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16", "--model.qk_rope_head_dim", "16",
-                    "--model.v_head_dim", "16", "--model.moe_num_experts", "16", "--model.moe_top_k", "2", "--model.moe_inter_dim", "32"],
+                    "--model.v_head_dim", "16", "--model.moe_num_experts", "16", "--model.moe_top_k", "2", "--model.moe_inter_dim", "32",
+                    "--model.max_seq_len", "8192"],
 }
 PROMPTS = ["To be, or not to be, that is the question", "Now is"]
 NEW = 12
@@ -160,12 +162,20 @@ GGUF_NAMES = {"attention_norm": "attn_norm", "attention.wq": "attn_q", "attentio
               # Qwen3-MoE: the router and the grouped experts ([experts, out, in], llama.cpp's order too).
               "moe.router.gate": "ffn_gate_inp", "moe.experts.w1": "ffn_gate_exps", "moe.experts.w3": "ffn_up_exps",
               "moe.experts.w2": "ffn_down_exps"}
+# DeepSeek-V3 (llama.cpp's deepseek2): latent attention, shared experts, routing biases; wkv_b is split in two.
+LATENT_NAMES = {"attention.wq_a": "attn_q_a", "attention.q_norm": "attn_q_a_norm", "attention.wq_b": "attn_q_b",
+                "attention.wkv_a": "attn_kv_a_mqa", "attention.kv_norm": "attn_kv_a_norm", "moe.expert_bias": "exp_probs_b",
+                "moe.shared_experts.w1": "ffn_gate_shexp", "moe.shared_experts.w3": "ffn_up_shexp",
+                "moe.shared_experts.w2": "ffn_down_shexp"}
 
 
-def gguf_name(name):
+def gguf_name(name, latent=False):
     if name.startswith("layers."):
         _, layer, rest = name.split(".", 2)
-        return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+        if rest == "moe.expert_bias":
+            return f"blk.{layer}.exp_probs_b.bias"
+        key = rest.removesuffix(".weight")
+        return f"blk.{layer}.{(LATENT_NAMES if latent and key in LATENT_NAMES else GGUF_NAMES)[key]}.weight"
     return {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}.get(name, name)
 
 
@@ -176,10 +186,6 @@ def test_gguf_export_reads_back_with_llama_cpps_names_and_metadata(checkpoint, t
     from titan_testing import read_checkpoint
 
     family, step, hf = checkpoint
-    if family == "deepseek_v3":
-        refused = run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "m.gguf")], check=False)
-        assert refused.returncode == 2 and "latent-attention model; titan's GGUF export covers Llama 3" in refused.stderr, refused.stderr
-        return
     if family == "qwen3_moe":
         # A Qwen3-MoE whose top-k weights are not renormalised would load in llama.cpp's qwen3moe (which always
         # renormalises) and compute another model: refused by name.
@@ -194,24 +200,49 @@ def test_gguf_export_reads_back_with_llama_cpps_names_and_metadata(checkpoint, t
         refused = run([binary("titan"), "convert", "--from", str(unnormalised), "--to", str(tmp_path / "m.gguf")], check=False)
         assert refused.returncode == 2 and "norm_topk_prob = false" in refused.stderr, refused.stderr
     meta, weights = read_checkpoint(step)
+    latent = family == "deepseek_v3"
+    if latent:
+        # llama.cpp's deepseek2 keeps wkv_b as attn_k_b ([heads, latent, nope], transposed) and attn_v_b.
+        m, model = meta["model"], meta["model"]["mla"]
+        for name in [k for k in weights if k.endswith("attention.wkv_b.weight")]:
+            kv = weights.pop(name).reshape(m["n_heads"], model["qk_nope_head_dim"] + model["v_head_dim"], model["kv_lora_rank"])
+            layer = name.split(".")[2]
+            weights[f"blk.{layer}.attn_k_b.weight"] = np.ascontiguousarray(kv[:, :model["qk_nope_head_dim"]].transpose(0, 2, 1))
+            weights[f"blk.{layer}.attn_v_b.weight"] = np.ascontiguousarray(kv[:, model["qk_nope_head_dim"]:])
     for kind in ("f32", "f16", "bf16", "q8_0"):
         path = tmp_path / f"{kind}.gguf"
         run([binary("titan"), "convert", "--from", str(step), "--to", str(path), "--gguf-type", kind])
         reader = GGUFReader(str(path))
         field = lambda key: reader.fields[key].contents()
-        arch = {"llama3": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}[family]
+        arch = {"llama3": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "deepseek_v3": "deepseek2"}[family]
         assert field("general.architecture") == arch and field(f"{arch}.block_count") == meta["model"]["n_layers"]
         assert field(f"{arch}.embedding_length") == meta["model"]["dim"]
-        assert field(f"{arch}.attention.head_count_kv") == meta["model"]["n_kv_heads"]
+        assert field(f"{arch}.attention.head_count_kv") == (1 if latent else meta["model"]["n_kv_heads"])
         assert field(f"{arch}.feed_forward_length") == meta["model"]["ffn_hidden_dim"]
         assert len(field("tokenizer.ggml.tokens")) == meta["model"]["vocab_size"] and field("tokenizer.ggml.pre") == "llama-bpe"
-        if family == "qwen3_moe":
+        if latent:
+            mla, moe = meta["model"]["mla"], meta["model"]["moe"]
+            assert (field(f"{arch}.attention.kv_lora_rank"), field(f"{arch}.attention.q_lora_rank"),
+                    field(f"{arch}.attention.key_length_mla"), field(f"{arch}.attention.value_length_mla"),
+                    field(f"{arch}.rope.dimension_count"), field(f"{arch}.leading_dense_block_count"),
+                    field(f"{arch}.expert_shared_count"), field(f"{arch}.expert_gating_func"),
+                    field(f"{arch}.expert_group_count"), field(f"{arch}.expert_group_used_count")) == \
+                (mla["kv_lora_rank"], mla["q_lora_rank"], mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], mla["v_head_dim"],
+                 mla["qk_rope_head_dim"], meta["model"]["n_dense_layers"], moe["num_shared_experts"], 2,
+                 moe["num_expert_groups"], moe["num_limited_groups"])
+            assert field(f"{arch}.expert_weights_scale") == pytest.approx(moe["route_scale"]) and field(f"{arch}.expert_weights_norm") is True
+            yarn = meta["model"]["yarn"]
+            assert (field(f"{arch}.rope.scaling.type"), field(f"{arch}.rope.scaling.factor"),
+                    field(f"{arch}.rope.scaling.original_context_length"), field(f"{arch}.context_length")) == \
+                ("yarn", yarn["factor"], yarn["original_seq_len"], 8192)
+        if family in ("qwen3_moe", "deepseek_v3"):
             moe = meta["model"]["moe"]
             assert (field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count"), field(f"{arch}.expert_feed_forward_length")) == \
                 (moe["num_experts"], moe["top_k"], moe["hidden_dim"])
         tensors = {t.name: t for t in reader.tensors}
         # The routing biases (zero here: trained without balancing) have no qwen3moe tensor.
-        expected = {gguf_name(k[len("model."):]): v for k, v in weights.items() if not k.endswith(".moe.expert_bias")}
+        expected = {k if k.startswith("blk.") else gguf_name(k[len("model."):], latent): v for k, v in weights.items()
+                    if latent or not k.endswith(".moe.expert_bias")}
         if family == "llama3":
             assert "rope_freqs.weight" in tensors  # Llama 3.1's scaling as llama.cpp's frequency factors
             tensors.pop("rope_freqs.weight")
@@ -221,16 +252,17 @@ def test_gguf_export_reads_back_with_llama_cpps_names_and_metadata(checkpoint, t
             got = dequantize(t.data, t.tensor_type).reshape(value.shape)
             if value.ndim == 1 or kind == "f32" or name.endswith("ffn_gate_inp.weight"):  # norms and routers stay F32
                 assert t.tensor_type.name == "F32" and np.array_equal(got, value), name
-            elif kind == "q8_0":
+            elif kind == "q8_0" and value.shape[-1] % 32 == 0:
                 # Each block of 32 keeps max|x| / 127 as its step, in float16: every value within half a step, plus
                 # 127 times the step's float16 rounding (2^-11 relative).
                 blocks = value.reshape(-1, 32)
                 step_size = np.abs(blocks).max(axis=1, keepdims=True) / 127
                 assert t.tensor_type.name == "Q8_0"
                 assert (np.abs(got.reshape(-1, 32) - blocks) <= step_size * (0.5 + 127 / 2048) + 1e-9).all(), name
-            else:
-                cast = torch.from_numpy(value).to(torch.float16 if kind == "f16" else torch.bfloat16).float().numpy()
-                assert t.tensor_type.name == kind.upper() and np.array_equal(got, cast), name
+            else:  # F16/BF16, and F16 for a Q8_0 matrix whose rows are not a multiple of 32 long
+                half = "f16" if kind == "q8_0" else kind
+                cast = torch.from_numpy(value).to(torch.float16 if half == "f16" else torch.bfloat16).float().numpy()
+                assert t.tensor_type.name == half.upper() and np.array_equal(got, cast), name
 
 
 def test_llama_cpp_runs_the_gguf_export_as_transformers_runs_the_hf_one(checkpoint, tmp_path):
@@ -241,8 +273,6 @@ def test_llama_cpp_runs_the_gguf_export_as_transformers_runs_the_hf_one(checkpoi
     from transformers import AutoModelForCausalLM
 
     family, step, hf = checkpoint
-    if family not in ("llama3", "qwen3", "qwen3_moe"):
-        pytest.skip("the GGUF export covers Llama 3, Qwen3 and Qwen3-MoE")
     ours = rows(generate(step, "--temperature", "0", "--ignore-eos", "--json", "--prompt", PROMPTS[0]))[0]
     model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
     with torch.no_grad():

@@ -404,8 +404,16 @@ void Trainer::check_memory(const distributed::ParallelDims& dims) {
   const FusedKernels fused = device_.is_cpu()                                   ? FusedKernels::cpu
                              : device_.is_cuda() && kernels::cuda_kernels_built() ? FusedKernels::cuda
                                                                                  : FusedKernels::none;
-  const auto estimate = spec_->estimate_memory(*model_args_, c, dims, autocast, runtime, protocols::Execution::titan,
-                                               mesh_->coordinate("pp"), fused);
+  auto estimate = spec_->estimate_memory(*model_args_, c, dims, autocast, runtime, protocols::Execution::titan,
+                                         mesh_->coordinate("pp"), fused);
+  // Asynchronous checkpoints keep a host copy of the rank's whole state (its parameters and AdamW moments) for their
+  // saves, made after the first step (Checkpointer::prepare_staging) and kept: on a CPU that is this device's memory.
+  if (device_.is_cpu() && c.checkpoint.enable && c.checkpoint.async_mode != "disabled") {
+    double state = 0;
+    for (const auto& term : estimate.terms)
+      if (term.name == "parameters" || term.name == "optimizer") state += term.bytes;
+    estimate.terms.insert(estimate.terms.end() - (estimate.terms.back().name == "runtime" ? 1 : 0), {"checkpoint staging", state});
+  }
   const auto available = metrics::available_memory(device_, launch_.local_world_size);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   log::info("Memory estimate for this rank: ", estimate.describe(), strprintf(" of %.2f GiB available (", available.bytes / gib),
