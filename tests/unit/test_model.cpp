@@ -12,6 +12,7 @@
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
 #include "titan/models/common/decoder_hf.h"
+#include "titan/models/common/kv_cache.h"
 
 using namespace titan::llama3;
 using namespace titan::models;
@@ -222,6 +223,47 @@ TEST(Model, BlockCausalAttentionMakesPackedDocumentsIndependent) {
   at::Tensor mask = block_causal_mask(at::tensor({3, 4, 0, 1}, at::kLong).unsqueeze(0));
   at::Tensor expected = at::tensor({1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1}, at::kLong).to(at::kBool).view({1, 1, 4, 4});
   EXPECT_TRUE(at::equal(mask, expected));
+}
+
+TEST(Model, CachedSamplingStepsGiveTheWholeSequencesLogits) {
+  // Sampling's cache (models/common/kv_cache.h): two rows, the second left-padded by 2, run as a prefill of 5
+  // positions and then one position at a time, give each position the logits the uncached model gives each row
+  // alone. Grouped-query attention caches its keys and values; latent attention (DeepSeek-V3, low-rank queries, YaRN
+  // over a longer context) its latent and rotary key, attended to in the absorbed form. The weights are scaled up
+  // from their initialisation so that attention is far from uniform.
+  auto deepseek = titan::deepseek_v3::flavor("debugmodel");
+  deepseek.mla->q_lora_rank = 32;
+  deepseek.n_layers = 2;
+  deepseek.max_seq_len = 8192;  // above YaRN's original 4,096 positions
+  for (auto args : {flavor("debugmodel_gqa"), deepseek}) {
+    at::manual_seed(5);
+    args.vocab_size = 300;
+    if (!args.mla) args.max_seq_len = 64;
+    Transformer model(args);
+    model.init_weights();
+    at::NoGradGuard no_grad;
+    for (auto& p : model.parameters()) p.mul_(4);
+    const int64_t total = 9, pad = 2, n = static_cast<int64_t>(model.layers.size());
+    const at::Tensor tokens = at::randint(0, 300, {2, total}, at::kLong);
+    const at::Tensor alone[2] = {model.forward(tokens.narrow(0, 0, 1)), model.forward(tokens.narrow(0, 1, 1).narrow(1, pad, total - pad))};
+    // Attention matters here: the last position's logits move when the first token changes.
+    at::Tensor other = tokens.narrow(0, 0, 1).clone();
+    other[0][0] = (other[0][0].item<int64_t>() + 1) % 300;
+    const double scale = alone[0].abs().max().item<double>();
+    EXPECT_GT((model.forward(other) - alone[0]).narrow(1, total - 1, 1).abs().max().item<double>(), 1e-2 * scale);
+    KvCache cache(model, at::tensor({int64_t{0}, pad}, at::kLong), total);
+    std::vector<at::Tensor> steps;
+    for (int64_t start = 0; start < total; start += start == 0 ? 5 : 1) {
+      const int64_t count = start == 0 ? 5 : 1;
+      cache.advance_to(start);
+      steps.push_back(model.forward_modules(tokens.narrow(1, start, count), 0, n + 3, start + count, cache.positions(start, count)));
+    }
+    const at::Tensor cached = at::cat(steps, 1);
+    const at::Tensor row1 = cached.narrow(0, 1, 1).narrow(1, pad, total - pad);
+    // Float32 rounding of the same sums taken in other orders, relative to the largest logit.
+    EXPECT_LT((cached.narrow(0, 0, 1) - alone[0]).abs().max().item<double>(), 1e-5 * scale) << scale;
+    EXPECT_LT((row1 - alone[1]).abs().max().item<double>(), 1e-5 * scale) << scale;
+  }
 }
 
 // DDP's gradient hooks live in the parameters' autograd nodes, which outlive the Ddp object: a backward after it is

@@ -1,6 +1,7 @@
 #include "titan/models/common/decoder.h"
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <torch/nn/modules/container/modulelist.h>
 
@@ -197,6 +198,41 @@ at::Tensor LatentAttention::forward(const Inputs& inputs, const nn::Context& con
   at::Tensor out = inner_attention->call({q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)}, context);
   out = out.narrow(-1, 0, vd).transpose(1, 2).contiguous().view({bs, seqlen, -1});
   return (*wo)(out, context);
+}
+
+at::Tensor LatentAttention::forward_cached(const at::Tensor& x, const nn::Context& context, at::Tensor& cache, int64_t start,
+                                           int64_t capacity, const at::Tensor& mask) {
+  const auto bs = x.size(0), count = x.size(1), end = start + count;
+  const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, vd = mla_.v_head_dim, r = mla_.kv_lora_rank;
+  at::Tensor q = wq ? (*wq)(x, context) : (*wq_b)((*q_norm)((*wq_a)(x, context), context), context);
+  q = q.view({bs, count, -1, nope + rope});
+  const int64_t heads = q.size(2);
+  const at::ScalarType dtype = q.scalar_type();
+  const at::Tensor kv = (*wkv_a)(x, context);
+  const at::Tensor latent = (*kv_norm)(kv.narrow(-1, 0, r), context).to(dtype);
+  const at::Tensor k_rope =
+      kernels::rope_reference(kv.narrow(-1, r, rope).unsqueeze(2), context.rope, context.positions).squeeze(2).to(dtype);
+  const at::Tensor q_rope = kernels::rope_reference(q.narrow(-1, nope, rope), context.rope, context.positions);
+  TORCH_CHECK(end <= capacity, "internal: the latent cache holds ", capacity, " positions, ", end, " asked for");
+  if (!cache.defined()) cache = at::zeros({bs, capacity, r + rope}, latent.options());
+  cache.narrow(1, start, count).narrow(-1, 0, r).copy_(latent);
+  cache.narrow(1, start, count).narrow(-1, r, rope).copy_(k_rope);
+  // wkv_b's rows, head by head: qk_nope_head_dim key rows, then v_head_dim value rows, each reading the latent. A
+  // key is k_h = W_kh c, so q_h . k_h = (W_kh^T q_h) . c; a head's output is W_vh (sum_s p_s c_s).
+  const at::Tensor w = wkv_b->weight.to(dtype).view({heads, nope + vd, r});
+  // Head by head (one product per head over every token of the batch): (heads, bs x count, r).
+  const at::Tensor q_latent = at::bmm(q.narrow(-1, 0, nope).permute({2, 0, 1, 3}).reshape({heads, bs * count, nope}), w.narrow(1, 0, nope));
+  // The softmax scale of the expanded form, 1 / sqrt(qk width), with YaRN's factor.
+  const at::Tensor query = at::cat({q_latent.view({heads, bs, count, r}).transpose(0, 1), q_rope.transpose(1, 2)}, -1) *
+                           (query_scale_ / std::sqrt(static_cast<double>(nope + rope)));
+  // Every head reads the same cached rows: (heads x tokens) query rows against the positions, one product per row
+  // of the batch, the cache read in place.
+  const at::Tensor keys = cache.narrow(1, 0, end);
+  at::Tensor scores = at::bmm(query.reshape({bs, heads * count, r + rope}), keys.transpose(1, 2)).view({bs, heads, count, end});
+  scores = at::softmax(scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity()), -1, at::kFloat).to(dtype);
+  at::Tensor out = at::bmm(scores.view({bs, heads * count, end}), keys.narrow(-1, 0, r)).view({bs, heads, count, r});
+  out = at::bmm(out.permute({1, 0, 2, 3}).reshape({heads, bs * count, r}), w.narrow(1, nope, vd).transpose(1, 2));  // (heads, bs x count, vd)
+  return (*wo)(out.view({heads, bs, count, vd}).permute({1, 2, 0, 3}).reshape({bs, count, heads * vd}), context);
 }
 
 FeedForward::FeedForward(int64_t dim, int64_t hidden_dim, const nn::ParameterOptions& options) {

@@ -60,6 +60,16 @@ class LatentAttention : public nn::Unit {
   std::shared_ptr<InnerAttention> inner_attention;
   std::vector<nn::Linear*> linears() const;
 
+  // Cached sampling (models/common/kv_cache.h), the same function as forward(): this call's normed latents and rotated
+  // shared keys are written to `cache` ((batch, capacity, kv_lora_rank + qk_rope_head_dim), made at the first call)
+  // at positions [start, start + tokens), and the queries attend to positions [0, start + tokens) where `mask`
+  // ((batch, 1, tokens, start + tokens)) allows, in the absorbed form: each head's query is taken into the latent
+  // space through wkv_b's key rows, and the attention's output out of it through its value rows. The cache holds
+  // kv_lora_rank + qk_rope_head_dim values per position instead of every head's keys and values, and every head
+  // reads the same cached rows.
+  at::Tensor forward_cached(const at::Tensor& x, const nn::Context& context, at::Tensor& cache, int64_t start, int64_t capacity,
+                            const at::Tensor& mask);
+
  protected:
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
 

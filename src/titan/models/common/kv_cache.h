@@ -1,7 +1,8 @@
 // KvCache: the keys and values of every block's attention kept between forwards, so that sampling runs each new
-// token through the model once (titan generate). It wraps each block's attention core (InnerAttention, either kind
-// of attention) and replaces its computation: the new keys and values are written at their positions, and the
-// queries attend to every cached position up to their own, skipping the left padding of shorter prompts.
+// token through the model once (titan generate). It wraps each block's attention core (InnerAttention) and replaces
+// its computation: the new keys and values are written at their positions, and the queries attend to every cached
+// position up to their own, skipping the left padding of shorter prompts. Latent attention (DeepSeek-V3) is wrapped
+// whole instead and keeps each position's latent and shared rotary key (LatentAttention::forward_cached).
 #pragma once
 #include <ATen/ATen.h>
 
