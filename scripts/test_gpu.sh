@@ -533,6 +533,9 @@ run_cli() {
       figure cli.resume.step10_state_bitwise_equal "$same"
     fi
   fi
+  # Sampling on the GPU (titan generate, KV cache, float32): the step-10 checkpoint above continues two prompts with
+  # the CPU's greedy tokens and log-probabilities; bf16 autocast on the GPU as a figure.
+  if [[ -d "$RUNS/resume_full/checkpoint/step-10" ]] && within_budget cli.generate 60; then run_generate; fi
   # Throughput on one GPU: the 1B flavor (no FSDP, no activation checkpointing) and four of 8B's layers at torchtitan's
   # published 8B setting (8,192 tokens, selective AC): figures, never a verdict.
   if [[ "$DRY_RUN" == 1 ]]; then
@@ -548,6 +551,44 @@ run_cli() {
   run_bench bench_8B_4_layers_float8 1 "selective AC, float8 tensorwise" --model.flavor 8B --model.n_layers 4 "${data[@]}" \
     --training.seq_len 8192 --training.steps 15 --metrics.log_freq 5 --activation_checkpoint.mode selective --optimizer.lr 3e-4 \
     --lr_scheduler.warmup_steps 5 "${float8[@]}"
+}
+
+run_generate() {
+  local gen=(--checkpoint "$RUNS/resume_full/checkpoint/step-10" --max-new-tokens 24 --temperature 0 --ignore-eos --json
+             --prompt "def main(" --prompt "import os")
+  local gpu=cuda
+  [[ "$DRY_RUN" == 1 ]] && gpu=cpu
+  say "titan generate on $gpu and on the CPU"
+  local dtype ok=1
+  for run in "$gpu float32" "cpu float32" "$gpu bfloat16"; do
+    read -r device dtype <<<"$run"
+    if ! (cd "$RUNS" && timeout 120 "${RUN_ENV[@]}" "$BIN/titan" generate "${gen[@]}" --device "$device" --dtype "$dtype") \
+        >"$LOGS/generate-$device-$dtype.json" 2>"$LOGS/generate-$device-$dtype.log"; then
+      record FAIL "cli.generate.$device.$dtype" "titan generate failed: $(grep -E 'error|Error|what\(\)' "$LOGS/generate-$device-$dtype.log" | head -2 | tr '\n' ' ')"
+      ok=0
+      continue
+    fi
+    figure "cli.generate.$device.$dtype" "$(grep -m1 -o 'generated .*tokens/s' "$LOGS/generate-$device-$dtype.log")"
+  done
+  ((ok)) || return
+  # Greedy tokens equal where the CPU's two best logits are not near-tied, log-probabilities within 5e-3 (TF32 or
+  # reduction order on the GPU).
+  local verdict
+  verdict=$("$PYTHON" - "$LOGS/generate-$gpu-float32.json" "$LOGS/generate-cpu-float32.json" <<'EOF'
+import json, sys
+gpu, cpu = ([json.loads(line) for line in open(path)] for path in sys.argv[1:3])
+worst, same = 0.0, 0
+for g, c in zip(gpu, cpu):
+    for a, b, la, lb in zip(g["ids"], c["ids"], g["logprobs"], c["logprobs"]):
+        if a != b:
+            break
+        same += 1
+        worst = max(worst, abs(la - lb))
+total = sum(len(c["ids"]) for c in cpu)
+print(f"{'PASS' if same == total and worst < 5e-3 else 'FAIL'} {same} of {total} tokens equal, log-probabilities within {worst:.2e}")
+EOF
+)
+  record "${verdict%% *}" cli.generate.gpu_equals_cpu "${verdict#* }"
 }
 
 run_bench() {  # run_bench name local_batch "AC description" args...: tokens/s, MFU and memory as figures; half the batch on OOM
