@@ -233,11 +233,12 @@ def test_freed_host_memory_is_reused_instead_of_faulted_in_again(tmp_path):
     defaults = {"TITAN_HOST_ALLOCATOR": "malloc"}
     kept_2, log = faults(2, {})
     assert "host allocator: blocks of 1 MiB and more mapped in size classes and kept for reuse" in log
-    kept_4, _ = faults(4, {})
+    kept_3, _ = faults(3, {})
     default_2, log = faults(2, defaults)
     assert "host allocator: the C library's malloc with its defaults (TITAN_HOST_ALLOCATOR=malloc)" in log
-    default_4, _ = faults(4, defaults)
-    kept, default = (kept_4 - kept_2) / 2, (default_4 - default_2) / 2
+    default_3, _ = faults(3, defaults)
+    # One step more (measured 2026-11-29 at 2 extra steps: 352 against 33,212 per step).
+    kept, default = kept_3 - kept_2, default_3 - default_2
     print(f"page faults per step: {kept:.0f} kept, {default:.0f} with glibc's defaults")
     assert kept < 0.25 * default, (kept, default)
 
