@@ -130,6 +130,14 @@ void TensorParallel::partial_region(nn::Unit& module, Placement io) {
   });
 }
 
+void TensorParallel::float8_scales_over_group(nn::Unit& module) {
+  module.add_wrapper("tp_float8_scales", [reduction = amax_reduction_](const nn::Unit::Inputs& inputs, const nn::Context& context,
+                                                                       const nn::Unit::Next& next) {
+    nn::float8::AmaxReductionScope scope(reduction);
+    return next(inputs, context);
+  });
+}
+
 void TensorParallel::sequence_parallel(nn::Unit& module, at::Tensor& weight) {
   // The weight's gradient on each rank covers its own sequence shard: reduce_replicated_gradients sums them.
   replicate(weight);

@@ -51,6 +51,9 @@ class TensorParallel {
   // and `replicated_partial`. With `io` Replicate (sampling, without sequence parallelism) the input is used as it
   // is and the partial output all-reduced.
   void partial_region(nn::Unit& module, Placement io = Placement::shard(1));
+  // Float8 linears called inside `module` (whose weights split() or replicated_partial() placed) take each
+  // per-tensor scale over the whole tensor: its amax all-reduced over the group, as colwise() and rowwise() do.
+  void float8_scales_over_group(nn::Unit& module);
   // `weight` split along `dim` (Shard(dim)@tp) inside a partial region, with no communication of its own.
   void split(at::Tensor& weight, int64_t dim) { shard(weight, dim); }
 

@@ -67,13 +67,29 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
            " experts (model.flavor ", quote(config.model.flavor), "); each expert-parallel rank holds an equal share");
     // float8 linears convert the attention, the shared experts and the router where its dimensions allow (as
     // torchtitan's converter does); the routed experts' grouped products stay in high precision.
+    if (quantization::float8_enabled(config) && dims.tp > 1) {
+      // Under TP the router and latent attention's down-projections run whole on every rank, and their output
+      // gradients are each rank's partial sum (summed only at the block's input): a float8 cast of a partial sum is
+      // not the cast of the sum one process makes.
+      std::vector<std::string> partial;
+      for (int64_t layer = 0; layer < args.n_layers; ++layer)
+        for (const auto& p : args.layer_parameter_shapes(layer)) {
+          if (p.shape.size() != 2 || !ends_with(p.name, ".weight")) continue;
+          const std::string module = p.name.substr(0, p.name.size() - 7);
+          if ((ends_with(module, ".moe.router.gate") || ends_with(module, ".attention.wq_a") || ends_with(module, ".attention.wkv_a")) &&
+              quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8))
+            partial.push_back(module);
+        }
+      if (!partial.empty())
+        fail("model.converters = [", join(config.model.converters, ", "), "] with parallelism.tensor_parallel_degree = ", dims.tp,
+             ": the float8 linears ", quote(partial.front()), partial.size() > 1 ? cat(" ... ", quote(partial.back())) : std::string(),
+             " (", partial.size(), ") run whole on every tensor-parallel rank and take partial output gradients, which float8 "
+             "cannot scale as one process does; add \"router.gate\" (and for latent attention \"wq_a\", \"wkv_a\") to "
+             "quantize.linear.float8.filter_fqns, as torchtitan's DeepSeek-V3 TOMLs filter the router");
+    }
     if (quantization::mx_enabled(config))
       fail("model.converters = [", join(config.model.converters, ", "), "] with a Mixture-of-Experts model (model.flavor ",
            quote(config.model.flavor), "): MX linears are not supported for MoE models yet");
-    if (quantization::float8_enabled(config) && dims.tp > 1)
-      fail("model.converters = [", join(config.model.converters, ", "), "] with parallelism.tensor_parallel_degree = ", dims.tp,
-           " and a Mixture-of-Experts model (model.flavor ", quote(config.model.flavor),
-           "): float8 linears under tensor parallelism are not supported for MoE models yet");
   }
 }
 
@@ -199,6 +215,7 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
         tp.split(moe.shared_experts->w1->weight, 0);
         tp.split(moe.shared_experts->w3->weight, 0);
         tp.split(moe.shared_experts->w2->weight, 1);
+        tp.float8_scales_over_group(*moe.shared_experts);  // w2's input and w1/w3's output gradients are split
       }
       tp.partial_region(moe, sequence);
       continue;
