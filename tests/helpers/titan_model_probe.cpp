@@ -3,7 +3,7 @@
 // logits, loss and gradients in HF layout.
 // usage: titan_model_probe [--model llama3|qwen3] --flavor F|--hf-config DIR/config.json --weights W.safetensors
 //                          --batch B.safetensors --out O.safetensors [--ac-mode none|full|selective] [--ac-option N|op]
-//                          [--autocast-bf16] [--float8 tensorwise|rowwise|rowwise_with_gw_hp] [--kept-shapes K.json]
+//                          [--autocast-bf16] [--float8 tensorwise|rowwise|rowwise_with_gw_hp] [--mx RECIPE] [--kept-shapes K.json]
 //                          [--memory-json M.json]
 //        titan_model_probe --args-json A.json --titan-weights W.safetensors --batch B.safetensors --out O.safetensors
 // With --hf-config the family is config.json's model_type. With --args-json (ModelArgs::to_json, as checkpoint
@@ -82,6 +82,14 @@ int main(int argc, char** argv) {
       job.quantize.linear.float8.emulate = true;
       job.quantize.linear.float8.filter_fqns = {"output"};
       titan::quantization::convert_to_float8(*model, job);
+    }
+    if (opt.count("--mx")) {  // MXFP8 linears (emulated), the output projection kept in high precision
+      titan::config::JobConfig job;
+      job.model.converters = {"mx"};
+      job.quantize.linear.mx.recipe_name = opt.at("--mx");
+      job.quantize.linear.mx.emulate = true;
+      job.quantize.linear.mx.filter_fqns = {"output"};
+      titan::quantization::convert_to_mx(*model, job);
     }
     titan::config::ActivationCheckpoint ac;
     ac.mode = opt["--ac-mode"];

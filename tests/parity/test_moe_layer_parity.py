@@ -212,13 +212,16 @@ def titan_qwen3_args(routing):
                          [("qwen3_softmax_top2", "tensorwise", None), ("sigmoid_groups_shared_scores_first", "rowwise", None),
                           # titan under op-level checkpointing: float8 linears recomputed, attention and the shared
                           # experts' kept outputs reused
-                          ("sigmoid_groups_shared_scores_first", "rowwise", "op")])
+                          ("sigmoid_groups_shared_scores_first", "rowwise", "op"),
+                          # MXFP8 (torchao's MXFP8Linear, FLOOR scales: titan's mxfp8_cublas)
+                          ("sigmoid_groups_shared_scores_first", "mxfp8_cublas", None)])
 def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, float8, ac):
     """Loss, logits and every gradient of torchtitan's Qwen3 MoE model against titan's (float32, 2 x 40 tokens, two
     blocks), with non-zero balancing biases so that they steer the choice of experts in both. With float8, both
     models' linears (attention, shared experts; not the output, and not the 8-expert router, whose 8 rows do not
     divide by 16) are float8 linears, emulated: torchao's Float8Linear in torchtitan's model, as its converter makes
-    them; the routed experts stay in float32 in both."""
+    them; the routed experts stay in float32 in both. With MXFP8 likewise, torchao's MXFP8Linear (FLOOR scales) in
+    place of every linear whose dimensions are multiples of 32 but the output."""
     histc = torch.histc
     monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
     routing = MODEL_CASES[case]
@@ -230,7 +233,25 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     assert len(biases) == 2
     state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
-    if float8:
+    if float8 and float8.startswith("mxfp8"):
+        from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        converted = []
+        for fqn, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                # titan's MX selection: both dimensions multiples of 32, the output projection filtered.
+                if type(child) is torch.nn.Linear and child_name != "output" and child.in_features % 32 == 0 and child.out_features % 32 == 0:
+                    mx = MXFP8Linear(child.in_features, child.out_features, bias=False, kernel_preference=KernelPreference.EMULATED,
+                                     scale_calculation_mode=ScaleCalculationMode.FLOOR)
+                    with torch.no_grad():
+                        mx.weight.copy_(child.weight)
+                    setattr(module, child_name, mx)
+                    converted.append(f"{fqn}.{child_name}")
+        shared = 3 if routing["num_shared_experts"] else 0
+        assert len(converted) == 2 * (4 + shared) and not any("router" in f for f in converted), converted
+    elif float8:
         from torchao import float8 as torchao_float8
         from torchao.float8.float8_linear import Float8Linear
         from torchtitan.components.quantization.utils import module_filter_fn
@@ -242,7 +263,8 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
         shared = 3 if routing["num_shared_experts"] else 0
         assert len(converted) == 2 * (4 + shared) and not any("router" in f or f == "output" for f in converted), converted
 
-    tokens = torch.randint(0, 256, (2, 41), generator=g)
+    # MXFP8's weight gradients take blocks of 32 along the tokens: 2 x 32 tokens there, else 2 x 40.
+    tokens = torch.randint(0, 256, (2, 33 if float8 and float8.startswith("mxfp8") else 41), generator=g)
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     labels[1, :5] = -100
     weights, batch, out = tmp_path / "w.safetensors", tmp_path / "b.safetensors", tmp_path / "o.safetensors"
@@ -250,7 +272,8 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
     save_file({"inputs": inputs, "labels": labels}, str(batch))
     (tmp_path / "args.json").write_text(json.dumps(titan_qwen3_args(routing)))
     run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
-         "--batch", str(batch), "--out", str(out), *(["--float8", float8] if float8 else []),
+         "--batch", str(batch), "--out", str(out),
+         *((["--mx", float8] if float8.startswith("mxfp8") else ["--float8", float8]) if float8 else []),
          *(["--ac-mode", "selective", "--ac-option", ac] if ac else [])])
     got = load_file(str(out))
 
@@ -259,7 +282,8 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
     loss.backward()
     diff = ((got["logits"] - logits.detach()).abs().max() / logits.detach().abs().max()).item()
-    case = f"{case}{', float8 ' + float8 if float8 else ''}{', titan under ' + ac + ' AC' if ac else ''}"
+    kind = ("MX " if float8.startswith("mxfp8") else "float8 ") + float8 if float8 else ""
+    case = f"{case}{', ' + kind if float8 else ''}{', titan under ' + ac + ' AC' if ac else ''}"
     print(f"{case}: logits max difference {diff:.2e} of the largest; loss {got['loss'].item():.7f} vs {loss.item():.7f}")
     assert diff < 1e-5
     assert abs(got["loss"].item() - loss.item()) <= 1e-5 * loss.item()

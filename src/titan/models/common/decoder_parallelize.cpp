@@ -87,9 +87,6 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
              "cannot scale as one process does; add \"router.gate\" (and for latent attention \"wq_a\", \"wkv_a\") to "
              "quantize.linear.float8.filter_fqns, as torchtitan's DeepSeek-V3 TOMLs filter the router");
     }
-    if (quantization::mx_enabled(config))
-      fail("model.converters = [", join(config.model.converters, ", "), "] with a Mixture-of-Experts model (model.flavor ",
-           quote(config.model.flavor), "): MX linears are not supported for MoE models yet");
   }
 }
 
