@@ -89,7 +89,8 @@ FUSED = {
 # experts run titan's grouped kernels. Measured on 2026-11-28 (2-core AVX2 EPYC) at 2 x 512: one process 0.96, EP 2
 # 0.96 and 0.96, EP 2 under op-level AC 0.92 and 0.92 (at 2 x 1024 on 2026-11-27: 1.02, 1.05 and 1.07; FSDP 2 without
 # EP 0.94 and 1.04). Float32 compute measures 1.27x (its peak comes early in backward, before most gradients exist)
-# and training.fused_kernels = false 0.74x (oneDNN's cache of a bf16 product per expert and row count): docs/moe.md.
+# and training.fused_kernels = false 0.74x on the AMX Xeon (oneDNN's cache of a bf16 product per expert and row count;
+# 1.01-1.03x on the AVX2 EPYC, 2026-11-29): docs/moe.md.
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.n_layers", "2", "--training.local_batch_size", "2",
        "--training.seq_len", "512", "--activation_checkpoint.mode", "none"]
 MOE_LAYOUTS = {
