@@ -10,7 +10,7 @@ namespace titan::plan {
 // constants"): the speed of what titan has not run on GPUs itself and the allocator's reserve. A profile may set its
 // own, for example those `titan plan --calibrate` fits to runs measured on that cluster.
 struct Calibration {
-  double compile_memory_share = 0.35;               // torch.compile: the memory-bound kernels' bytes shrink to this share
+  double compile_memory_share = 0.4;                // torch.compile: the memory-bound kernels' bytes shrink to this share
   double float8_relative_efficiency = 0.8;          // float8 GEMMs' share of their peak against bf16 GEMMs' share of theirs
   double ring_attention_overhead_per_rank = 0.09;   // ring attention's loss of efficiency per further CP rank
   double allocator_overhead = 0.02;                 // the caching allocator's reserve above the allocated bytes
@@ -26,7 +26,10 @@ struct ClusterProfile {
   double intra_node_bandwidth = 0;  // bytes/s per GPU, one direction, inside a node (NVLink, xGMI)
   double inter_node_bandwidth = 0;  // bytes/s per GPU, one direction, across nodes (the NIC share of one GPU)
   int64_t gpus_per_node = 8;        // GPUs sharing the intra-node link (the NVLink domain on GB200 NVL72)
-  double matmul_efficiency = 0.7;   // fraction of peak_bf16_flops that large bf16 matmuls sustain
+  double matmul_efficiency = 0.7;   // fraction of peak_bf16_flops that large bf16 matmuls sustain (8192 cubed)
+  // Streaming multiprocessors (NVIDIA) or compute units (AMD): a GEMM's output tiles run in waves of this many, so a
+  // small matmul leaves part of the last wave idle (docs/plan.md, "Matmul shapes"). 0: shapes not modelled.
+  int64_t multiprocessors = 0;
   std::string source;               // where the figures come from
   Calibration calibration;
 };

@@ -31,6 +31,11 @@ constexpr double kFloat8CastBytesPerElement = 5;
 // efficiency against bf16's, ring attention's loss per further context-parallel rank (smaller chunk pairs, the merges
 // of partial results, the shifts' synchronisation).
 
+// Rowwise float8's forward product (CUTLASS's rowwise-scaled kernel, fast accumulation) against cuBLAS's tensorwise
+// one on H100: "most shapes within 90-100%" (pytorch/pytorch#147971, 2025-02); its backward products run as
+// tensorwise GEMMs (below).
+constexpr double kRowwiseForwardGemmRelative = 0.95;
+
 // Counted, not fitted: flash attention's backward runs five tile matmuls to forward's two.
 constexpr double kAttentionBackwardRatio = 2.5;
 // AdamW over float32 state: reads parameter, gradient and both moments, writes parameter and moments; clipping
@@ -44,9 +49,36 @@ double loss_bytes_per_logit(double c) { return c + (c + 4) + 8 + 4 + 12 + (4 + c
 // torchtitan's loss: float32 logits, their log-softmax, its gradient and the bf16 gradient.
 constexpr double kTorchtitanLossBytesPerLogit = 2 + 4 + 8 + 4 + 12 + 4 + 2;
 
+// The ranks FSDP shards the dense weights over.
+double shard_group_of(const distributed::ParallelDims& dims) { return static_cast<double>(dims.dp_shard * dims.cp); }
+
 std::string gbs(double bytes_per_second) { return strprintf("%.0f GB/s", bytes_per_second / 1e9); }
 
+// The output tiles a GEMM library picks from (rows x columns of the output per multiprocessor at a time), and the
+// fixed cost of each tile (its prologue and epilogue) in units of the contraction length. Chosen on OpenXLA's
+// published bf16 GEMM rates (H100, MI300X) as docs/plan.md says.
+constexpr double kGemmTiles[][2] = {{128, 256}, {256, 128}, {128, 128}};
+constexpr double kGemmTileOverheadK = 192;
+
+// The share of the device's large-GEMM rate a product reaches: the best tile's useful share of its waves (the last
+// wave of a small product leaves multiprocessors idle; a partial tile computes padding), times k / (k + overhead).
+double gemm_occupancy(double batch, double m, double n, double k, double multiprocessors) {
+  double best = 0;
+  for (const auto& tile : kGemmTiles) {
+    const double tiles = batch * std::ceil(m / tile[0]) * std::ceil(n / tile[1]);
+    const double waves = std::ceil(tiles / multiprocessors);
+    best = std::max(best, batch * m * n / (waves * multiprocessors * tile[0] * tile[1]));
+  }
+  return best * k / (k + kGemmTileOverheadK);
+}
+
 }  // namespace
+
+double matmul_shape_factor(double batch, double m, double n, double k, int64_t multiprocessors) {
+  if (multiprocessors <= 0 || batch <= 0 || m <= 0 || n <= 0 || k <= 0) return 1.0;
+  const double sms = static_cast<double>(multiprocessors);
+  return gemm_occupancy(batch, m, n, k, sms) / gemm_occupancy(1, 8192, 8192, 8192, sms);
+}
 
 Speedups speedups_of(const config::JobConfig& c) {
   Speedups s;
@@ -54,6 +86,7 @@ Speedups speedups_of(const config::JobConfig& c) {
   for (const auto& converter : c.model.converters)
     if (converter == "float8" || converter == "quantize.linear.float8") s.float8 = true;
   s.float8_all_gather = s.float8 && c.quantize.linear.float8.enable_fsdp_float8_all_gather;
+  if (c.quantize.linear.float8.recipe_name) s.float8_recipe = *c.quantize.linear.float8.recipe_name;
   return s;
 }
 
@@ -172,21 +205,83 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   }
 
   const double peak = cluster.peak_bf16_flops * cluster.matmul_efficiency;
-  const double layer_matmul_flops =
-      tokens * layers * 2 / tp *
-      (layer_params * (3 + recompute_layers) + op_recomputed_params + active_expert_params * (3 + recompute_layers + op_recompute));
+  const double linear_flops = tokens * layers * 2 / tp * (layer_params * (3 + recompute_layers) + op_recomputed_params);
+  const double expert_flops = tokens * layers * 2 / tp * active_expert_params * (3 + recompute_layers + op_recompute);
   const double output_flops = tokens * output_share * 2 * vocab * d / tp * 3;
-  // float8: the converted linear layers at the fp8 peak (the output projection stays in bf16), plus the casts.
+  // Each product's shape (matmul_shape_factor): per linear of the block, forward (tokens x in -> out, again when
+  // recomputed), input gradient (tokens x out -> in) and weight gradient (out x tokens -> in), with TP's split;
+  // the factors are averaged weighted by FLOPs (harmonically: the time is what adds up).
+  const int64_t sms = cluster.multiprocessors;
+  using Split = models::BlockLinear::Split;
+  double linear_weight = 0, linear_time = 0;
+  for (const bool moe_kind : {false, true}) {
+    const double count = moe_kind ? moe_count : dense_count;
+    if (count <= 0) continue;
+    for (const auto& l : models::block_linears(a, moe_kind)) {
+      const double in = l.split == Split::row ? l.in / tp : l.in, out = l.split == Split::column ? l.out / tp : l.out;
+      const double products[3][4] = {{1 + recompute_layers, tokens, out, in}, {1, tokens, in, out}, {1, out, in, tokens}};
+      for (const auto& p : products) {
+        linear_weight += count * p[0] * in * out;
+        linear_time += count * p[0] * in * out / matmul_shape_factor(1, p[1], p[2], p[3], sms);
+      }
+    }
+  }
+  const double linear_shape = linear_weight > 0 ? linear_weight / linear_time : 1.0;
+  // The routed experts: one grouped product over the rank's experts, each with its share of the routed rows (under
+  // EP a rank's E / EP experts take the rows every EP rank routes to them; with ETP 1 each TP rank its 1 / tp).
+  double expert_shape = 1.0;
+  if (a.moe && expert_flops > 0) {
+    const double local_experts = static_cast<double>(a.moe->num_experts) / ep;
+    const double rows = tokens * top_k / (dims.ep > 1 && dims.etp == 1 ? tp : 1.0);
+    const double per_expert = rows / local_experts;
+    const double width = static_cast<double>(a.moe->hidden_dim) / (dims.ep > 1 && dims.etp == 1 ? 1.0 : tp);
+    double weight = 0, time = 0;
+    for (const auto& [in, out] : {std::pair{d, width}, std::pair{d, width}, std::pair{width, d}}) {  // w1, w3, w2
+      const double products[3][4] = {{1 + recompute_layers + op_recompute, per_expert, out, in}, {1, per_expert, in, out}, {1, out, in, per_expert}};
+      for (const auto& p : products) {
+        weight += p[0];
+        time += p[0] / matmul_shape_factor(local_experts, p[1], p[2], p[3], sms);
+      }
+    }
+    expert_shape = weight / time;
+  }
+  const double output_width = vocab / tp;
+  const double output_shape = (matmul_shape_factor(1, tokens, output_width, d, sms) + matmul_shape_factor(1, tokens, d, output_width, sms) +
+                               matmul_shape_factor(1, output_width, d, tokens, sms)) / 3;
+  // float8: the converted linear layers at the fp8 peak (the output projection and the experts stay in bf16), plus
+  // the casts.
   const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * cluster.calibration.float8_relative_efficiency : peak;
-  const double float8_flops_share = layer_rate > peak ? float8_share : 0.0;
-  const double matmul_seconds = layer_matmul_flops * (float8_flops_share / layer_rate + (1 - float8_flops_share) / peak) + output_flops / peak;
+  // rowwise_with_gw_hp computes the weight gradient (one of each linear's 3 + R products) in bf16.
+  const bool rowwise = speed.float8_recipe != "tensorwise", weight_gradient_high = speed.float8_recipe == "rowwise_with_gw_hp";
+  const double float8_flops_share = layer_rate > peak ? float8_share * (weight_gradient_high ? (2 + recompute_layers) / (3 + recompute_layers) : 1.0) : 0.0;
+  // Rowwise: the forward products (1 + R of the linear's 3 + R) at kRowwiseForwardGemmRelative of the float8 rate.
+  const double float8_seconds_per_flop =
+      !rowwise ? 1 / layer_rate
+               : ((1 + recompute_layers) / kRowwiseForwardGemmRelative + (weight_gradient_high ? 1.0 : 2.0)) /
+                     ((1 + recompute_layers) + (weight_gradient_high ? 1.0 : 2.0)) / layer_rate;
+  const double matmul_seconds = linear_flops * (float8_flops_share * float8_seconds_per_flop + (1 - float8_flops_share) / peak) / linear_shape +
+                                expert_flops / (peak * expert_shape) + output_flops / (peak * output_shape);
   double cast_bytes = 0;
   if (speed.float8 && cluster.peak_fp8_flops > 0) {
-    // Per linear: its input and, in backward, its output gradient, each cast twice (as is and transposed for the
-    // weight gradient); column-parallel layers see the whole d input, row-parallel ones a 1/tp slice.
+    // Per linear, each recipe's casts (torchao's): an operand's cast reads it twice in bf16 (its maximum, then the
+    // scaled copy) and writes a byte per element. Activations: the input and, in backward, the output gradient;
+    // column-parallel layers see the whole d input, row-parallel ones a 1/tp slice. Tensorwise casts each of them
+    // twice (as is, and transposed for the weight gradient), the input again in each recomputed forward; rowwise
+    // scales each product's operands along that product's contraction, so each operand is cast once per product it
+    // takes part in (twice, the weight too), and with the weight gradient in bf16 the input and the output
+    // gradient once each. Weights: once per step (tensorwise; on the FSDP shard when float8 all-gathers precompute
+    // the scales) or twice (rowwise: forward and input gradient). Rowwise backward products run as tensorwise
+    // GEMMs with the row scales applied afterwards (torchao's route around CUTLASS's slow rowwise kernel without fast
+    // accumulation): one more read and write of the input gradient in the compute dtype.
     const double inputs = 3 * d + d_attn / tp + 2 * d + hidden / tp;
     const double outputs = (d_attn + 2 * d_kv) / tp + d + 2 * hidden / tp + d;
-    cast_bytes = tokens * layers * kFloat8CastBytesPerElement * (2 * inputs + 2 * outputs + recompute_layers * inputs) * float8_share;
+    const double per_operand = weight_gradient_high ? 1 : 2;
+    double per_token = per_operand * (inputs + outputs) + recompute_layers * inputs;
+    double elements = tokens * layers * per_token * float8_share;
+    const double weights = layers * float8_params / tp;
+    elements += rowwise ? 2 * weights : weights / (speed.float8_all_gather ? shard_group_of(dims) : 1.0);
+    cast_bytes = elements * kFloat8CastBytesPerElement;
+    if (rowwise) cast_bytes += tokens * layers * inputs * float8_share * 2 * c;
   }
   // Causal attention: each query meets seq_len / 2 keys on average, 2 FLOPs per multiply-add, QK^T and PV.
   const double attention_forward = tokens * layers * 2 * seq * d_attn / tp;
@@ -220,8 +315,12 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
 
   StepTime out;
   const double compute = matmul_seconds + attention_seconds + memory_bytes / bandwidth + optimizer_seconds;
+  // The shapes' factor over all products, weighted by FLOPs as the time weighs them (without float8's rate).
+  const double all_flops = linear_flops + expert_flops + output_flops;
+  const double shape = all_flops / (linear_flops / linear_shape + expert_flops / expert_shape + output_flops / output_shape);
   out.terms.push_back({"matmuls", matmul_seconds, matmul_seconds,
-                       strprintf("%.3g TFLOP at %.0f TFLOP/s%s", (layer_matmul_flops + output_flops) / 1e12, peak / 1e12,
+                       strprintf("%.3g TFLOP at %.0f TFLOP/s%s%s", all_flops / 1e12, peak / 1e12,
+                                 sms > 0 ? strprintf(" x %.2f for their shapes", shape).c_str() : "",
                                  layer_rate > peak ? cat(", blocks in float8 at ", static_cast<int64_t>(layer_rate / 1e12), " TFLOP/s").c_str() : "")});
   out.terms.push_back({"attention", attention_seconds, attention_seconds, strprintf("%.3g TFLOP", attention_forward * (1 + kAttentionBackwardRatio + recompute_layers) / 1e12)});
   out.terms.push_back({"memory-bound kernels", memory_bytes / bandwidth, memory_bytes / bandwidth,

@@ -26,7 +26,7 @@ struct TimeTerm {
 // 80% of the runs the predicted/measured tokens/s lay between these two. tests/cli/test_plan.py fits again and
 // holds these to its result.
 constexpr double kHeldOutSpeedRatioP10 = 0.796;
-constexpr double kHeldOutSpeedRatioP90 = 1.103;
+constexpr double kHeldOutSpeedRatioP90 = 1.107;
 
 struct StepTime {
   std::vector<TimeTerm> terms;
@@ -39,11 +39,19 @@ struct StepTime {
   std::string bound;            // the largest term, or "pipeline bubble"
 };
 
+// Matmul efficiency by shape: the rate of `batch` products of (m x k) by (k x n), the output tiled in waves over
+// the device's `multiprocessors`, relative to one 8192-cubed product (the size `matmul_efficiency` is quoted at).
+// 1 when `multiprocessors` is 0. The tiles and the per-tile overhead were chosen on OpenXLA's published GEMM table
+// (docs/plan.md, "Matmul shapes"), never on training runs.
+double matmul_shape_factor(double batch, double m, double n, double k, int64_t multiprocessors);
+
 // What the layout runs that titan does not (yet): modelled as stated in docs/plan.md.
 struct Speedups {
   bool compile = false;           // compile.enable: torch.compile fuses the memory-bound kernels
   bool float8 = false;            // model.converters has "float8": linear layers' matmuls in float8
   bool float8_all_gather = false; // quantize.linear.float8.enable_fsdp_float8_all_gather
+  // quantize.linear.float8.recipe_name: "tensorwise" (unset), "rowwise" or "rowwise_with_gw_hp"
+  std::string float8_recipe = "tensorwise";
 };
 Speedups speedups_of(const config::JobConfig& config);
 
