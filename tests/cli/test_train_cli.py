@@ -219,8 +219,11 @@ def test_a_non_finite_step_stops_the_run_or_is_skipped(tmp_path):
 
 
 def test_freed_host_memory_is_reused_instead_of_faulted_in_again(tmp_path):
-    """On the CPU titan's host block cache keeps large freed blocks for the next step: page faults per extra step are
-    a small fraction of those with LibTorch's allocator on glibc's defaults (TITAN_HOST_ALLOCATOR=malloc)."""
+    """On the CPU titan's host block cache keeps large freed blocks for the next step. glibc's defaults
+    (TITAN_HOST_ALLOCATOR=malloc) return freed large blocks to the kernel and fault them in again until its mmap
+    threshold has grown: the same 2-step job faulted in 216,000-256,000 pages that way against 153,000-154,000 with the
+    cache (2026-11-29, four runs each; the process's start-up is in both). Per further step the cache faulted 400-800
+    pages; glibc's count per step varies from run to run (0 to 30,000), so only the cache's is held to a bound."""
     import resource
 
     def faults(steps, env):
@@ -230,17 +233,15 @@ def test_freed_host_memory_is_reused_instead_of_faulted_in_again(tmp_path):
                       "--training.seq_len", "512"], env=env)
         return resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before, result.stdout
 
-    defaults = {"TITAN_HOST_ALLOCATOR": "malloc"}
     kept_2, log = faults(2, {})
     assert "host allocator: blocks of 1 MiB and more mapped in size classes and kept for reuse" in log
     kept_3, _ = faults(3, {})
-    default_2, log = faults(2, defaults)
+    default_2, log = faults(2, {"TITAN_HOST_ALLOCATOR": "malloc"})
     assert "host allocator: the C library's malloc with its defaults (TITAN_HOST_ALLOCATOR=malloc)" in log
-    default_3, _ = faults(3, defaults)
-    # One step more (measured 2026-11-29 at 2 extra steps: 352 against 33,212 per step).
-    kept, default = kept_3 - kept_2, default_3 - default_2
-    print(f"page faults per step: {kept:.0f} kept, {default:.0f} with glibc's defaults")
-    assert kept < 0.25 * default, (kept, default)
+    print(f"page faults of the 2-step job: {kept_2} kept, {default_2} with glibc's defaults; one step more with the "
+          f"cache: {kept_3 - kept_2}")
+    assert kept_2 < 0.85 * default_2, (kept_2, default_2)
+    assert kept_3 - kept_2 < 5000, (kept_2, kept_3)
 
 
 def test_the_host_block_cache_keeps_the_peak_near_the_live_tensors(tmp_path):
