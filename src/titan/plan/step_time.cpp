@@ -49,9 +49,6 @@ double loss_bytes_per_logit(double c) { return c + (c + 4) + 8 + 4 + 12 + (4 + c
 // torchtitan's loss: float32 logits, their log-softmax, its gradient and the bf16 gradient.
 constexpr double kTorchtitanLossBytesPerLogit = 2 + 4 + 8 + 4 + 12 + 4 + 2;
 
-// The ranks FSDP shards the dense weights over.
-double shard_group_of(const distributed::ParallelDims& dims) { return static_cast<double>(dims.dp_shard * dims.cp); }
-
 std::string gbs(double bytes_per_second) { return strprintf("%.0f GB/s", bytes_per_second / 1e9); }
 
 // The output tiles a GEMM library picks from (rows x columns of the output per multiprocessor at a time), and the
@@ -205,6 +202,8 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   }
 
   const double peak = cluster.peak_bf16_flops * cluster.matmul_efficiency;
+  // The ranks FSDP shards the dense weights over.
+  const double shard_group = static_cast<double>(dims.dp_shard * dims.cp);
   const double linear_flops = tokens * layers * 2 / tp * (layer_params * (3 + recompute_layers) + op_recomputed_params);
   const double expert_flops = tokens * layers * 2 / tp * active_expert_params * (3 + recompute_layers + op_recompute);
   const double output_flops = tokens * output_share * 2 * vocab * d / tp * 3;
@@ -279,7 +278,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     double per_token = per_operand * (inputs + outputs) + recompute_layers * inputs;
     double elements = tokens * layers * per_token * float8_share;
     const double weights = layers * float8_params / tp;
-    elements += rowwise ? 2 * weights : weights / (speed.float8_all_gather ? shard_group_of(dims) : 1.0);
+    elements += rowwise ? 2 * weights : weights / (speed.float8_all_gather ? shard_group : 1.0);
     cast_bytes = elements * kFloat8CastBytesPerElement;
     if (rowwise) cast_bytes += tokens * layers * inputs * float8_share * 2 * c;
   }
@@ -305,7 +304,6 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // This rank's parameters (its pipeline share, divided by TP), and what FSDP/HSDP/DDP hold of them.
   // The routed experts: with EP, FSDP shards this rank's E / EP over efsdp; without it they are like the rest.
   double rank_params = (layers * (layer_params + 2 * d) + output_share * (2 * vocab * d + d)) / tp;
-  const double shard_group = static_cast<double>(dims.dp_shard * dims.cp);
   const double rank_experts = layers * expert_params / expert_split;
   const double efsdp = dims.ep > 1 ? static_cast<double>(dims.efsdp()) : 1.0;
   if (dims.ep == 1) rank_params += rank_experts;
