@@ -1,6 +1,7 @@
 """titan's DeepSeek-V3 (multi-head latent attention, YaRN RoPE, dense blocks before Mixture-of-Experts blocks with
 shared experts) against two references we did not write, on identical weights: torchtitan 0.2.2's own DeepSeekV3Model
-(loss, logits and every gradient, its flavors' softmax routing and the 671B flavor's sigmoid routing over groups) and
+(loss, logits and every gradient, its flavors' softmax routing and the 671B flavor's sigmoid routing over groups;
+and with float8 linears of each recipe, torchtitan's model converted by torchao) and
 Hugging Face transformers' DeepseekV3ForCausalLM (with and without the queries' low-rank projection, YaRN on and off,
 node-limited groups on and off, one and two shared experts); the Hugging Face round trip through `titan convert`
 (per-expert tensors and e_score_correction_bias, bitwise; a published checkpoint's multi-token-prediction layer skipped
@@ -9,6 +10,7 @@ parameter counts and FLOPs per token of every flavor, and torchtitan's DeepSeek-
 
 torchtitan runs here with its for-loop experts (use_grouped_mm = False) and torch.histc counted in float, as in
 test_moe_layer_parity.py."""
+import dataclasses
 import json
 
 import pytest
@@ -110,10 +112,37 @@ def titan_args(case):
 def test_whole_model_matches_torchtitan(tmp_path, monkeypatch, case):
     """Loss, logits and every gradient of torchtitan's DeepSeekV3Model against titan's (float32, 2 x 40 tokens), with
     non-zero balancing biases steering the choice of experts in both."""
+    against_torchtitan(tmp_path, monkeypatch, case)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_float8_linears_match_torchtitan_converted_by_torchao(tmp_path, monkeypatch, recipe):
+    """Float8 linears (emulated, the output projection in high precision) in DeepSeek-V3: torchtitan's model with
+    low-rank queries, YaRN and sigmoid group routing, converted by torchao's convert_to_float8_training with
+    torchtitan's own layer filter, against titan's float8 converter on the same weights and batch. Both convert the
+    latent attention's five projections, the dense block's feed-forward and the shared experts (24 linears); neither
+    converts the router (8 outputs, not a multiple of 16) or the routed experts (no linear units)."""
+    from torchao import float8 as torchao_float8
+    from torchao.float8.float8_linear import Float8Linear
+    from torchtitan.components.quantization.utils import module_filter_fn
+
+    def convert(model):
+        config = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+        torchao_float8.convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda mod, fqn: module_filter_fn(mod, fqn, ["output"]))
+        converted = [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
+        assert len(converted) == 24 and not any("router" in f or ".experts." in f for f in converted), converted
+
+    against_torchtitan(tmp_path, monkeypatch, "sigmoid_groups_lora_queries_yarn", float8=recipe, convert=convert)
+
+
+def against_torchtitan(tmp_path, monkeypatch, case, float8=None, convert=None):
     histc = torch.histc
     monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
     model, g = torchtitan_model(case)
     state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+    if convert:
+        convert(model)
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     assert len(biases) == 2  # the MoE blocks only
     inputs, labels = make_batch(seed=5)
@@ -121,15 +150,17 @@ def test_whole_model_matches_torchtitan(tmp_path, monkeypatch, case):
     save_file({**state, **biases}, str(weights))
     save_file({"inputs": inputs, "labels": labels}, str(batch))
     (tmp_path / "args.json").write_text(json.dumps(titan_args(case)))
-    run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
-         "--batch", str(batch), "--out", str(out)])
+    result = run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
+                  "--batch", str(batch), "--out", str(out), *(["--float8", float8] if float8 else [])])
+    if float8:
+        assert f"Float8 linears ({float8}, emulated): 24 converted" in result.stdout + result.stderr, result.stdout[-2000:]
     got = load_file(str(out))
 
     logits = model(inputs)
     valid = (labels != -100).sum()
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / valid
     loss.backward()
-    compare(case, got, logits, loss, {n: p.grad for n, p in model.named_parameters()})
+    compare(f"{case}, float8 {float8}" if float8 else case, got, logits, loss, {n: p.grad for n, p in model.named_parameters()})
 
 
 # transformers' DeepseekV3ForCausalLM: three layers (the first dense), 4 heads, 8 routed experts of width 32, top 3,
