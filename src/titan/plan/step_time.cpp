@@ -245,8 +245,9 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     expert_shape = weight / time;
   }
   const double output_width = vocab / tp;
-  const double output_shape = (matmul_shape_factor(1, tokens, output_width, d, sms) + matmul_shape_factor(1, tokens, d, output_width, sms) +
-                               matmul_shape_factor(1, output_width, d, tokens, sms)) / 3;
+  // Its three products have the same FLOPs: their factors averaged harmonically.
+  const double output_shape = 3 / (1 / matmul_shape_factor(1, tokens, output_width, d, sms) + 1 / matmul_shape_factor(1, tokens, d, output_width, sms) +
+                                   1 / matmul_shape_factor(1, output_width, d, tokens, sms));
   // float8: the converted linear layers at the fp8 peak (the output projection and the experts stay in bf16), plus
   // the casts.
   const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * cluster.calibration.float8_relative_efficiency : peak;
