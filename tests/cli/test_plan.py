@@ -239,6 +239,7 @@ def test_cluster_profiles_from_toml_and_their_errors(tmp_path):
     refused('base = "h100-sxm"\nallocator_overhead = -0.1\n', "bad.toml:2", "allocator_overhead must be a finite number, 0 or more")
     refused('base = "h100-sxm"\nmultiprocessors = -1\n', "bad.toml:2", "multiprocessors must be an integer, 0 or more")
     refused('base = "h100-sxm"\nmultiprocessors = 13.5\n', "bad.toml:2", "multiprocessors must be an integer, 0 or more")
+    refused('base = "h100-sxm"\ngemm_launch_us = -1\n', "bad.toml:2", "gemm_launch_us must be a finite number, 0 or more")
     # The calibrated constants, set by a profile, change what they govern: the allocator's reserve here.
     tuned = tmp_path / "tuned.toml"
     tuned.write_text('base = "h100-sxm"\nallocator_overhead = 0.10\n')
@@ -254,7 +255,8 @@ def test_cluster_profiles_from_toml_and_their_errors(tmp_path):
 def test_matmul_shapes_and_float8_recipes(tmp_path):
     """The matmul term by shape: Llama 3 8B under TP 8 splits attention's and the feed-forward's products eight ways
     (keys and values 128 columns wide per rank), whose last waves leave H100's 132 SMs partly idle; the same model
-    on FSDP alone runs at the profile's large-GEMM rate. A profile without a multiprocessor count models no shapes.
+    on FSDP alone runs at the profile's large-GEMM rate. A profile without a multiprocessor count models no shapes; one
+    without a launch time models tiles and waves alone.
     Then the float8 recipes on the layout of torchao's published 8B comparison (op-level AC, compiled): bf16 6,019
     tokens/s, rowwise 6,649, tensorwise 7,190 (pytorch/ao#1793) - the plan orders them the same way, with the weight
     gradient in bf16 slower than rowwise."""
@@ -272,6 +274,14 @@ def test_matmul_shapes_and_float8_recipes(tmp_path):
     flat.write_text('base = "h100-sxm"\nmultiprocessors = 0\n')
     unshaped, none = matmuls(str(flat), "--parallelism.tensor_parallel_degree", "8")
     assert none is None and split / unshaped == pytest.approx(1 / split_shape, rel=0.02)
+    # Each launch's fixed time (B200's 6 us, chosen on the same GEMM table) weighs on TP 8's small products; without it
+    # the tiles and waves alone.
+    no_launch = tmp_path / "b200_no_launch.toml"
+    no_launch.write_text('base = "b200"\ngemm_launch_us = 0\n')
+    _, b200 = matmuls("b200", "--parallelism.tensor_parallel_degree", "8")
+    _, b200_tiles = matmuls(str(no_launch), "--parallelism.tensor_parallel_degree", "8")
+    print(f"8B at TP 8 on B200: shape factor {b200} with 6 us per launch, {b200_tiles} without")
+    assert b200 < b200_tiles - 0.01, (b200, b200_tiles)
 
     layout = ["--as", "torchtitan", "--cluster", "h100-sxm", "--model.flavor", "8B", "--training.seq_len", "8192",
               "--training.local_batch_size", "1", "--gpus", "8", "--training.dtype", "float32",

@@ -18,7 +18,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0, kGB = 1e9, kTera = 1e12;
 
 ClusterProfile profile(std::string name, std::string description, double bf16_tflops, double fp8_tflops, double memory_gib,
                        double bandwidth_gbs, double intra_gbs, double inter_gbs, int64_t per_node, double efficiency,
-                       int64_t multiprocessors, std::string source) {
+                       int64_t multiprocessors, double launch_us, std::string source) {
   ClusterProfile p;
   p.name = std::move(name);
   p.description = std::move(description);
@@ -31,6 +31,7 @@ ClusterProfile profile(std::string name, std::string description, double bf16_tf
   p.gpus_per_node = per_node;
   p.matmul_efficiency = efficiency;
   p.multiprocessors = multiprocessors;
+  p.gemm_launch_seconds = launch_us * 1e-6;
   p.source = std::move(source);
   return p;
 }
@@ -41,26 +42,29 @@ const std::vector<ClusterProfile>& builtin_cluster_profiles() {
   // Peaks, memory and links are the vendors' datasheet figures (dense, no sparsity; "80GB" of HBM is 80 GiB, of
   // which the allocator gets slightly less: the context is a term of its own); inter-node bandwidth is one
   // 400 Gb/s NIC per GPU unless stated. matmul_efficiency is the share of the peak that large bf16 GEMMs sustain
-  // in published cuBLAS/hipBLASLt measurements (docs/plan.md lists them); then the SMs or CUs of the datasheets.
+  // in published cuBLAS/hipBLASLt measurements (docs/plan.md lists them); then the SMs or CUs of the datasheets and
+  // the fixed time of one matmul launch in microseconds, chosen per architecture on OpenXLA's published GEMM table
+  // (Hopper 2, Blackwell 6, CDNA 3 0: its rates show none; Ampere and CDNA 2, which the table lacks, take their
+  // successors').
   static const std::vector<ClusterProfile> profiles = {
-      profile("h100-sxm", "NVIDIA H100 SXM5 80GB, 700 W, NVLink 4, 8 per node", 989.4, 1978.9, 80, 3350, 450, 50, 8, 0.72, 132,
+      profile("h100-sxm", "NVIDIA H100 SXM5 80GB, 700 W, NVLink 4, 8 per node", 989.4, 1978.9, 80, 3350, 450, 50, 8, 0.72, 132, 2,
               "NVIDIA H100 datasheet; GEMM ~710 TFLOP/s bf16"),
       profile("h100-nvl", "NVIDIA H100 NVL 94GB, 400 W, PCIe 5 with NVLink bridges in pairs", 835.5, 1670.5, 94, 3900, 64, 50, 8,
-              0.72, 132, "NVIDIA H100 NVL datasheet; links: PCIe 5 x16"),
-      profile("h100-pcie", "NVIDIA H100 PCIe 80GB, 350 W", 756.5, 1513, 80, 2000, 64, 50, 8, 0.72, 114,
+              0.72, 132, 2, "NVIDIA H100 NVL datasheet; links: PCIe 5 x16"),
+      profile("h100-pcie", "NVIDIA H100 PCIe 80GB, 350 W", 756.5, 1513, 80, 2000, 64, 50, 8, 0.72, 114, 2,
               "NVIDIA H100 PCIe datasheet; links: PCIe 5 x16"),
-      profile("h200", "NVIDIA H200 SXM 141GB, 700 W, NVLink 4, 8 per node", 989.4, 1978.9, 141, 4800, 450, 50, 8, 0.72, 132,
+      profile("h200", "NVIDIA H200 SXM 141GB, 700 W, NVLink 4, 8 per node", 989.4, 1978.9, 141, 4800, 450, 50, 8, 0.72, 132, 2,
               "NVIDIA H200 datasheet"),
-      profile("a100-80gb", "NVIDIA A100 SXM4 80GB, NVLink 3, 8 per node, 200 Gb/s per GPU", 312, 0, 80, 2039, 300, 25, 8, 0.80, 108,
+      profile("a100-80gb", "NVIDIA A100 SXM4 80GB, NVLink 3, 8 per node, 200 Gb/s per GPU", 312, 0, 80, 2039, 300, 25, 8, 0.80, 108, 2,
               "NVIDIA A100 datasheet; GEMM ~250 TFLOP/s bf16"),
       profile("mi250x-gcd", "AMD MI250X, one GCD (half a package), Frontier node: 8 GCDs, 4 x 200 Gb/s", 191.5, 0, 64, 1638,
-              50, 12.5, 8, 0.62, 110, "AMD MI250X datasheet (383 TFLOP/s and 3.2 TB/s per package); ORNL Frontier guide"),
-      profile("mi300x", "AMD MI300X 192GB, Infinity Fabric, 8 per node", 1307.4, 2614.9, 192, 5300, 448, 50, 8, 0.45, 304,
+              50, 12.5, 8, 0.62, 110, 0, "AMD MI250X datasheet (383 TFLOP/s and 3.2 TB/s per package); ORNL Frontier guide"),
+      profile("mi300x", "AMD MI300X 192GB, Infinity Fabric, 8 per node", 1307.4, 2614.9, 192, 5300, 448, 50, 8, 0.45, 304, 0,
               "AMD MI300X datasheet; GEMM 583 TFLOP/s bf16 at 4096 cubed (OpenXLA's published table)"),
-      profile("b200", "NVIDIA B200 180GB (HGX), NVLink 5, 8 per node", 2250, 4500, 180, 8000, 900, 50, 8, 0.60, 148,
+      profile("b200", "NVIDIA B200 180GB (HGX), NVLink 5, 8 per node", 2250, 4500, 180, 8000, 900, 50, 8, 0.60, 148, 6,
               "NVIDIA HGX B200 datasheet"),
       profile("gb200", "NVIDIA GB200 NVL72: one Blackwell GPU, 186GB, NVLink 5 across 72 GPUs", 2500, 5000, 186, 8000, 900, 50,
-              72, 0.60, 148, "NVIDIA GB200 NVL72 datasheet (per GPU)"),
+              72, 0.60, 148, 6, "NVIDIA GB200 NVL72 datasheet (per GPU)"),
   };
   return profiles;
 }
@@ -101,11 +105,13 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
       {"compile_memory_share", {&p.calibration.compile_memory_share, 1.0}},
       {"float8_relative_efficiency", {&p.calibration.float8_relative_efficiency, 1.0}},
       {"ring_attention_overhead_per_rank", {&p.calibration.ring_attention_overhead_per_rank, 1.0}},
-      {"allocator_overhead", {&p.calibration.allocator_overhead, 1.0}}};
+      {"allocator_overhead", {&p.calibration.allocator_overhead, 1.0}},
+      {"gemm_launch_us", {&p.gemm_launch_seconds, 1e-6}}};
   // The calibration keys have defaults (Calibration); overheads may be 0.
   const std::vector<std::string> optional = {"peak_fp8_tflops", "compile_memory_share", "float8_relative_efficiency",
-                                             "ring_attention_overhead_per_rank", "allocator_overhead"};
-  const std::vector<std::string> zero_allowed = {"peak_fp8_tflops", "ring_attention_overhead_per_rank", "allocator_overhead"};
+                                             "ring_attention_overhead_per_rank", "allocator_overhead", "gemm_launch_us"};
+  const std::vector<std::string> zero_allowed = {"peak_fp8_tflops", "ring_attention_overhead_per_rank", "allocator_overhead",
+                                                 "gemm_launch_us"};
   std::vector<std::string> present;
   for (const auto& [key, node] : table) {
     const std::string k(key.str());

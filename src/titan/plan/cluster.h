@@ -30,6 +30,9 @@ struct ClusterProfile {
   // Streaming multiprocessors (NVIDIA) or compute units (AMD): a GEMM's output tiles run in waves of this many, so a
   // small matmul leaves part of the last wave idle (docs/plan.md, "Matmul shapes"). 0: shapes not modelled.
   int64_t multiprocessors = 0;
+  // The fixed time one matmul launch takes beyond its tiles' work (launch, prologue and epilogue, the pipeline's
+  // fill and drain), which small products feel most: chosen per architecture on the same published GEMM table.
+  double gemm_launch_seconds = 0;
   std::string source;               // where the figures come from
   Calibration calibration;
 };

@@ -71,10 +71,17 @@ double gemm_occupancy(double batch, double m, double n, double k, double multipr
 
 }  // namespace
 
-double matmul_shape_factor(double batch, double m, double n, double k, int64_t multiprocessors) {
+double matmul_shape_factor(double batch, double m, double n, double k, int64_t multiprocessors, double launch_flops) {
   if (multiprocessors <= 0 || batch <= 0 || m <= 0 || n <= 0 || k <= 0) return 1.0;
   const double sms = static_cast<double>(multiprocessors);
-  return gemm_occupancy(batch, m, n, k, sms) / gemm_occupancy(1, 8192, 8192, 8192, sms);
+  // A launch of F FLOPs at occupancy o takes F / (R o) + t at the tiles' full rate R (the 8192-cubed product's
+  // rate over its occupancy); launch_flops = t x the 8192-cubed rate.
+  const double reference = gemm_occupancy(1, 8192, 8192, 8192, sms);
+  const auto rate = [&](double b, double mm, double nn, double kk) {
+    const double o = gemm_occupancy(b, mm, nn, kk, sms), flops = 2 * b * mm * nn * kk;
+    return o * flops / (flops + launch_flops / reference * o);
+  };
+  return rate(batch, m, n, k) / rate(1, 8192, 8192, 8192);
 }
 
 Speedups speedups_of(const config::JobConfig& c) {
@@ -210,7 +217,11 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // Each product's shape (matmul_shape_factor): per linear of the block, forward (tokens x in -> out, again when
   // recomputed), input gradient (tokens x out -> in) and weight gradient (out x tokens -> in), with TP's split;
   // the factors are averaged weighted by FLOPs (harmonically: the time is what adds up).
+  // Products run per micro-batch (under pipeline parallelism a step's tokens come in `microbatches` of them), and
+  // each launch pays the profile's fixed time.
   const int64_t sms = cluster.multiprocessors;
+  const double launch_flops = cluster.gemm_launch_seconds * peak;
+  const double product_tokens = tokens / static_cast<double>(microbatches);
   using Split = models::BlockLinear::Split;
   double linear_weight = 0, linear_time = 0;
   for (const bool moe_kind : {false, true}) {
@@ -218,10 +229,10 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     if (count <= 0) continue;
     for (const auto& l : models::block_linears(a, moe_kind)) {
       const double in = l.split == Split::row ? l.in / tp : l.in, out = l.split == Split::column ? l.out / tp : l.out;
-      const double products[3][4] = {{1 + recompute_layers, tokens, out, in}, {1, tokens, in, out}, {1, out, in, tokens}};
+      const double products[3][4] = {{1 + recompute_layers, product_tokens, out, in}, {1, product_tokens, in, out}, {1, out, in, product_tokens}};
       for (const auto& p : products) {
         linear_weight += count * p[0] * in * out;
-        linear_time += count * p[0] * in * out / matmul_shape_factor(1, p[1], p[2], p[3], sms);
+        linear_time += count * p[0] * in * out / matmul_shape_factor(1, p[1], p[2], p[3], sms, launch_flops);
       }
     }
   }
@@ -231,7 +242,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   double expert_shape = 1.0;
   if (a.moe && expert_flops > 0) {
     const double local_experts = static_cast<double>(a.moe->num_experts) / ep;
-    const double rows = tokens * top_k / (dims.ep > 1 && dims.etp == 1 ? tp : 1.0);
+    const double rows = product_tokens * top_k / (dims.ep > 1 && dims.etp == 1 ? tp : 1.0);
     const double per_expert = rows / local_experts;
     const double width = static_cast<double>(a.moe->hidden_dim) / (dims.ep > 1 && dims.etp == 1 ? 1.0 : tp);
     double weight = 0, time = 0;
@@ -239,15 +250,16 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
       const double products[3][4] = {{1 + recompute_layers + op_recompute, per_expert, out, in}, {1, per_expert, in, out}, {1, out, in, per_expert}};
       for (const auto& p : products) {
         weight += p[0];
-        time += p[0] / matmul_shape_factor(local_experts, p[1], p[2], p[3], sms);
+        time += p[0] / matmul_shape_factor(local_experts, p[1], p[2], p[3], sms, launch_flops);
       }
     }
     expert_shape = weight / time;
   }
   const double output_width = vocab / tp;
   // Its three products have the same FLOPs: their factors averaged harmonically.
-  const double output_shape = 3 / (1 / matmul_shape_factor(1, tokens, output_width, d, sms) + 1 / matmul_shape_factor(1, tokens, d, output_width, sms) +
-                                   1 / matmul_shape_factor(1, output_width, d, tokens, sms));
+  const double output_shape = 3 / (1 / matmul_shape_factor(1, product_tokens, output_width, d, sms, launch_flops) +
+                                   1 / matmul_shape_factor(1, product_tokens, d, output_width, sms, launch_flops) +
+                                   1 / matmul_shape_factor(1, output_width, d, product_tokens, sms, launch_flops));
   // float8: the converted linear layers at the fp8 peak (the output projection and the experts stay in bf16), plus
   // the casts.
   const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * cluster.calibration.float8_relative_efficiency : peak;

@@ -41,9 +41,11 @@ struct StepTime {
 
 // Matmul efficiency by shape: the rate of `batch` products of (m x k) by (k x n), the output tiled in waves over
 // the device's `multiprocessors`, relative to one 8192-cubed product (the size `matmul_efficiency` is quoted at).
-// 1 when `multiprocessors` is 0. The tiles and the per-tile overhead were chosen on OpenXLA's published GEMM table
-// (docs/plan.md, "Matmul shapes"), never on training runs.
-double matmul_shape_factor(double batch, double m, double n, double k, int64_t multiprocessors);
+// 1 when `multiprocessors` is 0. `launch_flops` is what the device computes at its large-GEMM rate in the fixed time
+// one launch takes (ClusterProfile::gemm_launch_seconds times that rate), added to every launch. The tiles, the
+// per-tile overhead and the launch times were chosen on OpenXLA's published GEMM table (docs/plan.md, "Matmul
+// shapes"), never on training runs.
+double matmul_shape_factor(double batch, double m, double n, double k, int64_t multiprocessors, double launch_flops = 0);
 
 // What the layout runs that titan does not (yet): modelled as stated in docs/plan.md.
 struct Speedups {
