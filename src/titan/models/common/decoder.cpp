@@ -176,14 +176,17 @@ std::vector<nn::Linear*> LatentAttention::linears() const {
   return out;
 }
 
+std::pair<at::Tensor, at::Tensor> LatentAttention::project(const at::Tensor& x, const nn::Context& context) const {
+  const at::Tensor q = wq ? (*wq)(x, context) : (*wq_b)((*q_norm)((*wq_a)(x, context), context), context);
+  return {q.view({x.size(0), x.size(1), -1, mla_.qk_head_dim()}), (*wkv_a)(x, context)};
+}
+
 at::Tensor LatentAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor& x = inputs[0];
   const auto bs = x.size(0), seqlen = x.size(1);
   const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, vd = mla_.v_head_dim;
-  at::Tensor q = wq ? (*wq)(x, context) : (*wq_b)((*q_norm)((*wq_a)(x, context), context), context);
-  q = q.view({bs, seqlen, -1, nope + rope});  // heads from the width: a tensor-parallel rank sees its own
+  auto [q, kv] = project(x, context);
   const int64_t heads = q.size(2);
-  at::Tensor kv = (*wkv_a)(x, context);
   at::Tensor latent = kv.narrow(-1, 0, mla_.kv_lora_rank);
   at::Tensor k_rope = kv.narrow(-1, mla_.kv_lora_rank, rope).unsqueeze(2);  // one rotary key for every head
   at::Tensor q_rope = kernels::rope_reference(q.narrow(-1, nope, rope), context.rope, context.positions);
@@ -204,11 +207,9 @@ at::Tensor LatentAttention::forward_cached(const at::Tensor& x, const nn::Contex
                                            int64_t capacity, const at::Tensor& mask) {
   const auto bs = x.size(0), count = x.size(1), end = start + count;
   const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, vd = mla_.v_head_dim, r = mla_.kv_lora_rank;
-  at::Tensor q = wq ? (*wq)(x, context) : (*wq_b)((*q_norm)((*wq_a)(x, context), context), context);
-  q = q.view({bs, count, -1, nope + rope});
+  const auto [q, kv] = project(x, context);
   const int64_t heads = q.size(2);
   const at::ScalarType dtype = q.scalar_type();
-  const at::Tensor kv = (*wkv_a)(x, context);
   const at::Tensor latent = (*kv_norm)(kv.narrow(-1, 0, r), context).to(dtype);
   const at::Tensor k_rope =
       kernels::rope_reference(kv.narrow(-1, r, rope).unsqueeze(2), context.rope, context.positions).squeeze(2).to(dtype);

@@ -74,6 +74,10 @@ class LatentAttention : public nn::Unit {
   at::Tensor forward(const Inputs& inputs, const nn::Context& context) override;
 
  private:
+  // What forward() and forward_cached() share: the queries, (batch, tokens, heads, qk head width), with the heads
+  // taken from the projection's width (a tensor-parallel rank sees its own), and wkv_a's output (latent, rotary key).
+  std::pair<at::Tensor, at::Tensor> project(const at::Tensor& x, const nn::Context& context) const;
+
   LatentAttentionArgs mla_;
   double query_scale_;
 };
