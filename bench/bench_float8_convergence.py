@@ -5,11 +5,18 @@ float8 run against the bf16 run's: per step, and as the mean of the last 10 step
 high precision (torchtitan's float8 TOMLs filter it). Prints a table every 25 steps and the seconds per step of each
 run (emulated float8 is slower than bf16 on a CPU, docs/float8.md). Never passes or fails.
 
+On a slow CPU the runs take hours (the 100M flavor at 2 x 256 tokens: about 16 s per bf16 step on a 2-core AVX2
+EPYC, emulated float8 slower still). With --results FILE each finished run's losses are saved there (JSON, keyed by
+flavor, shape, steps and run), and a run already in the file is read back instead of trained again, so the
+comparison can be built one run at a time: --recipes "" trains the bf16 run alone.
+
 usage: bench/bench_float8_convergence.py [--flavor 100M] [--steps 200] [--batch 2] [--seq 512]
-                                         [--recipes tensorwise,rowwise,rowwise_with_gw_hp] [--mx]
+                                         [--recipes tensorwise,rowwise,rowwise_with_gw_hp] [--mx] [--results FILE]
 """
 import argparse
+import json
 import os
+import platform
 import re
 import statistics
 import subprocess
@@ -41,6 +48,25 @@ def train(args, extra):
     return [losses[s] for s in sorted(losses)], seconds / args.steps
 
 
+def cached_train(args, name, extra):
+    """train(), or the run's saved result from --results (and saved there when trained)."""
+    key = f"{args.flavor} {args.batch}x{args.seq} {args.steps} steps {name}"
+    path = Path(args.results) if args.results else None
+    saved = json.loads(path.read_text()) if path and path.exists() else {}
+    if key in saved:
+        print(f"{name}: read from {path} ({saved[key]['date']})", flush=True)
+        return saved[key]["losses"], saved[key]["seconds_per_step"]
+    losses, seconds = train(args, extra)
+    if path:
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved[key] = {"losses": losses, "seconds_per_step": seconds, "date": time.strftime("%Y-%m-%d"),
+                      "cpu": platform.processor() or platform.machine()}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(saved, indent=1))
+        os.replace(tmp, path)
+    return losses, seconds
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flavor", default="100M")
@@ -49,11 +75,12 @@ def main():
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--recipes", default="tensorwise,rowwise,rowwise_with_gw_hp")
     parser.add_argument("--mx", action="store_true", help="also MXFP8 (mxfp8_cublas_rceil, emulated)")
+    parser.add_argument("--results", help="JSON file keeping each finished run's losses; runs found there are not trained again")
     args = parser.parse_args()
     print(f"{args.flavor}, {args.batch} x {args.seq} tokens per step, {args.steps} steps, bf16 autocast, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
     runs = {}
-    runs["bf16"] = train(args, [])
+    runs["bf16"] = cached_train(args, "bf16", [])
     print(f"bf16: {runs['bf16'][1]:.2f} s per step", flush=True)
     variants = {r: ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", r,
                     "--quantize.linear.float8.filter_fqns", "output"] for r in args.recipes.split(",") if r}
@@ -61,7 +88,7 @@ def main():
         variants["mxfp8_cublas_rceil"] = ["--model.converters", "mx", "--quantize.linear.mx.emulate",
                                           "--quantize.linear.mx.recipe_name", "mxfp8_cublas_rceil"]
     for name, extra in variants.items():
-        runs[name] = train(args, extra)
+        runs[name] = cached_train(args, name, extra)
         print(f"{name}: {runs[name][1]:.2f} s per step ({runs[name][1] / runs['bf16'][1]:.1f}x bf16's)", flush=True)
     names = list(runs)
     print("\nstep  " + "  ".join(f"{n:>18}" for n in names))
