@@ -48,19 +48,32 @@ def train(args, extra):
     return [losses[s] for s in sorted(losses)], seconds / args.steps
 
 
+def cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def cached_train(args, name, extra):
     """train(), or the run's saved result from --results (and saved there when trained)."""
     key = f"{args.flavor} {args.batch}x{args.seq} {args.steps} steps {name}"
     path = Path(args.results) if args.results else None
     saved = json.loads(path.read_text()) if path and path.exists() else {}
     if key in saved:
-        print(f"{name}: read from {path} ({saved[key]['date']})", flush=True)
+        entry = saved[key]
+        print(f"{name}: read from {path} (trained {entry['date']} by commit {entry.get('commit', '?')} on {entry['cpu']}; "
+              f"its seconds per step are that machine's)", flush=True)
         return saved[key]["losses"], saved[key]["seconds_per_step"]
     losses, seconds = train(args, extra)
     if path:
         saved = json.loads(path.read_text()) if path.exists() else {}
-        saved[key] = {"losses": losses, "seconds_per_step": seconds, "date": time.strftime("%Y-%m-%d"),
-                      "cpu": platform.processor() or platform.machine()}
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        saved[key] = {"losses": losses, "seconds_per_step": seconds, "date": time.strftime("%Y-%m-%d"), "commit": commit or "?",
+                      "cpu": cpu_model()}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(saved, indent=1))
         os.replace(tmp, path)

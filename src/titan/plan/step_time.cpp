@@ -221,9 +221,13 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // each launch pays the profile's fixed time.
   const int64_t sms = cluster.multiprocessors;
   const double launch_flops = cluster.gemm_launch_seconds * peak;
+  // float8: the converted linear layers at the fp8 peak (the output projection and the experts stay in bf16), plus
+  // the casts; a float8 product's launch time is worth more FLOPs at that rate.
+  const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * cluster.calibration.float8_relative_efficiency : peak;
+  const double launch_flops_float8 = cluster.gemm_launch_seconds * layer_rate;
   const double product_tokens = tokens / static_cast<double>(microbatches);
   using Split = models::BlockLinear::Split;
-  double linear_weight = 0, linear_time = 0;
+  double linear_weight = 0, linear_time = 0, linear_time_float8 = 0;
   for (const bool moe_kind : {false, true}) {
     const double count = moe_kind ? moe_count : dense_count;
     if (count <= 0) continue;
@@ -233,10 +237,12 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
       for (const auto& p : products) {
         linear_weight += count * p[0] * in * out;
         linear_time += count * p[0] * in * out / matmul_shape_factor(1, p[1], p[2], p[3], sms, launch_flops);
+        linear_time_float8 += count * p[0] * in * out / matmul_shape_factor(1, p[1], p[2], p[3], sms, launch_flops_float8);
       }
     }
   }
   const double linear_shape = linear_weight > 0 ? linear_weight / linear_time : 1.0;
+  const double linear_shape_float8 = linear_weight > 0 ? linear_weight / linear_time_float8 : 1.0;
   // The routed experts: one grouped product over the rank's experts, each with its share of the routed rows (under
   // EP a rank's E / EP experts take the rows every EP rank routes to them; with ETP 1 each TP rank its 1 / tp).
   double expert_shape = 1.0;
@@ -260,9 +266,6 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   const double output_shape = 3 / (1 / matmul_shape_factor(1, product_tokens, output_width, d, sms, launch_flops) +
                                    1 / matmul_shape_factor(1, product_tokens, d, output_width, sms, launch_flops) +
                                    1 / matmul_shape_factor(1, output_width, d, product_tokens, sms, launch_flops));
-  // float8: the converted linear layers at the fp8 peak (the output projection and the experts stay in bf16), plus
-  // the casts.
-  const double layer_rate = speed.float8 && cluster.peak_fp8_flops > 0 ? cluster.peak_fp8_flops * cluster.matmul_efficiency * cluster.calibration.float8_relative_efficiency : peak;
   // rowwise_with_gw_hp computes the weight gradient (one of each linear's 3 + R products) in bf16.
   const bool rowwise = speed.float8_recipe != "tensorwise", weight_gradient_high = speed.float8_recipe == "rowwise_with_gw_hp";
   const double float8_flops_share = layer_rate > peak ? float8_share * (weight_gradient_high ? (2 + recompute_layers) / (3 + recompute_layers) : 1.0) : 0.0;
@@ -271,7 +274,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
       !rowwise ? 1 / layer_rate
                : ((1 + recompute_layers) / kRowwiseForwardGemmRelative + (weight_gradient_high ? 1.0 : 2.0)) /
                      ((1 + recompute_layers) + (weight_gradient_high ? 1.0 : 2.0)) / layer_rate;
-  const double matmul_seconds = linear_flops * (float8_flops_share * float8_seconds_per_flop + (1 - float8_flops_share) / peak) / linear_shape +
+  const double matmul_seconds = linear_flops * (float8_flops_share * float8_seconds_per_flop / linear_shape_float8 + (1 - float8_flops_share) / peak / linear_shape) +
                                 expert_flops / (peak * expert_shape) + output_flops / (peak * output_shape);
   double cast_bytes = 0;
   if (speed.float8 && cluster.peak_fp8_flops > 0) {
