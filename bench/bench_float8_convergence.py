@@ -11,7 +11,8 @@ flavor, shape, steps and run), and a run already in the file is read back instea
 comparison can be built one run at a time: --recipes "" trains the bf16 run alone.
 
 usage: bench/bench_float8_convergence.py [--flavor 100M] [--steps 200] [--batch 2] [--seq 512]
-                                         [--recipes tensorwise,rowwise,rowwise_with_gw_hp] [--mx] [--results FILE]
+                                         [--recipes tensorwise,rowwise,rowwise_with_gw_hp] [--mx] [--float32]
+                                         [--results FILE]
 """
 import argparse
 import json
@@ -88,6 +89,8 @@ def main():
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--recipes", default="tensorwise,rowwise,rowwise_with_gw_hp")
     parser.add_argument("--mx", action="store_true", help="also MXFP8 (mxfp8_cublas_rceil, emulated)")
+    parser.add_argument("--float32", action="store_true",
+                        help="also the same run in float32 compute: how far a higher precision lands from bf16")
     parser.add_argument("--results", help="JSON file keeping each finished run's losses; runs found there are not trained again")
     args = parser.parse_args()
     print(f"{args.flavor}, {args.batch} x {args.seq} tokens per step, {args.steps} steps, bf16 autocast, "
@@ -97,6 +100,8 @@ def main():
     print(f"bf16: {runs['bf16'][1]:.2f} s per step", flush=True)
     variants = {r: ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", r,
                     "--quantize.linear.float8.filter_fqns", "output"] for r in args.recipes.split(",") if r}
+    if args.float32:
+        variants["float32"] = ["--training.mixed_precision_param", "float32"]
     if args.mx:
         variants["mxfp8_cublas_rceil"] = ["--model.converters", "mx", "--quantize.linear.mx.emulate",
                                           "--quantize.linear.mx.recipe_name", "mxfp8_cublas_rceil"]
