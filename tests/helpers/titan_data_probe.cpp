@@ -14,8 +14,9 @@
 #include "titan/components/data/dataloader.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/communicator.h"
+#include "titan/common/process_exit.h"
 
-int main(int argc, char** argv) {
+static int run_probe(int argc, char** argv) {
   std::vector<std::string> args;
   std::string out_dir, resume_dir;
   int64_t batches = 0, mixture = 0;
@@ -83,3 +84,6 @@ int main(int argc, char** argv) {
     return 2;
   }
 }
+
+// Ends without LibTorch's static destructors, as titan does (common/process_exit.h).
+int main(int argc, char** argv) { titan::exit_skipping_static_destructors(run_probe(argc, argv)); }

@@ -27,8 +27,9 @@
 #include "titan/models/common/decoder_parallelize.h"
 #include "titan/models/registry.h"
 #include "titan/nn/kept_ops.h"
+#include "titan/common/process_exit.h"
 
-int main(int argc, char** argv) {
+static int run_probe(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"--ac-mode", "none"}, {"--ac-option", "1"}};
   bool autocast = false;
   for (int i = 1; i < argc; ++i) {
@@ -144,3 +145,6 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+// Ends without LibTorch's static destructors, as titan does (common/process_exit.h).
+int main(int argc, char** argv) { titan::exit_skipping_static_destructors(run_probe(argc, argv)); }

@@ -15,8 +15,9 @@
 
 #include "titan/components/checkpoint/formats/safetensors.h"
 #include "titan/models/common/moe.h"
+#include "titan/common/process_exit.h"
 
-int main(int argc, char** argv) {
+static int run_probe(int argc, char** argv) {
   std::map<std::string, std::string> opt;
   for (int i = 1; i + 1 < argc; i += 2) opt[argv[i]] = argv[i + 1];
   try {
@@ -65,3 +66,6 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+// Ends without LibTorch's static destructors, as titan does (common/process_exit.h).
+int main(int argc, char** argv) { titan::exit_skipping_static_destructors(run_probe(argc, argv)); }

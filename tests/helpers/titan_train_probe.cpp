@@ -18,6 +18,7 @@
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/models/common/decoder_hf.h"
 #include "titan/trainer/trainer.h"
+#include "titan/common/process_exit.h"
 
 namespace {
 
@@ -37,7 +38,7 @@ std::vector<std::pair<std::string, at::Tensor>> hf_weights(titan::Trainer& train
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run_probe(int argc, char** argv) {
   std::vector<std::string> args;
   std::string out_dir;
   bool validate = false, loaded_state = false;
@@ -140,3 +141,6 @@ int main(int argc, char** argv) {
   titan::distributed::shutdown();
   return 0;
 }
+
+// Ends without LibTorch's static destructors, as titan does (common/process_exit.h).
+int main(int argc, char** argv) { titan::exit_skipping_static_destructors(run_probe(argc, argv)); }

@@ -6,6 +6,7 @@
 
 #include "titan/cli/commands.h"
 #include "titan/common/error.h"
+#include "titan/common/process_exit.h"
 #include "titan/common/strings.h"
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/models/registry.h"
@@ -33,7 +34,7 @@ std::string usage() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     std::fputs(usage().c_str(), args.empty() ? stderr : stdout);
@@ -76,3 +77,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+// Every command's objects are destroyed when run() returns; the process then ends without LibTorch's static
+// destructors (common/process_exit.h).
+int main(int argc, char** argv) { titan::exit_skipping_static_destructors(run(argc, argv)); }
