@@ -5,8 +5,10 @@
 #include <deque>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
@@ -159,6 +161,23 @@ ScheduleTraits schedule_traits(const std::string& name) {
 
 Schedule Schedule::make(const std::string& name, int pp, int stages, int m) {
   const ScheduleTraits t = schedule_traits(name);
+  // Built, checked and simulated once per process for each (schedule, ranks, stages, micro-batches): titan plan's
+  // search asks for the same few thousands of times (it spent half its time here). Refusals are not kept: they
+  // throw again.
+  static std::mutex mutex;
+  static std::map<std::tuple<std::string, int, int, int>, Schedule> built;
+  const auto key = std::make_tuple(t.name, pp, stages, m);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = built.find(key); it != built.end()) return it->second;
+  }
+  Schedule s = build(t, pp, stages, m);
+  std::lock_guard<std::mutex> lock(mutex);
+  built.emplace(key, s);
+  return s;
+}
+
+Schedule Schedule::build(const ScheduleTraits& t, int pp, int stages, int m) {
   Schedule s;
   s.name_ = t.name;
   s.pp_ = pp;

@@ -69,6 +69,7 @@ class Schedule {
   std::string to_csv() const;
 
  private:
+  static Schedule build(const ScheduleTraits& traits, int pp, int stages, int microbatches);
   // Every (stage, micro-batch) computed exactly once, on its rank; neighbouring stages take micro-batches in the
   // same order (their messages are matched in order).
   void check(const std::string& where) const;
