@@ -162,7 +162,7 @@ ScheduleTraits schedule_traits(const std::string& name) {
 Schedule Schedule::make(const std::string& name, int pp, int stages, int m) {
   const ScheduleTraits t = schedule_traits(name);
   // Built, checked and simulated once per process for each (schedule, ranks, stages, micro-batches): titan plan's
-  // search asks for the same few thousands of times (it spent half its time here). Refusals are not kept: they
+  // search asks for the same few thousands of times (a tenth of its time went here). Refusals are not kept: they
   // throw again.
   static std::mutex mutex;
   static std::map<std::tuple<std::string, int, int, int>, Schedule> built;
