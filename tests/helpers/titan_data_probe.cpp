@@ -11,10 +11,10 @@
 #include <nlohmann/json.hpp>
 
 #include "titan/common/error.h"
+#include "titan/common/process_exit.h"
 #include "titan/components/data/dataloader.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/communicator.h"
-#include "titan/common/process_exit.h"
 
 static int run_probe(int argc, char** argv) {
   std::vector<std::string> args;

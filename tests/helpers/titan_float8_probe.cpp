@@ -5,9 +5,9 @@
 #include <iostream>
 #include <map>
 
+#include "titan/common/process_exit.h"
 #include "titan/components/checkpoint/formats/safetensors.h"
 #include "titan/nn/float8.h"
-#include "titan/common/process_exit.h"
 
 static int run_probe(int argc, char** argv) {
   std::map<std::string, std::string> opt;

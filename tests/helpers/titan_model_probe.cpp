@@ -18,6 +18,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "titan/common/process_exit.h"
 #include "titan/components/checkpoint/formats/safetensors.h"
 #include "titan/components/metrics/allocation_tracker.h"
 #include "titan/components/quantization/float8.h"
@@ -27,7 +28,6 @@
 #include "titan/models/common/decoder_parallelize.h"
 #include "titan/models/registry.h"
 #include "titan/nn/kept_ops.h"
-#include "titan/common/process_exit.h"
 
 static int run_probe(int argc, char** argv) {
   std::map<std::string, std::string> opt = {{"--ac-mode", "none"}, {"--ac-option", "1"}};

@@ -13,9 +13,9 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "titan/common/process_exit.h"
 #include "titan/components/checkpoint/formats/safetensors.h"
 #include "titan/models/common/moe.h"
-#include "titan/common/process_exit.h"
 
 static int run_probe(int argc, char** argv) {
   std::map<std::string, std::string> opt;

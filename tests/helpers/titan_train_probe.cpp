@@ -12,13 +12,13 @@
 #include <nlohmann/json.hpp>
 
 #include "titan/common/error.h"
+#include "titan/common/process_exit.h"
 #include "titan/components/checkpoint/formats/safetensors.h"
 #include "titan/components/metrics/memory.h"
 #include "titan/config/loader.h"
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/models/common/decoder_hf.h"
 #include "titan/trainer/trainer.h"
-#include "titan/common/process_exit.h"
 
 namespace {
 
