@@ -26,7 +26,8 @@ class Adam {
   double lr() const { return lr_; }
 
   const std::vector<at::Tensor>& parameters() const { return params_; }
-  // Optimizer state per parameter, created lazily on the first step (as PyTorch does).
+  // Optimizer state per parameter: created by init_state() (the trainer does it before the first step) or else on the
+  // first step, as PyTorch does.
   struct State {
     at::Tensor step;  // float32 scalar
     at::Tensor exp_avg, exp_avg_sq;

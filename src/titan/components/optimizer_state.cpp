@@ -19,17 +19,11 @@ OptimizerState::OptimizerState(Adam& optimizer, const std::vector<distributed::S
 protocols::SavedState OptimizerState::state_dict(const protocols::SaveOptions&) const {
   protocols::SavedState saved;
   const auto& state = optimizer_.state();
-  std::vector<std::string> names;
+  std::vector<size_t> with_state;
   std::vector<at::Tensor> steps;
   for (size_t i = 0; i < parameters_.size() && i < state.size(); ++i) {
-    const auto& p = parameters_[i];
-    if (!p.layout.owner() || !state[i].exp_avg.defined()) continue;  // no state before the first step
-    const auto offsets = p.layout.local_box().offsets;
-    saved.tensors.push_back({moment_key("exp_avg", p.name), distributed::unpadded(state[i].exp_avg, p.layout), offsets,
-                             p.layout.global_shape()});
-    saved.tensors.push_back({moment_key("exp_avg_sq", p.name), distributed::unpadded(state[i].exp_avg_sq, p.layout), offsets,
-                             p.layout.global_shape()});
-    names.push_back(p.name);
+    if (!parameters_[i].layout.owner() || !state[i].exp_avg.defined()) continue;
+    with_state.push_back(i);
     const at::Tensor count = state[i].step.detach().reshape({}).to(at::kDouble);
     steps.push_back(steps.empty() ? count : count.to(steps.front().device()));
   }
@@ -37,7 +31,20 @@ protocols::SavedState OptimizerState::state_dict(const protocols::SaveOptions&) 
   if (!steps.empty()) {
     // One read of every step count (on a GPU one transfer, not one per parameter).
     const at::Tensor host = at::stack(steps).cpu();
-    for (size_t i = 0; i < names.size(); ++i) counts[names[i]] = host[static_cast<int64_t>(i)].item<double>();
+    for (size_t k = 0; k < with_state.size(); ++k) {
+      const double count = host[static_cast<int64_t>(k)].item<double>();
+      // A parameter no update has reached yet holds the zero moments a load would start from: none saved (as before
+      // the trainer allocated them ahead of the first step; a seed checkpoint holds no optimizer state).
+      if (count == 0) continue;
+      const size_t i = with_state[k];
+      const auto& p = parameters_[i];
+      const auto offsets = p.layout.local_box().offsets;
+      saved.tensors.push_back({moment_key("exp_avg", p.name), distributed::unpadded(state[i].exp_avg, p.layout), offsets,
+                               p.layout.global_shape()});
+      saved.tensors.push_back({moment_key("exp_avg_sq", p.name), distributed::unpadded(state[i].exp_avg_sq, p.layout),
+                               offsets, p.layout.global_shape()});
+      counts[p.name] = count;
+    }
   }
   saved.gathered = {{"optimizer", {{"steps", counts}}}};
   // What an export to torchtitan's layout needs for its optimizer's param_groups (titan convert --format dcp).

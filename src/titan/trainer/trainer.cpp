@@ -194,6 +194,10 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
 void Trainer::build_training(const distributed::ParallelDims& dims) {
   const config::JobConfig& c = loaded_.config;
   optimizer_ = std::make_unique<Adam>(distributed::local_tensors(parameters_), c.optimizer);
+  // The moments are allocated now rather than at the first update (as PyTorch does): the first step then holds what
+  // every later one holds, so its memory line shows the run's peak, and a job that cannot hold them fails before it
+  // trains. Zero moments and a zero step count are what the lazy path starts from, and checkpoints leave them out.
+  optimizer_->init_state();
   lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);
   optimizer_->set_lr(lr_scheduler_->current_lr());
 
