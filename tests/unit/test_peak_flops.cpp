@@ -1,8 +1,15 @@
 // The CPU peak used for MFU: a measured matmul rate, cached per machine, and the override.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <thread>
+#include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
@@ -33,6 +40,7 @@ class ScopedEnv {
 TEST(PeakFlops, CpuPeakIsAMeasuredMatmulRateCachedPerMachine) {
   titan_test::TempDir dir;
   ScopedEnv cache("XDG_CACHE_HOME", dir.path());
+  ScopedEnv quiet("TITAN_TEST_CPU_SHARE", "1");  // the suite's other tests may be busy beside this one
   unsetenv("TITAN_PEAK_FLOPS");
   const auto first = titan::metrics::peak_flops(at::Device(at::kCPU), at::kFloat);
   EXPECT_GT(first.flops, 1e8);  // any CPU of this century multiplies 1024^3 faster than 0.1 GFLOP/s
@@ -68,6 +76,7 @@ TEST(PeakFlops, CpuPeakIsAMeasuredMatmulRateCachedPerMachine) {
 TEST(PeakFlops, APoisonedCacheIsMeasuredAgainWhenAStepBeatsIt) {
   titan_test::TempDir dir;
   ScopedEnv cache("XDG_CACHE_HOME", dir.path());
+  ScopedEnv quiet("TITAN_TEST_CPU_SHARE", "1");  // the suite's other tests may be busy beside this one
   unsetenv("TITAN_PEAK_FLOPS");
   const auto cpu = at::Device(at::kCPU);
   const auto first = titan::metrics::peak_flops(cpu, at::kFloat);
@@ -101,6 +110,63 @@ TEST(PeakFlops, APoisonedCacheIsMeasuredAgainWhenAStepBeatsIt) {
   titan::metrics::PeakFlops table;
   table.flops = 989e12;
   EXPECT_DOUBLE_EQ(titan::metrics::remeasured_peak_flops(table, 2e15).flops, 989e12);
+}
+
+TEST(PeakFlops, AFigureMeasuredOnABusyMachineIsMeasuredAgainAtAQuieterStart) {
+  titan_test::TempDir dir;
+  ScopedEnv cache("XDG_CACHE_HOME", dir.path());
+  unsetenv("TITAN_PEAK_FLOPS");
+  const auto cpu = at::Device(at::kCPU);
+  const std::string file = dir.path() + "/titan/peak_flops.json";
+  const auto share_in_cache = [&] {
+    nlohmann::json entries;
+    std::ifstream(file) >> entries;
+    return entries.begin().value()["cpu_share"].get<double>();
+  };
+  {
+    ScopedEnv busy("TITAN_TEST_CPU_SHARE", "0.5");
+    const auto first = titan::metrics::peak_flops(cpu, at::kFloat);
+    EXPECT_NE(first.derivation.find("measured now"), std::string::npos) << first.derivation;
+    EXPECT_NE(first.derivation.find("while other work held the CPUs (its threads had 50% of their time"), std::string::npos)
+        << first.derivation;
+    EXPECT_DOUBLE_EQ(share_in_cache(), 0.5);
+    // Still busy: the figure is used, said to be a busy one.
+    const auto second = titan::metrics::peak_flops(cpu, at::kFloat);
+    EXPECT_DOUBLE_EQ(second.flops, first.flops);
+    EXPECT_NE(second.derivation.find("cached in"), std::string::npos) << second.derivation;
+    EXPECT_NE(second.derivation.find("while other work held the CPUs"), std::string::npos) << second.derivation;
+  }
+  ScopedEnv quiet("TITAN_TEST_CPU_SHARE", "1");
+  const auto third = titan::metrics::peak_flops(cpu, at::kFloat);
+  EXPECT_NE(third.derivation.find("measured now"), std::string::npos) << third.derivation;
+  EXPECT_NE(third.derivation.find("the cached figure had been measured while the CPUs were busy"), std::string::npos)
+      << third.derivation;
+  EXPECT_DOUBLE_EQ(share_in_cache(), 1.0);
+  const auto fourth = titan::metrics::peak_flops(cpu, at::kFloat);
+  EXPECT_DOUBLE_EQ(fourth.flops, third.flops);
+  EXPECT_NE(fourth.derivation.find("cached in"), std::string::npos) << fourth.derivation;
+}
+
+TEST(PeakFlops, TheBusyCheckSeesOtherProcessesOnTheCores) {
+  unsetenv("TITAN_TEST_CPU_SHARE");
+  // As many spinning processes as the machine has cores: this process's threads get about half of their time.
+  std::vector<pid_t> spinners;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned i = 0; i < cores; ++i) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      volatile unsigned long x = 0;
+      while (std::chrono::steady_clock::now() < until) x = x + 1;
+      _exit(0);
+    }
+    ASSERT_GT(pid, 0);
+    spinners.push_back(pid);
+  }
+  const double share = titan::metrics::cpu_share_now(at::get_num_threads());
+  for (pid_t pid : spinners) kill(pid, SIGKILL), waitpid(pid, nullptr, 0);
+  EXPECT_LT(share, 0.85) << cores << " spinning processes beside " << at::get_num_threads() << " threads";
+  EXPECT_GT(share, 0.0);
 }
 
 TEST(PeakFlops, EnvironmentOverrides) {
