@@ -137,7 +137,8 @@ namespace {
 // quieter moment.
 constexpr double kQuietShare = 0.85;
 
-// A measurement with the CPU share around it (the smaller of before and after).
+// A measurement with the CPU share around it (the smaller of before and after). `quick` (several ranks beside each
+// other, nothing cached) skips the check: nothing would be kept for a quieter start.
 struct Measured {
   double flops = 0, share = 1;
   std::string shapes;
@@ -145,9 +146,9 @@ struct Measured {
 
 Measured measure_with_share(at::ScalarType dtype, bool quick) {
   Measured out;
-  const double before = cpu_share_now(at::get_num_threads());
+  const double before = quick ? 1.0 : cpu_share_now(at::get_num_threads());
   out.flops = measure_matmul_flops(dtype, quick, out.shapes);
-  out.share = std::min(before, cpu_share_now(at::get_num_threads()));
+  if (!quick) out.share = std::min(before, cpu_share_now(at::get_num_threads()));
   return out;
 }
 
