@@ -8,12 +8,13 @@
 //
 // MoE grouped matrix products (kernels/grouped_mm.h) against the per-expert loop of ATen products the model runs
 // without them and against LibTorch's own at::_grouped_mm, at debugmodel_moe's and 30B-A3B's expert shapes with
-// tokens routed at random (uneven groups); bf16 on AMX and, for comparison, in float32 vectors. The routing is the
+// tokens routed at random (uneven groups); bf16 on AMX and, for comparison, off it (bf16 dot products, or float32
+// vectors on CPUs without them). The routing is the
 // same on every repeat, so oneDNN's cache of per-shape products is warm for the loop (in training it is not:
 // docs/moe.md).
 //
 // usage: titan_bench_kernels [--threads N] [--repeats N] [--isa generic|avx2|avx512|avx512bf16] [--device cpu|cuda]
-//                            [--only attention,elementwise,loss,float8,grouped]
+//                            [--only attention,elementwise,loss,float8,grouped] [--dtype bf16|fp32]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -222,11 +223,19 @@ titan::kernels::Isa isa_named(const std::string& name) {
 int main(int argc, char** argv) {
   int threads = 2;
   std::string only = "attention,elementwise,loss,float8,grouped";
+  std::string dtypes;  // both when empty
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--threads")) threads = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--repeats")) g_repeats = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--isa")) titan::kernels::set_cpu_isa(isa_named(argv[i + 1]));
     else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--dtype")) {
+      dtypes = argv[i + 1];
+      if (dtypes != "bf16" && dtypes != "fp32") {
+        std::fprintf(stderr, "--dtype %s: expected bf16 or fp32\n", argv[i + 1]);
+        return 2;
+      }
+    }
     else if (!std::strcmp(argv[i], "--device")) {
       if (std::strcmp(argv[i + 1], "cpu") && std::strcmp(argv[i + 1], "cuda")) {
         std::fprintf(stderr, "--device %s: expected cpu or cuda\n", argv[i + 1]);
@@ -262,6 +271,7 @@ int main(int argc, char** argv) {
               titan::kernels::isa_name(titan::kernels::cpu_isa()).c_str(), threads, g_repeats);
   const auto wanted = [&](const char* section) { return ("," + only + ",").find(std::string(",") + section + ",") != std::string::npos; };
   for (auto dtype : {at::kBFloat16, at::kFloat}) {
+    if (!dtypes.empty() && dtypes != (dtype == at::kFloat ? "fp32" : "bf16")) continue;
     if (wanted("attention")) {
       attention(dtype, 8, 16, 16, 512, 16);   // debug model, 8 x 512
       attention(dtype, 4, 12, 4, 512, 64);    // 100M flavor, 4 x 512

@@ -398,8 +398,8 @@ TEST(FusedKernels, FirstCallComparisonAgreesOnCorrectKernels) {
 }
 
 // The grouped products against a per-expert loop of ATen matmuls in float64: uneven groups, empty groups (first,
-// middle and last), sizes that fill no tile exactly, every instruction-set copy, and bf16 both on AMX (where the CPU
-// has it) and in float32 vectors.
+// middle and last), sizes that fill no tile exactly, odd depths, every instruction-set copy, and bf16 on AMX (where the
+// CPU has it), on bf16 dot products (the avx512bf16 copy without AMX) and in float32 vectors (the other copies).
 void check_grouped(at::ScalarType dtype, const std::vector<int64_t>& group_rows, int64_t in, int64_t out,
                    bool libtorch = false) {
   const auto experts = static_cast<int64_t>(group_rows.size());
@@ -455,6 +455,7 @@ TEST(FusedKernels, GroupedMatmulMatchesPerExpertLoopInFloat64) {
         check_grouped(dtype, {0, 7, 33, 0, 1, 70}, 45, 37);
         check_grouped(dtype, {64, 64}, 64, 96);            // every tile full
         check_grouped(dtype, {3, 0, 130, 5}, 200, 17);     // a deep product and a narrow output
+        check_grouped(dtype, {12, 6, 0, 18}, 32, 48);      // row counts that fill whole panels of 6 and 32 rows
         check_grouped(dtype, {0, 0, 0}, 16, 16);           // no rows at all
       }
     }

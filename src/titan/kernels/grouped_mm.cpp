@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -32,7 +33,10 @@ namespace {
 using isa::MatmulPacking;
 using isa::MatmulProblem;
 
-constexpr int64_t kScratchBytes = int64_t{128} << 20;
+// The most packed bytes one chunk of problems takes (unless one problem alone needs more): small enough that a chunk's
+// copies are still in the last-level cache when its tiles read them (at 128 MiB, weights packed for debugmodel_moe's
+// 64 experts went out to memory and back, and its products took about 10% longer on a 32 MiB-L3 Zen 4).
+constexpr int64_t kScratchBytes = int64_t{8} << 20;
 
 // -1: the rule (grouped_mm_uses_amx), 0 or 1: forced.
 std::atomic<int> g_amx_forced{-1};
@@ -97,9 +101,20 @@ void run(const std::vector<MatmulProblem>& problems, bool bf16) {
       tiles += packing[i].tiles;
       tile_end[i - first] = tiles;
     }
-    const auto count = static_cast<int64_t>(last - first);
-    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) TITAN_ISA_CALL(matmul_pack, problems[first + i], bf16, amx, a[i], b[i]);
+    // Packing units: each problem in slices of about a quarter of the chunk's bytes per thread, so that a chunk of
+    // few large problems still packs on every thread (the AMX copy packs a problem whole).
+    const int64_t slice_bytes = std::max<int64_t>(bytes / (4 * at::get_num_threads()), 1);
+    std::vector<std::array<int64_t, 3>> units;  // (problem in the chunk, part, parts)
+    for (size_t i = first; i < last; ++i) {
+      const int64_t parts =
+          amx ? 1 : std::clamp<int64_t>((packing[i].a_bytes + packing[i].b_bytes) / slice_bytes, 1, 64);
+      for (int64_t part = 0; part < parts; ++part) units.push_back({static_cast<int64_t>(i - first), part, parts});
+    }
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const auto [i, part, parts] = units[u];
+        TITAN_ISA_CALL(matmul_pack, problems[first + i], bf16, amx, a[i], b[i], part, parts);
+      }
     });
 
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

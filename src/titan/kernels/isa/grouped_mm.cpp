@@ -1,9 +1,16 @@
 // The grouped matrix product's two passes for one instruction set (kernels/grouped_mm.h drives them): pack both
 // operands of a problem into zero-padded blocks, then compute independent output tiles from the packed copies.
 //
-// Vector path (every copy; float32, and bf16 widened to float32 while packing): A in panels of kRows rows stored
-// depth-major, B in panels of kCols columns stored depth-major; a tile is kRows x kCols outputs held in registers
-// over the whole depth (one broadcast and kCols / 16 multiply-adds per row and depth step).
+// Vector path (float32 in every copy; bf16 in the copies without bf16 dot products, widened to float32 while
+// packing): A in panels of kRows rows stored depth-major, B in panels of kCols columns stored depth-major; a tile is
+// kRows x kCols outputs held in registers over the whole depth (one broadcast and kCols / 16 multiply-adds per row
+// and depth step).
+//
+// Dot path (bf16 in the avx512bf16 copy on CPUs without AMX): the same tiles on the bf16 pair dot-product
+// instruction (vdpbf16ps: each float lane adds the two exact products of a pair of bf16 values), so a step covers
+// two depths and the packed copies stay bf16: A and B in panels stored pair-major, each 32-bit word a pair of
+// adjacent depths of one row or column (zero past the depth). Half the instructions and half the packed bytes of the
+// vector path; products summed in float32 (the instruction flushes denormals to zero) and rounded to bf16 once.
 //
 // AMX path (bf16, the avx512bf16 copy on CPUs with AMX): A row-major with the depth padded to 32 (read in place
 // when its rows are contiguous and the depth a multiple of 32), B in the AMX pair-interleaved layout per 16 columns; a tile is 32 x 32 outputs, four 16 x 16 float32 accumulator tiles fed by
@@ -17,6 +24,7 @@
 #if defined(__AVX512BF16__) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define TITAN_GROUPED_MM_AMX 1
+#define TITAN_GROUPED_MM_DOT 1
 #endif
 
 namespace titan::kernels::isa::TITAN_ISA {
@@ -30,6 +38,9 @@ constexpr int64_t kRows = 4, kVecs = 1;
 constexpr int64_t kCols = 16 * kVecs;
 constexpr int64_t kChunk = 16;     // row panels per chunk of tiles (vector path)
 constexpr int64_t kAmxBlock = 32;  // rows and columns of an AMX tile of outputs; also the depth step
+#ifdef TITAN_GROUPED_MM_DOT
+constexpr int64_t kDotRows = 6, kDotVecs = 2, kDotCols = 16 * kDotVecs;  // (8 x 32, 12 x 32, 4 x 64: no faster here)
+#endif
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 int64_t smaller(int64_t a, int64_t b) { return a < b ? a : b; }  // (no std:: templates: nothing inline shared)
@@ -60,10 +71,30 @@ void pack_panels(const void* base, int64_t lanes_total, int64_t depth, int64_t l
   }
 }
 
+// Part `part` of `parts` of a problem's packing: A's panels and B's panels as one list cut into even slices.
+struct PanelSlice {
+  int64_t a_begin = 0, a_end = 0, b_begin = 0, b_end = 0;
+};
+PanelSlice panel_slice(int64_t a_panels, int64_t b_panels, int64_t part, int64_t parts) {
+  const int64_t total = a_panels + b_panels, begin = total * part / parts, end = total * (part + 1) / parts;
+  PanelSlice slice;
+  slice.a_begin = smaller(begin, a_panels), slice.a_end = smaller(end, a_panels);
+  slice.b_begin = begin > a_panels ? begin - a_panels : 0, slice.b_end = end > a_panels ? end - a_panels : 0;
+  return slice;
+}
+
 template <typename T>
-void pack_vector(const MatmulProblem& p, float* a_packed, float* b_packed) {
-  pack_panels<T, kRows>(p.a, p.rows, p.depth, p.a_stride[0], p.a_stride[1], a_packed);
-  pack_panels<T, kCols>(p.b, p.cols, p.depth, p.b_stride[1], p.b_stride[0], b_packed);
+void pack_vector(const MatmulProblem& p, float* a_packed, float* b_packed, int64_t part, int64_t parts) {
+  const PanelSlice slice = panel_slice(round_up(p.rows, kRows) / kRows, round_up(p.cols, kCols) / kCols, part, parts);
+  const int64_t bytes = sizeof(T);
+  const auto* a = static_cast<const uint8_t*>(p.a) + slice.a_begin * kRows * p.a_stride[0] * bytes;
+  const auto* b = static_cast<const uint8_t*>(p.b) + slice.b_begin * kCols * p.b_stride[1] * bytes;
+  if (slice.a_end > slice.a_begin)
+    pack_panels<T, kRows>(a, smaller(p.rows, slice.a_end * kRows) - slice.a_begin * kRows, p.depth, p.a_stride[0],
+                          p.a_stride[1], a_packed + slice.a_begin * kRows * p.depth);
+  if (slice.b_end > slice.b_begin)
+    pack_panels<T, kCols>(b, smaller(p.cols, slice.b_end * kCols) - slice.b_begin * kCols, p.depth, p.b_stride[1],
+                          p.b_stride[0], b_packed + slice.b_begin * kCols * p.depth);
 }
 
 template <typename T>
@@ -129,11 +160,12 @@ struct alignas(64) TileConfig {
 
 // (GCC 12 warns inside its own unpack intrinsics, whose pass-through operand is deliberately undefined.)
 #pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// dst row i (64 bytes) = the i-th 32-bit value of each of 16 source rows (src + r * src_row_bytes, 64 bytes each):
-// a 16 x 16 transpose of 32-bit values (bf16 pairs).
-inline void transpose_16x16_pairs(const uint16_t* src, int64_t src_row_bytes, uint16_t* dst) {
-  const char* base = reinterpret_cast<const char*>(src);
+// dst row i (64 bytes at dst + i * dst_row_bytes) = the i-th 32-bit value of each of 16 source rows (src + r *
+// src_row_bytes, 64 bytes each): a 16 x 16 transpose of 32-bit values (bf16 pairs).
+inline void transpose_16x16_pairs(const void* src, int64_t src_row_bytes, void* dst, int64_t dst_row_bytes = 64) {
+  const char* base = static_cast<const char*>(src);
   __m512i r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(base + i * src_row_bytes);
   // Within each 128-bit lane: 32-bit interleaves of row pairs, then 64-bit interleaves of those.
@@ -159,7 +191,7 @@ inline void transpose_16x16_pairs(const uint16_t* src, int64_t src_row_bytes, ui
     t[12 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xdd);  // lane 3
   }
   char* out = reinterpret_cast<char*>(dst);
-  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * 64, t[i]);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * dst_row_bytes, t[i]);
 }
 #pragma GCC diagnostic pop
 
@@ -283,6 +315,147 @@ __attribute__((target("amx-tile,amx-bf16"))) void tiles_amx(const MatmulProblem&
 }
 #endif
 
+// ---- dot path ----
+
+#ifdef TITAN_GROUPED_MM_DOT
+// (GCC 12 warns inside its own intrinsics, as above.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+int64_t pair_steps(int64_t depth) { return (depth + 1) / 2; }
+uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16; }
+
+// Copies a bf16 operand into panels of kLanes rows (A) or columns (B), each panel pair-major: word (s, l) holds lane
+// l's values at depths 2s (low half) and 2s + 1 (high half), zeros past either edge. `lane_stride` steps between
+// lanes, `depth_stride` between depths.
+// Lanes adjacent in memory (lane_stride 1): for each depth pair, up to 16 lanes of both depths at a time, widened and
+// interleaved; panels in blocks of kPanelBlock, so that each source row is read once, in order, for a whole block.
+template <int64_t kLanes>
+void pack_adjacent_lanes(const uint16_t* src, int64_t lanes_total, int64_t depth, int64_t depth_stride, uint32_t* out) {
+  constexpr int64_t kPanelBlock = 16;
+  const int64_t steps = pair_steps(depth), panels = round_up(lanes_total, kLanes) / kLanes;
+  for (int64_t block = 0; block < panels; block += kPanelBlock) {
+    const int64_t block_end = smaller(panels, block + kPanelBlock);
+    for (int64_t s = 0; s < steps; ++s) {
+      const uint16_t* r0 = src + 2 * s * depth_stride;
+      const uint16_t* r1 = r0 + depth_stride;
+      const bool second = 2 * s + 1 < depth;
+      for (int64_t panel = block; panel < block_end; ++panel) {
+        const int64_t first = panel * kLanes, n = smaller(kLanes, lanes_total - first);
+        uint32_t* words_out = out + panel * steps * kLanes + s * kLanes;
+        for (int64_t g = 0; g < kLanes; g += 16) {
+          const int64_t m = g < n ? smaller(16, n - g) : 0;  // lanes to read; the group's other words are zero
+          const auto mask = static_cast<__mmask16>((1u << m) - 1u);
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, r0 + first + g));
+          const __m512i hi = second ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, r1 + first + g))
+                                    : _mm512_setzero_si512();
+          const __m512i words = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+          if (g + 16 <= kLanes) _mm512_storeu_si512(words_out + g, words);
+          else _mm512_mask_storeu_epi32(words_out + g, static_cast<__mmask16>((1u << (kLanes - g)) - 1u), words);
+        }
+      }
+    }
+  }
+}
+
+// Copies a bf16 operand into panels of kLanes rows (A) or columns (B), each panel pair-major: word (s, l) holds lane
+// l's values at depths 2s (low half) and 2s + 1 (high half), zeros past either edge. `lane_stride` steps between
+// lanes, `depth_stride` between depths.
+template <int64_t kLanes>
+void pack_pair_panels(const uint16_t* src, int64_t lanes_total, int64_t depth, int64_t lane_stride, int64_t depth_stride,
+                      uint32_t* out) {
+  if (lane_stride == 1) return pack_adjacent_lanes<kLanes>(src, lanes_total, depth, depth_stride, out);
+  const int64_t steps = pair_steps(depth), full = depth / 2;
+  for (int64_t first = 0; first < lanes_total; first += kLanes, out += steps * kLanes) {
+    const int64_t n = smaller(kLanes, lanes_total - first);
+    const uint16_t* panel = src + first * lane_stride;
+    int64_t s = 0;
+    if (n == kLanes && depth_stride == 1) {  // each lane's pairs adjacent
+      if constexpr (kLanes % 16 == 0) {      // 16 lanes x 16 pairs at a time, transposed in registers
+        for (; s + 16 <= full; s += 16)
+          for (int64_t g = 0; g < kLanes; g += 16)
+            transpose_16x16_pairs(panel + g * lane_stride + 2 * s, 2 * lane_stride, out + s * kLanes + g, 4 * kLanes);
+      }
+      for (; s < full; ++s)  // one word per lane
+        for (int64_t l = 0; l < kLanes; ++l) std::memcpy(out + s * kLanes + l, panel + l * lane_stride + 2 * s, 4);
+    }
+    for (; s < steps; ++s) {
+      const bool second = 2 * s + 1 < depth;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const uint16_t* v = panel + l * lane_stride + 2 * s * depth_stride;
+        out[s * kLanes + l] = l < n ? bf16_pair(v[0], second ? v[depth_stride] : 0) : 0u;
+      }
+    }
+  }
+}
+
+// Whether the dot path reads A in place: each row's depths contiguous, whole pairs, every row starting on a pair's
+// 4-byte boundary. Only a last partial panel of rows is then copied (zero-padded), so that no tile reads past A.
+bool dot_a_in_place(const MatmulProblem& p) {
+  return p.a_stride[1] == 1 && p.depth % 2 == 0 && p.a_stride[0] % 2 == 0 && reinterpret_cast<uintptr_t>(p.a) % 4 == 0;
+}
+
+// The A rows the dot path copies: all of them, or the last partial panel when A is read in place.
+int64_t dot_a_rows_packed(const MatmulProblem& p) {
+  return !dot_a_in_place(p) ? round_up(p.rows, kDotRows) : (p.rows % kDotRows ? kDotRows : 0);
+}
+
+void pack_dot(const MatmulProblem& p, uint32_t* a_packed, uint32_t* b_packed, int64_t part, int64_t parts) {
+  const int64_t a_first = dot_a_in_place(p) ? p.rows / kDotRows * kDotRows : 0;  // the rows A's copy starts at
+  const int64_t steps = pair_steps(p.depth);
+  const PanelSlice slice =
+      panel_slice(round_up(p.rows - a_first, kDotRows) / kDotRows, round_up(p.cols, kDotCols) / kDotCols, part, parts);
+  const auto* a = static_cast<const uint16_t*>(p.a) + (a_first + slice.a_begin * kDotRows) * p.a_stride[0];
+  const auto* b = static_cast<const uint16_t*>(p.b) + slice.b_begin * kDotCols * p.b_stride[1];
+  if (slice.a_end > slice.a_begin)
+    pack_pair_panels<kDotRows>(a, smaller(p.rows - a_first, slice.a_end * kDotRows) - slice.a_begin * kDotRows, p.depth,
+                               p.a_stride[0], p.a_stride[1], a_packed + slice.a_begin * kDotRows * steps);
+  if (slice.b_end > slice.b_begin)
+    pack_pair_panels<kDotCols>(b, smaller(p.cols, slice.b_end * kDotCols) - slice.b_begin * kDotCols, p.depth,
+                               p.b_stride[1], p.b_stride[0], b_packed + slice.b_begin * kDotCols * steps);
+}
+
+// Tiles in the vector path's order: chunks of kChunk row panels, column panel by column panel, row panel fastest.
+void tiles_dot(const MatmulProblem& p, const uint32_t* a_packed, const uint32_t* b_packed, int64_t begin, int64_t end) {
+  const int64_t row_panels = round_up(p.rows, kDotRows) / kDotRows, col_panels = round_up(p.cols, kDotCols) / kDotCols;
+  const int64_t steps = pair_steps(p.depth);
+  const bool in_place = dot_a_in_place(p);
+  for (int64_t tile = begin; tile < end; ++tile) {
+    const int64_t chunk = tile / (kChunk * col_panels), chunk_rows = smaller(kChunk, row_panels - chunk * kChunk);
+    const int64_t within = tile - chunk * kChunk * col_panels;
+    const int64_t cp = within / chunk_rows, rp = chunk * kChunk + within % chunk_rows;
+    // A's words: (row i, step s) at a[i * a_row + s * a_step], packed or in place.
+    const uint32_t* a = a_packed + rp * steps * kDotRows;
+    int64_t a_row = 1, a_step = kDotRows;
+    if (in_place && (rp + 1) * kDotRows <= p.rows) {
+      a = static_cast<const uint32_t*>(p.a) + rp * kDotRows * (p.a_stride[0] / 2);
+      a_row = p.a_stride[0] / 2, a_step = 1;
+    } else if (in_place) {
+      a = a_packed;
+    }
+    const uint32_t* b = b_packed + cp * steps * kDotCols;
+    __m512 acc[kDotRows][kDotVecs];
+    for (int64_t i = 0; i < kDotRows; ++i)
+      for (int64_t v = 0; v < kDotVecs; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512bh bv[kDotVecs];
+      for (int64_t v = 0; v < kDotVecs; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + s * kDotCols + v * kVec);
+      for (int64_t i = 0; i < kDotRows; ++i) {
+        const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * a_row + s * a_step]));
+        for (int64_t v = 0; v < kDotVecs; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], ai, bv[v]);
+      }
+    }
+    alignas(64) float values[kDotRows * kDotCols];
+    for (int64_t i = 0; i < kDotRows; ++i)
+      for (int64_t v = 0; v < kDotVecs; ++v) _mm512_store_ps(values + i * kDotCols + v * kVec, acc[i][v]);
+    const int64_t row0 = rp * kDotRows, col0 = cp * kDotCols;
+    store_tile<uint16_t>(p, row0, col0, smaller(kDotRows, p.rows - row0), smaller(kDotCols, p.cols - col0), values,
+                         kDotCols);
+  }
+}
+#pragma GCC diagnostic pop
+#endif
+
 #ifndef TITAN_GROUPED_MM_AMX
 [[noreturn]] void no_amx() { __builtin_trap(); }  // the dispatcher never asks a copy without AMX code for it
 #endif
@@ -297,25 +470,37 @@ void matmul_packing(const MatmulProblem& p, bool bf16, bool amx, MatmulPacking* 
     out.a_bytes = align64(2 * a_rows * depth_padded);
     out.b_bytes = align64(2 * round_up(p.cols, kAmxBlock) * depth_padded);
     out.tiles = round_up(p.rows, kAmxBlock) / kAmxBlock * (round_up(p.cols, kAmxBlock) / kAmxBlock);
-  } else {
-    out.a_bytes = align64(4 * round_up(p.rows, kRows) * p.depth);
-    out.b_bytes = align64(4 * round_up(p.cols, kCols) * p.depth);
-    out.tiles = round_up(p.rows, kRows) / kRows * (round_up(p.cols, kCols) / kCols);
+    return;
   }
-  (void)bf16;
+#ifdef TITAN_GROUPED_MM_DOT
+  if (bf16) {
+    const int64_t steps = pair_steps(p.depth);
+    out.a_bytes = align64(4 * dot_a_rows_packed(p) * steps);
+    out.b_bytes = align64(4 * round_up(p.cols, kDotCols) * steps);
+    out.tiles = round_up(p.rows, kDotRows) / kDotRows * (round_up(p.cols, kDotCols) / kDotCols);
+    return;
+  }
+#endif
+  out.a_bytes = align64(4 * round_up(p.rows, kRows) * p.depth);
+  out.b_bytes = align64(4 * round_up(p.cols, kCols) * p.depth);
+  out.tiles = round_up(p.rows, kRows) / kRows * (round_up(p.cols, kCols) / kCols);
 }
 
-void matmul_pack(const MatmulProblem& p, bool bf16, bool amx, void* a_packed, void* b_packed) {
+void matmul_pack(const MatmulProblem& p, bool bf16, bool amx, void* a_packed, void* b_packed, int64_t part,
+                 int64_t parts) {
   if (amx) {
 #ifdef TITAN_GROUPED_MM_AMX
-    pack_amx(p, static_cast<uint16_t*>(a_packed), static_cast<uint16_t*>(b_packed));
+    if (part == 0) pack_amx(p, static_cast<uint16_t*>(a_packed), static_cast<uint16_t*>(b_packed));  // not sliced
     return;
 #else
     no_amx();
 #endif
   }
-  if (bf16) pack_vector<uint16_t>(p, static_cast<float*>(a_packed), static_cast<float*>(b_packed));
-  else pack_vector<float>(p, static_cast<float*>(a_packed), static_cast<float*>(b_packed));
+#ifdef TITAN_GROUPED_MM_DOT
+  if (bf16) return pack_dot(p, static_cast<uint32_t*>(a_packed), static_cast<uint32_t*>(b_packed), part, parts);
+#endif
+  if (bf16) pack_vector<uint16_t>(p, static_cast<float*>(a_packed), static_cast<float*>(b_packed), part, parts);
+  else pack_vector<float>(p, static_cast<float*>(a_packed), static_cast<float*>(b_packed), part, parts);
 }
 
 void matmul_tiles(const MatmulProblem& p, bool bf16, bool amx, const void* a_packed, const void* b_packed, int64_t begin,
@@ -328,6 +513,10 @@ void matmul_tiles(const MatmulProblem& p, bool bf16, bool amx, const void* a_pac
     no_amx();
 #endif
   }
+#ifdef TITAN_GROUPED_MM_DOT
+  if (bf16)
+    return tiles_dot(p, static_cast<const uint32_t*>(a_packed), static_cast<const uint32_t*>(b_packed), begin, end);
+#endif
   const float *a = static_cast<const float*>(a_packed), *b = static_cast<const float*>(b_packed);
   if (bf16) tiles_vector<uint16_t>(p, a, b, begin, end);
   else tiles_vector<float>(p, a, b, begin, end);

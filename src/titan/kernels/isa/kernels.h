@@ -55,7 +55,10 @@ struct MatmulProblem {
 };
 // How a problem is computed: both operands are first copied into the copy's own layouts (zero-padded), then
 // independent output tiles are computed from those copies. `amx` (bf16 only, the avx512bf16 copy, CPUs with AMX and
-// the kernel's permission to use it) runs the tiles on the AMX unit; otherwise float32 multiply-adds on vectors.
+// the kernel's permission to use it) runs the tiles on the AMX unit; otherwise bf16 runs on bf16 dot products in
+// the avx512bf16 copy, and everything else on float32 multiply-adds on vectors.
+// matmul_pack copies part `part` of `parts` (slices of the panels, for packing one large problem on several threads;
+// the AMX copy does the whole problem as part 0).
 struct MatmulPacking {
   int64_t a_bytes = 0, b_bytes = 0, tiles = 0;
 };
@@ -100,7 +103,8 @@ struct MatmulPacking {
   void cross_entropy_grad(int64_t vocab, uint16_t* logits, const int64_t* local_label, const float* row_lse,          \
                           const float* row_scale, int64_t begin, int64_t end);                                         \
   void matmul_packing(const MatmulProblem& p, bool bf16, bool amx, MatmulPacking* out);                              \
-  void matmul_pack(const MatmulProblem& p, bool bf16, bool amx, void* a_packed, void* b_packed);                      \
+  void matmul_pack(const MatmulProblem& p, bool bf16, bool amx, void* a_packed, void* b_packed, int64_t part,       \
+                   int64_t parts);                                                                                     \
   void matmul_tiles(const MatmulProblem& p, bool bf16, bool amx, const void* a_packed, const void* b_packed,           \
                     int64_t begin, int64_t end);                                                                       \
   }
