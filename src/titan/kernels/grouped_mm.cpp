@@ -33,9 +33,11 @@ namespace {
 using isa::MatmulPacking;
 using isa::MatmulProblem;
 
-// The most packed bytes one chunk of problems takes (unless one problem alone needs more): small enough that a chunk's
-// copies are still in the last-level cache when its tiles read them (at 128 MiB, weights packed for debugmodel_moe's
-// 64 experts went out to memory and back, and its products took about 10% longer on a 32 MiB-L3 Zen 4).
+// The most packed bytes one chunk of problems takes, unless two problems per thread need more: small enough that a
+// chunk's copies are still in the last-level cache when its tiles read them (at 128 MiB, weights packed for
+// debugmodel_moe's 64 experts went out to memory and back, and its products took about 10% longer on a 32 MiB-L3
+// Zen 4), with enough problems per chunk to keep every thread busy (one 30B-A3B expert per chunk in float32 took 10%
+// longer than chunks of four).
 constexpr int64_t kScratchBytes = int64_t{8} << 20;
 
 // -1: the rule (grouped_mm_uses_amx), 0 or 1: forced.
@@ -69,8 +71,7 @@ bool use_amx(bool bf16) {
 }
 
 // The packed copies' buffer, kept between calls (a new one each call cost a page fault per 4 KiB, as much time as the
-// products at debugmodel_moe's shapes); per thread, grown to the largest chunk (at most kScratchBytes, or one
-// problem's copies when larger).
+// products at debugmodel_moe's shapes); per thread, grown to the largest chunk (see kScratchBytes).
 uint8_t* scratch(int64_t bytes) {
   thread_local at::Tensor buffer;
   if (!buffer.defined() || buffer.numel() < bytes)
@@ -88,7 +89,9 @@ void run(const std::vector<MatmulProblem>& problems, bool bf16) {
   while (first < problems.size()) {
     size_t last = first;
     int64_t bytes = 0;
-    while (last < problems.size() && (last == first || bytes + packing[last].a_bytes + packing[last].b_bytes <= kScratchBytes))
+    const size_t at_least = first + 2 * static_cast<size_t>(at::get_num_threads());
+    while (last < problems.size() &&
+           (last < at_least || bytes + packing[last].a_bytes + packing[last].b_bytes <= kScratchBytes))
       bytes += packing[last].a_bytes + packing[last].b_bytes, ++last;
     auto* base = scratch(bytes);
     std::vector<uint8_t*> a(last - first), b(last - first);
