@@ -230,6 +230,7 @@ class MpiEngine {
         error = std::current_exception();
       }
       busy_seconds_.fetch_add(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+      item.fn = nullptr;  // the tensors it holds are released before a waiter learns it is done
       {
         std::lock_guard<std::mutex> lock(mutex_);
         busy_ = false;

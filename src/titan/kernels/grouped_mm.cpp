@@ -33,12 +33,14 @@ namespace {
 using isa::MatmulPacking;
 using isa::MatmulProblem;
 
-// The most packed bytes one chunk of problems takes, unless two problems per thread need more: small enough that a
-// chunk's copies are still in the last-level cache when its tiles read them (at 128 MiB, weights packed for
-// debugmodel_moe's 64 experts went out to memory and back, and its products took about 10% longer on a 32 MiB-L3
-// Zen 4), with enough problems per chunk to keep every thread busy (one 30B-A3B expert per chunk in float32 took 10%
-// longer than chunks of four).
+// The most packed bytes one chunk of problems takes, unless two problems per thread (at most kMinChunkProblems) need
+// more: small enough that a chunk's copies are still in the last-level cache when its tiles read them (at 128 MiB,
+// weights packed for debugmodel_moe's 64 experts went out to memory and back, and its products took about 10% longer
+// on a 32 MiB-L3 Zen 4), with enough problems per chunk to keep every thread busy (one 30B-A3B expert per chunk in
+// float32 took 10% longer than chunks of four). The buffer is at most the larger of the two: 8 MiB, or 8 of the
+// largest experts' copies (30B-A3B's in bf16: 29 MiB).
 constexpr int64_t kScratchBytes = int64_t{8} << 20;
+constexpr size_t kMinChunkProblems = 8;
 
 // -1: the rule (grouped_mm_uses_amx), 0 or 1: forced.
 std::atomic<int> g_amx_forced{-1};
@@ -89,7 +91,7 @@ void run(const std::vector<MatmulProblem>& problems, bool bf16) {
   while (first < problems.size()) {
     size_t last = first;
     int64_t bytes = 0;
-    const size_t at_least = first + 2 * static_cast<size_t>(at::get_num_threads());
+    const size_t at_least = first + std::min<size_t>(2 * static_cast<size_t>(at::get_num_threads()), kMinChunkProblems);
     while (last < problems.size() &&
            (last < at_least || bytes + packing[last].a_bytes + packing[last].b_bytes <= kScratchBytes))
       bytes += packing[last].a_bytes + packing[last].b_bytes, ++last;

@@ -246,7 +246,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   e.terms.push_back({"optimizer", 2 * local * p_bytes});
   // Weights in the compute dtype: autocast's per-step cache of every weight; FSDP's gathered units (the current one
   // and the prefetched next, or all of them when they stay gathered between forward and backward).
-  double copies = 0;
+  double copies = 0, reduced_unit = 0;
   if (autocast) copies = rank_compute_params * 2.0;
   if (fsdp && shards > 1) {
     const bool reshard = parallelism.fsdp_reshard_after_forward == "always" ||
@@ -254,6 +254,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     // A block's unit: under EP its dense part over dp_shard x cp and its experts over efsdp, gathered together.
     const double unit = std::max(block_here, embed / tp);
     copies = reshard ? 2 * unit * c + unit * titan::config::dtype_bytes(training.mixed_precision_reduce) : rank_compute_params * c;
+    reduced_unit = unit;
   }
   e.terms.push_back({"weight copies", copies});
   // torchtitan's pipeline keeps FSDP from reduce-scattering until the last micro-batch: the stage's gradients
@@ -338,6 +339,11 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).
   e.terms.push_back({"backward buffers", tokens * backward_buffers, backward_phase});
+  // FSDP reduces a unit once all its gradients exist: they are held unsharded, in the compute dtype, until they are
+  // copied into the reduction's buffer (counted with the weight copies). Small beside a dense block's activations;
+  // a unit of many experts is not (debugmodel_moe's block with 128 experts on FSDP 4: 151 MB; docs/moe.md).
+  if (execution == Execution::titan && reduced_unit > 0)
+    e.terms.push_back({"a unit's gradients", reduced_unit * c, backward_phase});
   // Logits in the compute dtype, their float32 copy for the loss, its log-softmax and the gradients in both dtypes
   // (vocabulary-sharded under loss parallelism), for one micro-batch on the last stage.
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
