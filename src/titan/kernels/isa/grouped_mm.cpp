@@ -325,9 +325,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void tiles_amx(const MatmulProblem&
 int64_t pair_steps(int64_t depth) { return (depth + 1) / 2; }
 uint32_t bf16_pair(uint16_t lo, uint16_t hi) { return static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16; }
 
-// Copies a bf16 operand into panels of kLanes rows (A) or columns (B), each panel pair-major: word (s, l) holds lane
-// l's values at depths 2s (low half) and 2s + 1 (high half), zeros past either edge. `lane_stride` steps between
-// lanes, `depth_stride` between depths.
 // Lanes adjacent in memory (lane_stride 1): for each depth pair, up to 16 lanes of both depths at a time, widened and
 // interleaved; panels in blocks of kPanelBlock, so that each source row is read once, in order, for a whole block.
 template <int64_t kLanes>
@@ -441,7 +438,9 @@ void tiles_dot(const MatmulProblem& p, const uint32_t* a_packed, const uint32_t*
       __m512bh bv[kDotVecs];
       for (int64_t v = 0; v < kDotVecs; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + s * kDotCols + v * kVec);
       for (int64_t i = 0; i < kDotRows; ++i) {
-        const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * a_row + s * a_step]));
+        uint32_t word;  // (through memcpy: A read in place is bf16 data)
+        std::memcpy(&word, a + i * a_row + s * a_step, 4);
+        const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
         for (int64_t v = 0; v < kDotVecs; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], ai, bv[v]);
       }
     }
