@@ -114,16 +114,23 @@ void store_tile(const MatmulProblem& p, int64_t row0, int64_t col0, int64_t rows
   }
 }
 
+// Tile `tile`'s (row panel, column panel): tiles go by chunks of kChunk row panels (their A in L2), column panel by
+// column panel (its B in L1), row panel fastest. Both the vector and the dot path use this order.
+struct TilePanels {
+  int64_t row, col;
+};
+TilePanels tile_panels(int64_t tile, int64_t row_panels, int64_t col_panels) {
+  const int64_t chunk = tile / (kChunk * col_panels), chunk_rows = smaller(kChunk, row_panels - chunk * kChunk);
+  const int64_t within = tile - chunk * kChunk * col_panels;
+  return {chunk * kChunk + within % chunk_rows, within / chunk_rows};
+}
+
 template <typename T>
 void tiles_vector(const MatmulProblem& p, const float* a_packed, const float* b_packed, int64_t begin, int64_t end) {
   const int64_t row_panels = round_up(p.rows, kRows) / kRows, col_panels = round_up(p.cols, kCols) / kCols;
   const int64_t depth = p.depth;
   for (int64_t tile = begin; tile < end; ++tile) {
-    // Tiles go by chunks of kChunk row panels (their A in L2), column panel by column panel (its B in L1), row
-    // panel fastest.
-    const int64_t chunk = tile / (kChunk * col_panels), chunk_rows = smaller(kChunk, row_panels - chunk * kChunk);
-    const int64_t within = tile - chunk * kChunk * col_panels;
-    const int64_t cp = within / chunk_rows, rp = chunk * kChunk + within % chunk_rows;
+    const auto [rp, cp] = tile_panels(tile, row_panels, col_panels);
     const float* a = a_packed + rp * depth * kRows;
     const float* b = b_packed + cp * depth * kCols;
     Vec16 acc[kRows][kVecs];
@@ -412,15 +419,13 @@ void pack_dot(const MatmulProblem& p, uint32_t* a_packed, uint32_t* b_packed, in
                                p.b_stride[1], p.b_stride[0], b_packed + slice.b_begin * kDotCols * steps);
 }
 
-// Tiles in the vector path's order: chunks of kChunk row panels, column panel by column panel, row panel fastest.
+// Tiles in the vector path's order (tile_panels).
 void tiles_dot(const MatmulProblem& p, const uint32_t* a_packed, const uint32_t* b_packed, int64_t begin, int64_t end) {
   const int64_t row_panels = round_up(p.rows, kDotRows) / kDotRows, col_panels = round_up(p.cols, kDotCols) / kDotCols;
   const int64_t steps = pair_steps(p.depth);
   const bool in_place = dot_a_in_place(p);
   for (int64_t tile = begin; tile < end; ++tile) {
-    const int64_t chunk = tile / (kChunk * col_panels), chunk_rows = smaller(kChunk, row_panels - chunk * kChunk);
-    const int64_t within = tile - chunk * kChunk * col_panels;
-    const int64_t cp = within / chunk_rows, rp = chunk * kChunk + within % chunk_rows;
+    const auto [rp, cp] = tile_panels(tile, row_panels, col_panels);
     // A's words: (row i, step s) at a[i * a_row + s * a_step], packed or in place.
     const uint32_t* a = a_packed + rp * steps * kDotRows;
     int64_t a_row = 1, a_step = kDotRows;
