@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "titan/common/error.h"
+#include "titan/common/strings.h"
 #include "titan/distributed/checking_communicator.h"
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/mpi_runtime.h"
@@ -65,6 +66,43 @@ TEST(Communicator, GatherScatterBroadcast) {
   at::Tensor b = r == 1 ? at::full({2}, 42.0, at::kBFloat16) : at::zeros({2}, at::kBFloat16);
   g_world->broadcast(b, 1);
   EXPECT_EQ(b[1].item<float>(), 42.0f);
+}
+
+TEST(Communicator, ReduceScatterOfEveryOpAndDtypeOnEvenAndOddGroups) {
+  // The MPI backend reduce-scatters as a ring of messages (mpi_communicator.cpp): every op and dtype, on the world
+  // and on groups of 3 and 1 ranks (4 ranks split {0, 1, 2} and {3}), chunks of 0, 1 and 1,000 elements, against
+  // the reduction of every rank's input computed here (integer values: exact in every dtype); the input is left
+  // as it was.
+  const int world_rank = g_world->rank();
+  std::vector<std::shared_ptr<Communicator>> groups = {g_world};
+  if (g_world->size() == 4) groups.push_back(g_world->split(world_rank == 3 ? 1 : 0, world_rank, "three and one"));
+  for (const auto& group : groups) {
+    const int r = group->rank(), n = group->size();
+    const auto input_of = [&](int rank, int64_t chunk, at::ScalarType dtype) {
+      // Values in [-8, 23]: sums over 4 ranks stay exact in bfloat16.
+      return (at::arange(n * chunk, at::kLong) * (rank + 3) % 32 - 8).to(dtype);
+    };
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+      for (int64_t chunk : {0, 1, 1000}) {
+        for (auto op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg}) {
+          if (op == ReduceOp::Avg && dtype == at::kLong) continue;
+          at::Tensor in = input_of(r, chunk, dtype), kept = in.clone(), out = at::empty({chunk}, dtype);
+          group->reduce_scatter(out, in, op);
+          at::Tensor expected = input_of(0, chunk, at::kDouble);
+          for (int q = 1; q < n; ++q) {
+            at::Tensor other = input_of(q, chunk, at::kDouble);
+            expected = op == ReduceOp::Max ? at::maximum(expected, other) : op == ReduceOp::Min ? at::minimum(expected, other) : expected + other;
+          }
+          // The average divides the exact sum in the tensor's dtype.
+          if (op == ReduceOp::Avg) expected = (expected.to(dtype) / n).to(at::kDouble);
+          expected = expected.slice(0, r * chunk, (r + 1) * chunk);
+          const std::string what = titan::cat(c10::toString(dtype), " chunk ", chunk, " ", reduce_op_name(op), " on ", n, " ranks");
+          EXPECT_TRUE(at::equal(out.to(at::kDouble), expected)) << what;
+          EXPECT_TRUE(at::equal(in, kept)) << what;
+        }
+      }
+    }
+  }
 }
 
 TEST(Communicator, SendRecvRingAndAsyncOrder) {
