@@ -49,18 +49,19 @@ LAYOUTS = {
     "100M (4 blocks) DDP 2, 2 x 1024": (2, UNFUSED + model_100m(4, 2, 1024) + NO_FSDP + ["--parallelism.data_parallel_replicate_degree", "2"]),
     # Qwen3's debug flavor: queries four times as wide as the residual stream (16 heads of 128), per-head q/k norms.
     "qwen3 debug, no AC, 2 x 512": (1, UNFUSED + QWEN3_DEBUG),
+    # Measured 0.85-0.94 until MPI's reduce-scatter became titan's ring (2026-11-29): Open MPI's temporaries of each
+    # unit's gradients stayed on glibc's heap. 0.98 and 0.98 since, on the Zen 4.
+    "100M (4 blocks) CP 2": (2, UNFUSED + model_100m(4, 2, 1024) + NO_FSDP + ["--parallelism.context_parallel_degree", "2"]),
 }
 # Kept in view with a wider bound (docs/metrics.md). Measured on 2026-11-28 (2-core AVX2 EPYC): selective AC 0.95;
 # the 100M flavor without AC on one rank 1.08 (its peak comes at the end of the forward, before backward has allocated
-# the gradients the estimate counts for the whole step; DDP's buckets hold them, so DDP 2 measures about 1.0); context
-# parallelism 0.85 and 0.94 (up to 0.1 GiB per rank the estimate does not account for); TP 2 0.98 and
+# the gradients the estimate counts for the whole step; DDP's buckets hold them, so DDP 2 measures about 1.0); TP 2 0.98 and
 # 1.00; the pipeline 0.90 and 0.84 (its unestimated ~0.1 GiB per rank: within 10% only on the whole flavor at
 # 2 x 1024, 0.99 and 0.98, a run of 189 s). Full AC runs with the fused kernels below (the ATen path measured 0.98 at
 # 8 x 1024 that day, and is no longer run: 39 s), and so do the 100M flavor without AC on one rank and TP 2 (on
 # 2026-11-29 the ATen path's two rows were dropped for the suite's time: 20 s each; the fused rows keep both layouts).
 WIDER = {
     "debug selective AC 2": (1, UNFUSED),
-    "100M (4 blocks) CP 2": (2, UNFUSED + model_100m(4, 2, 1024) + NO_FSDP + ["--parallelism.context_parallel_degree", "2"]),
     "100M (8 blocks) PP 2 (1F1B), 2 x 512": (2, UNFUSED + model_100m(8, 2, 512) + NO_FSDP + ["--parallelism.pipeline_parallel_degree", "2"]),
 }
 
