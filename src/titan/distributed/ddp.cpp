@@ -70,6 +70,9 @@ void Ddp::launch(Bucket& b) {
     at::Tensor slot = b.buffer.narrow(0, b.offsets[k], p.numel());
     if (p.grad().defined()) slot.copy_(p.grad().reshape(-1));
     else slot.zero_();  // a parameter this backward did not reach: contributes zero, as on every rank
+    // The bucket holds the gradient from now on (its slot becomes the gradient once reduced): one copy of the
+    // gradients at the end of backward, not two (PyTorch's DDP with gradient_as_bucket_view).
+    params_[b.params[k]].mutable_grad() = at::Tensor();
   }
   b.work = group_->all_reduce(b.buffer, ReduceOp::Sum, /*async=*/true);
   b.launched = true;
@@ -86,9 +89,7 @@ void Ddp::finish_gradients() {
   for (auto& b : buckets_) {
     for (size_t k = 0; k < b.params.size(); ++k) {
       at::Tensor& p = params_[b.params[k]];
-      at::Tensor reduced = b.buffer.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
-      if (p.grad().defined()) p.mutable_grad().copy_(reduced);
-      else p.mutable_grad() = reduced.clone();
+      p.mutable_grad() = b.buffer.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
     }
     b.buffer = at::Tensor();
     b.work.reset();
