@@ -55,7 +55,7 @@ LAYOUTS = {
 }
 # Kept in view with a wider bound (docs/metrics.md). Measured on 2026-11-28 (2-core AVX2 EPYC): selective AC 0.95;
 # the 100M flavor without AC on one rank 1.08 (its peak comes at the end of the forward, before backward has allocated
-# the gradients the estimate counts for the whole step; DDP's buckets hold them, so DDP 2 measures about 1.0); TP 2 0.98 and
+# the gradients the estimate counts for the whole step; DDP 2 measures about 1.0); TP 2 0.98 and
 # 1.00; the pipeline 0.90 and 0.84 (its unestimated ~0.1 GiB per rank: within 10% only on the whole flavor at
 # 2 x 1024, 0.99 and 0.98, a run of 189 s). Full AC runs with the fused kernels below (the ATen path measured 0.98 at
 # 8 x 1024 that day, and is no longer run: 39 s), and so do the 100M flavor without AC on one rank and TP 2 (on
