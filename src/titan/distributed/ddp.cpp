@@ -72,7 +72,7 @@ void Ddp::launch(Bucket& b) {
     else slot.zero_();  // a parameter this backward did not reach: contributes zero, as on every rank
     // The bucket holds the gradient from now on (its slot becomes the gradient once reduced): one copy of the
     // gradients at the end of backward, not two (PyTorch's DDP with gradient_as_bucket_view).
-    params_[b.params[k]].mutable_grad() = at::Tensor();
+    p.mutable_grad() = at::Tensor();
   }
   b.work = group_->all_reduce(b.buffer, ReduceOp::Sum, /*async=*/true);
   b.launched = true;
