@@ -70,10 +70,11 @@ BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double 
   double sharded = 4 * d * r + 4 * h * c;
   if (moe_block) {
     // A Mixture-of-Experts block: `h` above counts the routed experts' SwiGLU for each of a token's top_k copies
-    // (and the shared experts'); beside them the router's float32 scores, the copies sorted by expert, their
-    // outputs in both orders and the float32 outputs the weighted sum reads (measured: docs/moe.md).
+    // (and the shared experts'); beside them the router's float32 scores, the copies sorted by expert in the
+    // compute dtype that the gate and up products keep (under autocast each converts its own from the float32
+    // stream), and the experts' outputs in float32 that the weighted sum keeps (MoE::forward; measured: docs/moe.md).
     const double experts = static_cast<double>(a.moe->num_experts), top_k = static_cast<double>(a.moe->top_k);
-    sharded += 2 * experts * 4 + top_k * d * (3 * c + 4);
+    sharded += 2 * experts * 4 + top_k * d * ((autocast ? 2 : 1) * c + 4);
   }
   double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
   if (autocast) sharded += 2 * d * c;
