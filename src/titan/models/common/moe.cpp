@@ -106,6 +106,27 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   return GroupedLinear::apply(x, w.to(x.scalar_type()), counts);
 }
 
+// out[t] = sum over k of scores[t, k] * expert_out[t, k], in float32: the product at::bmm(scores [t, 1, k],
+// expert_out [t, k, d] in float32) that autograd would record, with the same products in backward, but keeping
+// expert_out in its own dtype (bf16 under autocast or FSDP) rather than the float32 copy bmm would keep: 2 bytes
+// instead of 4 per element of each of a token's top_k copies. Converting bf16 to float32 is exact, so forward and
+// backward are bitwise those of the bmm.
+struct WeightedSum : torch::autograd::Function<WeightedSum> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& scores, const at::Tensor& expert_out) {
+    ctx->save_for_backward({scores, expert_out});
+    return at::bmm(scores.unsqueeze(1), expert_out.to(at::kFloat)).squeeze(1);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor scores = saved[0].unsqueeze(1), expert_out = saved[1].to(at::kFloat), g = grads[0].unsqueeze(1);
+    at::Tensor d_scores, d_out;
+    if (ctx->needs_input_grad(0)) d_scores = g.bmm(expert_out.transpose(1, 2)).squeeze(1);
+    if (ctx->needs_input_grad(1)) d_out = scores.transpose(1, 2).bmm(g).to(saved[1].scalar_type());
+    return {d_scores, d_out};
+  }
+};
+
 }  // namespace
 
 void MoEArgs::check() const {
@@ -352,7 +373,7 @@ at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
     out = expert_out.sum(1);
   } else {
     NoAutocast no_autocast;
-    out = at::bmm(r.scores.view({tokens, 1, k}), expert_out.to(at::kFloat)).squeeze(1).to(flat.scalar_type());
+    out = WeightedSum::apply(r.scores.view({tokens, k}), expert_out).to(flat.scalar_type());
   }
   if (shared_experts) out = (*shared_experts)(flat, context) + out;
   return out.view(x.sizes());
