@@ -89,9 +89,9 @@ FUSED = {
 # Mixture of Experts (Qwen3's debugmodel_moe with 2 layers: 64 experts of width 768, top 8), bf16 compute, no AC; the
 # experts run titan's grouped kernels. Measured on 2026-11-28 (2-core AVX2 EPYC) at 2 x 512: one process 0.96, EP 2
 # 0.96 and 0.96, EP 2 under op-level AC 0.92 and 0.92 (at 2 x 1024 on 2026-11-27: 1.02, 1.05 and 1.07; FSDP 2 without
-# EP 0.94 and 1.04); on 2026-11-29 (2-core Zen 4), after the sorted copies were counted as MoE::forward keeps them
-# and the weighted sum kept the experts' outputs in bf16: one process 0.98, EP 2 1.03 and 1.04, EP 2 under op-level
-# AC 0.98 and 0.98, float32 1.03. Float32 at 2 x 1024
+# EP 0.94 and 1.04); on 2026-11-29 (2-core Zen 4), after the sorted copies were counted as MoE::forward keeps them,
+# the weighted sum kept the experts' outputs in bf16 and the gate and up products shared one copy under autocast:
+# one process 0.99, EP 2 1.03 and 1.03, EP 2 under op-level AC 0.99 and 0.99, float32 1.03. Float32 at 2 x 1024
 # measures 1.23x: there the experts' hidden activations ([tokens x top_k, 768] float32) fall in the host cache's
 # reuse window of the expert weights' gradients ([64, 768, 256] float32), so backward's gradients take freed
 # activation blocks, which the estimate does not model (it counts both). training.fused_kernels = false measures

@@ -484,7 +484,9 @@ TEST(FusedKernels, GroupedMatmulRefusesBadCounts) {
 }
 
 // The MoE layer under bf16 autocast runs its experts through the grouped kernels; with training.fused_kernels off it
-// runs the per-expert loop of ATen products. Both give the same outputs and gradients within bf16's rounding.
+// runs the per-expert loop of ATen products. Both give the same outputs and gradients within bf16's rounding, and
+// so does the layer in float32 without autocast (LibTorch's float32 products, no conversion: the reference for the
+// gate and up products' shared bf16 copy of the input, whose two input gradients are summed in float32).
 TEST(FusedKernels, MoeLayerInBf16MatchesThePerExpertLoop) {
   if (!titan::kernels::grouped_mm_enabled(at::kBFloat16)) GTEST_SKIP() << "TITAN_CPU_GROUPED_MM=0";
   at::manual_seed(11);
@@ -498,25 +500,32 @@ TEST(FusedKernels, MoeLayerInBf16MatchesThePerExpertLoop) {
     for (auto& item : moe.named_parameters()) item.value().normal_(0, 0.1);
   }
   const at::Tensor x = at::randn({2, 37, dim}), grad = at::randn({2, 37, dim});
-  std::vector<at::Tensor> outputs, input_grads, w1_grads;
-  for (bool fused : {true, false}) {
-    titan::kernels::set_fused_kernels_enabled(fused);
+  std::vector<at::Tensor> outputs, input_grads, w1_grads, w3_grads;
+  for (int run = 0; run < 3; ++run) {  // fused kernels under autocast, the ATen loop under autocast, float32
+    titan::kernels::set_fused_kernels_enabled(run == 0);
     moe.zero_grad();
     const at::Tensor xi = x.clone().requires_grad_(true);
     at::Tensor y;
     {
-      titan::nn::AutocastRegion autocast(titan::nn::AutocastState::enabled_for(at::kCPU, at::kBFloat16));
+      titan::nn::AutocastRegion autocast(run < 2 ? titan::nn::AutocastState::enabled_for(at::kCPU, at::kBFloat16)
+                                                 : titan::nn::AutocastState{});
       y = moe(xi, titan::nn::Context{});
     }
     y.backward(grad.to(y.scalar_type()));
     outputs.push_back(y.to(at::kFloat));
     input_grads.push_back(xi.grad());
     w1_grads.push_back(moe.experts->w1.grad().clone());
+    w3_grads.push_back(moe.experts->w3.grad().clone());
   }
   titan::kernels::set_fused_kernels_enabled(true);
-  EXPECT_LT(relative_error(outputs[0], outputs[1]), 2e-2);
-  EXPECT_LT(relative_error(input_grads[0], input_grads[1]), 2e-2);
-  EXPECT_LT(relative_error(w1_grads[0], w1_grads[1]), 2e-2);
+  EXPECT_EQ(outputs[2].scalar_type(), at::kFloat);
+  for (int run : {0, 1}) {
+    EXPECT_EQ(input_grads[run].scalar_type(), at::kFloat);
+    EXPECT_LT(relative_error(outputs[run], outputs[2]), 2e-2) << run;
+    EXPECT_LT(relative_error(input_grads[run], input_grads[2]), 2e-2) << run;
+    EXPECT_LT(relative_error(w1_grads[run], w1_grads[2]), 2e-2) << run;
+    EXPECT_LT(relative_error(w3_grads[run], w3_grads[2]), 2e-2) << run;
+  }
 }
 
 TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {

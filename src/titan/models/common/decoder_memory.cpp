@@ -71,12 +71,12 @@ BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double 
   if (moe_block) {
     // A Mixture-of-Experts block: `h` above counts the routed experts' SwiGLU for each of a token's top_k copies
     // (and the shared experts'); beside them the router's float32 scores, the copies sorted by expert in the
-    // compute dtype that the gate and up products keep (under autocast each converts its own from the float32
-    // stream), and what the combination keeps: the experts' outputs in the compute dtype for the weighted sum, or
-    // with the scores applied before the experts the float32 copies they scale (MoE::forward; measured: docs/moe.md).
+    // compute dtype that the gate and up products keep (one copy for both, also under autocast), and what the
+    // combination keeps: the experts' outputs in the compute dtype for the weighted sum, or with the scores applied
+    // before the experts the float32 copies they scale (MoE::forward; measured: docs/moe.md).
     const double experts = static_cast<double>(a.moe->num_experts), top_k = static_cast<double>(a.moe->top_k);
     const double combine = a.moe->score_before_experts ? 4 : c;
-    sharded += 2 * experts * 4 + top_k * d * ((autocast ? 2 : 1) * c + combine);
+    sharded += 2 * experts * 4 + top_k * d * (c + combine);
   }
   double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
   if (autocast) sharded += 2 * d * c;

@@ -44,6 +44,10 @@ at::Tensor with_libtorch_or_loop(const at::Tensor& x, const at::Tensor& w, const
 struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
     ctx->save_for_backward({x, w, counts});
+    return product(x, w, counts);
+  }
+
+  static at::Tensor product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
     if (kernels::fused_kernel_applies(kernels::Op::grouped_mm, {x, w})) return kernels::grouped_linear(x, w, counts);
     return with_libtorch_or_loop(x, w, [&] { return kernels::libtorch_grouped_linear(x, w, counts); }, [&] { return loop(x, w, counts); });
   }
@@ -61,23 +65,29 @@ struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &w = saved[1], &counts = saved[2];
-    const at::Tensor g = grads[0].contiguous();
+    auto [dx, dw] = gradients(grads[0], saved[0], saved[1], saved[2], ctx->needs_input_grad(0), ctx->needs_input_grad(1));
+    return {dx, dw, at::Tensor()};
+  }
+
+  // The input's gradient (when `input`) and the weight's (when `weight`) of y = x W[e]^T, given y's gradient.
+  static std::pair<at::Tensor, at::Tensor> gradients(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w,
+                                                     const at::Tensor& counts, bool input, bool weight) {
+    const at::Tensor g = grad.contiguous();
     if (kernels::fused_kernel_applies(kernels::Op::grouped_mm, {g, w, x})) {
-      return {ctx->needs_input_grad(0) ? kernels::grouped_linear_input_grad(g, w, counts) : at::Tensor(),
-              ctx->needs_input_grad(1) ? kernels::grouped_linear_weight_grad(g, x, counts) : at::Tensor(), at::Tensor()};
+      return {input ? kernels::grouped_linear_input_grad(g, w, counts) : at::Tensor(),
+              weight ? kernels::grouped_linear_weight_grad(g, x, counts) : at::Tensor()};
     }
     if (kernels::libtorch_grouped_mm_applies(g, w)) {
       try {
-        return {ctx->needs_input_grad(0) ? kernels::libtorch_grouped_linear_input_grad(g, w, counts) : at::Tensor(),
-                ctx->needs_input_grad(1) ? kernels::libtorch_grouped_linear_weight_grad(g, x, counts) : at::Tensor(), at::Tensor()};
+        return {input ? kernels::libtorch_grouped_linear_input_grad(g, w, counts) : at::Tensor(),
+                weight ? kernels::libtorch_grouped_linear_weight_grad(g, x, counts) : at::Tensor()};
       } catch (const c10::Error& error) {
         kernels::libtorch_grouped_mm_failed(error.what());
       }
     }
     at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = at::empty_like(x);
-    if (ctx->needs_input_grad(1)) dw = at::zeros_like(w);  // experts without tokens keep a zero gradient
+    if (input) dx = at::empty_like(x);
+    if (weight) dw = at::zeros_like(w);  // experts without tokens keep a zero gradient
     const int64_t* count = counts.data_ptr<int64_t>();
     for (int64_t e = 0, start = 0; e < w.size(0); start += count[e], ++e) {
       if (count[e] == 0) continue;
@@ -91,7 +101,35 @@ struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
         nn::mm_out(slice, ge.t(), x.narrow(0, start, count[e]));
       }
     }
-    return {dx, dw, at::Tensor()};
+    return {dx, dw};
+  }
+};
+
+// Under autocast, the gate and up products x W1^T and x W3^T from one copy of x in the compute dtype: autocast would
+// convert x for each product and keep both copies for backward. The two input gradients are converted to x's dtype
+// and summed there, as autograd sums the gradients of autocast's two conversions, so the results are bitwise the
+// same; the weights are converted for each call, as autocast does for these products.
+struct GroupedGateUp : torch::autograd::Function<GroupedGateUp> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
+                                                const at::Tensor& w3, const at::Tensor& counts, at::ScalarType dtype) {
+    const at::Tensor xc = x.to(dtype), w1c = w1.to(dtype), w3c = w3.to(dtype);
+    ctx->save_for_backward({xc, w1c, w3c, counts});
+    ctx->saved_data["x"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w1"] = static_cast<int64_t>(w1.scalar_type());
+    ctx->saved_data["w3"] = static_cast<int64_t>(w3.scalar_type());
+    return {GroupedLinear::product(xc, w1c, counts), GroupedLinear::product(xc, w3c, counts)};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &xc = saved[0], &w1c = saved[1], &w3c = saved[2], &counts = saved[3];
+    const auto dtype = [&](const char* name) { return static_cast<at::ScalarType>(ctx->saved_data[name].toInt()); };
+    const bool input = ctx->needs_input_grad(0);
+    auto [dx1, dw1] = GroupedLinear::gradients(grads[0], xc, w1c, counts, input, ctx->needs_input_grad(1));
+    auto [dx3, dw3] = GroupedLinear::gradients(grads[1], xc, w3c, counts, input, ctx->needs_input_grad(2));
+    at::Tensor dx;
+    if (input) dx = dx1.to(dtype("x")) + dx3.to(dtype("x"));
+    return {dx, dw1.defined() ? dw1.to(dtype("w1")) : dw1, dw3.defined() ? dw3.to(dtype("w3")) : dw3, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -237,7 +275,17 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   const int64_t routed = counts.sum().item<int64_t>();
   TORCH_CHECK(routed == x.size(0), "internal: the token counts sum to ", routed, ", not the ", x.size(0), " routed rows");
   // silu(x W1^T) * (x W3^T): titan's fused SwiGLU where it applies (it keeps no SiLU output for backward).
-  const at::Tensor gate = grouped_linear(x, w1, counts), up = grouped_linear(x, w3, counts);
+  at::Tensor gate, up;
+  const auto device = x.device().type();
+  if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()) &&
+      x.scalar_type() != at::autocast::get_autocast_dtype(device)) {
+    const auto dtype = at::autocast::get_autocast_dtype(device);
+    NoAutocast no_autocast;
+    const auto both = GroupedGateUp::apply(x, w1, w3, counts, dtype);
+    gate = both[0], up = both[1];
+  } else {
+    gate = grouped_linear(x, w1, counts), up = grouped_linear(x, w3, counts);
+  }
   const at::Tensor h = kernels::fused_kernel_applies(kernels::Op::swiglu, {gate, up}) ? kernels::swiglu(gate, up)
                                                                                          : kernels::swiglu_reference(gate, up);
   return grouped_linear(h, w2, counts);
