@@ -1,6 +1,7 @@
 // The Llama 3 model on CUDA against the same model on the CPU: bitwise identical initialisation, float32 logits,
 // loss and every gradient within tolerance (causal and block-causal, MHA and GQA), activation checkpointing that
-// keeps the gradients, and bf16 autocast that really computes in bf16.
+// keeps the gradients, and bf16 autocast that really computes in bf16; the MoE layer under bf16 autocast against the
+// CPU's in float32.
 #include "gpu_test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -10,6 +11,7 @@
 #include "titan/models/llama3/args.h"
 #include "titan/models/common/decoder.h"
 #include "titan/models/common/decoder_parallelize.h"
+#include "titan/models/common/moe.h"
 #include "titan/nn/autocast.h"
 
 namespace {
@@ -179,4 +181,54 @@ TEST(CudaModel, Bfloat16AutocastComputesInBfloat16) {
   figure("model.autocast_bf16.logits_max_rel_diff_vs_fp32", diff);
   // Leaving the region restores float32.
   EXPECT_EQ(model->forward(tokens).scalar_type(), at::kFloat);
+}
+
+TEST(CudaModel, MoeLayerUnderAutocastMatchesTheCpuInFloat32) {
+  // The MoE layer as the trainer runs it on one GPU (bf16 autocast, float32 parameters): routing, the grouped
+  // experts (LibTorch's grouped matmul where the GPU has it, else the per-expert loop) with one bf16 copy of the
+  // sorted tokens for the gate and up products, and the float32 weighted sum that keeps the experts' bf16 outputs.
+  // Against the same layer in float32 on the CPU: the output and the gradients of the input, the router and every
+  // expert weight within bf16's rounding.
+  TITAN_REQUIRE_CUDA_OR_DRY_RUN();
+  const at::Device device = titan_gpu_test::test_device();
+  at::manual_seed(17);
+  titan::models::MoEArgs args;
+  args.num_experts = 8, args.top_k = 2, args.hidden_dim = 128, args.num_shared_experts = 1;
+  args.load_balance_coeff.reset();
+  constexpr int64_t dim = 256;
+  titan::models::MoE cpu(dim, args, {});
+  titan::models::MoE gpu(dim, args, titan::nn::ParameterOptions{at::TensorOptions().device(device), true});
+  {
+    at::NoGradGuard no_grad;
+    auto a = cpu.named_parameters(), b = gpu.named_parameters();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      a[i].value().normal_(0, 0.05);
+      b[i].value().copy_(a[i].value());
+    }
+  }
+  gpu.move_buffers(device);
+  const at::Tensor x = at::randn({2, 96, dim}), grad = at::randn({2, 96, dim});
+  const at::Tensor x_cpu = x.clone().requires_grad_(true), x_gpu = x.to(device).requires_grad_(true);
+  at::Tensor y_cpu = cpu(x_cpu, titan::nn::Context{}), y_gpu;
+  y_cpu.backward(grad);
+  {
+    titan::nn::AutocastRegion autocast(titan::nn::AutocastState::enabled_for(device.type(), at::kBFloat16));
+    y_gpu = gpu(x_gpu, titan::nn::Context{});
+  }
+  y_gpu.backward(grad.to(device).to(y_gpu.scalar_type()));
+  EXPECT_EQ(y_gpu.device(), device);
+  EXPECT_EQ(x_gpu.grad().scalar_type(), at::kFloat);
+  double worst = max_relative_difference(y_gpu.detach().cpu(), y_cpu.detach());
+  EXPECT_LT(worst, 3e-2) << "output";
+  const double dx = max_relative_difference(x_gpu.grad().cpu(), x_cpu.grad());
+  EXPECT_LT(dx, 3e-2) << "input gradient";
+  worst = std::max(worst, dx);
+  auto a = cpu.named_parameters(), b = gpu.named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = max_relative_difference(b[i].value().grad().cpu(), a[i].value().grad());
+    EXPECT_LT(d, 3e-2) << "gradient of " << a[i].key();
+    worst = std::max(worst, d);
+  }
+  figure("model.moe_autocast_bf16.max_rel_diff_vs_cpu_fp32", worst);
 }
