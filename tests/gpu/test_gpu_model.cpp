@@ -191,44 +191,49 @@ TEST(CudaModel, MoeLayerUnderAutocastMatchesTheCpuInFloat32) {
   // expert weight within bf16's rounding.
   TITAN_REQUIRE_CUDA_OR_DRY_RUN();
   const at::Device device = titan_gpu_test::test_device();
-  at::manual_seed(17);
-  titan::models::MoEArgs args;
-  args.num_experts = 8, args.top_k = 2, args.hidden_dim = 128, args.num_shared_experts = 1;
-  args.load_balance_coeff.reset();
-  constexpr int64_t dim = 256;
-  titan::models::MoE cpu(dim, args, {});
-  titan::models::MoE gpu(dim, args, titan::nn::ParameterOptions{at::TensorOptions().device(device), true});
-  {
-    at::NoGradGuard no_grad;
-    auto a = cpu.named_parameters(), b = gpu.named_parameters();
-    ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i) {
-      a[i].value().normal_(0, 0.05);
-      b[i].value().copy_(a[i].value());
+  for (bool scores_before : {false, true}) {  // the experts gather their sorted copies, or take the scaled ones
+    SCOPED_TRACE(scores_before ? "scores before the experts" : "scores after the experts");
+    at::manual_seed(17);
+    titan::models::MoEArgs args;
+    args.num_experts = 8, args.top_k = 2, args.hidden_dim = 128, args.num_shared_experts = 1;
+    args.score_before_experts = scores_before;
+    args.load_balance_coeff.reset();
+    constexpr int64_t dim = 256;
+    titan::models::MoE cpu(dim, args, {});
+    titan::models::MoE gpu(dim, args, titan::nn::ParameterOptions{at::TensorOptions().device(device), true});
+    {
+      at::NoGradGuard no_grad;
+      auto a = cpu.named_parameters(), b = gpu.named_parameters();
+      ASSERT_EQ(a.size(), b.size());
+      for (size_t i = 0; i < a.size(); ++i) {
+        a[i].value().normal_(0, 0.05);
+        b[i].value().copy_(a[i].value());
+      }
     }
+    gpu.move_buffers(device);
+    const at::Tensor x = at::randn({2, 96, dim}), grad = at::randn({2, 96, dim});
+    const at::Tensor x_cpu = x.clone().requires_grad_(true), x_gpu = x.to(device).requires_grad_(true);
+    at::Tensor y_cpu = cpu(x_cpu, titan::nn::Context{}), y_gpu;
+    y_cpu.backward(grad);
+    {
+      titan::nn::AutocastRegion autocast(titan::nn::AutocastState::enabled_for(device.type(), at::kBFloat16));
+      y_gpu = gpu(x_gpu, titan::nn::Context{});
+    }
+    y_gpu.backward(grad.to(device).to(y_gpu.scalar_type()));
+    EXPECT_EQ(y_gpu.device(), device);
+    EXPECT_EQ(x_gpu.grad().scalar_type(), at::kFloat);
+    double worst = max_relative_difference(y_gpu.detach().cpu(), y_cpu.detach());
+    EXPECT_LT(worst, 3e-2) << "output";
+    const double dx = max_relative_difference(x_gpu.grad().cpu(), x_cpu.grad());
+    EXPECT_LT(dx, 3e-2) << "input gradient";
+    worst = std::max(worst, dx);
+    auto a = cpu.named_parameters(), b = gpu.named_parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double d = max_relative_difference(b[i].value().grad().cpu(), a[i].value().grad());
+      EXPECT_LT(d, 3e-2) << "gradient of " << a[i].key();
+      worst = std::max(worst, d);
+    }
+    figure(scores_before ? "model.moe_autocast_bf16_scores_before.max_rel_diff_vs_cpu_fp32"
+                         : "model.moe_autocast_bf16.max_rel_diff_vs_cpu_fp32", worst);
   }
-  gpu.move_buffers(device);
-  const at::Tensor x = at::randn({2, 96, dim}), grad = at::randn({2, 96, dim});
-  const at::Tensor x_cpu = x.clone().requires_grad_(true), x_gpu = x.to(device).requires_grad_(true);
-  at::Tensor y_cpu = cpu(x_cpu, titan::nn::Context{}), y_gpu;
-  y_cpu.backward(grad);
-  {
-    titan::nn::AutocastRegion autocast(titan::nn::AutocastState::enabled_for(device.type(), at::kBFloat16));
-    y_gpu = gpu(x_gpu, titan::nn::Context{});
-  }
-  y_gpu.backward(grad.to(device).to(y_gpu.scalar_type()));
-  EXPECT_EQ(y_gpu.device(), device);
-  EXPECT_EQ(x_gpu.grad().scalar_type(), at::kFloat);
-  double worst = max_relative_difference(y_gpu.detach().cpu(), y_cpu.detach());
-  EXPECT_LT(worst, 3e-2) << "output";
-  const double dx = max_relative_difference(x_gpu.grad().cpu(), x_cpu.grad());
-  EXPECT_LT(dx, 3e-2) << "input gradient";
-  worst = std::max(worst, dx);
-  auto a = cpu.named_parameters(), b = gpu.named_parameters();
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = max_relative_difference(b[i].value().grad().cpu(), a[i].value().grad());
-    EXPECT_LT(d, 3e-2) << "gradient of " << a[i].key();
-    worst = std::max(worst, d);
-  }
-  figure("model.moe_autocast_bf16.max_rel_diff_vs_cpu_fp32", worst);
 }

@@ -486,12 +486,19 @@ TEST(FusedKernels, GroupedMatmulRefusesBadCounts) {
 // The MoE layer under bf16 autocast runs its experts through the grouped kernels; with training.fused_kernels off it
 // runs the per-expert loop of ATen products. Both give the same outputs and gradients within bf16's rounding, and
 // so does the layer in float32 without autocast (LibTorch's float32 products, no conversion: the reference for the
-// gate and up products' shared bf16 copy of the input, whose two input gradients are summed in float32).
-TEST(FusedKernels, MoeLayerInBf16MatchesThePerExpertLoop) {
+// gate and up products' shared bf16 copy of the input, whose two input gradients are summed in float32). With the
+// scores applied before the experts the float32 run takes two separate grouped products; with the scores applied
+// after them (Qwen3's and DeepSeek-V3's routing) every run has the gate and up products gather the sorted copies
+// from the layer's input themselves, so this checks only the dtypes there: the gather itself is held to
+// torchtitan's MoE layer in float32 (tests/parity/test_moe_layer_parity.py, which a wrong index fails).
+class MoeLayerInBf16 : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MoeLayerInBf16, MatchesThePerExpertLoopAndFloat32) {
   if (!titan::kernels::grouped_mm_enabled(at::kBFloat16)) GTEST_SKIP() << "TITAN_CPU_GROUPED_MM=0";
   at::manual_seed(11);
   titan::models::MoEArgs args;
   args.num_experts = 8, args.top_k = 2, args.hidden_dim = 48, args.num_shared_experts = 0;
+  args.score_before_experts = GetParam();
   args.load_balance_coeff.reset();
   constexpr int64_t dim = 64;
   titan::models::MoE moe(dim, args, {});
@@ -527,6 +534,8 @@ TEST(FusedKernels, MoeLayerInBf16MatchesThePerExpertLoop) {
     EXPECT_LT(relative_error(w3_grads[run], w3_grads[2]), 2e-2) << run;
   }
 }
+INSTANTIATE_TEST_SUITE_P(FusedKernels, MoeLayerInBf16, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "ScoresBefore" : "ScoresAfter"; });
 
 TEST(FusedKernels, SwitchAndUnsupportedInputsFallBack) {
   using titan::kernels::fused_kernel_applies;

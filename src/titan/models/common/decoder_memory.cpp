@@ -63,20 +63,24 @@ struct BlockActivations {
 };
 
 BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double r, double c, bool autocast, int64_t tp,
-                                   FusedKernels kernels) {
+                                   FusedKernels kernels, bool experts_local) {
   const bool fused = kernels == FusedKernels::cpu, cuda = kernels == FusedKernels::cuda;
   const double d = static_cast<double>(a.dim), t = static_cast<double>(tp);
   const double h = static_cast<double>(moe_block ? (a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim : a.ffn_hidden_dim());
   double sharded = 4 * d * r + 4 * h * c;
   if (moe_block) {
     // A Mixture-of-Experts block: `h` above counts the routed experts' SwiGLU for each of a token's top_k copies
-    // (and the shared experts'); beside them the router's float32 scores, the copies sorted by expert in the
-    // compute dtype that the gate and up products keep (one copy for both, also under autocast), and what the
-    // combination keeps: the experts' outputs in the compute dtype for the weighted sum, or with the scores applied
-    // before the experts the float32 copies they scale (MoE::forward; measured: docs/moe.md).
+    // (and the shared experts'); beside them the router's float32 scores, what the gate and up products keep of
+    // their input, and what the combination keeps: the experts' outputs in the compute dtype for the weighted sum, or
+    // with the scores applied before the experts the float32 copies they scale (MoE::forward; measured:
+    // docs/moe.md). The gate and up products keep the copies sorted by expert in the compute dtype (one for both,
+    // also under autocast) where the tokens are dispatched (expert parallelism) or scaled first; otherwise the
+    // block's input once, which without autocast is the normalised input counted above and under autocast a copy of
+    // it in the compute dtype.
     const double experts = static_cast<double>(a.moe->num_experts), top_k = static_cast<double>(a.moe->top_k);
     const double combine = a.moe->score_before_experts ? 4 : c;
-    sharded += 2 * experts * 4 + top_k * d * (c + combine);
+    const bool gathered_in_backward = experts_local && !a.moe->score_before_experts;
+    sharded += 2 * experts * 4 + top_k * d * ((gathered_in_backward ? 0 : c) + combine) + (gathered_in_backward && autocast ? d * c : 0);
   }
   double gathered = 0;  // under sequence parallelism the attention and feed-forward inputs are gathered whole
   if (autocast) sharded += 2 * d * c;
@@ -307,7 +311,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     const int64_t count = moe_kind ? blocks.moe : blocks.dense;
     if (count == 0) continue;
     const auto n = static_cast<double>(count);
-    const BlockActivations block = block_activations(a, moe_kind, r, c, autocast, dims.tp, kernels);
+    const BlockActivations block = block_activations(a, moe_kind, r, c, autocast, dims.tp, kernels, dims.ep == 1);
     backward_buffers = std::max(backward_buffers, block.backward_buffers);
     if (ac.mode == "full") {
       per_token += n * block.input_only;

@@ -105,16 +105,22 @@ struct GroupedLinear : torch::autograd::Function<GroupedLinear> {
   }
 };
 
-// Under autocast, the gate and up products x W1^T and x W3^T from one copy of x in the compute dtype: autocast would
-// convert x for each product and keep both copies for backward. The two input gradients are converted to x's dtype
-// and summed there, as autograd sums the gradients of autocast's two conversions, so the results are bitwise the
-// same; the weights are converted for each call, as autocast does for these products.
+// The gate and up products x W1^T and x W3^T from one copy of x in the compute dtype `dtype`, where x is `source`,
+// or with `gather` the rows `rows` of `source` (the tokens sorted by expert, gathered from the block's input).
+// Kept for backward: that one copy in the compute dtype -- of `source` when gathering, so each token is kept once
+// rather than top_k times, and the sorted copy is gathered again in backward. Autocast would convert x for each
+// product and keep both copies. The two input gradients are converted to source's dtype, summed, and added into the
+// source's rows as index_select's backward does: the results are bitwise those of the composition they replace. The
+// weights are converted for each call, as grouped_linear does.
 struct GroupedGateUp : torch::autograd::Function<GroupedGateUp> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1,
-                                                const at::Tensor& w3, const at::Tensor& counts, at::ScalarType dtype) {
-    const at::Tensor xc = x.to(dtype), w1c = w1.to(dtype), w3c = w3.to(dtype);
-    ctx->save_for_backward({xc, w1c, w3c, counts});
-    ctx->saved_data["x"] = static_cast<int64_t>(x.scalar_type());
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& source, const at::Tensor& rows,
+                                                const at::Tensor& w1, const at::Tensor& w3, const at::Tensor& counts,
+                                                at::ScalarType dtype, bool gather) {
+    const at::Tensor kept = source.to(dtype), w1c = w1.to(dtype), w3c = w3.to(dtype);
+    const at::Tensor xc = gather ? kept.index_select(0, rows) : kept;
+    ctx->save_for_backward({kept, rows, w1c, w3c, counts});
+    ctx->saved_data["gather"] = gather;
+    ctx->saved_data["source"] = static_cast<int64_t>(source.scalar_type());
     ctx->saved_data["w1"] = static_cast<int64_t>(w1.scalar_type());
     ctx->saved_data["w3"] = static_cast<int64_t>(w3.scalar_type());
     return {GroupedLinear::product(xc, w1c, counts), GroupedLinear::product(xc, w3c, counts)};
@@ -122,14 +128,20 @@ struct GroupedGateUp : torch::autograd::Function<GroupedGateUp> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &xc = saved[0], &w1c = saved[1], &w3c = saved[2], &counts = saved[3];
+    const at::Tensor &kept = saved[0], &rows = saved[1], &w1c = saved[2], &w3c = saved[3], &counts = saved[4];
+    const bool gather = ctx->saved_data["gather"].toBool();
+    const at::Tensor xc = gather ? kept.index_select(0, rows) : kept;
     const auto dtype = [&](const char* name) { return static_cast<at::ScalarType>(ctx->saved_data[name].toInt()); };
     const bool input = ctx->needs_input_grad(0);
-    auto [dx1, dw1] = GroupedLinear::gradients(grads[0], xc, w1c, counts, input, ctx->needs_input_grad(1));
-    auto [dx3, dw3] = GroupedLinear::gradients(grads[1], xc, w3c, counts, input, ctx->needs_input_grad(2));
-    at::Tensor dx;
-    if (input) dx = dx1.to(dtype("x")) + dx3.to(dtype("x"));
-    return {dx, dw1.defined() ? dw1.to(dtype("w1")) : dw1, dw3.defined() ? dw3.to(dtype("w3")) : dw3, at::Tensor(), at::Tensor()};
+    auto [dx1, dx1_w] = GroupedLinear::gradients(grads[0], xc, w1c, counts, input, ctx->needs_input_grad(2));
+    auto [dx3, dx3_w] = GroupedLinear::gradients(grads[1], xc, w3c, counts, input, ctx->needs_input_grad(3));
+    at::Tensor d_source;
+    if (input) {
+      d_source = dx1.to(dtype("source")) + dx3.to(dtype("source"));
+      if (gather) d_source = at::zeros(kept.sizes(), d_source.options()).index_add_(0, rows, d_source);
+    }
+    return {d_source, at::Tensor(), dx1_w.defined() ? dx1_w.to(dtype("w1")) : dx1_w,
+            dx3_w.defined() ? dx3_w.to(dtype("w3")) : dx3_w, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -274,14 +286,24 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   TORCH_CHECK(counts.numel() == experts, "internal: ", counts.numel(), " token counts for ", experts, " experts");
   const int64_t routed = counts.sum().item<int64_t>();
   TORCH_CHECK(routed == x.size(0), "internal: the token counts sum to ", routed, ", not the ", x.size(0), " routed rows");
-  // silu(x W1^T) * (x W3^T): titan's fused SwiGLU where it applies (it keeps no SiLU output for backward).
+  // silu(x W1^T) * (x W3^T): titan's fused SwiGLU where it applies (it keeps no SiLU output for backward). Called by
+  // MoE::forward with {x, counts, source, rows} (x = source's rows `rows`), the gate and up products keep source
+  // instead of x; under expert parallelism the dispatch calls with {x, counts}.
   at::Tensor gate, up;
   const auto device = x.device().type();
-  if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()) &&
-      x.scalar_type() != at::autocast::get_autocast_dtype(device)) {
+  const bool autocast = at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type());
+  if (inputs.size() == 4 && inputs[2].defined()) {
+    const at::Tensor &source = inputs[2], &rows = inputs[3];
+    TORCH_CHECK(rows.numel() == x.size(0) && source.size(-1) == x.size(-1), "internal: the gathered rows do not match x");
+    NoAutocast no_autocast;
+    const auto both = GroupedGateUp::apply(source, rows, w1, w3, counts,
+                                           autocast ? at::autocast::get_autocast_dtype(device) : source.scalar_type(), true);
+    gate = both[0], up = both[1];
+  } else if (autocast && x.scalar_type() != at::autocast::get_autocast_dtype(device)) {
     const auto dtype = at::autocast::get_autocast_dtype(device);
     NoAutocast no_autocast;
-    const auto both = GroupedGateUp::apply(x, w1, w3, counts, dtype);
+    // (index_select's rows are not used: an undefined tensor cannot be a custom function's input here)
+    const auto both = GroupedGateUp::apply(x, counts, w1, w3, counts, dtype, false);
     gate = both[0], up = both[1];
   } else {
     gate = grouped_linear(x, w1, counts), up = grouped_linear(x, w3, counts);
@@ -410,12 +432,18 @@ at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
     order = at::argsort(r.experts.flatten(), /*stable=*/true);
     inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
   }
-  at::Tensor routed = flat.index_select(0, at::floor_divide(order, k));
+  const at::Tensor rows = at::floor_divide(order, k);
+  at::Tensor routed = flat.index_select(0, rows);
   if (args_.score_before_experts) {
     NoAutocast no_autocast;
     routed = (routed.to(at::kFloat) * r.scores.flatten().index_select(0, order).unsqueeze(1)).to(flat.scalar_type());
   }
-  const at::Tensor expert_out = experts->call({routed, r.counts}, context).index_select(0, inverse).view({tokens, k, dim});
+  // Run here, the experts keep `flat` rather than its top_k sorted copies (GroupedExperts::forward); scaled before
+  // the experts, the copies are new values.
+  const at::Tensor expert_out = (args_.score_before_experts ? experts->call({routed, r.counts}, context)
+                                                            : experts->call({routed, r.counts, flat, rows}, context))
+                                    .index_select(0, inverse)
+                                    .view({tokens, k, dim});
   at::Tensor out;
   if (args_.score_before_experts) {
     out = expert_out.sum(1);
