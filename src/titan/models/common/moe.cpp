@@ -302,7 +302,8 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   } else if (autocast && x.scalar_type() != at::autocast::get_autocast_dtype(device)) {
     const auto dtype = at::autocast::get_autocast_dtype(device);
     NoAutocast no_autocast;
-    // (index_select's rows are not used: an undefined tensor cannot be a custom function's input here)
+    // No rows to gather: `counts` stands in for them (this LibTorch refuses an undefined tensor as a custom
+    // function's input).
     const auto both = GroupedGateUp::apply(x, counts, w1, w3, counts, dtype, false);
     gate = both[0], up = both[1];
   } else {
