@@ -89,10 +89,10 @@ FUSED = {
 # Mixture of Experts (Qwen3's debugmodel_moe with 2 layers: 64 experts of width 768, top 8), bf16 compute, no AC; the
 # experts run titan's grouped kernels. Measured on 2026-11-28 (2-core AVX2 EPYC) at 2 x 512: one process 0.96, EP 2
 # 0.96 and 0.96, EP 2 under op-level AC 0.92 and 0.92 (at 2 x 1024 on 2026-11-27: 1.02, 1.05 and 1.07; FSDP 2 without
-# EP 0.94 and 1.04); on 2026-11-29 (2-core Zen 4), after the sorted copies were counted as MoE::forward keeps them,
-# the weighted sum kept the experts' outputs in bf16 and the gate and up products shared one copy under autocast:
-# one process 0.99, EP 2 1.03 and 1.03, EP 2 under op-level AC 0.99 and 0.99, float32 1.03. Float32 at 2 x 1024
-# measures 1.23x: there the experts' hidden activations ([tokens x top_k, 768] float32) fall in the host cache's
+# EP 0.94 and 1.04); on 2026-11-29 (2-core Zen 4), after the MoE block's kept tensors were counted as MoE::forward
+# keeps them and cut (the experts' outputs kept in bf16; without EP the block's input kept once, the sorted copies
+# gathered again in backward): one process 0.97, EP 2 1.04 and 1.04, EP 2 under op-level AC 0.98 and 0.99, float32
+# 1.01. Float32 at 2 x 1024 measures 1.20x: there the experts' hidden activations ([tokens x top_k, 768] float32) fall in the host cache's
 # reuse window of the expert weights' gradients ([64, 768, 256] float32), so backward's gradients take freed
 # activation blocks, which the estimate does not model (it counts both). training.fused_kernels = false measures
 # 0.74x on the AMX Xeon (oneDNN's cache of a bf16 product per expert and row count; 1.01-1.03x on the AVX2 EPYC,
@@ -101,7 +101,7 @@ MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.n_l
        "--training.seq_len", "512", "--activation_checkpoint.mode", "none"]
 MOE_LAYOUTS = {
     "MoE, one process": (1, MOE),
-    # Float32 compute (no autocast): the sorted copies are kept once, in float32.
+    # Float32 compute (no autocast): everything the block keeps is float32.
     "MoE, one process, float32": (1, MOE + ["--training.mixed_precision_param", "float32"]),
     "MoE, EP 2": (2, MOE + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
     # torchtitan's op-level policy: attention and every other linear kept, the routed experts recomputed.

@@ -280,24 +280,23 @@ GroupedExperts::GroupedExperts(int64_t dim, int64_t hidden_dim, int64_t num_expe
 }
 
 at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
+  // {x, counts}, or {source, counts, rows} where x is source's rows `rows` (MoE::forward, experts run here): the gate
+  // and up products then gather x themselves and keep source instead.
+  const bool gather = inputs.size() == 3;
   const at::Tensor& x = inputs[0];
   const at::Tensor counts = inputs[1].to(at::kCPU).to(at::kLong).contiguous();
   const int64_t experts = w1.size(0);
   TORCH_CHECK(counts.numel() == experts, "internal: ", counts.numel(), " token counts for ", experts, " experts");
-  const int64_t routed = counts.sum().item<int64_t>();
-  TORCH_CHECK(routed == x.size(0), "internal: the token counts sum to ", routed, ", not the ", x.size(0), " routed rows");
-  // silu(x W1^T) * (x W3^T): titan's fused SwiGLU where it applies (it keeps no SiLU output for backward). Called by
-  // MoE::forward with {x, counts, source, rows} (x = source's rows `rows`), the gate and up products keep source
-  // instead of x; under expert parallelism the dispatch calls with {x, counts}.
+  const int64_t routed = counts.sum().item<int64_t>(), rows = gather ? inputs[2].numel() : x.size(0);
+  TORCH_CHECK(routed == rows, "internal: the token counts sum to ", routed, ", not the ", rows, " routed rows");
+  // silu(x W1^T) * (x W3^T): titan's fused SwiGLU where it applies (it keeps no SiLU output for backward).
   at::Tensor gate, up;
   const auto device = x.device().type();
   const bool autocast = at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type());
-  if (inputs.size() == 4 && inputs[2].defined()) {
-    const at::Tensor &source = inputs[2], &rows = inputs[3];
-    TORCH_CHECK(rows.numel() == x.size(0) && source.size(-1) == x.size(-1), "internal: the gathered rows do not match x");
+  if (gather) {
     NoAutocast no_autocast;
-    const auto both = GroupedGateUp::apply(source, rows, w1, w3, counts,
-                                           autocast ? at::autocast::get_autocast_dtype(device) : source.scalar_type(), true);
+    const auto both = GroupedGateUp::apply(x, inputs[2], w1, w3, counts,
+                                           autocast ? at::autocast::get_autocast_dtype(device) : x.scalar_type(), true);
     gate = both[0], up = both[1];
   } else if (autocast && x.scalar_type() != at::autocast::get_autocast_dtype(device)) {
     const auto dtype = at::autocast::get_autocast_dtype(device);
@@ -434,17 +433,21 @@ at::Tensor MoE::forward(const Inputs& inputs, const nn::Context& context) {
     inverse = at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options()));
   }
   const at::Tensor rows = at::floor_divide(order, k);
-  at::Tensor routed = flat.index_select(0, rows);
-  if (args_.score_before_experts) {
-    NoAutocast no_autocast;
-    routed = (routed.to(at::kFloat) * r.scores.flatten().index_select(0, order).unsqueeze(1)).to(flat.scalar_type());
+  // Experts that run here gather the sorted copies themselves and keep `flat` rather than its top_k copies
+  // (GroupedExperts::forward); experts behind expert parallelism's dispatch get the copies, as do copies scaled
+  // before the experts (new values).
+  at::Tensor expert_out;
+  if (!args_.score_before_experts && !experts->has_wrapper("expert_parallel")) {
+    expert_out = experts->call({flat, r.counts, rows}, context);
+  } else {
+    at::Tensor routed = flat.index_select(0, rows);
+    if (args_.score_before_experts) {
+      NoAutocast no_autocast;
+      routed = (routed.to(at::kFloat) * r.scores.flatten().index_select(0, order).unsqueeze(1)).to(flat.scalar_type());
+    }
+    expert_out = experts->call({routed, r.counts}, context);
   }
-  // Run here, the experts keep `flat` rather than its top_k sorted copies (GroupedExperts::forward); scaled before
-  // the experts, the copies are new values.
-  const at::Tensor expert_out = (args_.score_before_experts ? experts->call({routed, r.counts}, context)
-                                                            : experts->call({routed, r.counts, flat, rows}, context))
-                                    .index_select(0, inverse)
-                                    .view({tokens, k, dim});
+  expert_out = expert_out.index_select(0, inverse).view({tokens, k, dim});
   at::Tensor out;
   if (args_.score_before_experts) {
     out = expert_out.sum(1);

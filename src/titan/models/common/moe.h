@@ -39,7 +39,8 @@ class Router : public nn::Unit {
 };
 
 // The routed experts' SwiGLUs on tokens sorted by expert: inputs {x [N, dim], counts int64 [num_experts]} with the
-// first counts[0] rows for expert 0 and so on; returns [N, dim]. One grouped product per weight: titan's grouped
+// first counts[0] rows for expert 0 and so on, or {source [T, dim], counts, rows int64 [N]} where x is source's rows
+// `rows` (gathered here, and again in backward); returns [N, dim]. One grouped product per weight: titan's grouped
 // kernels where they apply (kernels/grouped_mm.h: bf16 on the CPU), otherwise a loop of ATen matmuls over the
 // experts that received tokens.
 class GroupedExperts : public nn::Unit {
