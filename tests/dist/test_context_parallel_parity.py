@@ -1,8 +1,8 @@
 """Context parallelism on real MPI ranks against one process at the same global batch: each sequence cut over 2 or
 4 ranks (headtail load balancing or none, keys/values all-gathered or passed around the ring), alone and with FSDP,
 HSDP, TP and activation checkpointing, gives the same losses and gradient norms (1e-5 relative), validation loss and
-final weights over 6 float32 steps; a checkpoint saved under CP loads on other layouts and training continues; bad
-sequence lengths and unsupported options are clear errors."""
+final weights over 6 float32 steps, with causal and block-causal masks; a checkpoint saved under CP loads on other
+layouts and training continues; bad sequence lengths and unsupported options are clear errors."""
 import json
 import re
 import shutil
@@ -88,6 +88,36 @@ def test_matches_single_process(tmp_path, reference, case):
     print(f"{case}: worst relative loss difference {worst:.2e} over {STEPS} steps")
 
 
+BLOCK_CAUSAL = ["--model.attn_mask_type", "block_causal"]  # the fortunes are short: several documents per window
+BLOCK_CAUSAL_CASES = {
+    "cp2_allgather_headtail": (2, 1, cp(2)),
+    "cp4_alltoall_none": (4, 1, cp(4, "alltoall", balancer="None")),
+    "pp2_cp2_alltoall": (4, 1, cp(2, "alltoall") + ["--parallelism.pipeline_parallel_degree", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def block_causal_reference(tmp_path_factory):
+    return probe(tmp_path_factory.mktemp("single_block_causal"), "single", 1, BLOCK_CAUSAL)
+
+
+@pytest.mark.parametrize("case", list(BLOCK_CAUSAL_CASES))
+def test_block_causal_matches_single_process(tmp_path, reference, block_causal_reference, case):
+    """Block-causal attention (tokens see their own document only) under context parallelism: each rank masks its
+    queries' chunks against every key chunk by the documents of the whole sequence, skipping chunk pairs that share no
+    document; one process with the same mask is the reference (one run for every case)."""
+    ranks, dp, args = BLOCK_CAUSAL_CASES[case]
+    ref_meta, ref_final, _ = block_causal_reference
+    # The mask changes the model's computation: the causal run's losses differ from the block-causal one's.
+    causal_losses = [s["loss"] for s in reference[0]["steps"]]
+    assert max(abs(a["loss"] - b) / b for a, b in zip(ref_meta["steps"], causal_losses)) > 1e-3
+    meta, final, _ = probe(tmp_path, case, ranks, BLOCK_CAUSAL + args, dp=dp)
+    worst = compare_steps(meta, ref_meta, f"block-causal {case}")
+    for name, ref in ref_final.items():
+        torch.testing.assert_close(final[name], ref, rtol=1e-4, atol=3e-5, msg=lambda m: f"block-causal {case} {name}: {m}")
+    print(f"block-causal {case}: worst relative loss difference {worst:.2e} over {STEPS} steps")
+
+
 def titan_train(ranks, args, tmp_path, check=True):
     cmd = ([] if ranks == 1 else mpirun(ranks)) + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "d"), *COMMON,
                                                    "--training.local_batch_size", "4", *args]
@@ -100,7 +130,6 @@ def titan_train(ranks, args, tmp_path, check=True):
     (2, cp(2) + ["--validation.enable", "--validation.dataset", "fortunes", "--validation.seq_len", "30"],
      ["validation.seq_len = 30 does not cut into 4 equal chunks"]),
     (2, cp(2, balancer="ptrr"), ["training.seq_len = 32 does not cut into blocks of 128 tokens", "ptrr", "multiple of 256"]),
-    (2, cp(2) + ["--model.attn_mask_type", "block_causal"], ["block_causal", "context_parallel_degree = 2", "causal attention only"]),
     (4, cp(2, balancer="None", tp=2) + ["--training.seq_len", "34"],
      ["tensor_parallel_degree = 2", "training.seq_len / context_parallel_degree = 17"]),
 ])

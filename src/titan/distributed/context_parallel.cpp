@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <map>
+#include <utility>
 
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
@@ -32,13 +34,18 @@ struct BlockResult {
   at::Tensor rng_state, rng_unused;  // CUDA flash attention's philox seed and offset outputs (undefined on the CPU)
 };
 
-BlockResult block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+// `mask`: undefined, or additive (0 or -inf, q's dtype, (batch, 1, queries, keys)) with the causal part in it.
+BlockResult block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, const at::Tensor& mask) {
   if (q.is_cpu()) {
-    auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
+    auto [out, lse] = mask.defined() ? at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, mask)
+                                     : at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal);
     return {out, lse, at::Tensor(), at::Tensor()};
   }
 #ifdef TITAN_WITH_CUDA
   if (q.is_cuda()) {
+    if (mask.defined())
+      fail("block-causal attention (model.attn_mask_type = \"block_causal\") under context parallelism runs on CPUs only "
+           "so far: LibTorch's CUDA flash-attention kernel takes no mask; use attn_mask_type = \"causal\" on CUDA");
     if (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)
       fail("context parallelism on CUDA runs the flash-attention kernel, which takes bfloat16 or float16, but attention "
            "computes in ", c10::toString(q.scalar_type()), "; set training.mixed_precision_param = \"bfloat16\"");
@@ -54,9 +61,12 @@ BlockResult block_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
 // The kernels read the log-sum-exp as dense (batch, heads, queries): a chunk of it is made contiguous.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                                              bool causal, const BlockResult& forward) {
+                                                              bool causal, const at::Tensor& mask, const BlockResult& forward) {
   const at::Tensor dense_lse = lse.contiguous();
-  if (q.is_cpu()) return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, dense_lse, 0.0, causal);
+  if (q.is_cpu()) {
+    if (mask.defined()) return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, dense_lse, 0.0, false, mask);
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, dense_lse, 0.0, causal);
+  }
 #ifdef TITAN_WITH_CUDA
   if (q.is_cuda()) {
     // Undefined cumulative sequence lengths: defined ones (even empty) select the variable-length kernel.
@@ -75,7 +85,8 @@ at::Tensor reduce_heads(const at::Tensor& g, int64_t rep) {
   return g.view({g.size(0), g.size(1) / rep, rep, g.size(2), g.size(3)}).sum(2);
 }
 
-// The running result of one query chunk: output (float32) and log-sum-exp, combined block by block.
+// The running result of one query chunk: output (float32) and log-sum-exp, combined block by block. Under
+// block-causal masks a query may have no key yet (log-sum-exp -inf, output 0): it stays so until one comes.
 struct Partial {
   at::Tensor out, lse;
   void add(const at::Tensor& o, const at::Tensor& l) {
@@ -85,14 +96,61 @@ struct Partial {
       return;
     }
     at::Tensor merged = at::logaddexp(lse, l);
-    out = out * (lse - merged).exp().unsqueeze(-1) + o.to(at::kFloat) * (l - merged).exp().unsqueeze(-1);
+    const at::Tensor base = at::where(merged.isneginf(), at::zeros({}, merged.options()), merged);
+    out = out * (lse - base).exp().unsqueeze(-1) + o.to(at::kFloat) * (l - base).exp().unsqueeze(-1);
     lse = merged;
   }
 };
 
+// Block-causal masks over the whole sequence's documents, chunk pair by chunk pair.
+class ChunkDocuments {
+ public:
+  ChunkDocuments() = default;
+  // `documents`: each position's document index over the whole sequence, (batch, seq_len), non-decreasing along it.
+  ChunkDocuments(const at::Tensor& documents, int64_t chunk) : documents_(documents), chunk_(chunk) {
+    const at::Tensor host = documents.to(at::kCPU, at::kLong).contiguous();
+    const int64_t batch = host.size(0), chunks = host.size(1) / chunk;
+    first_.assign(static_cast<size_t>(batch * chunks), 0);
+    last_.assign(first_.size(), 0);
+    const int64_t* d = host.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t c = 0; c < chunks; ++c) {
+        first_[static_cast<size_t>(b * chunks + c)] = d[b * host.size(1) + c * chunk];
+        last_[static_cast<size_t>(b * chunks + c)] = d[b * host.size(1) + (c + 1) * chunk - 1];
+      }
+    batch_ = batch;
+    chunks_ = chunks;
+  }
+  bool defined() const { return documents_.defined(); }
+  // Whether some query of chunk `q` sees some key of the earlier (or same) chunk `k`: documents only grow along the
+  // sequence, so an earlier chunk shares a document with a later one exactly when its last is the other's first.
+  bool any(int64_t q, int64_t k) const {
+    if (q == k) return true;
+    for (int64_t b = 0; b < batch_; ++b)
+      if (last_[static_cast<size_t>(b * chunks_ + k)] == first_[static_cast<size_t>(b * chunks_ + q)]) return true;
+    return false;
+  }
+  // The additive mask of queries of chunk `q` over keys of chunk `k` ((batch, 1, chunk, chunk), `dtype`), and which
+  // queries see no key there ((batch, 1, chunk) bool).
+  std::pair<at::Tensor, at::Tensor> mask(int64_t q, int64_t k, bool causal, at::ScalarType dtype) const {
+    const at::Tensor dq = documents_.narrow(1, q * chunk_, chunk_), dk = documents_.narrow(1, k * chunk_, chunk_);
+    at::Tensor allowed = dq.unsqueeze(2).eq(dk.unsqueeze(1));
+    if (causal) allowed = allowed.logical_and(at::ones({chunk_, chunk_}, allowed.options()).tril());
+    at::Tensor additive = at::zeros(allowed.sizes(), documents_.options().dtype(dtype))
+                              .masked_fill_(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+    return {additive.unsqueeze(1), allowed.any(2).logical_not().unsqueeze(1)};
+  }
+
+ private:
+  at::Tensor documents_;
+  int64_t chunk_ = 0, batch_ = 0, chunks_ = 0;
+  std::vector<int64_t> first_, last_;
+};
+
 struct CpHolder : torch::CustomClassHolder {
-  explicit CpHolder(const ContextParallel& c) : cp(c) {}
+  CpHolder(const ContextParallel& c, ChunkDocuments d) : cp(c), documents(std::move(d)) {}
   ContextParallel cp;
+  ChunkDocuments documents;  // block-causal attention's documents, or undefined (causal)
   // Per (key source rank, query chunk, key chunk): what the forward kernel returned for its backward (CUDA).
   std::map<std::tuple<int, int64_t, int64_t>, BlockResult> forward_states;
 };
@@ -103,17 +161,20 @@ CpHolder& holder_of(AutogradContext* ctx) { return *c10::static_intrusive_pointe
 at::Tensor chunk_of(const at::Tensor& x, int64_t index, int64_t len) { return x.narrow(2, index * len, len); }
 
 // Every (query chunk, key chunk) pair this rank computes when it holds the keys of `source`'s chunks, with
-// whether the pair is the diagonal (causal) one.
+// whether the pair is the diagonal (causal) one. Under block-causal masks, pairs with no document in common are
+// left out.
 struct Pair {
   int64_t q_index, k_index;  // local chunk indices: into this rank's queries, into the source's keys
+  int64_t q_chunk, k_chunk;  // the same chunks' indices in the whole sequence
   bool causal;
 };
-std::vector<Pair> pairs_with(const ContextParallel& cp, int source, int64_t seq_len) {
+std::vector<Pair> pairs_with(const ContextParallel& cp, int source, int64_t seq_len, const ChunkDocuments& documents) {
   std::vector<Pair> out;
   const auto mine = cp.chunks_of(cp.rank(), seq_len), theirs = cp.chunks_of(source, seq_len);
   for (size_t x = 0; x < mine.size(); ++x)
     for (size_t y = 0; y < theirs.size(); ++y)
-      if (theirs[y] <= mine[x]) out.push_back({static_cast<int64_t>(x), static_cast<int64_t>(y), theirs[y] == mine[x]});
+      if (theirs[y] <= mine[x] && (!documents.defined() || documents.any(mine[x], theirs[y])))
+        out.push_back({static_cast<int64_t>(x), static_cast<int64_t>(y), mine[x], theirs[y], theirs[y] == mine[x]});
   return out;
 }
 
@@ -146,10 +207,14 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     const int64_t chunk = seq_len / cp.chunks(seq_len);
     std::vector<Partial> partial(cp.chunks_of(cp.rank(), seq_len).size());
     auto compute = [&](const at::Tensor& block, int source) {
-      for (const auto& p : pairs_with(cp, source, seq_len)) {
+      for (const auto& p : pairs_with(cp, source, seq_len, holder->documents)) {
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
-        BlockResult r = block_forward(chunk_of(q, p.q_index, chunk), k, v, p.causal);
+        at::Tensor mask, unseen;
+        if (holder->documents.defined()) std::tie(mask, unseen) = holder->documents.mask(p.q_chunk, p.k_chunk, p.causal, q.scalar_type());
+        BlockResult r = block_forward(chunk_of(q, p.q_index, chunk), k, v, p.causal, mask);
+        // The kernel gives a query that sees no key here a log-sum-exp of 0; it is -inf, so nothing of it is added.
+        if (unseen.defined() && !p.causal) r.lse = r.lse.masked_fill(unseen, -std::numeric_limits<double>::infinity());
         partial[static_cast<size_t>(p.q_index)].add(r.out, r.lse);
         if (r.rng_state.defined() || r.rng_unused.defined())
           holder->forward_states[{source, p.q_index, p.k_index}] = {at::Tensor(), at::Tensor(), r.rng_state, r.rng_unused};
@@ -181,12 +246,13 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     // Gradients of a block's keys and values, (2, batch, kv_heads, local, head_dim) in float32.
     auto block_grads = [&](const at::Tensor& block, int source) {
       at::Tensor d = at::zeros(block.sizes(), block.options().dtype(at::kFloat));
-      for (const auto& p : pairs_with(cp, source, seq_len)) {
+      for (const auto& p : pairs_with(cp, source, seq_len, holder.documents)) {
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
         const auto state = holder.forward_states.find({source, p.q_index, p.k_index});
+        const at::Tensor mask = holder.documents.defined() ? holder.documents.mask(p.q_chunk, p.k_chunk, p.causal, q.scalar_type()).first : at::Tensor();
         auto [gq, gk, gv] = block_backward(chunk_of(grad_out, p.q_index, chunk), chunk_of(q, p.q_index, chunk), k, v,
-                                           chunk_of(out, p.q_index, chunk), chunk_of(lse, p.q_index, chunk), p.causal,
+                                           chunk_of(out, p.q_index, chunk), chunk_of(lse, p.q_index, chunk), p.causal, mask,
                                            state == holder.forward_states.end() ? BlockResult{} : state->second);
         chunk_of(dq, p.q_index, chunk).add_(gq);
         chunk_of(d[0], p.k_index, chunk).add_(reduce_heads(gk, rep));
@@ -332,12 +398,19 @@ at::Tensor ContextParallel::positions(int64_t seq_len, const at::Device& device)
   return shard(at::arange(seq_len, at::TensorOptions().dtype(at::kLong)), 0).unsqueeze(0).to(device);
 }
 
-at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents) const {
   if (q.size(1) % k.size(1) != 0) fail("context parallelism: ", q.size(1), " query heads do not group over ", k.size(1), " key/value heads");
   const int64_t seq_len = q.size(2) * cp_;
   if (seq_len % sequence_multiple(balancer_, cp_) != 0)
     fail("internal: context-parallel attention got ", q.size(2), " local positions, which do not make whole chunks");
-  return CpAttention::apply(q, k, v, c10::make_intrusive<CpHolder>(*this));
+  ChunkDocuments chunk_documents;
+  if (documents.defined()) {
+    if (documents.dim() != 2 || documents.size(0) != q.size(0) || documents.size(1) != seq_len)
+      fail("internal: context-parallel attention got documents of shape ", documents.sizes(), " for ", q.size(0),
+           " sequences of ", seq_len, " positions");
+    chunk_documents = ChunkDocuments(documents, seq_len / chunks(seq_len));
+  }
+  return CpAttention::apply(q, k, v, c10::make_intrusive<CpHolder>(*this, std::move(chunk_documents)));
 }
 
 double ContextParallel::wait_seconds() { return g_wait_seconds.load(); }

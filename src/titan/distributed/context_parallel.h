@@ -52,8 +52,10 @@ class ContextParallel {
   // The positions in the whole sequence of this rank's tokens: int64 (1, seq_len / cp).
   at::Tensor positions(int64_t seq_len, const at::Device& device) const;
   // Causal attention of the local queries over the whole sequence: q (batch, heads, local, head_dim), k and v
-  // (batch, kv_heads, local, head_dim), heads a multiple of kv_heads (GQA). Differentiable.
-  at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const;
+  // (batch, kv_heads, local, head_dim), heads a multiple of kv_heads (GQA). Differentiable. With `documents` (each
+  // position's document index over the whole sequence, (batch, seq_len), as document_ids gives) it is block-causal:
+  // a query sees the earlier keys of its own document only (CPU only so far).
+  at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents = {}) const;
   // Seconds this process has spent blocked in context-parallel attention's communication, all layers together.
   static double wait_seconds();
 

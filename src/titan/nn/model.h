@@ -18,7 +18,8 @@ class Model : public torch::nn::Module {
   // The modules [begin, end) of the forward order (module_names()) on `input`: tokens when begin is 0, else the hidden
   // state the module before produced. `seq_len` is the whole sequence's length (the input may be a shard of it).
   // positions: optional int64 (batch or 1, seq) RoPE positions; document_positions (batch, seq): each token's index
-  // in its document (block-causal attention when given); labels (batch, seq): when the range ends with the output,
+  // in its document (block-causal attention when given; under context parallelism those of the whole sequence, of
+  // which the input holds this rank's chunks); labels (batch, seq): when the range ends with the output,
   // the summed cross-entropy (float32 scalar, labels of -100 ignored) instead of the logits.
   virtual at::Tensor forward_modules(const at::Tensor& input, int64_t begin, int64_t end, int64_t seq_len,
                                      const at::Tensor& positions = {}, const at::Tensor& document_positions = {},

@@ -20,7 +20,9 @@ struct Context {
   at::Tensor rope;       // complex64 (seq_len, head_dim / 2)
   at::Tensor positions;  // undefined, or int64 (batch or 1, seq_len) indices into the RoPE table
   at::Tensor attn_mask;  // undefined (causal), or bool (batch, 1, seq_len, seq_len): true where attention is allowed
-  at::Tensor documents;  // with attn_mask: int32 (batch, seq_len), each position's document index (the same mask)
+  // With attn_mask: int32 (batch, seq_len), each position's document index (the same mask). Under context
+  // parallelism without attn_mask: the same over the whole sequence, which context-parallel attention masks by.
+  at::Tensor documents;
   // Defined: int64 (batch, seq_len) labels, and the model's last unit returns the summed cross-entropy of its
   // logits against them (float32 scalar) instead of the logits (the fused output projection and loss).
   at::Tensor labels;

@@ -57,9 +57,9 @@ class SingleStage : public StepSchedule {
       positions = cp_->positions(seq_len, device_);
       inputs = cp_->shard(inputs, 1);
       labels = cp_->shard(labels, 1);
-    } else if (block_causal_) {
-      documents = to_device(batch.positions);
     }
+    // Block-causal: the positions within documents of the whole sequences (under context parallelism too).
+    if (block_causal_) documents = to_device(batch.positions);
     nn::AutocastRegion autocast(nn::AutocastState::enabled_for(device_.type(), autocast_dtype_));
     return part.loss_sum(model_.forward(inputs, positions, documents, part.loss_in_forward ? labels : at::Tensor()), labels);
   }

@@ -161,8 +161,9 @@ void Pipeline::set_batch(const at::Tensor& tokens, const at::Tensor& labels, con
     tokens_ = cp_->shard(tokens.to(device_), 1).split(size, 0);
     labels_ = cp_->shard(labels.to(device_), 1).split(size, 0);
     rope_positions_ = cp_->positions(seq_len_, device_);
-    if (document_positions.defined()) fail("internal: block-causal attention under context parallelism");
+    // Block-causal: the documents of the whole sequences, which context parallelism's attention masks by.
     positions_.clear();
+    if (document_positions.defined()) positions_ = document_positions.to(device_).split(size, 0);
     return;
   }
   tokens_ = tokens.to(device_).split(size, 0);

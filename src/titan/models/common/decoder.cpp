@@ -106,6 +106,8 @@ at::Tensor pairs_to_halves(const at::Tensor& t) {
 at::Tensor InnerAttention::forward(const Inputs& inputs, const nn::Context& context) {
   const at::Tensor &q = inputs[0], &k = inputs[1], &v = inputs[2];
   const bool masked = context.attn_mask.defined();
+  TORCH_CHECK(masked || !context.documents.defined(), "internal: block-causal documents over ", context.documents.size(1),
+              " positions reached attention of ", q.size(2), " without context parallelism");
   if (kernels::fused_kernel_applies(kernels::Op::attention, {q, k, v}) && (!masked || context.documents.defined())) {
     const at::Tensor documents = masked ? context.documents : at::Tensor();
     // Op-level selective checkpointing keeps the kernel's output; LibTorch's attention below is recomputed.
@@ -407,8 +409,10 @@ at::Tensor Decoder::forward_modules(const at::Tensor& input, int64_t begin, int6
   nn::Context context;
   context.positions = positions;
   if (document_positions.defined()) {
-    context.attn_mask = block_causal_mask(document_positions);
     context.documents = document_ids(document_positions);
+    // Under context parallelism the positions cover the whole sequence, of which this rank holds chunks: its
+    // attention masks chunk pair by chunk pair, and no whole-sequence mask is built.
+    if (document_positions.size(1) == input.size(1)) context.attn_mask = block_causal_mask(document_positions);
   }
   TORCH_CHECK(seq_len <= rope_.size(0), "sequence length ", seq_len, " exceeds the model's max_seq_len ", rope_.size(0));
   context.rope = rope_;

@@ -49,9 +49,6 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
       length /= dims.cp;  // what each CP rank holds, which sequence parallelism splits further
       name += " / context_parallel_degree";
     }
-    if (config.model.attn_mask_type == "block_causal")
-      fail("model.attn_mask_type = \"block_causal\" with parallelism.context_parallel_degree = ", dims.cp,
-           ": context parallelism supports causal attention only so far; use attn_mask_type = \"causal\"");
   }
   if (dims.tp > 1) check_tensor_parallel(args, dims.tp, seq_lens);
   if (!args.moe && dims.ep > 1)
@@ -254,6 +251,10 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   out.loss_in_forward = kernels::fused_kernels_enabled() && (dims.tp == 1 || !p.disable_loss_parallel);
 
   check_parallelism(model.args(), dims, config);
+  if (dims.cp > 1 && config.model.attn_mask_type == "block_causal" && !fsdp.device.is_cpu())
+    fail("model.attn_mask_type = \"block_causal\" with parallelism.context_parallel_degree = ", dims.cp, " on ",
+         fsdp.device.str(), ": block-causal context parallelism runs on CPUs only so far (LibTorch's CUDA flash-attention "
+         "kernel, which it uses per chunk pair, takes no mask); use attn_mask_type = \"causal\" on GPUs");
   if (dims.cp > 1) {
     // The attention core of every block runs over the whole sequence from this rank's part of it.
     if (!cp)
@@ -262,9 +263,8 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size())))
       model.layers[static_cast<size_t>(i)]->inner_attention().add_innermost_wrapper(
           "context_parallel", [cp](const nn::Unit::Inputs& in, const nn::Context& context, const nn::Unit::Next&) {
-            if (context.attn_mask.defined())
-              fail("context parallelism does not support block-causal attention (model.attn_mask_type = \"block_causal\") yet");
-            return cp->attention(in[0], in[1], in[2]);
+            if (context.attn_mask.defined()) fail("internal: a whole-sequence attention mask under context parallelism");
+            return cp->attention(in[0], in[1], in[2], context.documents);
           });
     out.description.push_back("Context parallelism: " + cp->describe());
   }
