@@ -11,8 +11,9 @@ namespace fc = functional;
 
 TensorParallel::TensorParallel(std::shared_ptr<Communicator> group, std::vector<ShardedParameter>& params)
     : group_(std::move(group)), params_(params) {
-  amax_reduction_ = c10::make_intrusive<nn::float8::AmaxReduction>(
-      [group = group_](at::Tensor& amax) { group->all_reduce(amax, ReduceOp::Max); });
+  auto all_reduce_max = [group = group_](at::Tensor& amax) { group->all_reduce(amax, ReduceOp::Max); };
+  colwise_amax_ = c10::make_intrusive<nn::float8::AmaxReduction>(all_reduce_max, /*sharded_dim=*/0);
+  rowwise_amax_ = c10::make_intrusive<nn::float8::AmaxReduction>(all_reduce_max, /*sharded_dim=*/1);
 }
 
 ShardedParameter& TensorParallel::entry(const at::Tensor& weight) {
@@ -57,7 +58,7 @@ void TensorParallel::colwise(nn::Unit& module, at::Tensor& weight, Placement inp
   shard(weight, 0);
   auto group = group_;
   const bool gather_input = input.is_shard(), gather_output = output.is_replicate();
-  module.add_wrapper("tp_colwise", [group, gather_input, gather_output, reduction = amax_reduction_](
+  module.add_wrapper("tp_colwise", [group, gather_input, gather_output, reduction = colwise_amax_](
                                         const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     nn::Unit::Inputs in = inputs;
     if (gather_input) in[0] = fc::all_gather(in[0], 1, group, fc::GatheredGradient::Partial);
@@ -78,10 +79,10 @@ void TensorParallel::rowwise(nn::Unit& module, at::Tensor& weight, Placement out
   auto group = group_;
   const bool scatter = output.is_shard();
   // A float8 linear's output gradient is all-gathered in float8 in backward (torchao's Float8RowwiseParallel).
-  const bool float8 = module.has_wrapper(nn::float8::kWrapperName);
+  const bool float8 = float8_collectives_ && module.has_wrapper(nn::float8::kWrapperName);
   auto deferred = std::make_shared<bool>(false);
   deferred_[&module] = deferred;
-  module.add_wrapper("tp_rowwise", [group, scatter, float8, deferred, reduction = amax_reduction_](
+  module.add_wrapper("tp_rowwise", [group, scatter, float8, deferred, reduction = rowwise_amax_](
                                         const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     at::Tensor partial;
     {
@@ -130,9 +131,10 @@ void TensorParallel::partial_region(nn::Unit& module, Placement io) {
   });
 }
 
-void TensorParallel::float8_scales_over_group(nn::Unit& module) {
-  module.add_wrapper("tp_float8_scales", [reduction = amax_reduction_](const nn::Unit::Inputs& inputs, const nn::Context& context,
-                                                                       const nn::Unit::Next& next) {
+void TensorParallel::float8_scales_over_group(nn::Unit& linear, int64_t sharded_dim) {
+  if (sharded_dim != 0 && sharded_dim != 1) fail("internal: a linear's weight is split along dimension 0 or 1, not ", sharded_dim);
+  linear.add_wrapper("tp_float8_scales", [reduction = sharded_dim == 0 ? colwise_amax_ : rowwise_amax_](
+                                             const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next& next) {
     nn::float8::AmaxReductionScope scope(reduction);
     return next(inputs, context);
   });
@@ -239,6 +241,7 @@ void TensorParallel::sequence_parallel_region(nn::Unit& module, nn::Unit& rowwis
     // which then moves E4M3 (torchao's PrepareFloat8ModuleInput), and those linears use that cast.
     bool float8 = false;
     for (const auto& child : module.modules(/*include_self=*/false)) {
+      if (!float8_collectives_) break;
       auto* linear = dynamic_cast<nn::Linear*>(child.get());
       if (!linear || linear == &rowwise_output) continue;
       if (!linear->has_wrapper(nn::float8::kWrapperName)) {

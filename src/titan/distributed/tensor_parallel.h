@@ -21,6 +21,11 @@ class TensorParallel {
   // `params` are the model's parameters (describe_parameters); the styles update the ones they shard.
   TensorParallel(std::shared_ptr<Communicator> group, std::vector<ShardedParameter>& params);
 
+  // Whether the activations of float8 linears are cast to float8 before TP's collectives (torchao's float8 TP
+  // styles, for recipe tensorwise: the default). Off for the rowwise recipes, whose linears cast each operand per
+  // row themselves, so the collectives move the compute dtype. Set before the styles are applied.
+  void cast_float8_activations_before_collectives(bool on) { float8_collectives_ = on; }
+
   // y = x W^T with W sharded on its output features (Shard(0)): `input` Replicate, or Shard(1) to all-gather the
   // sequence first; `output` Shard(-1) leaves the output features local, Replicate all-gathers them.
   void colwise(nn::Unit& module, at::Tensor& weight, Placement input, Placement output);
@@ -51,9 +56,9 @@ class TensorParallel {
   // and `replicated_partial`. With `io` Replicate (sampling, without sequence parallelism) the input is used as it
   // is and the partial output all-reduced.
   void partial_region(nn::Unit& module, Placement io = Placement::shard(1));
-  // Float8 linears called inside `module` (whose weights split() or replicated_partial() placed) take each
-  // per-tensor scale over the whole tensor: its amax all-reduced over the group, as colwise() and rowwise() do.
-  void float8_scales_over_group(nn::Unit& module);
+  // A float8 linear inside a partial region whose weight split() placed along `sharded_dim` takes each scale over the
+  // whole tensor or row, as colwise() (dimension 0) and rowwise() (dimension 1) do: its amax all-reduced over the group.
+  void float8_scales_over_group(nn::Unit& linear, int64_t sharded_dim);
   // `weight` split along `dim` (Shard(dim)@tp) inside a partial region, with no communication of its own.
   void split(at::Tensor& weight, int64_t dim) { shard(weight, dim); }
 
@@ -70,8 +75,10 @@ class TensorParallel {
 
   std::shared_ptr<Communicator> group_;
   std::vector<ShardedParameter>& params_;
-  // Float8 linears inside colwise and rowwise units take their per-tensor scales from amaxes reduced over the group.
-  c10::intrusive_ptr<nn::float8::AmaxReduction> amax_reduction_;
+  // Float8 linears inside colwise and rowwise units take their scales from amaxes reduced over the group: per tensor
+  // always, per row where the row is split (the output features of a colwise weight, the input features of a rowwise).
+  c10::intrusive_ptr<nn::float8::AmaxReduction> colwise_amax_, rowwise_amax_;
+  bool float8_collectives_ = true;
   // Rowwise units whose reduction a surrounding overlapped region does itself while the flag is set.
   std::map<const nn::Unit*, std::shared_ptr<bool>> deferred_;
 };

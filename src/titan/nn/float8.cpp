@@ -93,16 +93,18 @@ AmaxReductionScope::AmaxReductionScope(c10::intrusive_ptr<AmaxReduction> reducti
 AmaxReductionScope::~AmaxReductionScope() { current_reduction = outer_; }
 c10::intrusive_ptr<AmaxReduction> AmaxReductionScope::current() { return current_reduction; }
 
-Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction) {
+Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction,
+             bool contraction_split) {
   if (c.scaling == Scaling::high_precision) return {x, at::Tensor()};
   NoAutocast no_autocast;
   at::NoGradGuard no_grad;
   const at::Tensor magnitude = x.abs();
   at::Tensor amax = c.scaling == Scaling::tensorwise ? magnitude.max() : magnitude.amax({dim}, /*keepdim=*/true);
-  if (reduction && c.scaling == Scaling::tensorwise) {
-    at::Tensor whole = amax.to(at::kFloat).reshape({1}).contiguous();
+  if (reduction && (c.scaling == Scaling::tensorwise || contraction_split)) {
+    // Every rank's amax of the same rows (or of the whole tensor): the maximum is exact in any dtype.
+    at::Tensor whole = amax.to(at::kFloat).contiguous();
     reduction->all_reduce_max(whole);
-    amax = whole.reshape({}).to(amax.scalar_type());
+    amax = whole.to(amax.scalar_type());
   }
   const at::Tensor scale = amax_to_scale(amax, c.dtype, power_of_two_scales);
   return {scaled_cast(x, scale, c.dtype), scale};
@@ -191,10 +193,12 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const Recipe* r = &recipe;
     const int64_t k = x.size(-1);
     const at::Tensor x2 = x.reshape({-1, k});
-    // Output = x W^T: contraction over K, the input per row (dim 1), W^T per column (dim 0).
+    // Output = x W^T: contraction over K, the input per row (dim 1), W^T per column (dim 0). K is split over the
+    // ranks of a row-parallel linear.
+    const bool k_split = reduction && reduction->sharded_weight_dim == 1;
     const Operand xq = precast_input ? Operand{precast_input->input.data.reshape({-1, k}), precast_input->input.scale}
-                                     : cast(x2, r->input, 1, r->power_of_two_scales, reduction.get());
-    const Operand wq = use_precast ? precast->weight.t() : cast(weight.t(), r->weight, 0, r->power_of_two_scales, reduction.get());
+                                     : cast(x2, r->input, 1, r->power_of_two_scales, reduction.get(), k_split);
+    const Operand wq = use_precast ? precast->weight.t() : cast(weight.t(), r->weight, 0, r->power_of_two_scales, reduction.get(), k_split);
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
     return mm(xq, wq, x.scalar_type(), emulate, /*fast_accumulation=*/true).reshape(out_shape);
@@ -218,8 +222,10 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const at::Tensor g = grads[0].reshape({-1, n});
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) {
-      // dx = g W: contraction over N, g per row, W (kept as W^T, cast per row of W^T) per column.
-      const Operand gq = g_pre ? Operand{g_pre->data.reshape({-1, n}), g_pre->scale} : cast(g, r.grad_output, 1, r.power_of_two_scales, reduce);
+      // dx = g W: contraction over N, g per row, W (kept as W^T, cast per row of W^T) per column. N is split over the
+      // ranks of a column-parallel linear.
+      const bool n_split = reduce && reduce->sharded_weight_dim == 0;
+      const Operand gq = g_pre ? Operand{g_pre->data.reshape({-1, n}), g_pre->scale} : cast(g, r.grad_output, 1, r.power_of_two_scales, reduce, n_split);
       Operand wq;
       if (ctx->saved_data.count("precast")) {
         // The tensorwise cast of W the forward used: the same scale and values as casting W^T per tensor here.
@@ -228,12 +234,13 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
           fail("float8: a linear's float8 weight (FSDP's float8 all-gather) was released before its backward");
         wq = precast->weight;
       } else {
-        wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales, reduce).t();
+        wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales, reduce, n_split).t();
       }
       dx = mm(gq, wq, grads[0].scalar_type(), emulate, false).reshape(x_sizes);
     }
     if (ctx->needs_input_grad(1)) {
-      // dW = g^T x: contraction over the tokens, g and x per column.
+      // dW = g^T x: contraction over the tokens, g and x per column. Every rank holds all the tokens (sequence
+      // parallelism gathers them before the matmuls), so no per-column amax is reduced.
       const Operand gq = (g_pre ? Operand{g_pre->data.reshape({-1, n}), g_pre->scale}
                                 : cast(g, r.grad_output_for_grad_weight, 0, r.power_of_two_scales, reduce)).t();
       const Operand xq = ctx->saved_data.count("x8")

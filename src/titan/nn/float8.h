@@ -52,11 +52,16 @@ struct Operand {
 // `x` times `scale`, saturated to the format's largest finite value and cast to `dtype` (a float8 format).
 at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
 // Tensor parallelism: a linear whose weight and activations are split over ranks takes each per-tensor scale from
-// the amax of the whole tensor, as torchao's casts of DTensors do; `all_reduce_max` reduces a rank's amax over the
-// ranks. TP's wrappers set one around a linear's call (AmaxReductionScope); the float8 linear keeps it for backward.
+// the amax of the whole tensor, and each per-row scale from the amax of the whole row, as torchao's casts of DTensors
+// do; `all_reduce_max` reduces a rank's amax over the ranks. A row is split only along the weight's split dimension
+// (`sharded_weight_dim`: 0, the output features, for a column-parallel linear, whose input gradient's matmul contracts
+// over them; 1, the input features, for a row-parallel one, whose output's matmul does), so only the casts of that
+// matmul reduce their per-row amaxes. TP's wrappers set one around a linear's call (AmaxReductionScope); the float8
+// linear keeps it for backward.
 struct AmaxReduction : torch::CustomClassHolder {
-  explicit AmaxReduction(std::function<void(at::Tensor&)> f) : all_reduce_max(std::move(f)) {}
+  AmaxReduction(std::function<void(at::Tensor&)> f, int64_t sharded_dim) : all_reduce_max(std::move(f)), sharded_weight_dim(sharded_dim) {}
   std::function<void(at::Tensor&)> all_reduce_max;
+  int64_t sharded_weight_dim;
 };
 class AmaxReductionScope {
  public:
@@ -72,8 +77,10 @@ class AmaxReductionScope {
 };
 
 // Casts a 2-D `x` as `cast` says; axiswise scales reduce over dimension `dim` (the contraction dimension of the
-// matmul the operand is for). A per-tensor amax goes through `reduction` when given.
-Operand cast(const at::Tensor& x, const Cast& cast, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction = nullptr);
+// matmul the operand is for). A per-tensor amax goes through `reduction` when given, a per-row one when
+// `contraction_split` too (dimension `dim` is split over the reduction's ranks).
+Operand cast(const at::Tensor& x, const Cast& cast, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction = nullptr,
+             bool contraction_split = false);
 // The scale of a tensor whose absolute maximum (per tensor, or keepdim along a dimension) is `amax`.
 at::Tensor amax_to_scale(const at::Tensor& amax, at::ScalarType float8_dtype, bool power_of_two);
 

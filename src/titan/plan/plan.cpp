@@ -70,11 +70,8 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
   }
   plan.time = estimate_step_time(models::as_decoder(args, "titan plan's step-time model"), config, dims, cluster, execution);
   const Speedups s = speedups_of(config);
-  // Float8 linears, their FSDP all-gathers and tensorwise float8 under tensor parallelism run (docs/float8.md).
-  static const std::string float8_tp = "float8 linear layers with a rowwise recipe under tensor parallelism",
-                           compile = "torch.compile (compile.enable)";
-  if (s.float8 && dims.tp > 1 && config.quantize.linear.float8.recipe_name.value_or("tensorwise") != "tensorwise")
-    plan.not_runnable.push_back(float8_tp);
+  // Float8 linears (every recipe, under every parallelism) and their FSDP all-gathers run (docs/float8.md).
+  static const std::string compile = "torch.compile (compile.enable)";
   if (s.compile) plan.not_runnable.push_back(compile);
   return plan;
 }

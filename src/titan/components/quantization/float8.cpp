@@ -83,6 +83,8 @@ bool float8_enabled(const config::JobConfig& config) {
   return std::any_of(converters.begin(), converters.end(), is_float8_converter);
 }
 
+std::string float8_recipe_name(const config::JobConfig& config) { return recipe_name(config.quantize.linear.float8); }
+
 std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
   const config::JobConfig& c = loaded.config;
   std::vector<std::string> errors;
@@ -127,11 +129,6 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
     errors.push_back(cat("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp = true ",
                          loaded.where("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp"),
                          " precomputes the scales of float8 FSDP all-gathers: it needs quantize.linear.float8.enable_fsdp_float8_all_gather = true"));
-  if (c.parallelism.tensor_parallel_degree > 1 && recipe != "tensorwise")
-    errors.push_back(cat("parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree, " ",
-                         loaded.where("parallelism.tensor_parallel_degree"), " with float8 recipe ", quote(recipe),
-                         ": float8 linears run under tensor parallelism with recipe \"tensorwise\" only (as torchao's float8 "
-                         "tensor-parallel styles)"));
   std::string why;
   if (!s.emulate && !nn::float8::has_float8_matmul(device, &why))
     errors.push_back(cat("model.converters asks for float8 linears ", loaded.where("model.converters"), ", but ", why,

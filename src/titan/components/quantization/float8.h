@@ -17,6 +17,8 @@ namespace titan::quantization {
 
 // Whether model.converters asks for float8 linears.
 bool float8_enabled(const config::JobConfig& config);
+// The float8 recipe's name ([quantize.linear.float8] recipe_name; unset is tensorwise).
+std::string float8_recipe_name(const config::JobConfig& config);
 // Errors for what model.converters and the [quantize.linear.float8] / [quantize.linear.mx] keys ask that titan cannot
 // run, each naming the key (empty: runnable). `device` is where training runs (a device without a float8 matmul needs emulate = true).
 std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device);

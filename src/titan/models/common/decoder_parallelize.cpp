@@ -209,7 +209,10 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
         tp.split(moe.shared_experts->w1->weight, 0);
         tp.split(moe.shared_experts->w3->weight, 0);
         tp.split(moe.shared_experts->w2->weight, 1);
-        tp.float8_scales_over_group(*moe.shared_experts);  // w2's input and w1/w3's output gradients are split
+        // w1/w3's output gradients and w2's input are split: their float8 scales are taken over the ranks.
+        tp.float8_scales_over_group(*moe.shared_experts->w1, 0);
+        tp.float8_scales_over_group(*moe.shared_experts->w3, 0);
+        tp.float8_scales_over_group(*moe.shared_experts->w2, 1);
       }
       tp.partial_region(moe, sequence);
       continue;
@@ -271,6 +274,10 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   if (dims.tp > 1) {
     out.tp_group = mesh.get("tp");
     distributed::TensorParallel tp(out.tp_group, out.parameters);
+    // torchao's float8 TP styles (activations cast before the collectives) are tensorwise; the rowwise recipes run
+    // under the plain styles, their linears taking each per-row scale over the ranks that split the row.
+    tp.cast_float8_activations_before_collectives(!quantization::float8_enabled(config) ||
+                                                  quantization::float8_recipe_name(config) == "tensorwise");
     const bool loss_parallel = !p.disable_loss_parallel;
     // Async TP: attention and feed-forward run on batch slices with their sequence collectives in the background.
     const int64_t overlap_chunks = p.enable_async_tensor_parallel ? kAsyncTensorParallelSlices : 1;
