@@ -149,6 +149,31 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel
 TP2_FSDP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]
 
 
+def test_mxfp8_under_tensor_parallelism(tmp_path):
+    """MXFP8 (mxfp8_cublas, emulated) under TP, with torchtitan's plain TP styles (its MX communication stays in high
+    precision): each rank's shard of a converted weight holds whole blocks of 32 along both dimensions, so every
+    block and scale is one process's and TP 2 and TP 2 x FSDP 2 follow one process to float32 precision. With 4
+    key/value heads of 16 the key and value projections (64 x 64) split into 32-row shards; with 2 heads their 16-row
+    shards would cut blocks, which is refused naming the layer and the filter to add."""
+    kv4 = ["--model.n_kv_heads", "4"]
+    one = probe(tmp_path, "mx_one", 1, ["--training.local_batch_size", "8", *kv4], recipe="mxfp8_cublas")
+    for name, np_, layout in (("mx_tp2", 2, TP2), ("mx_tp2_fsdp2", 4, TP2_FSDP2)):
+        steps = probe(tmp_path, name, np_, layout + kv4, recipe="mxfp8_cublas")
+        worst = relative(steps, one, "loss")
+        print(f"MXFP8 {name}: worst relative loss difference from one process over {STEPS} steps {worst:.2e}, "
+              f"gradient norm {relative(steps, one, 'grad_norm'):.2e}")
+        assert abs(steps[0]["loss"] - one[0]["loss"]) <= 1e-6 * one[0]["loss"], (steps[0], one[0])
+        assert abs(steps[0]["grad_norm"] - one[0]["grad_norm"]) <= 1e-6 * one[0]["grad_norm"], (steps[0], one[0])
+        assert worst <= 1e-5
+    mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2"]
+    args = without_float8(COMMON) + ["--model.converters", "mx", "--quantize.linear.mx.emulate", "--quantize.linear.mx.filter_fqns", "output"]
+    refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "refused"), *args, *TP2],
+                  env={"OMP_NUM_THREADS": "1"}, check=False)
+    assert refused.returncode != 0, refused.stdout[-2000:]
+    assert ("\"layers.0.attention.wk\"'s weight is split into [16, 64] pieces" in refused.stderr and
+            "add \"wk\" to quantize.linear.mx.filter_fqns" in refused.stderr), refused.stderr[-2000:]
+
+
 def test_float8_under_tensor_parallelism(tmp_path):
     """Tensorwise float8 under TP: every per-tensor scale comes from the amax of the whole tensor (the weight, the
     input, the output gradient), reduced over the TP ranks as torchao's casts of DTensors do, so TP 2 follows one
@@ -255,37 +280,46 @@ def test_a_checkpoint_moves_between_float8_and_high_precision(tmp_path, saved_wi
     assert [s["step"] for s in steps] == [6, 7, 8]
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8_cublas"])
 def test_float8_under_tensor_parallelism_in_moe_models(tmp_path, recipe):
-    """A small DeepSeek-V3 (latent attention, a dense block, MoE blocks with a shared expert; float8 emulated) on TP 2
-    against one process: the shared experts' float8 linears, split inside the MoE layer's partial
+    """A small DeepSeek-V3 (latent attention, a dense block, MoE blocks with a shared expert; float8 or MXFP8,
+    emulated) on TP 2 against one process: the shared experts' float8 linears, split inside the MoE layer's partial
     region, take each scale over the whole tensor as the attention's and dense feed-forward's do, so the first step's
     loss and gradient norm are one process's (bitwise on 2026-11-29; before the shared experts' amax was reduced the
     loss differed by 2.5e-7); later steps drift apart by float8 roundings of ulp-level float32 differences (2.0e-6
-    measured over 6 steps; the same model without float8 stays bitwise equal). The router and the latent
-    down-projections, whose output gradients are partial sums under TP, are refused by name unless filtered."""
+    measured over 6 steps; the same model without float8 stays bitwise equal). MXFP8's blocks stay within each rank's
+    shards (the experts' hidden width is 64 there, so the shared experts' shards are 32 wide). The router and the
+    latent down-projections, whose output gradients are partial sums under TP, are refused by name unless filtered."""
     from test_deepseek_v3_layouts import DEEPSEEK
 
+    mx = recipe.startswith("mxfp8")
     mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2"]
     model = list(DEEPSEEK)
-    model[model.index("--model.moe_num_experts") + 1] = "16"  # the router (16 x 64) is then convertible
+    model[model.index("--model.moe_num_experts") + 1] = "16"  # the router (16 x 64) is then convertible to float8
+    if mx:
+        model[model.index("--model.moe_inter_dim") + 1] = "64"
+    key = "--quantize.linear.mx." if mx else "--quantize.linear.float8."
     common = [*model, "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.seq_len", "32",
               "--training.global_batch_size", "8", "--training.local_batch_size", "8", "--training.mixed_precision_param", "float32",
               "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "3", "--training.max_norm", "0.5", "--debug.seed", "0",
               "--metrics.log_freq", "1", "--training.data_lanes", "4", "--activation_checkpoint.mode", "none", "--training.steps", "6",
-              "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate",
-              "--quantize.linear.float8.recipe_name", recipe]
+              "--model.converters", "mx" if mx else "quantize.linear.float8", key + "emulate", key + "recipe_name", recipe]
     tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
     refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "refused"), *common, *tp2,
-                            "--quantize.linear.float8.filter_fqns", "output"], env={"OMP_NUM_THREADS": "1"}, check=False)
-    assert refused.returncode != 0 and '"layers.0.attention.wq_a" ... "layers.2.moe.router.gate" (8) run whole on every tensor-parallel rank' in refused.stderr, refused.stderr[-2000:]
-    filtered = common + ["--quantize.linear.float8.filter_fqns", "output,router.gate,wq_a,wkv_a"]
+                            key + "filter_fqns", "output"], env={"OMP_NUM_THREADS": "1"}, check=False)
+    # MXFP8 converts neither the 16-row router nor wkv_a (48 rows), only wq_a (32 x 64).
+    needle = ('the MXFP8 linears "layers.0.attention.wq_a" ... "layers.2.attention.wq_a" (3) run whole' if mx else
+              '"layers.0.attention.wq_a" ... "layers.2.moe.router.gate" (8) run whole on every tensor-parallel rank')
+    assert refused.returncode != 0 and needle in refused.stderr, refused.stderr[-2000:]
+    filtered = common + [key + "filter_fqns", "output,router.gate,wq_a,wkv_a"]
     steps = {}
     for name, launch in (("one", []), ("tp2", mpirun)):
         out = tmp_path / name
         result = run(launch + [binary("titan_train_probe"), "--probe.out", str(out), "--job.dump_folder", str(out / "dump"), *filtered,
                                *(tp2 if launch else [])], env={"OMP_NUM_THREADS": "1"}, timeout=900)
-        assert f"Float8 linears ({recipe}, emulated): 18 converted" in result.stdout  # shared experts, wq_b, wkv_b, wo, dense FFN
+        # shared experts, wq_b, wkv_b, wo, dense FFN
+        assert (f"MXFP8 linears ({recipe}" if mx else f"Float8 linears ({recipe}, emulated") in result.stdout
+        assert "18 converted" in result.stdout
         steps[name] = json.loads((out / "metrics.json").read_text())["steps"]
     first_one, first_tp = steps["one"][0], steps["tp2"][0]
     # Rowwise: one float32 ulp of the first loss apart (measured 2026-11-30; the per-row amax reductions themselves
@@ -294,5 +328,5 @@ def test_float8_under_tensor_parallelism_in_moe_models(tmp_path, recipe):
     assert abs(first_tp["loss"] - first_one["loss"]) <= bound * first_one["loss"], (first_tp, first_one)
     assert abs(first_tp["grad_norm"] - first_one["grad_norm"]) <= bound * first_one["grad_norm"], (first_tp, first_one)
     worst = relative(steps["tp2"], steps["one"], "loss")
-    print(f"float8 ({recipe}) DeepSeek-V3 TP 2 against one process: worst relative loss difference over 6 steps {worst:.2e}")
+    print(f"{recipe} DeepSeek-V3 TP 2 against one process: worst relative loss difference over 6 steps {worst:.2e}")
     assert worst <= 1e-4

@@ -43,10 +43,6 @@ std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded, co
                          cp > 1 ? cat(" over context_parallel_degree = ", cp) : std::string(),
                          ": MXFP8 linears need each rank's sequences in multiples of 32 tokens (the weight gradient's blocks "
                          "of 32 run along the tokens)"));
-  if (c.parallelism.tensor_parallel_degree > 1)
-    errors.push_back(cat("parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree, " ",
-                         loaded.where("parallelism.tensor_parallel_degree"),
-                         " with MXFP8 linears (model.converters): MX tensor parallelism is not supported yet"));
   return errors;
 }
 

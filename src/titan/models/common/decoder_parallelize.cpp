@@ -62,9 +62,10 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
     if (dims.ep > 1 && args.moe->num_experts % dims.ep != 0)
       fail("parallelism.expert_parallel_degree = ", dims.ep, " does not divide the model's ", args.moe->num_experts,
            " experts (model.flavor ", quote(config.model.flavor), "); each expert-parallel rank holds an equal share");
-    // float8 linears convert the attention, the shared experts and the router where its dimensions allow (as
-    // torchtitan's converter does); the routed experts' grouped products stay in high precision.
-    if (quantization::float8_enabled(config) && dims.tp > 1) {
+    // float8 and MXFP8 linears convert the attention, the shared experts and the router where its dimensions allow
+    // (as torchtitan's converters do); the routed experts' grouped products stay in high precision.
+    const bool mx = quantization::mx_enabled(config);
+    if ((quantization::float8_enabled(config) || mx) && dims.tp > 1) {
       // Under TP the router and latent attention's down-projections run whole on every rank, and their output
       // gradients are each rank's partial sum (summed only at the block's input): a float8 cast of a partial sum is
       // not the cast of the sum one process makes.
@@ -73,17 +74,36 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
         for (const auto& p : args.layer_parameter_shapes(layer)) {
           if (p.shape.size() != 2 || !ends_with(p.name, ".weight")) continue;
           const std::string module = p.name.substr(0, p.name.size() - 7);
-          if ((ends_with(module, ".moe.router.gate") || ends_with(module, ".attention.wq_a") || ends_with(module, ".attention.wkv_a")) &&
-              quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8))
+          const bool converted = mx ? quantization::mx_converts(module, p.shape[0], p.shape[1], config.quantize.linear.mx)
+                                    : quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8);
+          if ((ends_with(module, ".moe.router.gate") || ends_with(module, ".attention.wq_a") || ends_with(module, ".attention.wkv_a")) && converted)
             partial.push_back(module);
         }
       if (!partial.empty())
         fail("model.converters = [", join(config.model.converters, ", "), "] with parallelism.tensor_parallel_degree = ", dims.tp,
-             ": the float8 linears ", quote(partial.front()), partial.size() > 1 ? cat(" ... ", quote(partial.back())) : std::string(),
-             " (", partial.size(), ") run whole on every tensor-parallel rank and take partial output gradients, which float8 "
-             "cannot scale as one process does; add \"router.gate\" (and for latent attention \"wq_a\", \"wkv_a\") to "
-             "quantize.linear.float8.filter_fqns, as torchtitan's DeepSeek-V3 TOMLs filter the router");
+             ": the ", mx ? "MXFP8" : "float8", " linears ", quote(partial.front()),
+             partial.size() > 1 ? cat(" ... ", quote(partial.back())) : std::string(), " (", partial.size(),
+             ") run whole on every tensor-parallel rank and take partial output gradients, which ", mx ? "MXFP8" : "float8",
+             " cannot scale as one process does; add \"router.gate\" (and for latent attention \"wq_a\", \"wkv_a\") to ",
+             mx ? "quantize.linear.mx.filter_fqns" : "quantize.linear.float8.filter_fqns",
+             ", as torchtitan's DeepSeek-V3 TOMLs filter the router");
     }
+  }
+}
+
+// MXFP8 linears under TP: each rank's shard of a converted weight must hold whole blocks of 32 along both
+// dimensions (each is a contraction dimension of one of the linear's matmuls), so that its blocks, and their
+// scales, are one process's.
+void check_mx_shards(Decoder& model, int64_t tp) {
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto* linear = dynamic_cast<const nn::Linear*>(item.value().get());
+    if (!linear || !linear->has_wrapper(nn::float8::kWrapperName)) continue;
+    const at::Tensor& w = linear->weight;
+    if (w.size(0) % 32 == 0 && w.size(1) % 32 == 0) continue;
+    fail("model.converters asks for MXFP8 linears with parallelism.tensor_parallel_degree = ", tp, ": ", quote(item.key()),
+         "'s weight is split into [", w.size(0), ", ", w.size(1), "] pieces, and MXFP8's blocks of 32 along both dimensions "
+         "would straddle the ranks; add ", quote(item.key().substr(item.key().rfind('.') + 1)),
+         " to quantize.linear.mx.filter_fqns or lower the degree");
   }
 }
 
@@ -274,14 +294,17 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
   if (dims.tp > 1) {
     out.tp_group = mesh.get("tp");
     distributed::TensorParallel tp(out.tp_group, out.parameters);
-    // torchao's float8 TP styles (activations cast before the collectives) are tensorwise; the rowwise recipes run
-    // under the plain styles, their linears taking each per-row scale over the ranks that split the row.
-    tp.cast_float8_activations_before_collectives(!quantization::float8_enabled(config) ||
-                                                  quantization::float8_recipe_name(config) == "tensorwise");
+    // torchao's float8 TP styles (activations cast before the collectives) are tensorwise; the rowwise recipes and
+    // MXFP8 run under the plain styles, their linears taking each per-row scale over the ranks that split the row
+    // (MX blocks of 32 stay within a rank's shard, checked below).
+    const bool mx = quantization::mx_enabled(config);
+    tp.cast_float8_activations_before_collectives(!mx && (!quantization::float8_enabled(config) ||
+                                                          quantization::float8_recipe_name(config) == "tensorwise"));
     const bool loss_parallel = !p.disable_loss_parallel;
     // Async TP: attention and feed-forward run on batch slices with their sequence collectives in the background.
     const int64_t overlap_chunks = p.enable_async_tensor_parallel ? kAsyncTensorParallelSlices : 1;
     apply_tensor_parallel(model, part, tp, loss_parallel, overlap_chunks, !(dims.ep > 1 && dims.etp == 1));
+    if (mx) check_mx_shards(model, dims.tp);
     if (loss_parallel) {
       const int64_t vocab_begin = tp.shard_begin(model.args().vocab_size);
       auto group = mesh.get("tp");
