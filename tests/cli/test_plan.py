@@ -190,6 +190,11 @@ def test_the_human_report_names_every_term_and_the_bound():
     too_big = run([binary("titan"), "plan", "--cluster", "h100-sxm", "--model.flavor", "405B",
                    "--parallelism.data_parallel_shard_degree", "8"]).stdout
     assert "DOES NOT FIT" in too_big
+    # Block-causal masks under CP run on CPUs only: a GPU plan says so.
+    block_causal = run([binary("titan"), "plan", "--cluster", "h100-sxm", "--gpus", "8", "--model.flavor", "8B",
+                        "--training.seq_len", "8192", "--training.local_batch_size", "4", "--model.attn_mask_type", "block_causal",
+                        "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "4"]).stdout
+    assert "titan cannot run it yet: block-causal masks under context parallelism on GPUs" in block_causal
 
 
 def test_every_builtin_profile_plans_and_pipelines_report_a_bubble():

@@ -84,6 +84,10 @@ def test_bad_input_is_a_clear_error(tmp_path):
                       "expert_parallel_degree = 2 must divide the ranks it borrows", "data_parallel_shard_degree (1)")
     expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin"],
                       "c4_test", "--training.dataset_path")
+    # Validation windows longer than the model's context once failed at the first validation (or with a C++ trace).
+    expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
+                       "--training.seq_len", "32", "--validation.enable", "--validation.dataset", "fortunes",
+                       "--validation.seq_len", "64"], "validation.seq_len = 64", "max_seq_len 32", "set model.max_seq_len = 64")
     expect_user_error(["--job.dump_folder", str(tmp_path), "--model.hf_assets_path", str(tmp_path / "nope"),
                        "--training.dataset", "fortunes"], "does not exist")
     # A tokenizer larger than the flavor's vocabulary.

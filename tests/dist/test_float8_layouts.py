@@ -170,8 +170,10 @@ def test_mxfp8_under_tensor_parallelism(tmp_path):
     refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "refused"), *args, *TP2],
                   env={"OMP_NUM_THREADS": "1"}, check=False)
     assert refused.returncode != 0, refused.stdout[-2000:]
-    assert ("\"layers.0.attention.wk\"'s weight is split into [16, 64] pieces" in refused.stderr and
-            "add \"wk\" to quantize.linear.mx.filter_fqns" in refused.stderr), refused.stderr[-2000:]
+    # Every such layer is named at once, with the filter entries that keep exactly them.
+    assert ('4 converted weights would be split into pieces that cut MXFP8\'s blocks of 32 (each rank\'s piece: '
+            '"layers.0.attention.wk" [16, 64], "layers.0.attention.wv" [16, 64], "layers.1.attention.wk" [16, 64]' in refused.stderr and
+            'add "attention.wk", "attention.wv" to quantize.linear.mx.filter_fqns' in refused.stderr), refused.stderr[-2000:]
 
 
 def test_float8_under_tensor_parallelism(tmp_path):
@@ -308,8 +310,12 @@ def test_float8_under_tensor_parallelism_in_moe_models(tmp_path, recipe):
     refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "refused"), *common, *tp2,
                             key + "filter_fqns", "output"], env={"OMP_NUM_THREADS": "1"}, check=False)
     # MXFP8 converts neither the 16-row router nor wkv_a (48 rows), only wq_a (32 x 64).
-    needle = ('the MXFP8 linears "layers.0.attention.wq_a" ... "layers.2.attention.wq_a" (3) run whole' if mx else
-              '"layers.0.attention.wq_a" ... "layers.2.moe.router.gate" (8) run whole on every tensor-parallel rank')
+    needle = ('the MXFP8 linears "layers.0.attention.wq_a" ... "layers.2.attention.wq_a" (3) run whole on every tensor-parallel '
+              'rank and take partial output gradients, which MXFP8 cannot scale as one process does; add "wq_a" to '
+              'quantize.linear.mx.filter_fqns' if mx else
+              '"layers.0.attention.wq_a" ... "layers.2.moe.router.gate" (8) run whole on every tensor-parallel rank and take partial '
+              'output gradients, which float8 cannot scale as one process does; add "wq_a", "wkv_a", "router.gate" to '
+              'quantize.linear.float8.filter_fqns (torchtitan\'s DeepSeek-V3 TOMLs filter the router)')
     assert refused.returncode != 0 and needle in refused.stderr, refused.stderr[-2000:]
     filtered = common + [key + "filter_fqns", "output,router.gate,wq_a,wkv_a"]
     steps = {}

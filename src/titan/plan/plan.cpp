@@ -71,8 +71,10 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
   plan.time = estimate_step_time(models::as_decoder(args, "titan plan's step-time model"), config, dims, cluster, execution);
   const Speedups s = speedups_of(config);
   // Float8 linears (every recipe, under every parallelism) and their FSDP all-gathers run (docs/float8.md).
-  static const std::string compile = "torch.compile (compile.enable)";
+  static const std::string compile = "torch.compile (compile.enable)",
+                           block_causal_cp = "block-causal masks under context parallelism on GPUs (they run on CPUs)";
   if (s.compile) plan.not_runnable.push_back(compile);
+  if (dims.cp > 1 && config.model.attn_mask_type == "block_causal") plan.not_runnable.push_back(block_causal_cp);
   return plan;
 }
 

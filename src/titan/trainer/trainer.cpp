@@ -214,7 +214,8 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
   auto sources = data::resolve_sources(c.training);
   for (const auto& source : sources)
     log::info("Dataset ", quote(source.name), ": ", source.shards.size(), " file(s), ", data::format_name(source.shards.front().format),
-              sources.size() > 1 ? cat(", weight ", source.weight) : std::string());
+              sources.size() > 1 ? cat(", weight ", source.weight) : std::string(), source.shards.size() > 1 ? ", first " : ", ",
+              source.shards.front().path);
   data::LoaderOptions data_options = data::training_loader_options(c, mesh_->dp_rank(), dp_degree);
   dataloader_ = std::make_unique<data::DataLoader>(std::move(sources), tokenizer_.get(), data_options);
   if (c.validation.enable) validator_ = std::make_unique<Validator>(c, *tokenizer_, *mesh_, device_);

@@ -114,7 +114,29 @@ DecoderArgs apply_shape_keys(DecoderArgs a, const config::LoadedConfig& loaded) 
   return a;
 }
 
+namespace {
+
+// Validation runs the same model: its windows must fit the model's context (the RoPE table) too.
+DecoderJobModel checked(DecoderJobModel model, const config::LoadedConfig& loaded) {
+  const auto& v = loaded.config.validation;
+  if (v.enable && v.seq_len > model.args.max_seq_len)
+    fail("validation.seq_len = ", v.seq_len, " ", loaded.where("validation.seq_len"), " is longer than the model's max_seq_len ",
+         model.args.max_seq_len, " (training.seq_len = ", loaded.config.training.seq_len,
+         " unless model.max_seq_len says otherwise); set model.max_seq_len = ", v.seq_len, " or shorten validation.seq_len");
+  return model;
+}
+
+DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const DecoderFamily& family);
+
+}  // namespace
+
 DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
+  return checked(unchecked_job_model(loaded, family), loaded);
+}
+
+namespace {
+
+DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
   const config::JobConfig& c = loaded.config;
   const auto keys = set_shape_keys(loaded);
   const bool from_hf = c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path;
@@ -150,5 +172,7 @@ DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamil
          join(differences, "\n  "), "\nremove them to train the model the weights belong to");
   return {args, cat("from ", path)};
 }
+
+}  // namespace
 
 }  // namespace titan::models

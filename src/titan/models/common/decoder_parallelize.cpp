@@ -37,6 +37,34 @@ void check_tensor_parallel(const DecoderArgs& args, int64_t tp, const std::vecto
   for (const auto& [name, length] : seq_lens) require(length, name);
 }
 
+namespace {
+
+// Entries for filter_fqns (substrings of layer names) that keep exactly `offending` in high precision among
+// `converted`: each name without its "layers.N." prefix where that matches no other converted layer, else the name.
+std::vector<std::string> filters_for(const std::vector<std::string>& offending, const std::vector<std::string>& converted) {
+  std::vector<std::string> out;
+  auto add = [&](const std::string& f) {
+    if (std::find(out.begin(), out.end(), f) == out.end()) out.push_back(f);
+  };
+  for (const auto& name : offending) {
+    std::string suffix = name;
+    if (starts_with(name, "layers.")) suffix = name.substr(name.find('.', 7) + 1);
+    bool exact = true;
+    for (const auto& other : converted)
+      if (other.find(suffix) != std::string::npos && std::find(offending.begin(), offending.end(), other) == offending.end()) exact = false;
+    add(exact ? suffix : name);
+  }
+  return out;
+}
+
+std::string quoted_list(const std::vector<std::string>& names) {
+  std::vector<std::string> q;
+  for (const auto& n : names) q.push_back(quote(n));
+  return join(q, ", ");
+}
+
+}  // namespace
+
 void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims& dims, const config::JobConfig& config) {
   std::vector<std::pair<std::string, int64_t>> seq_lens = {{"training.seq_len", config.training.seq_len}};
   if (config.validation.enable) seq_lens.emplace_back("validation.seq_len", config.validation.seq_len);
@@ -69,24 +97,28 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
       // Under TP the router and latent attention's down-projections run whole on every rank, and their output
       // gradients are each rank's partial sum (summed only at the block's input): a float8 cast of a partial sum is
       // not the cast of the sum one process makes.
-      std::vector<std::string> partial;
+      std::vector<std::string> partial, suffixes;
       for (int64_t layer = 0; layer < args.n_layers; ++layer)
         for (const auto& p : args.layer_parameter_shapes(layer)) {
           if (p.shape.size() != 2 || !ends_with(p.name, ".weight")) continue;
           const std::string module = p.name.substr(0, p.name.size() - 7);
           const bool converted = mx ? quantization::mx_converts(module, p.shape[0], p.shape[1], config.quantize.linear.mx)
                                     : quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8);
-          if ((ends_with(module, ".moe.router.gate") || ends_with(module, ".attention.wq_a") || ends_with(module, ".attention.wkv_a")) && converted)
-            partial.push_back(module);
+          for (const char* suffix : {"router.gate", "wq_a", "wkv_a"})
+            if (ends_with(module, std::string(".") + suffix) && converted) {
+              partial.push_back(module);
+              if (std::find(suffixes.begin(), suffixes.end(), suffix) == suffixes.end()) suffixes.push_back(suffix);
+            }
         }
       if (!partial.empty())
         fail("model.converters = [", join(config.model.converters, ", "), "] with parallelism.tensor_parallel_degree = ", dims.tp,
              ": the ", mx ? "MXFP8" : "float8", " linears ", quote(partial.front()),
              partial.size() > 1 ? cat(" ... ", quote(partial.back())) : std::string(), " (", partial.size(),
              ") run whole on every tensor-parallel rank and take partial output gradients, which ", mx ? "MXFP8" : "float8",
-             " cannot scale as one process does; add \"router.gate\" (and for latent attention \"wq_a\", \"wkv_a\") to ",
+             " cannot scale as one process does; add ", quoted_list(suffixes), " to ",
              mx ? "quantize.linear.mx.filter_fqns" : "quantize.linear.float8.filter_fqns",
-             ", as torchtitan's DeepSeek-V3 TOMLs filter the router");
+             std::find(suffixes.begin(), suffixes.end(), "router.gate") != suffixes.end()
+                 ? " (torchtitan's DeepSeek-V3 TOMLs filter the router)" : "");
     }
   }
 }
@@ -95,16 +127,20 @@ void check_parallelism(const DecoderArgs& args, const distributed::ParallelDims&
 // dimensions (each is a contraction dimension of one of the linear's matmuls), so that its blocks, and their
 // scales, are one process's.
 void check_mx_shards(Decoder& model, int64_t tp) {
+  std::vector<std::string> converted, offending, shapes;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const auto* linear = dynamic_cast<const nn::Linear*>(item.value().get());
     if (!linear || !linear->has_wrapper(nn::float8::kWrapperName)) continue;
+    converted.push_back(item.key());
     const at::Tensor& w = linear->weight;
     if (w.size(0) % 32 == 0 && w.size(1) % 32 == 0) continue;
-    fail("model.converters asks for MXFP8 linears with parallelism.tensor_parallel_degree = ", tp, ": ", quote(item.key()),
-         "'s weight is split into [", w.size(0), ", ", w.size(1), "] pieces, and MXFP8's blocks of 32 along both dimensions "
-         "would straddle the ranks; add ", quote(item.key().substr(item.key().rfind('.') + 1)),
-         " to quantize.linear.mx.filter_fqns or lower the degree");
+    offending.push_back(item.key());
+    shapes.push_back(cat(quote(item.key()), " [", w.size(0), ", ", w.size(1), "]"));
   }
+  if (offending.empty()) return;
+  fail("model.converters asks for MXFP8 linears with parallelism.tensor_parallel_degree = ", tp, ": ", offending.size(),
+       " converted weights would be split into pieces that cut MXFP8's blocks of 32 (each rank's piece: ", join(shapes, ", "),
+       "); add ", quoted_list(filters_for(offending, converted)), " to quantize.linear.mx.filter_fqns or lower the degree");
 }
 
 std::vector<int64_t> block_indices(const ModuleRange& range, int64_t n_layers) {
