@@ -2,7 +2,7 @@
 // sequence, forward and the gradients of q, k and v, against LibTorch's scaled_dot_product_attention over the
 // whole sequence differentiated by autograd in one process; every load balancer, both rotate methods, GQA, float32
 // and bfloat16; causal, and block-causal over documents that start anywhere (inside chunks, at their starts, one
-// token long, one sequence long).
+// token long, one sequence long); the diagonal chunk pairs through titan's fused kernel and through LibTorch's.
 #include <algorithm>
 
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include "titan/common/error.h"
 #include "titan/distributed/communicator.h"
 #include "titan/distributed/context_parallel.h"
+#include "titan/kernels/fused_ops.h"
 
 using namespace titan::distributed;
 
@@ -75,7 +76,15 @@ void check(CpLoadBalancer balancer, CpRotateMethod rotate, int64_t heads, int64_
 
 }  // namespace
 
-TEST(ContextParallelAttention, MatchesFullAttentionForwardAndBackward) {
+// The diagonal chunk pairs run through titan's fused CPU attention kernel, or LibTorch's when fused kernels are off
+// (training.fused_kernels = false): both are checked.
+class ContextParallelAttentionKernels : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { titan::kernels::set_fused_kernels_enabled(GetParam()); }
+  void TearDown() override { titan::kernels::set_fused_kernels_enabled(true); }
+};
+
+TEST_P(ContextParallelAttentionKernels, MatchesFullAttentionForwardAndBackward) {
   for (auto balancer : {CpLoadBalancer::HeadTail, CpLoadBalancer::None, CpLoadBalancer::Ptrr})
     for (auto rotate : {CpRotateMethod::AllGather, CpRotateMethod::AllToAll}) {
       check(balancer, rotate, 4, 4, at::kFloat, 2e-6);
@@ -84,7 +93,7 @@ TEST(ContextParallelAttention, MatchesFullAttentionForwardAndBackward) {
   check(CpLoadBalancer::HeadTail, CpRotateMethod::AllToAll, 4, 2, at::kBFloat16, 5e-2);
 }
 
-TEST(ContextParallelAttention, BlockCausalMatchesFullAttentionForwardAndBackward) {
+TEST_P(ContextParallelAttentionKernels, BlockCausalMatchesFullAttentionForwardAndBackward) {
   for (auto balancer : {CpLoadBalancer::HeadTail, CpLoadBalancer::None, CpLoadBalancer::Ptrr})
     for (auto rotate : {CpRotateMethod::AllGather, CpRotateMethod::AllToAll}) {
       check(balancer, rotate, 4, 4, at::kFloat, 2e-6, /*block_causal=*/true);
@@ -92,6 +101,9 @@ TEST(ContextParallelAttention, BlockCausalMatchesFullAttentionForwardAndBackward
     }
   check(CpLoadBalancer::HeadTail, CpRotateMethod::AllToAll, 4, 2, at::kBFloat16, 5e-2, /*block_causal=*/true);
 }
+
+INSTANTIATE_TEST_SUITE_P(Diagonal, ContextParallelAttentionKernels, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "FusedKernel" : "LibTorchKernel"; });
 
 TEST(ContextParallelAttention, ShardsHoldTheBalancedChunksAndTheirPositions) {
   ContextParallel cp(comm(), CpLoadBalancer::HeadTail, CpRotateMethod::AllGather);

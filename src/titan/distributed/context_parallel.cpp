@@ -12,6 +12,7 @@
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/kernels/fused_ops.h"
 
 #ifdef TITAN_WITH_CUDA
 #include <ATen/ops/_scaled_dot_product_flash_attention.h>
@@ -80,6 +81,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
 
 at::Tensor expand_heads(const at::Tensor& kv, int64_t rep) { return rep == 1 ? kv : kv.repeat_interleave(rep, 1); }
 
+// Whether the diagonal pairs run through titan's fused CPU attention kernel (kernels/fused_ops.h): it skips the
+// blocks the causal or block-causal mask hides, takes the key/value heads as they are (GQA) and, like LibTorch's,
+// returns the log-sum-exp and takes the combined one back in backward.
+bool fused_diagonal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return q.is_cpu() && k.sizes() == v.sizes() && q.size(3) == k.size(3) &&
+         kernels::fused_kernel_applies(kernels::Op::attention, {q, k, v});
+}
+
 at::Tensor reduce_heads(const at::Tensor& g, int64_t rep) {
   if (rep == 1) return g;
   return g.view({g.size(0), g.size(1) / rep, rep, g.size(2), g.size(3)}).sum(2);
@@ -122,6 +131,8 @@ class ChunkDocuments {
     chunks_ = chunks;
   }
   bool defined() const { return documents_.defined(); }
+  // The document index of every position of chunk `c`, int32 (batch, chunk).
+  at::Tensor of_chunk(int64_t c) const { return documents_.narrow(1, c * chunk_, chunk_).to(at::kInt).contiguous(); }
   // Whether some query of chunk `q` sees some key of the earlier (or same) chunk `k`: documents only grow along the
   // sequence, so an earlier chunk shares a document with a later one exactly when its last is the other's first.
   bool any(int64_t q, int64_t k) const {
@@ -206,8 +217,16 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     const int64_t seq_len = q.size(2) * cp.degree();
     const int64_t chunk = seq_len / cp.chunks(seq_len);
     std::vector<Partial> partial(cp.chunks_of(cp.rank(), seq_len).size());
+    const bool fused = fused_diagonal(q, k_in, v_in);
     auto compute = [&](const at::Tensor& block, int source) {
       for (const auto& p : pairs_with(cp, source, seq_len, holder->documents)) {
+        if (p.causal && fused) {
+          auto [o, l] = kernels::attention_outputs(chunk_of(q, p.q_index, chunk), chunk_of(block[0], p.k_index, chunk),
+                                                   chunk_of(block[1], p.k_index, chunk),
+                                                   holder->documents.defined() ? holder->documents.of_chunk(p.q_chunk) : at::Tensor());
+          partial[static_cast<size_t>(p.q_index)].add(o, l);
+          continue;
+        }
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
         at::Tensor mask, unseen;
@@ -244,9 +263,20 @@ class CpAttention : public torch::autograd::Function<CpAttention> {
     at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
     const at::Tensor kv = at::stack({k_in, v_in}).contiguous();
     // Gradients of a block's keys and values, (2, batch, kv_heads, local, head_dim) in float32.
+    const bool fused = fused_diagonal(q, k_in, v_in);
     auto block_grads = [&](const at::Tensor& block, int source) {
       at::Tensor d = at::zeros(block.sizes(), block.options().dtype(at::kFloat));
       for (const auto& p : pairs_with(cp, source, seq_len, holder.documents)) {
+        if (p.causal && fused) {
+          auto [gq, gk, gv] = kernels::attention_gradients(
+              chunk_of(grad_out, p.q_index, chunk), chunk_of(q, p.q_index, chunk), chunk_of(block[0], p.k_index, chunk),
+              chunk_of(block[1], p.k_index, chunk), holder.documents.defined() ? holder.documents.of_chunk(p.q_chunk) : at::Tensor(),
+              chunk_of(out, p.q_index, chunk), chunk_of(lse, p.q_index, chunk));
+          chunk_of(dq, p.q_index, chunk).add_(gq);
+          chunk_of(d[0], p.k_index, chunk).add_(gk);
+          chunk_of(d[1], p.k_index, chunk).add_(gv);
+          continue;
+        }
         const at::Tensor k = expand_heads(chunk_of(block[0], p.k_index, chunk), rep);
         const at::Tensor v = expand_heads(chunk_of(block[1], p.k_index, chunk), rep);
         const auto state = holder.forward_states.find({source, p.q_index, p.k_index});

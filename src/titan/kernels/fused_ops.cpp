@@ -118,8 +118,16 @@ class Attention : public torch::autograd::Function<Attention> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &documents = saved[5];
-    const at::Tensor grad_out = last_dim_contiguous(grads[0].to(q.scalar_type()));
+    auto [grad_q, grad_k, grad_v] = gradients(saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], grads[0]);
+    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+  // The gradients of q, k and v given the output and log-sum-exp of every query row (those compute() gave, or, for
+  // context parallelism's chunk pairs, those combined over every key chunk): exp(score - lse) is the softmax.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> gradients(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                                  const at::Tensor& out, const at::Tensor& lse,
+                                                                  const at::Tensor& documents, const at::Tensor& grad) {
+    const at::Tensor grad_out = last_dim_contiguous(grad.to(q.scalar_type()));
     isa::AttentionShape s = shape(q, k, v, documents);
     strides_bsh(out, s.out_stride);
     strides_bsh(grad_out, s.grad_out_stride);
@@ -136,7 +144,7 @@ class Attention : public torch::autograd::Function<Attention> {
         TITAN_ISA_CALL(attention_backward, s, qp, kp, vp, op, gp, lp, gq, gk, gv, begin, end);
       });
     });
-    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_q, grad_k, grad_v};
   }
 
  private:
@@ -631,6 +639,18 @@ at::Tensor attention_with_outputs(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& out, const at::Tensor& lse) {
   TORCH_CHECK(out.defined() && out.numel() > 0 && lse.defined(), "attention_with_outputs: no kept output");
   return Attention::apply(q, k, v, attention_documents(q, k, v, documents), out, lse);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_gradients(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                                                   const at::Tensor& v, const at::Tensor& documents,
+                                                                   const at::Tensor& out, const at::Tensor& lse) {
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && lse.sizes() == q.sizes().slice(0, 3) &&
+                  lse.scalar_type() == at::kFloat && grad_out.sizes() == q.sizes(),
+              "attention_gradients: output ", out.sizes(), ", log-sum-exp ", lse.sizes(), " and output gradient ", grad_out.sizes(),
+              " do not belong to queries ", q.sizes());
+  at::NoGradGuard no_grad;
+  return Attention::gradients(last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v), last_dim_contiguous(out),
+                              lse.contiguous(), attention_documents(q, k, v, documents), grad_out);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

@@ -71,6 +71,12 @@ std::pair<at::Tensor, at::Tensor> attention_outputs(const at::Tensor& q, const a
 // with attention's backward, without computing it again.
 at::Tensor attention_with_outputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& documents,
                                   const at::Tensor& out, const at::Tensor& lse);
+// attention()'s backward without autograd: the gradients of q, k and v (k and v with their kv_heads) given the
+// output gradient and the output and float32 log-sum-exp of every query row. Those may be combined over more keys
+// than k and v hold (context parallelism's chunk pairs): the softmax of a score is exp(score - lse) either way.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_gradients(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                                                   const at::Tensor& v, const at::Tensor& documents,
+                                                                   const at::Tensor& out, const at::Tensor& lse);
 
 // x / sqrt(mean(x^2, last dim) + eps) * weight.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
