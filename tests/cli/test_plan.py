@@ -340,3 +340,22 @@ def test_the_loss_and_the_backward_are_held_apart_unless_every_forward_runs_firs
         held = sum(terms.values()) - (min(terms["logits"], sum(terms[t] for t in apart["blocks_backward"]))
                                       if schedule == "1F1B" else 0)
         assert abs(m["allocated_bytes"] - held) <= 1e-6 * held, (schedule, m)
+
+
+def test_float8_tensor_parallel_collectives_move_float8_in_titans_own_execution():
+    """titan's float8 TP styles (tensorwise, without async TP) all-gather the attention and feed-forward inputs in E4M3
+    and wo's and w2's output gradients in E5M2: 2 of a block's 4 collectives per pass at 1 byte per element instead of
+    bf16's 2, so 6/8 of the bytes. torchtitan v0.2.2 never applies its float8 TP styles (--as torchtitan), the rowwise
+    recipes run with the plain styles, and async TP keeps its overlapped gathers in bf16: unchanged there."""
+    base = ["--cluster", "h100-sxm", "--gpus", "8", "--model.flavor", "8B", "--parallelism.tensor_parallel_degree", "8",
+            "--parallelism.data_parallel_shard_degree", "1", "--training.seq_len", "8192", "--training.local_batch_size", "1"]
+
+    def tp_seconds(extra):
+        return plan_json(base + extra)["time"]["terms"]["tensor parallel"]["total_seconds"]
+
+    bf16 = tp_seconds([])
+    assert tp_seconds(["--model.converters", "float8"]) == pytest.approx(0.75 * bf16, rel=1e-9)
+    for extra in (["--as", "torchtitan"], ["--quantize.linear.float8.recipe_name", "rowwise"],
+                  ["--parallelism.enable_async_tensor_parallel"]):
+        plain = tp_seconds(extra)
+        assert tp_seconds(["--model.converters", "float8", *extra]) == pytest.approx(plain, rel=1e-9), extra

@@ -397,8 +397,33 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // forward, as many in backward and in each recomputed forward; nothing hides them, except that async TP overlaps
   // the forward ones with the matmuls.
   if (dims.tp > 1) {
-    const double per_pass = (tp - 1) / tp * tokens * d * c * layers;
-    const double forward = 4 * per_pass * (1 + recompute_layers), backward = 4 * per_pass;
+    // Bytes per element of the four collectives of a block in forward and in backward. titan's float8 TP styles
+    // (recipe tensorwise, without async TP; torchtitan v0.2.2 never applies its own) move a region's input
+    // all-gather in E4M3 when every linear reading it is converted (wq, wk, wv; a dense block's w1, w3), and the
+    // backward all-gather of wo's and a dense w2's output gradient in E5M2 when that linear is.
+    double forward_bytes = 4 * c, backward_bytes = 4 * c;
+    if (!torchtitan && speed.float8 && speed.float8_recipe == "tensorwise" && !parallelism.enable_async_tensor_parallel) {
+      const auto converted = [&](const std::vector<protocols::ParameterShape>& block, const std::string& module) {
+        for (const auto& p : block)
+          if (p.shape.size() == 2 && p.name.size() > module.size() + 7 && ends_with(p.name, module + ".weight"))
+            return quantization::float8_converts(p.name.substr(0, p.name.size() - 7), p.shape[0], p.shape[1], config.quantize.linear.float8);
+        return false;
+      };
+      const auto block_bytes = [&](const std::vector<protocols::ParameterShape>& block, bool moe, bool backward) {
+        const double attention = backward ? (converted(block, ".attention.wo") ? 1 : c)
+                                          : (converted(block, ".attention.wq") && converted(block, ".attention.wk") &&
+                                             converted(block, ".attention.wv") ? 1 : c);
+        const double ffn = moe ? c : backward ? (converted(block, ".feed_forward.w2") ? 1 : c)
+                                              : (converted(block, ".feed_forward.w1") && converted(block, ".feed_forward.w3") ? 1 : c);
+        return 2 * c + attention + ffn;
+      };
+      forward_bytes = (dense_count * (dense_block.empty() ? 0 : block_bytes(dense_block, false, false)) +
+                       moe_count * (moe_block.empty() ? 0 : block_bytes(moe_block, true, false))) / n_blocks;
+      backward_bytes = (dense_count * (dense_block.empty() ? 0 : block_bytes(dense_block, false, true)) +
+                        moe_count * (moe_block.empty() ? 0 : block_bytes(moe_block, true, true))) / n_blocks;
+    }
+    const double per_pass = (tp - 1) / tp * tokens * d * layers;
+    const double forward = forward_bytes * per_pass * (1 + recompute_layers), backward = backward_bytes * per_pass;
     const double bw = link(tp);
     const double total = (forward + backward) / bw;
     const double exposed = parallelism.enable_async_tensor_parallel ? backward / bw : total;
