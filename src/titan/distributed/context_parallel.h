@@ -1,5 +1,5 @@
-// Context parallelism: each sequence is split over the ranks of the "cp" group, and causal attention of the local
-// queries runs over the whole sequence's keys and values, exchanged between the CP ranks.
+// Context parallelism: each sequence is split over the ranks of the "cp" group, and causal (or block-causal)
+// attention of the local queries runs over the whole sequence's keys and values, exchanged between the CP ranks.
 //
 // The sequence is cut into chunks. Without load balancing ("None") rank r holds chunk r of cp; with "headtail"
 // the sequence is cut into 2 cp chunks and rank r holds chunks r and 2 cp - 1 - r; with "ptrr" (processing-time
@@ -8,7 +8,8 @@
 // every rank the same share of causal attention work. Attention runs chunk pair by chunk pair: a query chunk sees
 // earlier key chunks whole, its own chunk causally, and later ones not at all. The partial results of one query
 // chunk are combined by their log-sum-exp (online softmax); the backward of each pair is the kernel's own backward
-// given the combined output and log-sum-exp, which is exact.
+// given the combined output and log-sum-exp, which is exact. Block-causal masks apply per pair from every position's
+// document (known on every rank), and pairs that share no document are skipped.
 //
 // Keys and values are exchanged either by one all-gather (rotate method "allgather": every rank holds all of them
 // during attention) or passed around the ring of CP ranks, one block at a time, with their gradients travelling
