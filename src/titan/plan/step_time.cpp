@@ -132,13 +132,16 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     return total / n_blocks;
   };
   const double layer_params = per_block([](const protocols::ParameterShape& p) { return p.shape.size() == 2 ? static_cast<double>(p.numel()) : 0.0; });
-  // The block's linear weights the float8 converter converts: its own selection (filter_fqns, the sizes).
-  const double float8_params = !speed.float8 ? 0.0 : per_block([&](const protocols::ParameterShape& p) {
+  // Whether the float8 converter converts the linear whose weight `p` is: its own selection (filter_fqns, the sizes).
+  const auto float8_converted = [&](const protocols::ParameterShape& p) {
     const std::string suffix = ".weight";
-    if (p.shape.size() != 2 || p.name.size() <= suffix.size() || p.name.compare(p.name.size() - suffix.size(), suffix.size(), suffix) != 0)
-      return 0.0;
-    const std::string module = p.name.substr(0, p.name.size() - suffix.size());
-    return quantization::float8_converts(module, p.shape[0], p.shape[1], config.quantize.linear.float8) ? static_cast<double>(p.numel()) : 0.0;
+    if (p.shape.size() != 2 || p.name.size() <= suffix.size() || !ends_with(p.name, suffix)) return false;
+    return quantization::float8_converts(p.name.substr(0, p.name.size() - suffix.size()), p.shape[0], p.shape[1],
+                                         config.quantize.linear.float8);
+  };
+  // The block's linear weights the float8 converter converts.
+  const double float8_params = !speed.float8 ? 0.0 : per_block([&](const protocols::ParameterShape& p) {
+    return float8_converted(p) ? static_cast<double>(p.numel()) : 0.0;
   });
   const double float8_share = layer_params > 0 ? float8_params / layer_params : 0;
   // Mixture of Experts: the routed experts' 3-D weights (the block's other weights, 2-D, are counted above). A token
@@ -405,8 +408,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     if (!torchtitan && speed.float8 && speed.float8_recipe == "tensorwise" && !parallelism.enable_async_tensor_parallel) {
       const auto converted = [&](const std::vector<protocols::ParameterShape>& block, const std::string& module) {
         for (const auto& p : block)
-          if (p.shape.size() == 2 && p.name.size() > module.size() + 7 && ends_with(p.name, module + ".weight"))
-            return quantization::float8_converts(p.name.substr(0, p.name.size() - 7), p.shape[0], p.shape[1], config.quantize.linear.float8);
+          if (ends_with(p.name, module + ".weight")) return float8_converted(p);
         return false;
       };
       const auto block_bytes = [&](const std::vector<protocols::ParameterShape>& block, bool moe, bool backward) {
@@ -417,10 +419,12 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
                                               : (converted(block, ".feed_forward.w1") && converted(block, ".feed_forward.w3") ? 1 : c);
         return 2 * c + attention + ffn;
       };
-      forward_bytes = (dense_count * (dense_block.empty() ? 0 : block_bytes(dense_block, false, false)) +
-                       moe_count * (moe_block.empty() ? 0 : block_bytes(moe_block, true, false))) / n_blocks;
-      backward_bytes = (dense_count * (dense_block.empty() ? 0 : block_bytes(dense_block, false, true)) +
-                        moe_count * (moe_block.empty() ? 0 : block_bytes(moe_block, true, true))) / n_blocks;
+      // Averaged over the blocks, as per_block does (a kind with no blocks has no shapes and counts 0).
+      const auto averaged = [&](bool backward) {
+        return (dense_count * block_bytes(dense_block, false, backward) + moe_count * block_bytes(moe_block, true, backward)) / n_blocks;
+      };
+      forward_bytes = averaged(false);
+      backward_bytes = averaged(true);
     }
     const double per_pass = (tp - 1) / tp * tokens * d * layers;
     const double forward = forward_bytes * per_pass * (1 + recompute_layers), backward = backward_bytes * per_pass;

@@ -126,16 +126,6 @@ DecoderJobModel checked(DecoderJobModel model, const config::LoadedConfig& loade
   return model;
 }
 
-DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const DecoderFamily& family);
-
-}  // namespace
-
-DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
-  return checked(unchecked_job_model(loaded, family), loaded);
-}
-
-namespace {
-
 DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
   const config::JobConfig& c = loaded.config;
   const auto keys = set_shape_keys(loaded);
@@ -174,5 +164,9 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
 }
 
 }  // namespace
+
+DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
+  return checked(unchecked_job_model(loaded, family), loaded);
+}
 
 }  // namespace titan::models
