@@ -2,6 +2,7 @@
 #include <iostream>
 
 #include "titan/cli/commands.h"
+#include "titan/common/error.h"
 #include "titan/config/loader.h"
 #include "titan/trainer/trainer.h"
 
@@ -14,7 +15,15 @@ int run_train(const std::vector<std::string>& args) {
     return 0;
   }
   Trainer trainer(std::move(loaded));
-  return trainer.train();
+  try {
+    return trainer.train();
+  } catch (const UserError&) {  // main's exit codes: 2 for errors in what the user gave, 1 for the rest
+    trainer.record_failure(2);
+    throw;
+  } catch (...) {
+    trainer.record_failure(1);
+    throw;
+  }
 }
 
 }  // namespace titan::cli

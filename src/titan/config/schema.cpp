@@ -134,7 +134,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("disable_color_printing", &c.metrics.disable_color_printing, "print log lines without ANSI colors");
   b.add("save_tb_folder", &c.metrics.save_tb_folder, "folder under dump_folder for TensorBoard files");
   b.add("save_for_all_ranks", &c.metrics.save_for_all_ranks, "write metrics (TensorBoard, JSONL) on every rank into rank_R folders / metrics_rank_R.jsonl, not only rank 0");
-  b.add("enable_wandb", &c.metrics.enable_wandb, "log metrics to Weights & Biases");
+  b.add("enable_wandb", &c.metrics.enable_wandb, "write a Weights & Biases offline run beside the TensorBoard files (`wandb sync` uploads it)");
   b.add("enable_jsonl", &c.metrics.enable_jsonl,
         "titan.cpp: append every logged step's metrics (torchtitan's TensorBoard keys) to {dump_folder}/metrics.jsonl");
 

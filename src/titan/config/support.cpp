@@ -18,7 +18,6 @@ SupportReport check_supported(const LoadedConfig& loaded) {
   if (p.expert_parallel_degree > 1 && p.expert_parallel_comm_backend != "standard")
     not_yet("parallelism.expert_parallel_comm_backend", quote(p.expert_parallel_comm_backend),
             "an expert-parallel backend other than \"standard\" (all-to-all through the communicator)");
-  if (c.metrics.enable_wandb) not_yet("metrics.enable_wandb", "true", "Weights & Biases logging");
   if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
   if (c.memory_estimation.enable) not_yet("memory_estimation.enable", "true", "memory estimation");
   if (c.training.enable_cpu_offload) not_yet("training.enable_cpu_offload", "true", "CPU offload");

@@ -12,7 +12,7 @@ namespace titan {
 MetricsProcessor::MetricsProcessor(const config::JobConfig& config, int rank, const at::Device& device, int64_t replica_size)
     : replica_size_(replica_size),
       memory_(device),
-      logger_(std::make_unique<metrics::MetricLogger>(config.metrics, config.job.dump_folder, rank)) {}
+      logger_(std::make_unique<metrics::MetricLogger>(config, rank)) {}
 
 void MetricsProcessor::set_flops(double flops_per_token, metrics::PeakFlops peak) {
   flops_per_token_ = flops_per_token;

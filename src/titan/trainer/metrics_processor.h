@@ -47,6 +47,10 @@ class MetricsProcessor {
   void count_step(int64_t tokens, double data_seconds);
   void log_step(int64_t step, const StepResult& result, int64_t tokens_seen);
   void log_validation(int64_t step, const ValidationResult& result);
+  // Everything of the step is logged (training, validation).
+  void end_step() { logger_->end_step(); }
+  // The run's exit code, for the metric files that record one (W&B's exit record).
+  void finish(int exit_code) { logger_->finish(exit_code); }
 
  private:
   int64_t replica_size_;

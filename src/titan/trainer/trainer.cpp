@@ -515,6 +515,7 @@ void Trainer::after_step(std::optional<StepResult> r, int64_t first_step) {
     validate();
     metrics_->restart_clock();  // nor does validation's
   }
+  if (log_now || validate_now) metrics_->end_step();
 }
 
 int Trainer::train() {
@@ -523,7 +524,11 @@ int Trainer::train() {
   log::info("Training starts at step ", train_state_.step + 1, " of ", c.training.steps, " (local batch ", c.training.local_batch_size,
             " x seq_len ", c.training.seq_len, ", ", grad_accum_steps_, " micro-batch(es) per step, lr warm-up ",
             lr_scheduler_->warmup_steps(), " steps)");
-  if (c.checkpoint.create_seed_checkpoint) return create_seed_checkpoint();
+  if (c.checkpoint.create_seed_checkpoint) {
+    const int code = create_seed_checkpoint();
+    metrics_->finish(code);
+    return code;
+  }
   metrics_->restart_clock();
   const double train_start = now_seconds();
   const int64_t first_step = train_state_.step;
@@ -582,7 +587,16 @@ int Trainer::train() {
   if (exit_code == 0)
     log::info("Training completed: ", train_state_.step, " steps, ", with_thousands(train_state_.tokens_seen), " tokens");
   log_summary(first_step, train_start);
+  metrics_->finish(exit_code);
   return exit_code;
+}
+
+void Trainer::record_failure(int exit_code) noexcept {
+  try {
+    metrics_->finish(exit_code);
+  } catch (const std::exception& e) {
+    log::warn("the metric files could not record exit code ", exit_code, ": ", e.what());
+  }
 }
 
 void Trainer::check_last_save() {

@@ -40,6 +40,9 @@ class Trainer {
   // The loop: steps until training.steps or a stop request (SIGINT/SIGTERM after the current step).
   // Returns the process exit code.
   int train();
+  // The exit code of a run that ended with an error, for the metric files that record one (W&B's exit record);
+  // train() records its own. Never throws.
+  void record_failure(int exit_code) noexcept;
 
   // One optimizer step over the given micro-batches, its results read at once (exposed for tests and tools; the
   // loop reads them only when it needs them).

@@ -10,42 +10,25 @@
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
+#include "titan/components/metrics/protobuf_wire.h"
 
 namespace titan::metrics {
 
 namespace {
 
+using wire::fixed;
+using wire::key;
+using wire::length_delimited;
+
 double wall_time() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-// Protobuf wire format: keys are (field << 3) | type; type 0 varint, 1 fixed64, 2 length-delimited, 5 fixed32.
-void varint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>((v & 0x7F) | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
-}
-void key(std::string& out, int field, int type) { varint(out, static_cast<uint64_t>(field << 3 | type)); }
-void fixed(std::string& out, uint64_t bits, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>(bits >> (8 * i)));
-}
-void length_delimited(std::string& out, int field, std::string_view bytes) {
-  key(out, field, 2);
-  varint(out, bytes.size());
-  out.append(bytes);
 }
 
 // tensorflow.Event: wall_time = 1 (double), step = 2 (int64), file_version = 3 (string), summary = 5 (Summary).
 std::string event(double time, int64_t step, const std::string* file_version, const std::string* summary) {
   std::string e;
-  uint64_t bits;
-  std::memcpy(&bits, &time, 8);
-  key(e, 1, 1);
-  fixed(e, bits, 8);
-  key(e, 2, 0);
-  varint(e, static_cast<uint64_t>(step));
+  wire::double_field(e, 1, time);
+  wire::varint_field(e, 2, step);
   if (file_version) length_delimited(e, 3, *file_version);
   if (summary) length_delimited(e, 5, *summary);
   return e;
