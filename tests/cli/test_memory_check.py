@@ -217,6 +217,47 @@ def test_a_job_that_cannot_fit_is_refused_before_allocating(tmp_path):
     assert "Training completed: 1 steps" in result.stdout
 
 
+REPORT = re.compile(r"^(?:\[1,0\]<stdout>:)?  rank (\d+): estimated ([\d.]+) GiB(?:, measured peak ([\d.]+) GiB \(estimate / "
+                    r"measured ([\d.]+)\))? of ([\d.]+) GiB available(: does not fit)?$", re.M)
+
+
+def test_memory_estimation_reports_every_rank_instead_of_training(tmp_path):
+    """torchtitan's memory_estimation.enable: the estimate alone (nothing allocated, even for a job that does not fit
+    here), or with disable_fake_mode two real steps per rank and the estimate against their peak; rank 0 lists every
+    rank, and neither trains (no checkpoint although checkpoint.enable is set)."""
+    dump = tmp_path / "estimate"
+    result = run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(dump), "--model.flavor", "8B",
+                  "--memory_estimation.enable", "--checkpoint.enable"])
+    estimate = ESTIMATE.search(result.stdout)
+    report = REPORT.findall(result.stdout)
+    assert len(report) == 1 and "some ranks do not fit" in result.stdout, result.stdout[-3000:]
+    assert float(report[0][1]) == pytest.approx(gib(estimate.group(3), estimate.group(4)), abs=5.1e-3)  # printed to 0.01 GiB
+    assert report[0][5] == ": does not fit" and not report[0][2]
+    assert "Parameters on this rank" not in result.stdout and "step:" not in result.stdout
+    assert not (dump / "checkpoint").exists()
+
+    dump = tmp_path / "measured"
+    mpirun = os.environ.get("TITAN_MPIRUN", "mpirun")
+    result = run([mpirun, "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "--tag-output", "-np", "2",
+                  binary("titan"), "train", *CONFIG, "--job.dump_folder", str(dump), "--training.steps", "100",
+                  "--memory_estimation.enable", "--memory_estimation.disable_fake_mode", "--checkpoint.enable"],
+                 env={"LOG_RANK": "all", "TITAN_PEAK_FLOPS": "1e11", "OMP_NUM_THREADS": "1"})
+    output = result.stdout
+    estimates = {int(m.group(1)): gib(m.group(3), m.group(4)) for m in ESTIMATE.finditer(output)}
+    peaks = {}
+    for m in PEAK.finditer(output):
+        peaks.setdefault(int(m.group(1)), []).append(float(m.group(2)))
+    report = {int(r[0]): r for r in REPORT.findall(output)}
+    assert sorted(report) == [0, 1] and "every rank fits" in output, output[-3000:]
+    for rank in (0, 1):
+        assert len(peaks[rank]) == 2  # two steps
+        _, estimated, measured, ratio, _, no_fit = report[rank]
+        assert float(estimated) == pytest.approx(estimates[rank], abs=1e-3)
+        assert float(measured) == pytest.approx(max(peaks[rank]), abs=6e-3)
+        assert float(ratio) == pytest.approx(float(estimated) / float(measured), abs=6e-3) and not no_fit
+    assert "Training completed" not in output and not (dump / "checkpoint").exists()
+
+
 def test_the_fused_loss_saves_more_than_the_float32_logits(tmp_path):
     """Llama 3's 128,256-token vocabulary on the debug model's blocks, 1 x 1024 tokens: the fused output projection
     and loss never holds the logits of the whole batch, so the peak drops by more than their float32 size (measured

@@ -174,13 +174,13 @@ TEST(Config, HelpListsEveryKeyWithDefault) {
 TEST(Config, UnsupportedFeaturesAreErrorsNotIgnored) {
   std::string e = error_of([] {
     auto loaded = load_job_config({"--parallelism.expert_parallel_degree", "8", "--parallelism.expert_parallel_comm_backend", "deepep",
-                                   "--training.enable_cpu_offload", "--checkpoint.enable", "--memory_estimation.enable"});
+                                   "--training.enable_cpu_offload", "--checkpoint.enable", "--fault_tolerance.enable"});
     titan::config::require_supported(loaded);
   });
   EXPECT_NE(e.find("parallelism.expert_parallel_comm_backend = \"deepep\""), std::string::npos) << e;
   EXPECT_NE(e.find("training.enable_cpu_offload = true"), std::string::npos) << e;
-  EXPECT_NE(e.find("memory_estimation.enable = true"), std::string::npos) << e;
-  EXPECT_TRUE(titan::config::check_supported(load_job_config({"--metrics.enable_wandb"})).errors.empty());
+  EXPECT_NE(e.find("fault_tolerance.enable = true"), std::string::npos) << e;
+  EXPECT_TRUE(titan::config::check_supported(load_job_config({"--metrics.enable_wandb", "--memory_estimation.enable"})).errors.empty());
   EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
   EXPECT_NE(e.find("--parallelism.expert_parallel_comm_backend"), std::string::npos) << e;  // where it was set
   auto defaults = load_job_config({});

@@ -19,7 +19,6 @@ SupportReport check_supported(const LoadedConfig& loaded) {
     not_yet("parallelism.expert_parallel_comm_backend", quote(p.expert_parallel_comm_backend),
             "an expert-parallel backend other than \"standard\" (all-to-all through the communicator)");
   if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
-  if (c.memory_estimation.enable) not_yet("memory_estimation.enable", "true", "memory estimation");
   if (c.training.enable_cpu_offload) not_yet("training.enable_cpu_offload", "true", "CPU offload");
   if (c.optimizer.early_step_in_backward) not_yet("optimizer.early_step_in_backward", "true", "optimizer steps in backward");
   if (c.training.dataloader.num_workers > 0)

@@ -46,6 +46,7 @@ void MetricsProcessor::log_step(int64_t step, const StepResult& r, int64_t token
   }
   const double mfu = peak_.flops > 0 ? 100.0 * flops_per_token_ * tps / peak_.flops : 0.0;
   auto mem = memory_.peak();
+  highest_peak_gib_ = std::max(highest_peak_gib_, mem.peak_gib);
   const auto& k = log::colors();
   // data: time blocked waiting for batches, per step over the logging interval, and its share of the time
   // (torchtitan's time_metrics/data_loading(s) and data_loading(%)).

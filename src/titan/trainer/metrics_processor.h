@@ -47,6 +47,8 @@ class MetricsProcessor {
   void count_step(int64_t tokens, double data_seconds);
   void log_step(int64_t step, const StepResult& result, int64_t tokens_seen);
   void log_validation(int64_t step, const ValidationResult& result);
+  // The highest of the step lines' memory peaks so far (GiB).
+  double highest_peak_gib() const { return highest_peak_gib_; }
   // Everything of the step is logged (training, validation).
   void end_step() { logger_->end_step(); }
   // The run's exit code, for the metric files that record one (W&B's exit record).
@@ -55,6 +57,7 @@ class MetricsProcessor {
  private:
   int64_t replica_size_;
   metrics::MemoryMonitor memory_;
+  double highest_peak_gib_ = 0;
   std::unique_ptr<metrics::MetricLogger> logger_;
   metrics::PeakFlops peak_;
   bool peak_remeasured_ = false;  // at most once per run

@@ -37,6 +37,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   start_process(dims);
   build_tokenizer();
   check_memory(dims);
+  if (estimate_only()) return;  // the estimate is the result: nothing large is allocated
   build_model(dims);
   build_training(dims);
 }
@@ -44,6 +45,7 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 distributed::ParallelDims Trainer::check_job() {
   const config::JobConfig& c = loaded_.config;
   config::require_supported(loaded_);
+  if (c.memory_estimation.enable) restrict_to_memory_estimation();
   kernels::set_fused_kernels_enabled(c.training.fused_kernels);
   weight_casts_per_step_ = c.training.autocast_weight_casts == "step";
   launch_ = distributed::detect_launch();
@@ -423,7 +425,9 @@ void Trainer::check_memory(const distributed::ParallelDims& dims) {
   const double gib = 1024.0 * 1024.0 * 1024.0;
   log::info("Memory estimate for this rank: ", estimate.describe(), strprintf(" of %.2f GiB available (", available.bytes / gib),
             available.source, ")");
-  if (estimate.total() <= available.bytes) return;
+  estimated_bytes_ = estimate.total();
+  available_bytes_ = available.bytes;
+  if (estimate.total() <= available.bytes || estimate_only()) return;  // an estimate alone reports what does not fit
   const std::string what = strprintf("this rank needs about %.2f GiB but %.2f GiB is available (%s)", estimate.total() / gib,
                                      available.bytes / gib, available.source.c_str());
   if (c.debug.skip_memory_check) {
@@ -435,6 +439,51 @@ void Trainer::check_memory(const distributed::ParallelDims& dims) {
        "pipeline_parallel_degree), recompute activations (activation_checkpoint.mode = \"full\"), or lower "
        "training.local_batch_size (", c.training.local_batch_size, ") or training.seq_len (", c.training.seq_len,
        "); --debug.skip_memory_check starts anyway");
+}
+
+void Trainer::restrict_to_memory_estimation() {
+  // torchtitan estimates a job's memory in a separate script (FakeTensorMode: no real allocations); titan's start-up
+  // estimate needs no allocations either. With disable_fake_mode the job also runs two real steps, and the estimate
+  // is set against their measured peak. Neither trains: nothing is loaded, saved, validated, profiled or logged to
+  // metric files.
+  config::JobConfig& c = loaded_.config;
+  c.checkpoint.enable = false;
+  c.checkpoint.create_seed_checkpoint = false;
+  c.validation.enable = false;
+  c.profiling.enable_profiling = false;
+  c.profiling.enable_memory_snapshot = false;
+  c.metrics.enable_tensorboard = c.metrics.enable_wandb = c.metrics.enable_jsonl = false;
+  c.metrics.log_freq = 1;  // each step's peak
+  log::info("memory_estimation.enable: estimating this job's memory instead of training it: ",
+            c.memory_estimation.disable_fake_mode
+                ? "2 steps, then each rank's estimate against its measured peak (no checkpoint, validation, profiling or "
+                  "metric files)"
+                : "each rank's start-up estimate, with nothing allocated (memory_estimation.disable_fake_mode = true also "
+                  "runs 2 steps and measures)");
+}
+
+int Trainer::report_memory_estimation(bool measured) {
+  // Rank 0 lists every rank: estimate, measured peak (or 0), what was available.
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const double mine[3] = {estimated_bytes_ / gib, measured ? metrics_->highest_peak_gib() : 0.0, available_bytes_ / gib};
+  auto world = mesh_->world();
+  at::Tensor local = at::tensor(at::ArrayRef<double>(mine, 3), at::kDouble).to(world->tensor_device());
+  at::Tensor all = at::empty({world->size() * 3}, local.options());
+  world->all_gather_into(all, local);
+  all = all.cpu();
+  const double* v = all.data_ptr<double>();
+  bool fits = true;
+  std::string lines;
+  for (int r = 0; r < world->size(); ++r) {
+    const double estimate = v[3 * r], peak = v[3 * r + 1], available = v[3 * r + 2];
+    fits = fits && estimate <= available;
+    lines += strprintf("\n  rank %d: estimated %.3f GiB", r, estimate);
+    if (measured) lines += strprintf(", measured peak %.3f GiB (estimate / measured %.2f)", peak, peak > 0 ? estimate / peak : 0.0);
+    lines += strprintf(" of %.2f GiB available%s", available, estimate <= available ? "" : ": does not fit");
+  }
+  log::info("Memory estimation (memory_estimation.enable; ", measured ? "2 steps run" : "nothing allocated", "), ",
+            fits ? "every rank fits" : "some ranks do not fit", ":", lines);
+  return 0;
 }
 
 void Trainer::write_pipeline_timeline() {
@@ -519,6 +568,7 @@ void Trainer::after_step(std::optional<StepResult> r, int64_t first_step) {
 }
 
 int Trainer::train() {
+  if (estimate_only()) return report_memory_estimation(false);
   const auto& c = loaded_.config;
   StopSignals stop_signals;
   log::info("Training starts at step ", train_state_.step + 1, " of ", c.training.steps, " (local batch ", c.training.local_batch_size,
@@ -534,7 +584,8 @@ int Trainer::train() {
   const int64_t first_step = train_state_.step;
   metrics_->memory().reset_peak();
   int exit_code = 0;
-  while (train_state_.step < c.training.steps) {
+  const int64_t last_step = c.memory_estimation.enable ? std::min(c.training.steps, first_step + 2) : c.training.steps;
+  while (train_state_.step < last_step) {
     const double data_start = now_seconds();
     // The position before this step's batches: a stop decided below saves the previous step with it.
     auto position_before = dataloader_->reported_position();
@@ -584,7 +635,8 @@ int Trainer::train() {
             control_reductions_, " control reduction(s) over ", control_->size(), " rank(s) on ",
             control_->tensor_device().is_cpu() ? "host memory" : "the device", "; ", device_reads_, " read(s) of device memory");
   if (checkpointer_) checkpointer_->wait();
-  if (exit_code == 0)
+  if (c.memory_estimation.enable && exit_code == 0) exit_code = report_memory_estimation(true);
+  else if (exit_code == 0)
     log::info("Training completed: ", train_state_.step, " steps, ", with_thousands(train_state_.tokens_seen), " tokens");
   log_summary(first_step, train_start);
   metrics_->finish(exit_code);
@@ -592,6 +644,7 @@ int Trainer::train() {
 }
 
 void Trainer::record_failure(int exit_code) noexcept {
+  if (!metrics_) return;
   try {
     metrics_->finish(exit_code);
   } catch (const std::exception& e) {

@@ -108,6 +108,10 @@ class Trainer {
   void log_summary(int64_t first_step, double train_start);
   void check_memory(const distributed::ParallelDims& dims);
   void write_pipeline_timeline();
+  // memory_estimation.enable: the job is estimated instead of trained (torchtitan's memory estimation).
+  void restrict_to_memory_estimation();
+  bool estimate_only() const { return loaded_.config.memory_estimation.enable && !loaded_.config.memory_estimation.disable_fake_mode; }
+  int report_memory_estimation(bool measured);
 
   config::LoadedConfig loaded_;
   at::Device device_{at::kCPU};
@@ -146,6 +150,7 @@ class Trainer {
   std::optional<DeviceStep> unsettled_;                   // the last launched step, until read
   int64_t reads_at_once_ = 0, reads_a_step_later_ = 0, control_reductions_ = 0, device_reads_ = 0;
   int64_t grad_accum_steps_ = 1;
+  double estimated_bytes_ = 0, available_bytes_ = 0;  // this rank's start-up memory estimate, and what it had
 };
 
 }  // namespace titan
