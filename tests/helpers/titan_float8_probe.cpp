@@ -2,6 +2,8 @@
 // usage: titan_float8_probe --in IN.safetensors --recipe RECIPE --out OUT.safetensors
 // RECIPE: tensorwise|rowwise|rowwise_with_gw_hp (float8, emulated) or mxfp8_cublas|mxfp8_cublas_rceil (MXFP8, emulated).
 // IN holds x [..., K], weight [N, K] and grad [..., N] (any float dtypes); OUT gets y, grad_x and grad_weight.
+// With "counts" (int64 [experts]) in IN, weight is [experts, N, K] and the MXFP8 grouped matmul runs on x's rows
+// sorted by expert.
 #include <iostream>
 #include <map>
 
@@ -16,9 +18,9 @@ static int run_probe(int argc, char** argv) {
     titan::safetensors::File in(opt.at("--in"));
     at::Tensor x = in.load("x").requires_grad_(), weight = in.load("weight").requires_grad_();
     const std::string name = opt.at("--recipe");
-    at::Tensor y = name.rfind("mxfp8", 0) == 0
-                       ? titan::nn::float8::mx_linear(x, weight, titan::nn::float8::mx_recipe(name))
-                       : titan::nn::float8::linear(x, weight, titan::nn::float8::recipe(name), /*emulate=*/true);
+    at::Tensor y = in.contains("counts")            ? titan::nn::float8::mx_grouped_linear(x, weight, in.load("counts"), titan::nn::float8::mx_recipe(name))
+                   : name.rfind("mxfp8", 0) == 0 ? titan::nn::float8::mx_linear(x, weight, titan::nn::float8::mx_recipe(name))
+                                                 : titan::nn::float8::linear(x, weight, titan::nn::float8::recipe(name), /*emulate=*/true);
     y.backward(in.load("grad"));
     titan::safetensors::save(opt.at("--out"), {{"y", y.detach()}, {"grad_x", x.grad()}, {"grad_weight", weight.grad()}});
   } catch (const std::exception& e) {

@@ -4,7 +4,8 @@
 // usage: titan_moe_probe --args A.json --weights W.safetensors --input X.safetensors --out O.safetensors
 // A.json: {"dim", "hidden_dim", "num_experts", "num_shared_experts", "top_k", "score_func", "route_norm",
 //          "route_scale", "score_before_experts", "num_expert_groups" (or null), "num_limited_groups" (or null),
-//          optionally "load_balance_coeff" (default: none, no balancing)}
+//          optionally "load_balance_coeff" (default: none, no balancing) and "mx": true (the experts and the shared
+//          experts converted as quantize.grouped_mm.mx with fqns = ["experts"] converts them)}
 // X.safetensors: "x" [batch, seq, dim] and "grad_output" of the same shape, float32; with balancing it may hold
 // "x.1", "grad_output.1", ...: further passes, each after the balancing update of the one before (their outputs and
 // gradients are written; "expert_bias.i" is the bias after pass i's update, "tokens_per_expert.i" its counts).
@@ -15,6 +16,7 @@
 
 #include "titan/common/process_exit.h"
 #include "titan/components/checkpoint/formats/safetensors.h"
+#include "titan/components/quantization/float8.h"
 #include "titan/models/common/moe.h"
 
 static int run_probe(int argc, char** argv) {
@@ -37,6 +39,11 @@ static int run_probe(int argc, char** argv) {
     args.load_balance_coeff = j.contains("load_balance_coeff") ? std::optional<double>(j.at("load_balance_coeff").get<double>()) : std::nullopt;
     args.check();
     titan::models::MoE moe(j.at("dim").get<int64_t>(), args, {});
+    if (j.value("mx", false)) {
+      titan::config::JobConfig config;
+      config.quantize.grouped_mm.mx.fqns = {"experts"};
+      titan::quantization::convert_grouped_to_mx(moe, config);
+    }
     titan::safetensors::File weights(opt.at("--weights"));
     {
       at::NoGradGuard no_grad;

@@ -96,6 +96,44 @@ def test_an_mxfp8_linear_equals_torchao_bitwise(tmp_path, recipe, dtype):
             assert torch.equal(got[name], expected), (recipe, dtype, lead, name, (got[name].float() - expected.float()).abs().max())
 
 
+def torchao_mx_grouped(x, w, grad, counts):
+    """torchao's MXFP8 grouped matmul with its emulated kernels (the autograd function its MXFP8 training config puts
+    behind torch._grouped_mm), padding each expert's tokens to 32 rows as torchtitan's MoE does."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    x = x.clone().requires_grad_()
+    w_t = w.clone().transpose(-2, -1).requires_grad_()  # [experts, K, N], column-major as torchao expects
+    w_t.retain_grad()
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    y = _MXFP8GroupedMM.apply(x, w_t, offsets, torch.bfloat16, KernelPreference.EMULATED, False, ScaleCalculationMode.RCEIL, True)
+    y.backward(grad)
+    return {"y": y.detach(), "grad_x": x.grad, "grad_weight": w_t.grad.transpose(-2, -1)}
+
+
+def test_an_mxfp8_grouped_matmul_equals_torchao_bitwise(tmp_path):
+    """quantize.grouped_mm.mx's product (nn::float8::mx_grouped_linear) against torchao's emulated MXFP8 grouped
+    matmul in bf16: the output and both gradients. Experts with 0, 1, 7, 32, 33 and 64 tokens (token groups that do
+    not fill their last block of 32), values over six decades, a zero block."""
+    torch.manual_seed(0)
+    for counts, n, k in [([40, 0, 7, 64, 33], 64, 96), ([1, 32, 0, 0], 32, 64)]:
+        counts = torch.tensor(counts, dtype=torch.int64)
+        tokens = int(counts.sum())
+        x = torch.randn(tokens, k) * torch.logspace(-3, 3, k)
+        x[0, :32] = 0
+        x = x.bfloat16()
+        w = (torch.randn(len(counts), n, k) * 0.1).bfloat16()
+        grad = (torch.randn(tokens, n) * torch.logspace(-3, 1, n)).bfloat16()
+        save_file({"x": x, "weight": w, "grad": grad, "counts": counts}, str(tmp_path / "in.safetensors"))
+        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", "mxfp8_cublas_rceil",
+             "--out", str(tmp_path / "out.safetensors")])
+        got = load_file(str(tmp_path / "out.safetensors"))
+        for name, expected in torchao_mx_grouped(x, w, grad, counts).items():
+            assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
+            assert torch.equal(got[name], expected), (counts.tolist(), name, (got[name].float() - expected.float()).abs().max())
+
+
 @pytest.mark.parametrize("options, needle", [
     (["--model.converters", "quantize.linear.mx"], ("quantize.linear.mx.recipe_name = \"mxfp8_cublas\"", "compute capability 10.0",
                                                     "quantize.linear.mx.emulate = true")),
@@ -111,6 +149,15 @@ def test_an_mxfp8_linear_equals_torchao_bitwise(tmp_path, recipe, dtype):
     (["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", "rowwise",
       "--quantize.linear.float8.enable_fsdp_float8_all_gather"], "needs recipe \"tensorwise\""),
     (["--model.converters", "float8"], "quantize.linear.float8.emulate = true runs them emulated"),
+    (["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
+     ("model.converters lists \"quantize.grouped_mm.float8\"", "not supported yet", "\"quantize.grouped_mm.mx\" runs them in MXFP8")),
+    (["--model.converters", "quantize.grouped_mm.mx"], ("quantize.grouped_mm.mx.fqns is empty", "fqns = [\"experts\"]")),
+    # The debug model is dense: nothing to convert.
+    (["--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"],
+     ("quantize.grouped_mm.mx.fqns = [experts] names no MoE experts of this model",)),
+    (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.moe_inter_dim", "48", "--model.converters",
+      "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"],
+     ("MXFP8 grouped matmuls need expert weights whose two dimensions divide into blocks of 32; this one is 48 x 256",)),
 ])
 def test_a_float8_configuration_titan_cannot_run_is_refused_naming_the_key(tmp_path, options, needle):
     result = run([binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),

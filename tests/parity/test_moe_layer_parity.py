@@ -159,6 +159,68 @@ def test_balancing_bias_matches_torchtitan(tmp_path, monkeypatch):
           f"{int((plain != biased).any(dim=1).sum())} of {plain.shape[0]} tokens routed differently because of it")
 
 
+@pytest.mark.parametrize("case", ["softmax_top2_shared", "sigmoid_groups_scores_first"])
+def test_mxfp8_grouped_experts_match_torchtitan_converted_by_torchao(tmp_path, monkeypatch, case):
+    """quantize.grouped_mm.mx with fqns = ["experts"]: torchtitan's MoE with its grouped-matmul experts, converted as
+    its MXGroupedMMConverter does (torchao's MXFP8 training config on every module named "experts", here with
+    torchao's emulated kernels, and token groups aligned to 32 rows), against titan's layer converted by titan's
+    converter. The routed experts run MXFP8 grouped matmuls, the shared expert's linears MXFP8 linears. Test-side
+    adjustments: torchao's EMULATED kernel preference (its default needs a Blackwell GPU), torchtitan's permutation
+    indices computed on the CPU (its default is a Triton kernel), and torch.histc as above. Expected bitwise: the same
+    casts, the same bf16 products."""
+    import functools
+    import torchtitan.models.moe.utils as moe_utils
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization.quant_api import quantize_
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda t, bins, min, max: histc(t.float(), bins=bins, min=min, max=max).to(t.dtype))
+    monkeypatch.setattr(moe_utils, "generate_permute_indices", functools.partial(moe_utils.generate_permute_indices, use_cpu=True))
+    monkeypatch.setattr(moe_utils, "TOKEN_GROUP_ALIGN_SIZE_M", 32)  # what the converter sets (set_token_group_alignment_size_m)
+    routing = {
+        "softmax_top2_shared": dict(num_experts=8, num_shared_experts=1, top_k=2, score_func="softmax", route_norm=True,
+                                    route_scale=1.0, score_before_experts=False, num_expert_groups=None, num_limited_groups=None),
+        "sigmoid_groups_scores_first": dict(num_experts=8, num_shared_experts=0, top_k=3, score_func="sigmoid",
+                                            route_norm=True, route_scale=2.5, score_before_experts=True, num_expert_groups=4,
+                                            num_limited_groups=2),
+    }[case]
+    dim, hidden = 64, 96  # the experts' widths divide into MX blocks of 32
+    torch.manual_seed(0)
+    moe = MoE(MoEArgs(use_grouped_mm=True, **routing), dim=dim, hidden_dim=hidden)
+    with torch.no_grad():
+        moe.init_weights(0.02, torch.device("cpu"))
+        for name, p in moe.named_parameters():
+            p.normal_(0.0, 0.5 if "router" in name else 0.1)
+    weights = {n: p.detach().contiguous().clone() for n, p in moe.named_parameters()}
+    quantize_(moe, config=MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED), filter_fn=lambda m, fqn: "experts" in fqn)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 48, dim, generator=g)  # 96 tokens: the shared expert's MXFP8 linears need multiples of 32
+    grad_output = torch.randn(2, 48, dim, generator=g)
+    paths = {k: tmp_path / f"{k}.safetensors" for k in ("w", "x", "o")}
+    save_file(weights, str(paths["w"]))
+    save_file({"x": x, "grad_output": grad_output}, str(paths["x"]))
+    (tmp_path / "args.json").write_text(json.dumps(dict(dim=dim, hidden_dim=hidden, mx=True, **routing)))
+    run([binary("titan_moe_probe"), "--args", str(tmp_path / "args.json"), "--weights", str(paths["w"]), "--input",
+         str(paths["x"]), "--out", str(paths["o"])])
+    got = load_file(str(paths["o"]))
+    x_ref = x.clone().requires_grad_(True)
+    ref = moe(x_ref)
+    ref.backward(grad_output)
+    expected = {"output": ref.detach(), "grad.x": x_ref.grad, **{"grad." + n: p.grad for n, p in moe.named_parameters()}}
+    for name, want in expected.items():
+        assert got[name].dtype == want.dtype, (name, got[name].dtype, want.dtype)
+        assert torch.equal(got[name], want), (case, name, (got[name] - want).abs().max().item())
+    # The conversion mattered: without it the output differs.
+    unconverted = MoE(MoEArgs(use_grouped_mm=True, **routing), dim=dim, hidden_dim=hidden)
+    with torch.no_grad():
+        unconverted.init_weights(0.02, torch.device("cpu"))
+        for name, p in unconverted.named_parameters():
+            p.copy_(weights[name])
+    assert not torch.equal(unconverted(x).detach(), ref.detach())
+
+
 # The whole model: torchtitan's Qwen3 MoE model (its Qwen3Model with moe_enabled) and titan's, from the same weights
 # and balancing biases, on the same tokens.
 MODEL_CASES = {

@@ -142,6 +142,21 @@ at::Tensor mx_blocked_scales(const at::Tensor& exponent);
 // at::_scaled_mm with E8M0 block scales (accumulated in float32). Differentiable in x and weight.
 at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate = true);
 
+// y = x W[e]^T for each expert's contiguous rows of x [tokens, K] (`counts` per expert), W [experts, N, K], with every
+// operand of the three products cast to MXFP8 along its contraction dimension (K; N; each expert's tokens, in blocks
+// that start at its first token, the last one filled with zeros as torchao's 32-row token groups are) and multiplied
+// dequantised in x's dtype, expert by expert: torchao's emulated MXFP8 grouped matmul, on every device. W is cast to
+// x's dtype first; the gradients come in x's and W's dtypes. N and K must divide by 32 (a UserError otherwise).
+at::Tensor mx_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, MxScaleRounding rounding);
+
+// A unit whose experts run grouped matmuls (models/common/moe.h's GroupedExperts): the grouped-matmul converter
+// (quantize.grouped_mm.mx) sets how they run.
+class GroupedMatmuls {
+ public:
+  virtual ~GroupedMatmuls() = default;
+  std::optional<MxScaleRounding> mx;  // set: MXFP8 grouped matmuls (mx_grouped_linear)
+};
+
 // Whether `device` has the blockwise-scaled MX matmul titan uses (CUDA compute capability 10.0 or newer); when not,
 // `why` says what it lacks.
 bool has_mx_matmul(const at::Device& device, std::string* why);

@@ -20,6 +20,7 @@ std::string recipe_name(const config::Float8Linear& s) { return s.recipe_name.va
 
 bool is_float8_converter(const std::string& name) { return name == "quantize.linear.float8" || name == "float8"; }
 bool is_mx_converter(const std::string& name) { return name == "quantize.linear.mx" || name == "mx"; }
+bool is_grouped_mx_converter(const std::string& name) { return name == "quantize.grouped_mm.mx"; }
 
 std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
   const config::JobConfig& c = loaded.config;
@@ -84,18 +85,30 @@ std::string float8_recipe_name(const config::JobConfig& config) { return recipe_
 std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
   const config::JobConfig& c = loaded.config;
   std::vector<std::string> errors;
-  int float8_count = 0, mx_count = 0;
+  int float8_count = 0, mx_count = 0, grouped_mx_count = 0;
   for (const auto& name : c.model.converters) {
     if (is_float8_converter(name)) {
       ++float8_count;
     } else if (is_mx_converter(name)) {
       ++mx_count;
+    } else if (is_grouped_mx_converter(name)) {
+      ++grouped_mx_count;
+    } else if (name == "quantize.grouped_mm.float8") {
+      errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
+                           ": float8 (rowwise) grouped matmuls for MoE experts are not supported yet; \"quantize.grouped_mm.mx\" "
+                           "runs them in MXFP8"));
     } else {
       errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
-                           ": not a converter; expected \"quantize.linear.float8\" (or its short name \"float8\") or "
-                           "\"quantize.linear.mx\" (\"mx\")"));
+                           ": not a converter; expected \"quantize.linear.float8\" (or its short name \"float8\"), "
+                           "\"quantize.linear.mx\" (\"mx\") or \"quantize.grouped_mm.mx\""));
     }
   }
+  if (grouped_mx_count > 1)
+    errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists \"quantize.grouped_mm.mx\" twice"));
+  if (grouped_mx_count > 0 && c.quantize.grouped_mm.mx.fqns.empty())
+    errors.push_back(cat("model.converters lists \"quantize.grouped_mm.mx\" ", loaded.where("model.converters"),
+                         " but quantize.grouped_mm.mx.fqns is empty, so no MoE layer would be converted; name them, for "
+                         "example fqns = [\"experts\"] (a substring of each layer's name, as torchtitan matches them)"));
   if (float8_count > 1 || mx_count > 1)
     errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists the ", float8_count > 1 ? "float8" : "MX",
                          " converter twice"));
@@ -130,6 +143,43 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
     errors.push_back(cat("model.converters asks for float8 linears ", loaded.where("model.converters"), ", but ", why,
                          "; quantize.linear.float8.emulate = true runs them emulated (float8 values, float32 matmuls)"));
   return errors;
+}
+
+bool grouped_mx_enabled(const config::JobConfig& config) {
+  const auto& converters = config.model.converters;
+  return std::any_of(converters.begin(), converters.end(), is_grouped_mx_converter);
+}
+
+std::vector<std::string> convert_grouped_to_mx(torch::nn::Module& model, const config::JobConfig& config) {
+  // torchtitan hands quantize.grouped_mm.mx.fqns to torchao, which swaps the parameters of every module whose name
+  // contains an entry, and of the modules below it: the experts' 3-D weights then run MXFP8 grouped matmuls, and 2-D
+  // linear weights among them (the shared experts' under fqns = ["experts"]) MXFP8 linears. titan does the same.
+  const auto& fqns = config.quantize.grouped_mm.mx.fqns;
+  const auto rounding = nn::float8::MxScaleRounding::rceil;  // torchao's MXFP8 training default (its "mxfp8" recipe)
+  std::vector<std::string> grouped, linears;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const std::string& fqn = item.key();
+    if (std::none_of(fqns.begin(), fqns.end(), [&](const std::string& f) { return !f.empty() && fqn.find(f) != std::string::npos; }))
+      continue;
+    if (auto* experts = dynamic_cast<nn::float8::GroupedMatmuls*>(item.value().get())) {
+      experts->mx = rounding;
+      grouped.push_back(fqn);
+    } else if (auto* linear = dynamic_cast<nn::Linear*>(item.value().get()); linear && !linear->has_wrapper(nn::float8::kWrapperName)) {
+      linear->add_innermost_wrapper(nn::float8::kWrapperName, [linear, rounding](const nn::Unit::Inputs& inputs, const nn::Context&,
+                                                                                 const nn::Unit::Next&) {
+        return nn::float8::mx_linear(inputs[0], linear->weight, rounding, /*emulate=*/true);
+      });
+      linears.push_back(fqn);
+    }
+  }
+  if (grouped.empty())
+    fail("quantize.grouped_mm.mx.fqns = [", join(fqns, ", "), "] names no MoE experts of this model (model.converters lists "
+         "\"quantize.grouped_mm.mx\"); torchtitan's MoE layers are named like layers.1.moe.experts, so fqns = [\"experts\"] "
+         "converts them all");
+  log::info("MXFP8 grouped matmuls (quantize.grouped_mm.mx, rceil scales, emulated: dequantised, multiplied in bf16): ",
+            grouped.size(), " MoE expert unit(s) converted", linears.empty() ? std::string() : cat(", and ", linears.size(),
+            " linear(s) under the same names as MXFP8 linears (", join(linears, ", "), ")"));
+  return grouped;
 }
 
 bool mx_enabled(const config::JobConfig& config) {

@@ -293,6 +293,20 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   at::Tensor gate, up;
   const auto device = x.device().type();
   const bool autocast = at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type());
+  const auto swiglu = [](const at::Tensor& g, const at::Tensor& u) {
+    return kernels::fused_kernel_applies(kernels::Op::swiglu, {g, u}) ? kernels::swiglu(g, u) : kernels::swiglu_reference(g, u);
+  };
+  if (mx) {
+    // MXFP8 grouped matmuls (quantize.grouped_mm.mx), as torchtitan's grouped-matmul experts run them: the sorted
+    // tokens and the products in bf16 (what torchao's MXFP8 grouped matmul returns), SiLU and the gate product in
+    // bf16, the output in the input's dtype.
+    // Each product converts the tokens itself, so their two bf16 gradients meet in the input's dtype.
+    NoAutocast no_autocast;
+    const at::Tensor sorted = gather ? x.index_select(0, inputs[2]) : x;
+    const at::Tensor h = at::silu(nn::float8::mx_grouped_linear(sorted.to(at::kBFloat16), w1, counts, *mx)) *
+                         nn::float8::mx_grouped_linear(sorted.to(at::kBFloat16), w3, counts, *mx);
+    return nn::float8::mx_grouped_linear(h, w2, counts, *mx).to(x.scalar_type());
+  }
   if (gather) {
     NoAutocast no_autocast;
     const auto both = GroupedGateUp::apply(x, inputs[2], w1, w3, counts,
@@ -308,9 +322,7 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   } else {
     gate = grouped_linear(x, w1, counts), up = grouped_linear(x, w3, counts);
   }
-  const at::Tensor h = kernels::fused_kernel_applies(kernels::Op::swiglu, {gate, up}) ? kernels::swiglu(gate, up)
-                                                                                         : kernels::swiglu_reference(gate, up);
-  return grouped_linear(h, w2, counts);
+  return grouped_linear(swiglu(gate, up), w2, counts);
 }
 
 MoE::MoE(int64_t dim, const MoEArgs& args, const nn::ParameterOptions& options) : args_(args) {

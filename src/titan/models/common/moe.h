@@ -1,9 +1,10 @@
-// The Mixture-of-Experts feed-forward of torchtitan's MoE models (Qwen3-MoE; DeepSeek-V3 later), with torchtitan's
+// The Mixture-of-Experts feed-forward of torchtitan's MoE models (Qwen3-MoE, DeepSeek-V3), with torchtitan's
 // parameter names: a router (`router.gate`, a linear from the model width to one logit per expert) picks top_k experts
 // per token (token choice, dropless); the tokens are sorted by expert, run through each expert's SwiGLU (3-D weights
 // `experts.w1` [experts, hidden, dim], `experts.w3` [experts, hidden, dim], `experts.w2` [experts, dim, hidden]) and
 // put back in token order, weighted by their routing scores; an optional dense SwiGLU (`shared_experts`) sees every
-// token. Like the dense blocks it knows nothing of parallelism.
+// token. Like the dense blocks it knows nothing of parallelism. The grouped-matmul converter (quantize.grouped_mm.mx)
+// may switch the experts' products to MXFP8 (nn::float8::GroupedMatmuls).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -13,6 +14,7 @@
 #include "titan/distributed/communicator.h"
 
 #include "titan/models/common/decoder.h"
+#include "titan/nn/float8.h"
 #include "titan/models/common/moe_args.h"
 
 namespace titan::models {
@@ -43,7 +45,7 @@ class Router : public nn::Unit {
 // `rows` (gathered here, and again in backward); returns [N, dim]. One grouped product per weight: titan's grouped
 // kernels where they apply (kernels/grouped_mm.h: bf16 on the CPU), otherwise a loop of ATen matmuls over the
 // experts that received tokens.
-class GroupedExperts : public nn::Unit {
+class GroupedExperts : public nn::Unit, public nn::float8::GroupedMatmuls {
  public:
   GroupedExperts(int64_t dim, int64_t hidden_dim, int64_t num_experts, const nn::ParameterOptions& options);
   at::Tensor w1, w2, w3;
