@@ -24,7 +24,10 @@ SupportReport check_supported(const LoadedConfig& loaded) {
   if (c.training.dataloader.num_workers > 0)
     not_yet("training.dataloader.num_workers", std::to_string(c.training.dataloader.num_workers),
             "extra data worker threads (batches are prepared on one background thread; see training.prefetch_batches)");
-  if (c.comm.mode != "default") not_yet("comm.mode", quote(c.comm.mode), "a simulated communication mode");
+  if (c.comm.mode != "default")
+    not_yet("comm.mode", quote(c.comm.mode),
+            "a simulated communication mode (to check a layout without its GPUs: `titan plan` predicts its memory and speed, "
+            "and memory_estimation.enable = true reports each rank's memory on the ranks at hand)");
   if (c.activation_checkpoint.mode == "memory_budget")
     r.errors.push_back(cat("activation_checkpoint.mode = \"memory_budget\" ", loaded.where("activation_checkpoint.mode"),
                            ": needs a graph compiler (torch.compile), which titan.cpp does not have; use full or selective"));
