@@ -227,7 +227,8 @@ def test_memory_estimation_reports_every_rank_instead_of_training(tmp_path):
     rank, and neither trains (no checkpoint although checkpoint.enable is set)."""
     dump = tmp_path / "estimate"
     result = run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(dump), "--model.flavor", "8B",
-                  "--memory_estimation.enable", "--checkpoint.enable"])
+                  "--memory_estimation.enable", "--checkpoint.enable", "--checkpoint.async_mode", "async"])
+    assert "checkpoint staging" in result.stdout  # the job as configured is estimated, its asynchronous saves included
     estimate = ESTIMATE.search(result.stdout)
     report = REPORT.findall(result.stdout)
     assert len(report) == 1 and "some ranks do not fit" in result.stdout, result.stdout[-3000:]
@@ -240,7 +241,8 @@ def test_memory_estimation_reports_every_rank_instead_of_training(tmp_path):
     mpirun = os.environ.get("TITAN_MPIRUN", "mpirun")
     result = run([mpirun, "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "--tag-output", "-np", "2",
                   binary("titan"), "train", *CONFIG, "--job.dump_folder", str(dump), "--training.steps", "100",
-                  "--memory_estimation.enable", "--memory_estimation.disable_fake_mode", "--checkpoint.enable"],
+                  "--memory_estimation.enable", "--memory_estimation.disable_fake_mode", "--checkpoint.enable",
+                  "--checkpoint.initial_load_path", str(tmp_path / "absent")],  # not loaded: no error for its absence
                  env={"LOG_RANK": "all", "TITAN_PEAK_FLOPS": "1e11", "OMP_NUM_THREADS": "1"})
     output = result.stdout
     estimates = {int(m.group(1)): gib(m.group(3), m.group(4)) for m in ESTIMATE.finditer(output)}
@@ -248,7 +250,7 @@ def test_memory_estimation_reports_every_rank_instead_of_training(tmp_path):
     for m in PEAK.finditer(output):
         peaks.setdefault(int(m.group(1)), []).append(float(m.group(2)))
     report = {int(r[0]): r for r in REPORT.findall(output)}
-    assert sorted(report) == [0, 1] and "every rank fits" in output, output[-3000:]
+    assert sorted(report) == [0, 1] and "every rank fits" in output and "2 step(s) run" in output, output[-3000:]
     for rank in (0, 1):
         assert len(peaks[rank]) == 2  # two steps
         _, estimated, measured, ratio, _, no_fit = report[rank]

@@ -131,12 +131,41 @@ def test_the_exit_code_of_a_stopped_a_failed_and_a_killed_run(tmp_path, recorder
     assert recorder.exit_code() == 2
 
 
+def test_a_resumed_run_continues_the_same_w_and_b_run(tmp_path, recorder):
+    """A job restarted from its checkpoint with the same WANDB_RUN_ID (a SLURM requeue) writes a second offline run of
+    that id with the resume flag; `wandb sync` of both asks W&B for the run's state and appends the second's rows
+    after the first's (the recording server answers with the rows it holds). With WANDB_RESUME=never the second sync
+    starts the run's history again, as W&B's SDK would."""
+    dump = tmp_path / "run"
+    args = ["--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.no_last_save_model_only"]
+    run(command(dump, "--training.steps", "4", *args), env={"WANDB_RUN_ID": "requeued"})
+    resumed = run(command(dump, "--training.steps", "8", *args), env={"WANDB_RUN_ID": "requeued"})
+    assert "step:  5" in resumed.stdout and "step:  1 " not in resumed.stdout
+    runs = sorted(dump.glob("tb/*/wandb/offline-run-*-requeued"))
+    assert len(runs) == 2, runs
+    synced = recorder.sync(runs, tmp_path)
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    assert [row["_step"] for row in recorder.history_lines["requeued"]] == list(range(1, 9))
+    assert [name for name, _ in recorder.graphql].count("RunResumeStatus") == 2
+
+    dump = tmp_path / "never"
+    run(command(dump, "--training.steps", "4", *args), env={"WANDB_RUN_ID": "restarted"})
+    run(command(dump, "--training.steps", "8", *args), env={"WANDB_RUN_ID": "restarted", "WANDB_RESUME": "never"})
+    synced = recorder.sync(sorted(dump.glob("tb/*/wandb/offline-run-*-restarted")), tmp_path)
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    assert [row["_step"] for row in recorder.history_lines["restarted"]] == [5, 6, 7, 8]
+
+
 def test_environment_errors_and_wandb_mode_disabled(tmp_path):
     for variables, message in (({"WANDB_RESUME_FROM": "abc?_step=10"}, "WANDB_RESUME_FROM=\"abc?_step=10\": rewinding"),
                                ({"WANDB_FORK_FROM": "abc?_step=10"}, "WANDB_FORK_FROM"),
                                ({"WANDB_RUN_ID": "a/b"}, "WANDB_RUN_ID=\"a/b\": a W&B run id is 1-128 letters")):
         result = run(command(tmp_path / "bad", "--training.steps", "1"), env=variables, check=False)
         assert result.returncode != 0 and message in result.stdout + result.stderr, result.stdout + result.stderr
+    # A job that fails while starting (a checkpoint that is not there) leaves no W&B run.
+    result = run(command(tmp_path / "start", "--training.steps", "1", "--checkpoint.initial_load_path", str(tmp_path / "none")),
+                 check=False)
+    assert result.returncode == 2 and not list((tmp_path / "start").glob("tb/*/wandb/offline-run-*")), result.stderr
     result = run(command(tmp_path / "off", "--training.steps", "1"), env={"WANDB_MODE": "disabled"})
     assert "Weights & Biases logging is off: WANDB_MODE=disabled" in result.stdout
     assert not list((tmp_path / "off").glob("tb/*/wandb"))

@@ -172,7 +172,7 @@ def test_mxfp8_grouped_experts_on_expert_and_data_parallel_layouts(tmp_path):
     assert relative(plain, one, "loss") > 1e-6  # the conversion changes the run
     for name, np_, extra, bound in [
             ("ep2", 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                        "--training.local_batch_size", "4"], 1e-5),
+                        "--training.local_batch_size", "4"], 3e-7),  # measured 1.2e-7, 2026-11-30
             # TP's partial sums round differently in float32, and later steps' MXFP8 casts round some of those
             # differences to neighbouring values: 1.7e-5 (loss) and 6.0e-5 (gradient norm) over 10 steps, 2026-11-30.
             ("tp2", 2, tp2, 1e-4),
@@ -182,6 +182,8 @@ def test_mxfp8_grouped_experts_on_expert_and_data_parallel_layouts(tmp_path):
         loss, norm = relative(got, one, "loss"), relative(got, one, "grad_norm")
         print(f"MXFP8 grouped experts {name}: worst relative loss difference {loss:.2e}, gradient norm {norm:.2e} over {STEPS} steps")
         assert abs(got[0]["loss"] - one[0]["loss"]) <= 1e-6 * one[0]["loss"]
+        if name != "fsdp2":  # FSDP 2's first gradients already carry its own weight-gradient blocks
+            assert abs(got[0]["grad_norm"] - one[0]["grad_norm"]) <= 1e-6 * one[0]["grad_norm"]
         assert loss <= bound and norm <= bound
 
 

@@ -98,7 +98,8 @@ def test_an_mxfp8_linear_equals_torchao_bitwise(tmp_path, recipe, dtype):
 
 def torchao_mx_grouped(x, w, grad, counts):
     """torchao's MXFP8 grouped matmul with its emulated kernels (the autograd function its MXFP8 training config puts
-    behind torch._grouped_mm), padding each expert's tokens to 32 rows as torchtitan's MoE does."""
+    behind torch._grouped_mm), told to pad each expert's tokens to 32 rows itself (pad_token_groups_for_grouped_mm),
+    which is what torchtitan's MoE does before calling it."""
     from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
@@ -155,6 +156,9 @@ def test_an_mxfp8_grouped_matmul_equals_torchao_bitwise(tmp_path):
     # The debug model is dense: nothing to convert.
     (["--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"],
      ("quantize.grouped_mm.mx.fqns = [experts] names no MoE experts of this model",)),
+    (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "20", "--model.converters",
+      "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"],
+     ("training.seq_len = 20: quantize.grouped_mm.mx converts layers.1.moe.shared_experts.w1", "multiples of 32 tokens")),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.moe_inter_dim", "48", "--model.converters",
       "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"],
      ("MXFP8 grouped matmuls need expert weights whose two dimensions divide into blocks of 32; this one is 48 x 256",)),

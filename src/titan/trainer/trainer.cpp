@@ -36,7 +36,8 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   const distributed::ParallelDims dims = check_job();
   start_process(dims);
   build_tokenizer();
-  check_memory(dims);
+  check_memory(dims);  // of the job as configured
+  if (loaded_.config.memory_estimation.enable) restrict_to_memory_estimation();
   if (estimate_only()) return;  // the estimate is the result: nothing large is allocated
   build_model(dims);
   build_training(dims);
@@ -45,7 +46,6 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 distributed::ParallelDims Trainer::check_job() {
   const config::JobConfig& c = loaded_.config;
   config::require_supported(loaded_);
-  if (c.memory_estimation.enable) restrict_to_memory_estimation();
   kernels::set_fused_kernels_enabled(c.training.fused_kernels);
   weight_casts_per_step_ = c.training.autocast_weight_casts == "step";
   launch_ = distributed::detect_launch();
@@ -449,6 +449,7 @@ void Trainer::restrict_to_memory_estimation() {
   // metric files.
   config::JobConfig& c = loaded_.config;
   c.checkpoint.enable = false;
+  c.checkpoint.initial_load_path.reset();
   c.checkpoint.create_seed_checkpoint = false;
   c.validation.enable = false;
   c.profiling.enable_profiling = false;
@@ -463,7 +464,8 @@ void Trainer::restrict_to_memory_estimation() {
                   "runs 2 steps and measures)");
 }
 
-int Trainer::report_memory_estimation(bool measured) {
+int Trainer::report_memory_estimation(int64_t steps_run) {
+  const bool measured = steps_run > 0;
   // Rank 0 lists every rank: estimate, measured peak (or 0), what was available.
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const double mine[3] = {estimated_bytes_ / gib, measured ? metrics_->highest_peak_gib() : 0.0, available_bytes_ / gib};
@@ -482,7 +484,8 @@ int Trainer::report_memory_estimation(bool measured) {
     if (measured) lines += strprintf(", measured peak %.3f GiB (estimate / measured %.2f)", peak, peak > 0 ? estimate / peak : 0.0);
     lines += strprintf(" of %.2f GiB available%s", available, estimate <= available ? "" : ": does not fit");
   }
-  log::info("Memory estimation (memory_estimation.enable; ", measured ? "2 steps run" : "nothing allocated", "), ",
+  log::info("Memory estimation (memory_estimation.enable; ",
+            measured ? cat(steps_run, " step(s) run") : estimate_only() ? std::string("nothing allocated") : std::string("no step run"), "), ",
             fits ? "every rank fits" : "some ranks do not fit", ":", lines);
   return 0;
 }
@@ -569,7 +572,7 @@ void Trainer::after_step(std::optional<StepResult> r, int64_t first_step) {
 }
 
 int Trainer::train() {
-  if (estimate_only()) return report_memory_estimation(false);
+  if (estimate_only()) return report_memory_estimation(0);
   const auto& c = loaded_.config;
   StopSignals stop_signals;
   log::info("Training starts at step ", train_state_.step + 1, " of ", c.training.steps, " (local batch ", c.training.local_batch_size,
@@ -636,7 +639,7 @@ int Trainer::train() {
             control_reductions_, " control reduction(s) over ", control_->size(), " rank(s) on ",
             control_->tensor_device().is_cpu() ? "host memory" : "the device", "; ", device_reads_, " read(s) of device memory");
   if (checkpointer_) checkpointer_->wait();
-  if (c.memory_estimation.enable && exit_code == 0) exit_code = report_memory_estimation(true);
+  if (c.memory_estimation.enable && exit_code == 0) exit_code = report_memory_estimation(train_state_.step - first_step);
   else if (exit_code == 0)
     log::info("Training completed: ", train_state_.step, " steps, ", with_thousands(train_state_.tokens_seen), " tokens");
   log_summary(first_step, train_start);

@@ -111,7 +111,7 @@ class Trainer {
   // memory_estimation.enable: the job is estimated instead of trained (torchtitan's memory estimation).
   void restrict_to_memory_estimation();
   bool estimate_only() const { return loaded_.config.memory_estimation.enable && !loaded_.config.memory_estimation.disable_fake_mode; }
-  int report_memory_estimation(bool measured);
+  int report_memory_estimation(int64_t steps_run);  // 0: the estimate alone
 
   config::LoadedConfig loaded_;
   at::Device device_{at::kCPU};

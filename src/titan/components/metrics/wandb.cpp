@@ -62,8 +62,9 @@ std::string json_number(double v) {
   return strprintf("%.17g", v);
 }
 
-// HistoryItem / SummaryItem / ConfigItem share their fields: key = 1, nested_key = 2 (repeated), value_json = 16. Keys
-// go as a one-element nested_key, as the SDK writes them: "loss_metrics/global_avg_loss" stays one flat name.
+// HistoryItem / SummaryItem / ConfigItem share their fields: key = 1, nested_key = 2 (repeated), value_json = 16.
+// History and summary keys go as a one-element nested_key, as the offline files of wandb 0.31.0's SDK hold them:
+// "loss_metrics/global_avg_loss" stays one flat name.
 std::string item(const std::string& name, const std::string& value_json, bool nested = true) {
   std::string m;
   length_delimited(m, nested ? 2 : 1, name);
@@ -93,45 +94,59 @@ WandbRunOptions wandb_options_from_environment() {
     if (!env(name).empty())
       fail(name, "=", quote(env(name)), ": rewinding or forking a W&B run happens on W&B's server; titan.cpp writes offline "
            "runs for `wandb sync` (metrics.enable_wandb), so unset it and rewind or fork the run on W&B after syncing");
+  // torchtitan's variable first, then the W&B SDK's own (which the SDK reads when torchtitan passes None).
+  const auto either = [](const char* torchtitan, const char* sdk) { return env(torchtitan).empty() ? env(sdk) : env(torchtitan); };
   WandbRunOptions o;
   o.id = env("WANDB_RUN_ID");
   if (!o.id.empty() && !valid_run_id(o.id))
     fail("WANDB_RUN_ID=", quote(o.id), ": a W&B run id is 1-128 letters, digits, '-', '_' or '.' (metrics.enable_wandb)");
+  const std::string resume = env("WANDB_RESUME");
+  o.resume = resume.empty() ? !o.id.empty() : resume != "never";
   if (!env("WANDB_PROJECT").empty()) o.project = env("WANDB_PROJECT");
-  o.entity = env("WANDB_TEAM");
-  o.name = env("WANDB_RUN_NAME");
+  o.entity = either("WANDB_TEAM", "WANDB_ENTITY");
+  o.name = either("WANDB_RUN_NAME", "WANDB_NAME");
   o.group = env("WANDB_RUN_GROUP");
-  o.job_type = env("WANDB_RUN_JOB_TYPE");
-  o.notes = env("WANDB_RUN_NOTES");
-  for (const auto& tag : split(env("WANDB_RUN_TAGS"), ',')) {
+  o.job_type = either("WANDB_RUN_JOB_TYPE", "WANDB_JOB_TYPE");
+  o.notes = either("WANDB_RUN_NOTES", "WANDB_NOTES");
+  for (const auto& tag : split(either("WANDB_RUN_TAGS", "WANDB_TAGS"), ',')) {
     const std::string t = trim(tag);
     if (!t.empty()) o.tags.push_back(t);
   }
   return o;
 }
 
-bool wandb_disabled_by_environment() { return env("WANDB_MODE") == "disabled"; }
+bool wandb_disabled_by_environment() {
+  const std::string disabled = env("WANDB_DISABLED");
+  return env("WANDB_MODE") == "disabled" || disabled == "true" || disabled == "1";
+}
 
 WandbOfflineRun::WandbOfflineRun(const std::string& directory, WandbRunOptions options, const std::string& config_json)
-    : options_(std::move(options)) {
+    : options_(std::move(options)), config_json_(config_json) {
   if (options_.id.empty()) options_.id = random_id();
   start_time_ = wall_time();
-  const std::time_t now = static_cast<std::time_t>(start_time_);
-  char stamp[32];
-  std::strftime(stamp, sizeof(stamp), "%Y%m%d_%H%M%S", std::localtime(&now));
-  run_directory_ = (fs::path(directory) / "wandb" / cat("offline-run-", stamp, "-", options_.id)).string();
+  // The SDK's folder name; a restart of the same id within the same second takes the next free second.
+  for (std::time_t second = static_cast<std::time_t>(start_time_);; ++second) {
+    char stamp[32];
+    std::strftime(stamp, sizeof(stamp), "%Y%m%d_%H%M%S", std::localtime(&second));
+    run_directory_ = (fs::path(directory) / "wandb" / cat("offline-run-", stamp, "-", options_.id)).string();
+    std::error_code ec;
+    if (!fs::exists(run_directory_, ec)) break;
+  }
+  path_ = (fs::path(run_directory_) / cat("run-", options_.id, ".wandb")).string();
+}
+
+void WandbOfflineRun::open() {
+  if (opened_) return;
+  opened_ = true;
   std::error_code ec;
   fs::create_directories(fs::path(run_directory_) / "files", ec);
   if (ec) fail("cannot create the W&B run folder ", quote(run_directory_), ": ", ec.message(), " (metrics.enable_wandb)");
-  path_ = (fs::path(run_directory_) / cat("run-", options_.id, ".wandb")).string();
   file_ = std::fopen(path_.c_str(), "wbx");  // a new run never overwrites another's records
   if (!file_) fail("cannot create the W&B run file ", quote(path_), ": ", std::strerror(errno), " (metrics.enable_wandb)");
   std::string ident = ":W&B";
   wire::fixed(ident, 0xBEE1, 2);
   ident.push_back('\0');
-  if (std::fwrite(ident.data(), 1, ident.size(), file_) != ident.size())
-    fail("cannot write the W&B run file ", quote(path_), ": ", std::strerror(errno));
-  offset_ = ident.size();
+  write_bytes(ident);
 
   std::string version;
   length_delimited(version, 1, cat("titan.cpp ", TITAN_VERSION));  // producer
@@ -141,8 +156,9 @@ WandbOfflineRun::WandbOfflineRun(const std::string& directory, WandbRunOptions o
 
   nlohmann::ordered_json config;
   try {
-    config = nlohmann::ordered_json::parse(config_json);
+    config = nlohmann::ordered_json::parse(config_json_);
   } catch (const std::exception& e) {
+    close_after_error();
     fail("the job config does not serialise to JSON for W&B: ", e.what());
   }
   std::string config_record;
@@ -161,18 +177,33 @@ WandbOfflineRun::WandbOfflineRun(const std::string& directory, WandbRunOptions o
   for (const auto& tag : options_.tags) length_delimited(run, 10, tag);
   length_delimited(run, 13, host);
   length_delimited(run, 17, timestamp(start_time_));
+  if (options_.resume) varint_field(run, 24, 1);  // resume: a run of this id may exist already (W&B appends to it)
   write_record(kRun, run);
 }
 
 WandbOfflineRun::~WandbOfflineRun() {
+  // A run that never logged (its job failed while starting) leaves no file; one that did is closed with an exit code.
   if (!file_) return;
   try {
     finish(std::uncaught_exceptions() > 0 ? 1 : 0);
   } catch (const std::exception& e) {
     log::warn("W&B run file ", path_, " was not closed cleanly: ", e.what());
   }
+  close_after_error();
+}
+
+void WandbOfflineRun::close_after_error() {
   if (file_) std::fclose(file_);
   file_ = nullptr;
+}
+
+void WandbOfflineRun::write_bytes(const std::string& bytes) {
+  if (std::fwrite(bytes.data(), 1, bytes.size(), file_) != bytes.size() || std::fflush(file_) != 0) {
+    const int error = errno;
+    close_after_error();  // nothing more is appended at a block offset the file does not have
+    fail("cannot write the W&B run file ", quote(path_), ": ", std::strerror(error), error == ENOSPC ? " (disk full)" : "");
+  }
+  offset_ += bytes.size();
 }
 
 std::string WandbOfflineRun::record_info() const {
@@ -190,11 +221,12 @@ void WandbOfflineRun::write_record(int field, const std::string& message) {
   std::string out;
   size_t pos = 0;
   bool first = true;
+  uint64_t offset = offset_;  // where `out` starts; offset_ moves once it is written
   do {
-    uint64_t left = kBlockSize - offset_ % kBlockSize;
+    uint64_t left = kBlockSize - offset % kBlockSize;
     if (left < kFragmentHeader) {
       out.append(left, '\0');
-      offset_ += left;
+      offset += left;
       left = kBlockSize;
     }
     const size_t n = std::min<size_t>(left - kFragmentHeader, record.size() - pos);
@@ -205,16 +237,15 @@ void WandbOfflineRun::write_record(int field, const std::string& message) {
     wire::fixed(out, n, 2);
     out.push_back(static_cast<char>(type));
     out.append(record, pos, n);
-    offset_ += kFragmentHeader + n;
+    offset += kFragmentHeader + n;
     pos += n;
     first = false;
   } while (pos < record.size());
-  if (std::fwrite(out.data(), 1, out.size(), file_) != out.size() || std::fflush(file_) != 0)
-    fail("cannot write the W&B run file ", quote(path_), ": ", std::strerror(errno), errno == ENOSPC ? " (disk full)" : "");
+  write_bytes(out);
 }
 
 void WandbOfflineRun::log(int64_t step, const std::vector<std::pair<std::string, double>>& scalars) {
-  if (!file_) fail("the W&B run ", options_.id, " is finished; step ", step, " was logged after it");
+  if (finished_) fail("the W&B run ", options_.id, " is finished; step ", step, " was logged after it");
   if (has_pending_ && step < pending_step_)
     fail("W&B history steps must not decrease: step ", step, " was logged after step ", pending_step_);
   if (has_pending_ && step != pending_step_) end_step();
@@ -234,6 +265,8 @@ void WandbOfflineRun::log(int64_t step, const std::vector<std::pair<std::string,
 
 void WandbOfflineRun::end_step() {
   if (!has_pending_) return;
+  open();
+  if (!file_) fail("the W&B run file ", quote(path_), " could not be written earlier; step ", pending_step_, " is not in it");
   // W&B's own keys: _step (the row's step), _timestamp (Unix seconds) and _runtime (seconds since the run started).
   std::vector<std::pair<std::string, std::string>> values = {{"_step", std::to_string(pending_step_)}};
   for (const auto& [name, value] : pending_) values.emplace_back(name, json_number(value));
@@ -254,14 +287,16 @@ void WandbOfflineRun::end_step() {
 }
 
 void WandbOfflineRun::finish(int exit_code) {
-  if (!file_) return;
+  if (finished_) return;
+  finished_ = true;
+  open();
+  if (!file_) return;  // a write failed earlier, and said so
   end_step();
   std::string exit;
   varint_field(exit, 1, exit_code);
   varint_field(exit, 2, static_cast<int64_t>(wall_time() - start_time_));
   write_record(kExit, exit);
-  std::fclose(file_);
-  file_ = nullptr;
+  close_after_error();
 }
 
 }  // namespace titan::metrics

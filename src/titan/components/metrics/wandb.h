@@ -24,23 +24,29 @@ struct WandbRunOptions {
   std::string name;     // display name; empty: W&B's generated one
   std::string group, job_type, notes;
   std::vector<std::string> tags;
+  bool resume = false;  // the run record's resume flag: `wandb sync` continues a run of the same id on W&B
 };
 
 // The options torchtitan's W&B logger takes from the environment: WANDB_RUN_ID, WANDB_PROJECT, WANDB_TEAM (entity),
-// WANDB_RUN_NAME, WANDB_RUN_GROUP, WANDB_RUN_JOB_TYPE, WANDB_RUN_NOTES, WANDB_RUN_TAGS (comma-separated). Throws a
-// UserError naming the variable for a run id W&B would refuse, and for WANDB_RESUME_FROM / WANDB_FORK_FROM (rewinding
-// and forking are operations of W&B's server, not of an offline run).
+// WANDB_RUN_NAME, WANDB_RUN_GROUP, WANDB_RUN_JOB_TYPE, WANDB_RUN_NOTES, WANDB_RUN_TAGS (comma-separated), each but the
+// first two falling back to the SDK's own name (WANDB_ENTITY, WANDB_NAME, WANDB_JOB_TYPE, WANDB_NOTES, WANDB_TAGS) as
+// the SDK does under torchtitan. `resume` is set when WANDB_RUN_ID is (a restarted job continues its run), unless
+// WANDB_RESUME = never; any other WANDB_RESUME value sets it too. Throws a UserError naming the variable for a run id
+// W&B would refuse, and for WANDB_RESUME_FROM / WANDB_FORK_FROM (rewinding and forking are operations of W&B's
+// server, not of an offline run).
 WandbRunOptions wandb_options_from_environment();
 
-// Whether WANDB_MODE=disabled switches W&B logging off (as it does for the W&B SDK).
+// Whether WANDB_MODE=disabled or WANDB_DISABLED=true switches W&B logging off (as they do for the W&B SDK).
 bool wandb_disabled_by_environment();
 
 class WandbOfflineRun {
  public:
-  // Creates {directory}/wandb/offline-run-YYYYmmdd_HHMMSS-<id>/run-<id>.wandb and writes the header and run records;
-  // `config_json` is a JSON object whose top-level members become the run's config.
+  // The run {directory}/wandb/offline-run-YYYYmmdd_HHMMSS-<id>/run-<id>.wandb, created with its header and run records
+  // when its first step or its end is written (a job that fails while starting leaves none); `config_json` is a JSON
+  // object whose top-level members become the run's config.
   WandbOfflineRun(const std::string& directory, WandbRunOptions options, const std::string& config_json);
-  // Without finish(): writes the pending step and an exit record with code 1 if an exception is unwinding, 0 if not.
+  // Without finish(): writes the pending step and an exit record with code 1 if an exception is unwinding, 0 if not
+  // (nothing if the run was never written).
   ~WandbOfflineRun();
   WandbOfflineRun(const WandbOfflineRun&) = delete;
   WandbOfflineRun& operator=(const WandbOfflineRun&) = delete;
@@ -60,9 +66,14 @@ class WandbOfflineRun {
 
  private:
   std::string record_info() const;
+  void open();
   void write_record(int field, const std::string& message);
+  void write_bytes(const std::string& bytes);  // a write error closes the file, then throws
+  void close_after_error();
 
   WandbRunOptions options_;
+  std::string config_json_;
+  bool opened_ = false, finished_ = false;
   std::string run_directory_, path_;
   std::FILE* file_ = nullptr;
   uint64_t offset_ = 0;  // bytes in the file, for the 32 KiB blocks

@@ -156,7 +156,18 @@ std::vector<std::string> convert_grouped_to_mx(torch::nn::Module& model, const c
   // linear weights among them (the shared experts' under fqns = ["experts"]) MXFP8 linears. titan does the same.
   const auto& fqns = config.quantize.grouped_mm.mx.fqns;
   const auto rounding = nn::float8::MxScaleRounding::rceil;  // torchao's MXFP8 training default (its "mxfp8" recipe)
-  std::vector<std::string> grouped, linears;
+  const int64_t tp = std::max<int64_t>(1, config.parallelism.tensor_parallel_degree);
+  // A linear under those names becomes an MXFP8 linear when each rank's piece of its weight holds whole blocks of 32
+  // (checked on both dimensions divided by the TP degree, whichever TP splits), and, under TP, unless it runs whole on
+  // every rank with partial output gradients (the router, latent attention's down-projections), which MXFP8 cannot
+  // scale as one process does; the others stay in high precision, listed.
+  const auto linear_converts = [tp](const std::string& fqn, const at::Tensor& w) {
+    if (tp > 1)
+      for (const char* suffix : {".router.gate", ".wq_a", ".wkv_a"})
+        if (ends_with(fqn, suffix)) return false;
+    return w.size(0) % (32 * tp) == 0 && w.size(1) % (32 * tp) == 0;
+  };
+  std::vector<std::string> grouped, linears, kept;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     const std::string& fqn = item.key();
     if (std::none_of(fqns.begin(), fqns.end(), [&](const std::string& f) { return !f.empty() && fqn.find(f) != std::string::npos; }))
@@ -165,6 +176,10 @@ std::vector<std::string> convert_grouped_to_mx(torch::nn::Module& model, const c
       experts->mx = rounding;
       grouped.push_back(fqn);
     } else if (auto* linear = dynamic_cast<nn::Linear*>(item.value().get()); linear && !linear->has_wrapper(nn::float8::kWrapperName)) {
+      if (!linear_converts(fqn, linear->weight)) {
+        kept.push_back(fqn);
+        continue;
+      }
       linear->add_innermost_wrapper(nn::float8::kWrapperName, [linear, rounding](const nn::Unit::Inputs& inputs, const nn::Context&,
                                                                                  const nn::Unit::Next&) {
         return nn::float8::mx_linear(inputs[0], linear->weight, rounding, /*emulate=*/true);
@@ -176,9 +191,15 @@ std::vector<std::string> convert_grouped_to_mx(torch::nn::Module& model, const c
     fail("quantize.grouped_mm.mx.fqns = [", join(fqns, ", "), "] names no MoE experts of this model (model.converters lists "
          "\"quantize.grouped_mm.mx\"); torchtitan's MoE layers are named like layers.1.moe.experts, so fqns = [\"experts\"] "
          "converts them all");
+  const int64_t cp = std::max<int64_t>(1, config.parallelism.context_parallel_degree);
+  if (!linears.empty() && (config.training.seq_len / cp) % 32 != 0)
+    fail("training.seq_len = ", config.training.seq_len, cp > 1 ? cat(" over context_parallel_degree = ", cp) : std::string(),
+         ": quantize.grouped_mm.mx converts ", join(linears, ", "), " to MXFP8 linears, which need each rank's sequences in "
+         "multiples of 32 tokens (the weight gradient's blocks of 32 run along the tokens)");
   log::info("MXFP8 grouped matmuls (quantize.grouped_mm.mx, rceil scales, emulated: dequantised, multiplied in bf16): ",
             grouped.size(), " MoE expert unit(s) converted", linears.empty() ? std::string() : cat(", and ", linears.size(),
-            " linear(s) under the same names as MXFP8 linears (", join(linears, ", "), ")"));
+            " linear(s) under the same names as MXFP8 linears (", join(linears, ", "), ")"),
+            kept.empty() ? std::string() : cat("; kept in high precision: ", join(kept, ", ")));
   return grouped;
 }
 
