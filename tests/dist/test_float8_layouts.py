@@ -145,44 +145,65 @@ def test_mxfp8_layouts_match_one_process(tmp_path):
         assert worst <= 1e-5
 
 
-def test_mxfp8_grouped_experts_on_expert_and_data_parallel_layouts(tmp_path):
-    """quantize.grouped_mm.mx on a small Qwen3-MoE (8 experts of 64 hidden units, top 2, balancing on), 10 float32
-    steps: EP 2, TP 2 and FSDP 2 against one process. The experts' products cast per token row and per weight row, and
-    the weight gradient per expert in blocks of 32 of its tokens; under EP each expert receives the whole batch's
-    tokens in one process's order, so its blocks are one process's; under TP each rank's 32 hidden units are one block,
-    so the first step is one process's and later ones drift by MXFP8 roundings of float32 rounding differences. Under FSDP 2 each rank's experts see only that rank's tokens,
-    so their weight-gradient blocks are cut differently (as in torchtitan): the first step's loss is one process's,
-    the gradients differ by MXFP8 roundings."""
+GROUPED = {
+    # converter: (log line, the layouts: name, ranks, options, bound on the relative loss and gradient-norm differences)
+    "mx": ("MXFP8 grouped matmuls (quantize.grouped_mm.mx, rceil scales", [
+        ("ep2", 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                    "--training.local_batch_size", "4"], 3e-7),  # measured 1.2e-7, 2026-11-30
+        # TP's partial sums round differently in float32, and later steps' MXFP8 casts round some of those
+        # differences to neighbouring values: 1.7e-5 (loss) and 6.0e-5 (gradient norm) over 10 steps, 2026-11-30.
+        ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                    "--training.local_batch_size", "8"], 1e-4),
+        # Measured on 2026-11-30: 1.9e-5 (loss) and 4.3e-5 (gradient norm); the first step's loss is one process's.
+        ("fsdp2", 2, FSDP2, 1e-4)]),
+    "float8": ("float8 (rowwise) grouped matmuls (quantize.grouped_mm.float8, power-of-two scales per row", [
+        ("ep2", 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                    "--training.local_batch_size", "4"], 5e-7),  # measured 2.4e-7, 2026-11-30
+        ("fsdp2", 2, FSDP2, 1e-4)]),  # measured 1.9e-5 and 4.3e-5, 2026-11-30
+}
+
+
+@pytest.mark.parametrize("converter", list(GROUPED))
+def test_low_precision_grouped_experts_on_expert_and_data_parallel_layouts(tmp_path, converter):
+    """quantize.grouped_mm.mx / .float8 on a small Qwen3-MoE (8 experts of 64 hidden units, top 2, balancing on), 10
+    float32 steps against one process. The experts' products cast per token row and per weight row, and the weight
+    gradient per expert along its tokens (MXFP8 in blocks of 32, float8 with one scale per row over them). Under EP
+    each expert receives the whole batch's tokens in one process's order, so its casts are one process's. Under TP
+    (MXFP8) each rank's 32 hidden units are one block, so the first step is one process's and later ones drift by
+    MXFP8 roundings of float32 rounding differences. Under FSDP 2 each rank's experts see only that rank's tokens, so
+    their weight-gradient casts are taken over other tokens (as in torchtitan): the first step's loss is one process's,
+    the gradients differ by low-precision roundings."""
     from test_qwen3_layouts import COMMON as QWEN3_COMMON, MOE
+
+    line, layouts = GROUPED[converter]
 
     def steps(name, np_, extra):
         out = tmp_path / name
         mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(np_)]
         result = run(([] if np_ == 1 else mpirun) + [binary("titan_train_probe"), "--probe.out", str(out), "--job.dump_folder",
-                     str(out / "dump"), *QWEN3_COMMON, *MOE, "--model.moe_inter_dim", "64", "--training.steps", str(STEPS), "--model.converters",
-                     "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts", *extra],
-                     env={"OMP_NUM_THREADS": "1"}, timeout=900)
-        converted = "MXFP8 grouped matmuls (quantize.grouped_mm.mx, rceil scales" in result.stdout
+                     str(out / "dump"), *QWEN3_COMMON, *MOE, "--model.moe_inter_dim", "64", "--training.steps", str(STEPS),
+                     "--model.converters", f"quantize.grouped_mm.{converter}", f"--quantize.grouped_mm.{converter}.fqns", "experts",
+                     *extra], env={"OMP_NUM_THREADS": "1"}, timeout=900)
+        converted = line in result.stdout
         assert converted == (name != "plain") and (not converted or "2 MoE expert unit(s) converted" in result.stdout)
         return json.loads((out / "metrics.json").read_text())["steps"]
 
-    tp2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "8"]
+    if converter == "float8":  # per-row scales of TP's pieces of a row would not be one process's: refused
+        mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2"]
+        refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "tp"), *QWEN3_COMMON, *MOE,
+                                "--training.steps", "1", "--parallelism.tensor_parallel_degree", "2", "--model.converters",
+                                "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
+                      env={"OMP_NUM_THREADS": "1"}, check=False)
+        assert refused.returncode != 0 and "float8 grouped matmuls under tensor parallelism are not supported yet" in refused.stderr
     one = steps("one", 1, ["--training.local_batch_size", "8"])
     plain = steps("plain", 1, ["--training.local_batch_size", "8", "--model.converters", ""])
     assert relative(plain, one, "loss") > 1e-6  # the conversion changes the run
-    for name, np_, extra, bound in [
-            ("ep2", 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                        "--training.local_batch_size", "4"], 3e-7),  # measured 1.2e-7, 2026-11-30
-            # TP's partial sums round differently in float32, and later steps' MXFP8 casts round some of those
-            # differences to neighbouring values: 1.7e-5 (loss) and 6.0e-5 (gradient norm) over 10 steps, 2026-11-30.
-            ("tp2", 2, tp2, 1e-4),
-            # Measured on 2026-11-30: 1.9e-5 (loss) and 4.3e-5 (gradient norm); the first step's loss is one process's.
-            ("fsdp2", 2, FSDP2, 1e-4)]:
+    for name, np_, extra, bound in layouts:
         got = steps(name, np_, extra)
         loss, norm = relative(got, one, "loss"), relative(got, one, "grad_norm")
-        print(f"MXFP8 grouped experts {name}: worst relative loss difference {loss:.2e}, gradient norm {norm:.2e} over {STEPS} steps")
+        print(f"{converter} grouped experts {name}: worst relative loss difference {loss:.2e}, gradient norm {norm:.2e} over {STEPS} steps")
         assert abs(got[0]["loss"] - one[0]["loss"]) <= 1e-6 * one[0]["loss"]
-        if name != "fsdp2":  # FSDP 2's first gradients already carry its own weight-gradient blocks
+        if name != "fsdp2":  # FSDP 2's first gradients already carry its own weight-gradient casts
             assert abs(got[0]["grad_norm"] - one[0]["grad_norm"]) <= 1e-6 * one[0]["grad_norm"]
         assert loss <= bound and norm <= bound
 

@@ -2,8 +2,8 @@
 // usage: titan_float8_probe --in IN.safetensors --recipe RECIPE --out OUT.safetensors
 // RECIPE: tensorwise|rowwise|rowwise_with_gw_hp (float8, emulated) or mxfp8_cublas|mxfp8_cublas_rceil (MXFP8, emulated).
 // IN holds x [..., K], weight [N, K] and grad [..., N] (any float dtypes); OUT gets y, grad_x and grad_weight.
-// With "counts" (int64 [experts]) in IN, weight is [experts, N, K] and the MXFP8 grouped matmul runs on x's rows
-// sorted by expert.
+// With "counts" (int64 [experts]) in IN, weight is [experts, N, K] and the grouped matmul runs on x's rows sorted by
+// expert: MXFP8 for an mxfp8 recipe, float8 rowwise for RECIPE float8_rowwise.
 #include <iostream>
 #include <map>
 
@@ -18,7 +18,13 @@ static int run_probe(int argc, char** argv) {
     titan::safetensors::File in(opt.at("--in"));
     at::Tensor x = in.load("x").requires_grad_(), weight = in.load("weight").requires_grad_();
     const std::string name = opt.at("--recipe");
-    at::Tensor y = in.contains("counts")            ? titan::nn::float8::mx_grouped_linear(x, weight, in.load("counts"), titan::nn::float8::mx_recipe(name))
+    using titan::nn::float8::GroupedCast;
+    const auto grouped = name == "float8_rowwise" ? GroupedCast::float8_rowwise
+                         : titan::nn::float8::mx_recipe(name.rfind("mxfp8", 0) == 0 ? name : "mxfp8_cublas_rceil") ==
+                                 titan::nn::float8::MxScaleRounding::rceil
+                             ? GroupedCast::mx_rceil
+                             : GroupedCast::mx_floor;
+    at::Tensor y = in.contains("counts")            ? titan::nn::float8::grouped_linear(x, weight, in.load("counts"), grouped)
                    : name.rfind("mxfp8", 0) == 0 ? titan::nn::float8::mx_linear(x, weight, titan::nn::float8::mx_recipe(name))
                                                  : titan::nn::float8::linear(x, weight, titan::nn::float8::recipe(name), /*emulate=*/true);
     y.backward(in.load("grad"));

@@ -4,8 +4,8 @@
 // usage: titan_moe_probe --args A.json --weights W.safetensors --input X.safetensors --out O.safetensors
 // A.json: {"dim", "hidden_dim", "num_experts", "num_shared_experts", "top_k", "score_func", "route_norm",
 //          "route_scale", "score_before_experts", "num_expert_groups" (or null), "num_limited_groups" (or null),
-//          optionally "load_balance_coeff" (default: none, no balancing) and "mx": true (the experts and the shared
-//          experts converted as quantize.grouped_mm.mx with fqns = ["experts"] converts them)}
+//          optionally "load_balance_coeff" (default: none, no balancing) and "mx": true or "float8": true (the
+//          experts and the shared experts converted as quantize.grouped_mm.mx / .float8 with fqns = ["experts"] do)}
 // X.safetensors: "x" [batch, seq, dim] and "grad_output" of the same shape, float32; with balancing it may hold
 // "x.1", "grad_output.1", ...: further passes, each after the balancing update of the one before (their outputs and
 // gradients are written; "expert_bias.i" is the bias after pass i's update, "tokens_per_expert.i" its counts).
@@ -39,10 +39,13 @@ static int run_probe(int argc, char** argv) {
     args.load_balance_coeff = j.contains("load_balance_coeff") ? std::optional<double>(j.at("load_balance_coeff").get<double>()) : std::nullopt;
     args.check();
     titan::models::MoE moe(j.at("dim").get<int64_t>(), args, {});
-    if (j.value("mx", false)) {
+    if (j.value("mx", false) || j.value("float8", false)) {
       titan::config::JobConfig config;
-      config.quantize.grouped_mm.mx.fqns = {"experts"};
-      titan::quantization::convert_grouped_to_mx(moe, config);
+      const bool mx = j.value("mx", false);
+      config.model.converters = {mx ? "quantize.grouped_mm.mx" : "quantize.grouped_mm.float8"};
+      (mx ? config.quantize.grouped_mm.mx.fqns : config.quantize.grouped_mm.float8.fqns) = {"experts"};
+      config.training.seq_len = 32;
+      titan::quantization::convert_grouped(moe, config);
     }
     titan::safetensors::File weights(opt.at("--weights"));
     {

@@ -135,6 +135,67 @@ def test_an_mxfp8_grouped_matmul_equals_torchao_bitwise(tmp_path):
             assert torch.equal(got[name], expected), (counts.tolist(), name, (got[name].float() - expected.float()).abs().max())
 
 
+def torchao_float8_grouped(x, w, grad, counts):
+    """torchao's float8 rowwise grouped matmul (Float8TrainingOpConfig's, _Float8GroupedMM) assembled from torchao's
+    own PyTorch reference casts, since its fused casts and torch._scaled_grouped_mm need a GPU: per-row power-of-two
+    scales (tensor_to_scale, to_fp8_saturated) along each product's contraction dimension, the expert weights' along
+    the output features (torch_to_3d_rowwise_float8_transpose_rhs) for the input gradient, and per expert group along
+    the tokens (torch_to_float8_per_group_colwise) for the weight gradient; each product of the float8 values
+    multiplied in float32 with the scales divided out, then rounded to bf16, as the scaled matmul does."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    from torchao.prototype.moe_training.utils import torch_to_3d_rowwise_float8_transpose_rhs, torch_to_float8_per_group_colwise
+
+    e4m3 = torch.float8_e4m3fn
+
+    def rows(t, dim):  # values of t cast with one scale per slice along `dim`
+        scale = tensor_to_scale(t, e4m3, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=dim, round_scales_to_power_of_2=True)
+        return to_fp8_saturated(t.float() * scale, e4m3).float() / scale
+
+    ends = torch.cumsum(counts, 0).tolist()
+    starts = [0] + ends[:-1]
+    xq, gq = rows(x, -1), rows(grad, -1)
+    w_t = w.transpose(-2, -1)  # [experts, K, N]: the forward's operand, its scales along K per output feature
+    wq_fwd = rows(w_t, -2)
+    data, scales = torch_to_3d_rowwise_float8_transpose_rhs(w_t, e4m3, round_scales_to_power_of_2=True)  # along N
+    wq_bwd = data.float() / scales  # [experts, N, K]
+    y = torch.empty(x.shape[0], w.shape[1], dtype=torch.bfloat16)
+    grad_x = torch.empty_like(x)
+    grad_w = torch.zeros_like(w)
+    for e, (s, t) in enumerate(zip(starts, ends)):
+        if s == t:  # torchao's per-group cast has no empty groups (torchtitan pads them to 16 zero rows)
+            continue
+        y[s:t] = (xq[s:t] @ wq_fwd[e]).bfloat16()
+        grad_x[s:t] = (gq[s:t] @ wq_bwd[e]).bfloat16()
+        group = torch.tensor([t - s], dtype=torch.int32)
+        xg, xs = torch_to_float8_per_group_colwise(x[s:t], group, e4m3, round_scales_to_power_of_2=True)  # along the tokens
+        gg, gs = torch_to_float8_per_group_colwise(grad[s:t], group, e4m3, round_scales_to_power_of_2=True)
+        grad_w[e] = ((gg.float() / gs).t() @ (xg.float() / xs)).bfloat16()
+    return {"y": y, "grad_x": grad_x, "grad_weight": grad_w}
+
+
+def test_a_float8_grouped_matmul_equals_torchaos_casts_bitwise(tmp_path):
+    """quantize.grouped_mm.float8's product (nn::float8::grouped_linear, float8_rowwise) against torchao's reference
+    casts multiplied as the scaled grouped matmul does, in bf16: output and both gradients, experts with 0, 1, 7, 33
+    and 40 tokens, values over six decades, a zero row."""
+    torch.manual_seed(0)
+    for counts, n, k in [([40, 0, 7, 33, 1], 48, 64), ([16, 0], 32, 16)]:
+        counts = torch.tensor(counts, dtype=torch.int64)
+        tokens = int(counts.sum())
+        x = torch.randn(tokens, k) * torch.logspace(-3, 3, k)
+        x[0] = 0
+        x = x.bfloat16()
+        w = (torch.randn(len(counts), n, k) * 0.1).bfloat16()
+        grad = (torch.randn(tokens, n) * torch.logspace(-3, 1, n)).bfloat16()
+        save_file({"x": x, "weight": w, "grad": grad, "counts": counts}, str(tmp_path / "in.safetensors"))
+        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", "float8_rowwise",
+             "--out", str(tmp_path / "out.safetensors")])
+        got = load_file(str(tmp_path / "out.safetensors"))
+        for name, expected in torchao_float8_grouped(x, w, grad, counts).items():
+            assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
+            assert torch.equal(got[name], expected), (counts.tolist(), name, (got[name].float() - expected.float()).abs().max())
+
+
 @pytest.mark.parametrize("options, needle", [
     (["--model.converters", "quantize.linear.mx"], ("quantize.linear.mx.recipe_name = \"mxfp8_cublas\"", "compute capability 10.0",
                                                     "quantize.linear.mx.emulate = true")),
@@ -150,8 +211,7 @@ def test_an_mxfp8_grouped_matmul_equals_torchao_bitwise(tmp_path):
     (["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", "rowwise",
       "--quantize.linear.float8.enable_fsdp_float8_all_gather"], "needs recipe \"tensorwise\""),
     (["--model.converters", "float8"], "quantize.linear.float8.emulate = true runs them emulated"),
-    (["--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
-     ("model.converters lists \"quantize.grouped_mm.float8\"", "not supported yet", "\"quantize.grouped_mm.mx\" runs them in MXFP8")),
+    (["--model.converters", "quantize.grouped_mm.float8"], ("quantize.grouped_mm.float8.fqns is empty",)),
     (["--model.converters", "quantize.grouped_mm.mx"], ("quantize.grouped_mm.mx.fqns is empty", "fqns = [\"experts\"]")),
     # The debug model is dense: nothing to convert.
     (["--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"],
@@ -161,7 +221,7 @@ def test_an_mxfp8_grouped_matmul_equals_torchao_bitwise(tmp_path):
      ("training.seq_len = 20: quantize.grouped_mm.mx converts layers.1.moe.shared_experts.w1", "multiples of 32 tokens")),
     (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.moe_inter_dim", "48", "--model.converters",
       "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"],
-     ("MXFP8 grouped matmuls need expert weights whose two dimensions divide into blocks of 32; this one is 48 x 256",)),
+     ("MXFP8 grouped matmuls need expert weights whose two dimensions divide by 32 (MX blocks); this one is 48 x 256",)),
 ])
 def test_a_float8_configuration_titan_cannot_run_is_refused_naming_the_key(tmp_path, options, needle):
     result = run([binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),

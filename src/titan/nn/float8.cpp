@@ -404,67 +404,79 @@ namespace {
 // An MX operand's values: `x` [rows, cols] cast in blocks of 32 along its rows and dequantised into `dtype`.
 at::Tensor mx_values(const at::Tensor& x, MxScaleRounding r, at::ScalarType dtype) { return mx_dequantize(mx_cast(x, r), dtype); }
 
-// The rows [start, start + count) of `x` [M, D] transposed ([D, count]) and cast along the tokens, in blocks of 32
-// that start at the group's first row; the last block is filled with zeros (torchao pads each expert's tokens to a
-// multiple of 32 with zero rows, which change no block's amax). Returns the dequantised [D, count] values.
-at::Tensor mx_group_along_tokens(const at::Tensor& x, int64_t start, int64_t count, MxScaleRounding r, at::ScalarType dtype) {
+// `x` [rows, cols] cast along its rows as `cast` says (in blocks of 32, or one scale per row), dequantised into `dtype`.
+at::Tensor cast_values(const at::Tensor& x, GroupedCast cast, at::ScalarType dtype) {
+  if (cast == GroupedCast::float8_rowwise) {
+    const Operand o = float8::cast(x, Cast{Scaling::axiswise, at::kFloat8_e4m3fn}, 1, /*power_of_two_scales=*/true);
+    return (o.data.to(at::kFloat) / o.scale).to(dtype);  // a power-of-two scale: exact
+  }
+  return mx_values(x, cast == GroupedCast::mx_rceil ? MxScaleRounding::rceil : MxScaleRounding::floor, dtype);
+}
+
+// The rows [start, start + count) of `x` [M, D] transposed ([D, count]) and cast along the tokens. MXFP8's blocks of
+// 32 start at the group's first row and the last one is filled with zeros (torchao pads each expert's tokens to a
+// multiple of 32 with zero rows, which change no block's amax); float8's scales are over the group's tokens.
+at::Tensor group_along_tokens(const at::Tensor& x, int64_t start, int64_t count, GroupedCast cast, at::ScalarType dtype) {
+  if (cast == GroupedCast::float8_rowwise) return cast_values(x.narrow(0, start, count).t().contiguous(), cast, dtype);
   const int64_t padded = (count + kMxBlock - 1) / kMxBlock * kMxBlock;
   at::Tensor t = at::zeros({x.size(1), padded}, x.options());
   t.narrow(1, 0, count).copy_(x.narrow(0, start, count).t());
-  return mx_values(t, r, dtype).narrow(1, 0, count);
+  return cast_values(t, cast, dtype).narrow(1, 0, count);
 }
 
-// y = x W[e]^T for each expert's rows of x (counts per expert), W [experts, N, K], with every operand of the three
-// products cast to MXFP8 along its contraction dimension and dequantised into x's dtype, then multiplied there
-// expert by expert: torchao's emulated MXFP8 grouped matmul (its quantisation, then a grouped product of the
-// dequantised values).
-struct MxGroupedLinear : torch::autograd::Function<MxGroupedLinear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t rounding) {
+// MXFP8 multiplies the dequantised values in x's dtype (torchao's emulation), float8 in float32 (a scaled matmul's
+// accumulation), the result rounded to x's dtype.
+at::ScalarType product_dtype(GroupedCast cast, at::ScalarType x_dtype) {
+  return cast == GroupedCast::float8_rowwise ? at::kFloat : x_dtype;
+}
+
+// `out` [tokens, n] in x's dtype: rows of each expert = a's rows times b[e]^T (a [tokens, k], b [experts, n, k]).
+void per_expert_nt(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const int64_t* count, int64_t experts) {
+  for (int64_t e = 0, start = 0; e < experts; start += count[e], ++e) {
+    if (count[e] == 0) continue;
+    at::Tensor rows = out.narrow(0, start, count[e]);
+    rows.copy_(at::mm(a.narrow(0, start, count[e]), b[e].t()));
+  }
+}
+
+struct LowPrecisionGroupedLinear : torch::autograd::Function<LowPrecisionGroupedLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t cast_id) {
     ctx->save_for_backward({x, w, counts});
-    ctx->saved_data["rounding"] = rounding;
+    ctx->saved_data["cast"] = cast_id;
     NoAutocast no_autocast;
-    const auto r = static_cast<MxScaleRounding>(rounding);
+    const auto cast = static_cast<GroupedCast>(cast_id);
+    const auto dtype = product_dtype(cast, x.scalar_type());
     const int64_t experts = w.size(0), n = w.size(1), k = w.size(2);
-    const at::Tensor xq = mx_values(x, r, x.scalar_type());                                          // along K
-    const at::Tensor wq = mx_values(w.reshape({experts * n, k}), r, x.scalar_type()).view({experts, n, k});  // along K
+    const at::Tensor xq = cast_values(x, cast, dtype);                                              // along K
+    const at::Tensor wq = cast_values(w.reshape({experts * n, k}), cast, dtype).view({experts, n, k});  // along K
     at::Tensor out = at::empty({x.size(0), n}, x.options());
-    const int64_t* count = counts.data_ptr<int64_t>();
-    for (int64_t e = 0, start = 0; e < experts; start += count[e], ++e) {
-      if (count[e] == 0) continue;
-      at::Tensor rows = out.narrow(0, start, count[e]);
-      at::mm_out(rows, xq.narrow(0, start, count[e]), wq[e].t());
-    }
+    per_expert_nt(out, xq, wq, counts.data_ptr<int64_t>(), experts);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &counts = saved[2];
-    const auto r = static_cast<MxScaleRounding>(ctx->saved_data["rounding"].toInt());
+    const auto cast = static_cast<GroupedCast>(ctx->saved_data["cast"].toInt());
     NoAutocast no_autocast;
     const int64_t experts = w.size(0), n = w.size(1), k = w.size(2);
     const at::Tensor g = grads[0].contiguous();
-    const auto dtype = g.scalar_type();
+    const auto dtype = product_dtype(cast, g.scalar_type());
     const int64_t* count = counts.data_ptr<int64_t>();
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) {  // dx = g W[e]: g along N, W[e] along N (its columns)
-      const at::Tensor gq = mx_values(g, r, dtype);
-      const at::Tensor wq = mx_values(w.transpose(1, 2).contiguous().view({experts * k, n}), r, dtype).view({experts, k, n});
+      const at::Tensor gq = cast_values(g, cast, dtype);
+      const at::Tensor wq = cast_values(w.transpose(1, 2).contiguous().view({experts * k, n}), cast, dtype).view({experts, k, n});
       dx = at::empty({g.size(0), k}, g.options());
-      for (int64_t e = 0, start = 0; e < experts; start += count[e], ++e) {
-        if (count[e] == 0) continue;
-        at::Tensor rows = dx.narrow(0, start, count[e]);
-        at::mm_out(rows, gq.narrow(0, start, count[e]), wq[e].t());
-      }
+      per_expert_nt(dx, gq, wq, count, experts);
       dx = dx.to(x.scalar_type());
     }
     if (ctx->needs_input_grad(1)) {  // dW[e] = g_e^T x_e: both along the expert's tokens
       dw = at::zeros({experts, n, k}, g.options());  // experts without tokens keep a zero gradient
+      const at::Tensor xg = x.to(g.scalar_type());
       for (int64_t e = 0, start = 0; e < experts; start += count[e], ++e) {
         if (count[e] == 0) continue;
-        at::Tensor slice = dw[e];
-        at::mm_out(slice, mx_group_along_tokens(g, start, count[e], r, dtype),
-                   mx_group_along_tokens(x.to(dtype), start, count[e], r, dtype).t());
+        dw[e].copy_(at::mm(group_along_tokens(g, start, count[e], cast, dtype), group_along_tokens(xg, start, count[e], cast, dtype).t()));
       }
       dw = dw.to(w.scalar_type());
     }
@@ -474,15 +486,18 @@ struct MxGroupedLinear : torch::autograd::Function<MxGroupedLinear> {
 
 }  // namespace
 
-at::Tensor mx_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, MxScaleRounding rounding) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "mx_grouped_linear: expected x [tokens, K] and w [experts, N, K], got ",
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, GroupedCast cast) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "grouped_linear: expected x [tokens, K] and w [experts, N, K], got ",
               x.sizes(), " and ", w.sizes());
-  if (w.size(1) % kMxBlock != 0 || w.size(2) % kMxBlock != 0)
-    fail("MXFP8 grouped matmuls need expert weights whose two dimensions divide into blocks of 32; this one is ", w.size(1),
-         " x ", w.size(2), " (per rank): remove its MoE layer from quantize.grouped_mm.mx.fqns or choose widths that divide by 32");
+  const bool mx = cast != GroupedCast::float8_rowwise;
+  const int64_t unit = mx ? kMxBlock : 16;
+  if (w.size(1) % unit != 0 || w.size(2) % unit != 0)
+    fail(mx ? "MXFP8" : "float8", " grouped matmuls need expert weights whose two dimensions divide by ", unit, mx ? " (MX blocks)" : "",
+         "; this one is ", w.size(1), " x ", w.size(2), " (per rank): remove its MoE layer from quantize.grouped_mm.",
+         mx ? "mx" : "float8", ".fqns or choose widths that divide by ", unit);
   const at::Tensor c = counts.to(at::kCPU).to(at::kLong).contiguous();
-  TORCH_CHECK(c.numel() == w.size(0), "mx_grouped_linear: ", c.numel(), " token counts for ", w.size(0), " experts");
-  return MxGroupedLinear::apply(x, w.to(x.scalar_type()), c, static_cast<int64_t>(rounding));
+  TORCH_CHECK(c.numel() == w.size(0), "grouped_linear: ", c.numel(), " token counts for ", w.size(0), " experts");
+  return LowPrecisionGroupedLinear::apply(x, w.to(x.scalar_type()), c, static_cast<int64_t>(cast));
 }
 
 at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate) {

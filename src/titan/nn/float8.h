@@ -142,19 +142,33 @@ at::Tensor mx_blocked_scales(const at::Tensor& exponent);
 // at::_scaled_mm with E8M0 block scales (accumulated in float32). Differentiable in x and weight.
 at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate = true);
 
-// y = x W[e]^T for each expert's contiguous rows of x [tokens, K] (`counts` per expert), W [experts, N, K], with every
-// operand of the three products cast to MXFP8 along its contraction dimension (K; N; each expert's tokens, in blocks
-// that start at its first token, the last one filled with zeros as torchao's 32-row token groups are) and multiplied
-// dequantised in x's dtype, expert by expert: torchao's emulated MXFP8 grouped matmul, on every device. W is cast to
-// x's dtype first; the gradients come in x's and W's dtypes. N and K must divide by 32 (a UserError otherwise).
-at::Tensor mx_grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, MxScaleRounding rounding);
+// How a grouped product casts its operands (torchao's MoE training configurations).
+enum class GroupedCast {
+  mx_rceil,        // MXFP8, RCEIL scales: MXFP8TrainingOpConfig (quantize.grouped_mm.mx)
+  mx_floor,        // MXFP8, FLOOR scales
+  float8_rowwise,  // E4M3 with one power-of-two scale per row of each operand: Float8TrainingOpConfig
+                   // (quantize.grouped_mm.float8)
+};
 
-// A unit whose experts run grouped matmuls (models/common/moe.h's GroupedExperts): the grouped-matmul converter
-// (quantize.grouped_mm.mx) sets how they run.
+// y = x W[e]^T for each expert's contiguous rows of x [tokens, K] (`counts` per expert), W [experts, N, K], with every
+// operand of the three products cast along its contraction dimension: K for the output; N for the input gradient;
+// each expert's own tokens for its weight gradient. The products run expert by expert on the dequantised values:
+// - MXFP8: blocks of 32 along that dimension. The weight gradient's blocks start at the expert's first token, and
+//   its last block is filled with zeros, as torchao's 32-row token groups are. The values are multiplied in x's dtype:
+//   torchao's emulated MXFP8 grouped matmul. N and K must divide by 32.
+// - float8 rowwise: one scale per row along that dimension (per expert's tokens for the weight gradient). The values
+//   are multiplied in float32 and the result rounded to x's dtype: what the scaled grouped matmul computes, emulated.
+//   N and K must divide by 16.
+// Emulated on every device. W is cast to x's dtype first; the gradients come in x's and W's dtypes. A UserError
+// names widths that do not divide.
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, GroupedCast cast);
+
+// A unit whose experts run grouped matmuls (models/common/moe.h's GroupedExperts): the grouped-matmul converters
+// (quantize.grouped_mm.mx / .float8) set how they run.
 class GroupedMatmuls {
  public:
   virtual ~GroupedMatmuls() = default;
-  std::optional<MxScaleRounding> mx;  // set: MXFP8 grouped matmuls (mx_grouped_linear)
+  std::optional<GroupedCast> low_precision;  // set: low-precision grouped matmuls (grouped_linear)
 };
 
 // Whether `device` has the blockwise-scaled MX matmul titan uses (CUDA compute capability 10.0 or newer); when not,

@@ -149,7 +149,7 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   std::shared_ptr<distributed::FsdpOptions::Float8AllGather> fsdp_float8;
   if (quantization::float8_enabled(c)) fsdp_float8 = quantization::convert_to_float8(*model_, c).fsdp_float8;
   if (quantization::mx_enabled(c)) quantization::convert_to_mx(*model_, c);
-  if (quantization::grouped_mx_enabled(c)) quantization::convert_grouped_to_mx(*model_, c);
+  if (quantization::grouped_mx_enabled(c) || quantization::grouped_float8_enabled(c)) quantization::convert_grouped(*model_, c);
   hf_adapter_ = spec_->state_dict_adapter(args);
   log::info("Model ", spec_->name, " ", model_name_, " size: ", with_thousands(args.reported_parameters()), " total parameters; ",
             strprintf("%.2f", args.flops_per_token(c.training.seq_len) / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <tuple>
 
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
@@ -21,6 +22,7 @@ std::string recipe_name(const config::Float8Linear& s) { return s.recipe_name.va
 bool is_float8_converter(const std::string& name) { return name == "quantize.linear.float8" || name == "float8"; }
 bool is_mx_converter(const std::string& name) { return name == "quantize.linear.mx" || name == "mx"; }
 bool is_grouped_mx_converter(const std::string& name) { return name == "quantize.grouped_mm.mx"; }
+bool is_grouped_float8_converter(const std::string& name) { return name == "quantize.grouped_mm.float8"; }
 
 std::vector<std::string> mx_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
   const config::JobConfig& c = loaded.config;
@@ -85,7 +87,7 @@ std::string float8_recipe_name(const config::JobConfig& config) { return recipe_
 std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded, const at::Device& device) {
   const config::JobConfig& c = loaded.config;
   std::vector<std::string> errors;
-  int float8_count = 0, mx_count = 0, grouped_mx_count = 0;
+  int float8_count = 0, mx_count = 0, grouped_mx_count = 0, grouped_float8_count = 0;
   for (const auto& name : c.model.converters) {
     if (is_float8_converter(name)) {
       ++float8_count;
@@ -93,22 +95,28 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
       ++mx_count;
     } else if (is_grouped_mx_converter(name)) {
       ++grouped_mx_count;
-    } else if (name == "quantize.grouped_mm.float8") {
-      errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
-                           ": float8 (rowwise) grouped matmuls for MoE experts are not supported yet; \"quantize.grouped_mm.mx\" "
-                           "runs them in MXFP8"));
+    } else if (is_grouped_float8_converter(name)) {
+      ++grouped_float8_count;
     } else {
       errors.push_back(cat("model.converters lists ", quote(name), " ", loaded.where("model.converters"),
                            ": not a converter; expected \"quantize.linear.float8\" (or its short name \"float8\"), "
-                           "\"quantize.linear.mx\" (\"mx\") or \"quantize.grouped_mm.mx\""));
+                           "\"quantize.linear.mx\" (\"mx\"), \"quantize.grouped_mm.mx\" or \"quantize.grouped_mm.float8\""));
     }
   }
-  if (grouped_mx_count > 1)
-    errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists \"quantize.grouped_mm.mx\" twice"));
-  if (grouped_mx_count > 0 && c.quantize.grouped_mm.mx.fqns.empty())
-    errors.push_back(cat("model.converters lists \"quantize.grouped_mm.mx\" ", loaded.where("model.converters"),
-                         " but quantize.grouped_mm.mx.fqns is empty, so no MoE layer would be converted; name them, for "
-                         "example fqns = [\"experts\"] (a substring of each layer's name, as torchtitan matches them)"));
+  for (const auto& [key, count, fqns] : {std::tuple{"mx", grouped_mx_count, &c.quantize.grouped_mm.mx.fqns},
+                                         std::tuple{"float8", grouped_float8_count, &c.quantize.grouped_mm.float8.fqns}}) {
+    if (count > 1)
+      errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists \"quantize.grouped_mm.", key, "\" twice"));
+    if (count > 0 && fqns->empty())
+      errors.push_back(cat("model.converters lists \"quantize.grouped_mm.", key, "\" ", loaded.where("model.converters"),
+                           " but quantize.grouped_mm.", key, ".fqns is empty, so no MoE layer would be converted; name them, "
+                           "for example fqns = [\"experts\"] (a substring of each layer's name, as torchtitan matches them)"));
+  }
+  if (grouped_float8_count > 0 && c.parallelism.tensor_parallel_degree > 1)
+    errors.push_back(cat("model.converters lists \"quantize.grouped_mm.float8\" ", loaded.where("model.converters"),
+                         " with parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree,
+                         ": float8 grouped matmuls under tensor parallelism are not supported yet (their per-row scales "
+                         "would be taken per rank's piece of each row); quantize.grouped_mm.mx runs under TP"));
   if (float8_count > 1 || mx_count > 1)
     errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists the ", float8_count > 1 ? "float8" : "MX",
                          " converter twice"));
@@ -150,57 +158,92 @@ bool grouped_mx_enabled(const config::JobConfig& config) {
   return std::any_of(converters.begin(), converters.end(), is_grouped_mx_converter);
 }
 
-std::vector<std::string> convert_grouped_to_mx(torch::nn::Module& model, const config::JobConfig& config) {
-  // torchtitan hands quantize.grouped_mm.mx.fqns to torchao, which swaps the parameters of every module whose name
-  // contains an entry, and of the modules below it: the experts' 3-D weights then run MXFP8 grouped matmuls, and 2-D
-  // linear weights among them (the shared experts' under fqns = ["experts"]) MXFP8 linears. titan does the same.
-  const auto& fqns = config.quantize.grouped_mm.mx.fqns;
-  const auto rounding = nn::float8::MxScaleRounding::rceil;  // torchao's MXFP8 training default (its "mxfp8" recipe)
-  const int64_t tp = std::max<int64_t>(1, config.parallelism.tensor_parallel_degree);
-  // A linear under those names becomes an MXFP8 linear when each rank's piece of its weight holds whole blocks of 32
-  // (checked on both dimensions divided by the TP degree, whichever TP splits), and, under TP, unless it runs whole on
-  // every rank with partial output gradients (the router, latent attention's down-projections), which MXFP8 cannot
-  // scale as one process does; the others stay in high precision, listed.
-  const auto linear_converts = [tp](const std::string& fqn, const at::Tensor& w) {
-    if (tp > 1)
-      for (const char* suffix : {".router.gate", ".wq_a", ".wkv_a"})
-        if (ends_with(fqn, suffix)) return false;
-    return w.size(0) % (32 * tp) == 0 && w.size(1) % (32 * tp) == 0;
+bool grouped_float8_enabled(const config::JobConfig& config) {
+  const auto& converters = config.model.converters;
+  return std::any_of(converters.begin(), converters.end(), is_grouped_float8_converter);
+}
+
+std::vector<std::string> convert_grouped(torch::nn::Module& model, const config::JobConfig& config) {
+  // torchtitan hands quantize.grouped_mm.{mx,float8}.fqns to torchao, which swaps the parameters of every module whose
+  // name contains an entry, and of the modules below it: the experts' 3-D weights then run low-precision grouped
+  // matmuls, and 2-D linear weights among them (the shared experts' under fqns = ["experts"]) low-precision linears
+  // (MXFP8 with RCEIL scales; float8 with torchao's rowwise recipe). titan does the same.
+  struct Kind {
+    const char* key;
+    const config::StringList* fqns;
+    nn::float8::GroupedCast cast;
+    const char* what;
+    int64_t unit;  // the widths a shard's linear needs: MX blocks of 32, float8's multiples of 16
   };
-  std::vector<std::string> grouped, linears, kept;
-  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    const std::string& fqn = item.key();
-    if (std::none_of(fqns.begin(), fqns.end(), [&](const std::string& f) { return !f.empty() && fqn.find(f) != std::string::npos; }))
-      continue;
-    if (auto* experts = dynamic_cast<nn::float8::GroupedMatmuls*>(item.value().get())) {
-      experts->mx = rounding;
-      grouped.push_back(fqn);
-    } else if (auto* linear = dynamic_cast<nn::Linear*>(item.value().get()); linear && !linear->has_wrapper(nn::float8::kWrapperName)) {
-      if (!linear_converts(fqn, linear->weight)) {
-        kept.push_back(fqn);
-        continue;
+  std::vector<Kind> kinds;
+  if (grouped_mx_enabled(config))
+    kinds.push_back({"mx", &config.quantize.grouped_mm.mx.fqns, nn::float8::GroupedCast::mx_rceil, "MXFP8", 32});
+  if (grouped_float8_enabled(config))
+    kinds.push_back({"float8", &config.quantize.grouped_mm.float8.fqns, nn::float8::GroupedCast::float8_rowwise, "float8 (rowwise)", 16});
+  const int64_t tp = std::max<int64_t>(1, config.parallelism.tensor_parallel_degree);
+  std::vector<std::string> all_grouped;
+  for (const Kind& kind : kinds) {
+    const bool mx = kind.cast != nn::float8::GroupedCast::float8_rowwise;
+    // A linear under those names is converted when each rank's piece of its weight has the widths the format needs
+    // (checked on both dimensions divided by the TP degree, whichever TP splits) and, under TP, unless it runs whole
+    // on every rank with partial output gradients (the router, latent attention's down-projections), which MXFP8
+    // cannot scale as one process does; the others stay in high precision, listed.
+    const auto linear_converts = [tp, &kind](const std::string& fqn, const at::Tensor& w) {
+      if (tp > 1)
+        for (const char* suffix : {".router.gate", ".wq_a", ".wkv_a"})
+          if (ends_with(fqn, suffix)) return false;
+      return w.size(0) % (kind.unit * tp) == 0 && w.size(1) % (kind.unit * tp) == 0;
+    };
+    const auto named = [&kind](const std::string& fqn) {
+      return std::any_of(kind.fqns->begin(), kind.fqns->end(), [&](const std::string& f) { return !f.empty() && fqn.find(f) != std::string::npos; });
+    };
+    std::vector<std::string> grouped, linears, kept;
+    for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+      const std::string& fqn = item.key();
+      if (!named(fqn)) continue;
+      if (auto* experts = dynamic_cast<nn::float8::GroupedMatmuls*>(item.value().get())) {
+        if (experts->low_precision)
+          fail("MoE experts ", quote(fqn), " are named by both quantize.grouped_mm.mx.fqns and quantize.grouped_mm.float8.fqns; "
+               "name each MoE layer in one of them");
+        experts->low_precision = kind.cast;
+        grouped.push_back(fqn);
+      } else if (auto* linear = dynamic_cast<nn::Linear*>(item.value().get()); linear && !linear->has_wrapper(nn::float8::kWrapperName)) {
+        if (!linear_converts(fqn, linear->weight)) {
+          kept.push_back(fqn);
+          continue;
+        }
+        nn::Unit::Wrapper wrapper;
+        if (mx) {
+          wrapper = [linear](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
+            return nn::float8::mx_linear(inputs[0], linear->weight, nn::float8::MxScaleRounding::rceil, /*emulate=*/true);
+          };
+        } else {
+          auto recipe = std::make_shared<const nn::float8::Recipe>(nn::float8::recipe("rowwise"));
+          wrapper = [linear, recipe](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
+            return nn::float8::linear(inputs[0], linear->weight, *recipe, /*emulate=*/true);
+          };
+        }
+        linear->add_innermost_wrapper(nn::float8::kWrapperName, wrapper);
+        linears.push_back(fqn);
       }
-      linear->add_innermost_wrapper(nn::float8::kWrapperName, [linear, rounding](const nn::Unit::Inputs& inputs, const nn::Context&,
-                                                                                 const nn::Unit::Next&) {
-        return nn::float8::mx_linear(inputs[0], linear->weight, rounding, /*emulate=*/true);
-      });
-      linears.push_back(fqn);
     }
+    if (grouped.empty())
+      fail("quantize.grouped_mm.", kind.key, ".fqns = [", join(*kind.fqns, ", "), "] names no MoE experts of this model "
+           "(model.converters lists \"quantize.grouped_mm.", kind.key, "\"); torchtitan's MoE layers are named like "
+           "layers.1.moe.experts, so fqns = [\"experts\"] converts them all");
+    const int64_t cp = std::max<int64_t>(1, config.parallelism.context_parallel_degree);
+    if (mx && !linears.empty() && (config.training.seq_len / cp) % 32 != 0)
+      fail("training.seq_len = ", config.training.seq_len, cp > 1 ? cat(" over context_parallel_degree = ", cp) : std::string(),
+           ": quantize.grouped_mm.mx converts ", join(linears, ", "), " to MXFP8 linears, which need each rank's sequences in "
+           "multiples of 32 tokens (the weight gradient's blocks of 32 run along the tokens)");
+    log::info(kind.what, " grouped matmuls (quantize.grouped_mm.", kind.key, mx ? ", rceil scales" : ", power-of-two scales per row",
+              ", emulated: dequantised, multiplied in ", mx ? "bf16" : "float32", "): ", grouped.size(), " MoE expert unit(s) converted",
+              linears.empty() ? std::string() : cat(", and ", linears.size(), " linear(s) under the same names as ", kind.what,
+                                                   " linears (", join(linears, ", "), ")"),
+              kept.empty() ? std::string() : cat("; kept in high precision: ", join(kept, ", ")));
+    all_grouped.insert(all_grouped.end(), grouped.begin(), grouped.end());
   }
-  if (grouped.empty())
-    fail("quantize.grouped_mm.mx.fqns = [", join(fqns, ", "), "] names no MoE experts of this model (model.converters lists "
-         "\"quantize.grouped_mm.mx\"); torchtitan's MoE layers are named like layers.1.moe.experts, so fqns = [\"experts\"] "
-         "converts them all");
-  const int64_t cp = std::max<int64_t>(1, config.parallelism.context_parallel_degree);
-  if (!linears.empty() && (config.training.seq_len / cp) % 32 != 0)
-    fail("training.seq_len = ", config.training.seq_len, cp > 1 ? cat(" over context_parallel_degree = ", cp) : std::string(),
-         ": quantize.grouped_mm.mx converts ", join(linears, ", "), " to MXFP8 linears, which need each rank's sequences in "
-         "multiples of 32 tokens (the weight gradient's blocks of 32 run along the tokens)");
-  log::info("MXFP8 grouped matmuls (quantize.grouped_mm.mx, rceil scales, emulated: dequantised, multiplied in bf16): ",
-            grouped.size(), " MoE expert unit(s) converted", linears.empty() ? std::string() : cat(", and ", linears.size(),
-            " linear(s) under the same names as MXFP8 linears (", join(linears, ", "), ")"),
-            kept.empty() ? std::string() : cat("; kept in high precision: ", join(kept, ", ")));
-  return grouped;
+  return all_grouped;
 }
 
 bool mx_enabled(const config::JobConfig& config) {

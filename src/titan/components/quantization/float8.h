@@ -44,11 +44,14 @@ bool mx_converts(const std::string& fqn, int64_t out_features, int64_t in_featur
 // Wraps the selected linear units of `model` as MXFP8 linears (emulated) and logs which were converted.
 Float8Conversion convert_to_mx(nn::Model& model, const config::JobConfig& config);
 
-// Whether model.converters asks for MXFP8 grouped matmuls ("quantize.grouped_mm.mx").
+// Whether model.converters asks for MXFP8 grouped matmuls ("quantize.grouped_mm.mx"), or float8 ones
+// ("quantize.grouped_mm.float8").
 bool grouped_mx_enabled(const config::JobConfig& config);
-// Switches the experts of every MoE layer whose name contains an entry of quantize.grouped_mm.mx.fqns to MXFP8 grouped
-// matmuls (emulated), and linear units under those names to MXFP8 linears (as torchao converts what torchtitan
-// names); logs and returns the expert units' names. A UserError when the entries name no experts.
-std::vector<std::string> convert_grouped_to_mx(torch::nn::Module& model, const config::JobConfig& config);
+bool grouped_float8_enabled(const config::JobConfig& config);
+// Switches the experts of every MoE layer whose name contains an entry of quantize.grouped_mm.mx.fqns (or .float8's) to
+// MXFP8 (float8 rowwise) grouped matmuls, emulated, and linear units under those names to MXFP8 (float8 rowwise)
+// linears, as torchao converts what torchtitan names; logs and returns the expert units' names. A UserError when the
+// entries name no experts, or one MoE layer under both converters.
+std::vector<std::string> convert_grouped(torch::nn::Module& model, const config::JobConfig& config);
 
 }  // namespace titan::quantization

@@ -296,16 +296,17 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
   const auto swiglu = [](const at::Tensor& g, const at::Tensor& u) {
     return kernels::fused_kernel_applies(kernels::Op::swiglu, {g, u}) ? kernels::swiglu(g, u) : kernels::swiglu_reference(g, u);
   };
-  if (mx) {
-    // MXFP8 grouped matmuls (quantize.grouped_mm.mx), as torchtitan's grouped-matmul experts run them: the sorted
-    // tokens and the products in bf16 (what torchao's MXFP8 grouped matmul returns), SiLU and the gate product in
-    // bf16, the output in the input's dtype.
+  if (low_precision) {
+    // MXFP8 or float8 grouped matmuls (quantize.grouped_mm.mx / .float8), as torchtitan's grouped-matmul experts run
+    // them: the sorted tokens and the products in bf16 (what torchao's low-precision grouped matmuls return), SiLU
+    // and the gate product in bf16, the output in the input's dtype.
     // Each product converts the tokens itself, so their two bf16 gradients meet in the input's dtype.
     NoAutocast no_autocast;
     const at::Tensor sorted = gather ? x.index_select(0, inputs[2]) : x;
-    const at::Tensor h = at::silu(nn::float8::mx_grouped_linear(sorted.to(at::kBFloat16), w1, counts, *mx)) *
-                         nn::float8::mx_grouped_linear(sorted.to(at::kBFloat16), w3, counts, *mx);
-    return nn::float8::mx_grouped_linear(h, w2, counts, *mx).to(x.scalar_type());
+    const auto cast = *low_precision;
+    const at::Tensor h = at::silu(nn::float8::grouped_linear(sorted.to(at::kBFloat16), w1, counts, cast)) *
+                         nn::float8::grouped_linear(sorted.to(at::kBFloat16), w3, counts, cast);
+    return nn::float8::grouped_linear(h, w2, counts, cast).to(x.scalar_type());
   }
   if (gather) {
     NoAutocast no_autocast;

@@ -3,8 +3,8 @@
 // per token (token choice, dropless); the tokens are sorted by expert, run through each expert's SwiGLU (3-D weights
 // `experts.w1` [experts, hidden, dim], `experts.w3` [experts, hidden, dim], `experts.w2` [experts, dim, hidden]) and
 // put back in token order, weighted by their routing scores; an optional dense SwiGLU (`shared_experts`) sees every
-// token. Like the dense blocks it knows nothing of parallelism. The grouped-matmul converter (quantize.grouped_mm.mx)
-// may switch the experts' products to MXFP8 (nn::float8::GroupedMatmuls).
+// token. Like the dense blocks it knows nothing of parallelism. The grouped-matmul converters (quantize.grouped_mm.mx,
+// quantize.grouped_mm.float8) may switch the experts' products to MXFP8 or float8 (nn::float8::GroupedMatmuls).
 #pragma once
 #include <ATen/ATen.h>
 
