@@ -96,6 +96,28 @@ def test_an_mxfp8_linear_equals_torchao_bitwise(tmp_path, recipe, dtype):
             assert torch.equal(got[name], expected), (recipe, dtype, lead, name, (got[name].float() - expected.float()).abs().max())
 
 
+def check_grouped_bitwise(tmp_path, recipe, reference, cases, zero):
+    """titan's grouped matmul (titan_float8_probe with token counts) against `reference`, bitwise, in bf16: for each
+    (counts, N, K), tokens whose features span six decades with the entries `zero` of x set to 0, weights and output
+    gradients drawn after seeding 0."""
+    torch.manual_seed(0)
+    for counts, n, k in cases:
+        counts = torch.tensor(counts, dtype=torch.int64)
+        tokens = int(counts.sum())
+        x = torch.randn(tokens, k) * torch.logspace(-3, 3, k)
+        x[zero] = 0
+        x = x.bfloat16()
+        w = (torch.randn(len(counts), n, k) * 0.1).bfloat16()
+        grad = (torch.randn(tokens, n) * torch.logspace(-3, 1, n)).bfloat16()
+        save_file({"x": x, "weight": w, "grad": grad, "counts": counts}, str(tmp_path / "in.safetensors"))
+        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", recipe,
+             "--out", str(tmp_path / "out.safetensors")])
+        got = load_file(str(tmp_path / "out.safetensors"))
+        for name, expected in reference(x, w, grad, counts).items():
+            assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
+            assert torch.equal(got[name], expected), (counts.tolist(), name, (got[name].float() - expected.float()).abs().max())
+
+
 def torchao_mx_grouped(x, w, grad, counts):
     """torchao's MXFP8 grouped matmul with its emulated kernels (the autograd function its MXFP8 training config puts
     behind torch._grouped_mm), told to pad each expert's tokens to 32 rows itself (pad_token_groups_for_grouped_mm),
@@ -117,22 +139,8 @@ def test_an_mxfp8_grouped_matmul_equals_torchao_bitwise(tmp_path):
     """quantize.grouped_mm.mx's product (nn::float8::mx_grouped_linear) against torchao's emulated MXFP8 grouped
     matmul in bf16: the output and both gradients. Experts with 0, 1, 7, 32, 33 and 64 tokens (token groups that do
     not fill their last block of 32), values over six decades, a zero block."""
-    torch.manual_seed(0)
-    for counts, n, k in [([40, 0, 7, 64, 33], 64, 96), ([1, 32, 0, 0], 32, 64)]:
-        counts = torch.tensor(counts, dtype=torch.int64)
-        tokens = int(counts.sum())
-        x = torch.randn(tokens, k) * torch.logspace(-3, 3, k)
-        x[0, :32] = 0
-        x = x.bfloat16()
-        w = (torch.randn(len(counts), n, k) * 0.1).bfloat16()
-        grad = (torch.randn(tokens, n) * torch.logspace(-3, 1, n)).bfloat16()
-        save_file({"x": x, "weight": w, "grad": grad, "counts": counts}, str(tmp_path / "in.safetensors"))
-        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", "mxfp8_cublas_rceil",
-             "--out", str(tmp_path / "out.safetensors")])
-        got = load_file(str(tmp_path / "out.safetensors"))
-        for name, expected in torchao_mx_grouped(x, w, grad, counts).items():
-            assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
-            assert torch.equal(got[name], expected), (counts.tolist(), name, (got[name].float() - expected.float()).abs().max())
+    check_grouped_bitwise(tmp_path, "mxfp8_cublas_rceil", torchao_mx_grouped, [([40, 0, 7, 64, 33], 64, 96), ([1, 32, 0, 0], 32, 64)],
+                          zero=(0, slice(0, 32)))
 
 
 def torchao_float8_grouped(x, w, grad, counts):
@@ -178,22 +186,8 @@ def test_a_float8_grouped_matmul_equals_torchaos_casts_bitwise(tmp_path):
     """quantize.grouped_mm.float8's product (nn::float8::grouped_linear, float8_rowwise) against torchao's reference
     casts multiplied as the scaled grouped matmul does, in bf16: output and both gradients, experts with 0, 1, 7, 33
     and 40 tokens, values over six decades, a zero row."""
-    torch.manual_seed(0)
-    for counts, n, k in [([40, 0, 7, 33, 1], 48, 64), ([16, 0], 32, 16)]:
-        counts = torch.tensor(counts, dtype=torch.int64)
-        tokens = int(counts.sum())
-        x = torch.randn(tokens, k) * torch.logspace(-3, 3, k)
-        x[0] = 0
-        x = x.bfloat16()
-        w = (torch.randn(len(counts), n, k) * 0.1).bfloat16()
-        grad = (torch.randn(tokens, n) * torch.logspace(-3, 1, n)).bfloat16()
-        save_file({"x": x, "weight": w, "grad": grad, "counts": counts}, str(tmp_path / "in.safetensors"))
-        run([binary("titan_float8_probe"), "--in", str(tmp_path / "in.safetensors"), "--recipe", "float8_rowwise",
-             "--out", str(tmp_path / "out.safetensors")])
-        got = load_file(str(tmp_path / "out.safetensors"))
-        for name, expected in torchao_float8_grouped(x, w, grad, counts).items():
-            assert got[name].dtype == expected.dtype, (name, got[name].dtype, expected.dtype)
-            assert torch.equal(got[name], expected), (counts.tolist(), name, (got[name].float() - expected.float()).abs().max())
+    check_grouped_bitwise(tmp_path, "float8_rowwise", torchao_float8_grouped, [([40, 0, 7, 33, 1], 48, 64), ([16, 0], 32, 16)],
+                          zero=0)
 
 
 @pytest.mark.parametrize("options, needle", [

@@ -158,7 +158,7 @@ void WandbOfflineRun::open() {
   try {
     config = nlohmann::ordered_json::parse(config_json_);
   } catch (const std::exception& e) {
-    close_after_error();
+    close_file();
     fail("the job config does not serialise to JSON for W&B: ", e.what());
   }
   std::string config_record;
@@ -189,10 +189,10 @@ WandbOfflineRun::~WandbOfflineRun() {
   } catch (const std::exception& e) {
     log::warn("W&B run file ", path_, " was not closed cleanly: ", e.what());
   }
-  close_after_error();
+  close_file();
 }
 
-void WandbOfflineRun::close_after_error() {
+void WandbOfflineRun::close_file() {
   if (file_) std::fclose(file_);
   file_ = nullptr;
 }
@@ -200,7 +200,7 @@ void WandbOfflineRun::close_after_error() {
 void WandbOfflineRun::write_bytes(const std::string& bytes) {
   if (std::fwrite(bytes.data(), 1, bytes.size(), file_) != bytes.size() || std::fflush(file_) != 0) {
     const int error = errno;
-    close_after_error();  // nothing more is appended at a block offset the file does not have
+    close_file();  // nothing more is appended at a block offset the file does not have
     fail("cannot write the W&B run file ", quote(path_), ": ", std::strerror(error), error == ENOSPC ? " (disk full)" : "");
   }
   offset_ += bytes.size();
@@ -296,7 +296,7 @@ void WandbOfflineRun::finish(int exit_code) {
   varint_field(exit, 1, exit_code);
   varint_field(exit, 2, static_cast<int64_t>(wall_time() - start_time_));
   write_record(kExit, exit);
-  close_after_error();
+  close_file();
 }
 
 }  // namespace titan::metrics

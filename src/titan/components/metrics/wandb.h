@@ -69,7 +69,7 @@ class WandbOfflineRun {
   void open();
   void write_record(int field, const std::string& message);
   void write_bytes(const std::string& bytes);  // a write error closes the file, then throws
-  void close_after_error();
+  void close_file();
 
   WandbRunOptions options_;
   std::string config_json_;
