@@ -47,6 +47,10 @@ LAYOUTS = {
         "--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "1",
         "--checkpoint.async_mode", "async", "--training.steps", "2"]),
     "100M (4 blocks) DDP 2, 2 x 1024": (2, UNFUSED + model_100m(4, 2, 1024) + NO_FSDP + ["--parallelism.data_parallel_replicate_degree", "2"]),
+    # Optimizer steps in backward: a unit's gradient shards at a time instead of all of them (2026-11-30, Zen 4:
+    # 0.95 and 0.92).
+    "100M (8 blocks) FSDP 2, 2 x 512, optimizer steps in backward": (2, UNFUSED + model_100m(8, 2, 512) + [
+        "--parallelism.data_parallel_shard_degree", "2", "--optimizer.early_step_in_backward"]),
     # Qwen3's debug flavor: queries four times as wide as the residual stream (16 heads of 128), per-head q/k norms.
     "qwen3 debug, no AC, 2 x 512": (1, UNFUSED + QWEN3_DEBUG),
     # Measured 0.85-0.94 until MPI's reduce-scatter became titan's ring (2026-11-29): Open MPI's temporaries of each

@@ -96,3 +96,51 @@ def test_activation_checkpointing_does_not_change_training(tmp_path):
     plain = json.loads((titan_run(tmp_path / "a", "fused") / "metrics.json").read_text())
     full = json.loads((titan_run(tmp_path / "b", "fused", ["--activation_checkpoint.mode", "full"]) / "metrics.json").read_text())
     assert [s["loss"] for s in plain["steps"]] == [s["loss"] for s in full["steps"]]
+
+
+def test_steps_in_backward_match_torchtitans_optimizers_in_backward(tmp_path):
+    """optimizer.early_step_in_backward against torchtitan's own OptimizersInBackwardContainer (one torch.optim.AdamW
+    per parameter, stepped by a post-accumulate-grad hook) with its LR schedulers, on HF's Llama: 10 steps of one
+    micro-batch (with several, torchtitan steps once per micro-batch and titan once per step: docs/configuration.md).
+    Neither clips; titan logs the unclipped norm, which the reference computes in a hook before torchtitan's."""
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.components.optimizer import OptimizersInBackwardContainer
+    from torchtitan.config.job_config import LRScheduler as LRSchedulerConfig
+
+    out = titan_run(tmp_path, "fused", ["--optimizer.early_step_in_backward", "--training.global_batch_size", "4"])
+    meta = json.loads((out / "metrics.json").read_text())
+    assert meta["microbatches"] == 1
+    model = hf_model(16)
+    model.load_state_dict(load_file(str(out / "initial.safetensors")), strict=True)
+    squares = []
+    for p in model.parameters():  # registered first, so it runs before torchtitan's hook steps and frees the gradient
+        p.register_post_accumulate_grad_hook(lambda p: squares.append(p.grad.double().pow(2).sum().item()))
+    optimizers = OptimizersInBackwardContainer(
+        [model], torch.optim.AdamW, {"lr": LR, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "fused": True, "foreach": False})
+    schedules = build_lr_schedulers(optimizers, LRSchedulerConfig(warmup_steps=3, decay_ratio=0.5, decay_type="cosine",
+                                                                  min_lr_factor=0.1), STEPS)
+    batches = load_file(str(out / "batches.safetensors"))
+    worst = 0.0
+    for step, mine in zip(range(1, STEPS + 1), meta["steps"]):
+        inputs, labels = batches[f"step{step}.mb0.inputs"], batches[f"step{step}.mb0.labels"]
+        squares.clear()
+        logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / int((labels != -100).sum())
+        loss.backward()
+        assert all(p.grad is None for p in model.parameters())  # stepped and freed in backward
+        norm = sum(squares) ** 0.5
+        lr = schedules.schedulers[0].get_last_lr()[0]
+        schedules.step()
+        rel = abs(mine["loss"] - loss.item()) / loss.item()
+        worst = max(worst, rel)
+        print(f"step {step:2}: loss {mine['loss']:.7f} vs {loss.item():.7f} (rel {rel:.1e}), grad_norm {mine['grad_norm']:.7f} vs "
+              f"{norm:.7f}, lr {mine['lr']:.3e}")
+        assert rel <= 1e-5
+        assert abs(mine["grad_norm"] - norm) <= 1e-5 * norm
+        assert mine["lr"] == pytest.approx(lr, rel=1e-12)
+    # Unclipped: titan's max_norm (0.5) was below these norms, and clipping would have changed every step.
+    assert all(s["grad_norm"] > MAX_NORM for s in meta["steps"])
+    final = load_file(str(out / "final.safetensors"))
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(final[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    print(f"optimizers in backward: worst relative loss difference over {STEPS} steps {worst:.2e}")

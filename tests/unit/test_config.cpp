@@ -187,6 +187,20 @@ TEST(Config, UnsupportedFeaturesAreErrorsNotIgnored) {
   EXPECT_TRUE(titan::config::check_supported(defaults).errors.empty());
 }
 
+TEST(Config, OptimizerStepsInBackwardRefuseWhatTheyCannotDo) {
+  // Accepted with a warning that clipping does not apply (as torchtitan, which does not clip in this mode).
+  auto alone = titan::config::check_supported(load_job_config({"--optimizer.early_step_in_backward"}));
+  EXPECT_TRUE(alone.errors.empty());
+  ASSERT_EQ(alone.warnings.size(), 1u);
+  EXPECT_NE(alone.warnings[0].find("gradients are not clipped (training.max_norm = 1 does not apply)"), std::string::npos) << alone.warnings[0];
+  auto report = titan::config::check_supported(load_job_config(
+      {"--optimizer.early_step_in_backward", "--parallelism.pipeline_parallel_degree", "2", "--training.skip_nonfinite_steps", "3"}));
+  ASSERT_EQ(report.errors.size(), 2u);
+  EXPECT_NE(report.errors[0].find("with parallelism.pipeline_parallel_degree = 2"), std::string::npos) << report.errors[0];
+  EXPECT_NE(report.errors[1].find("with training.skip_nonfinite_steps = 3"), std::string::npos) << report.errors[1];
+  EXPECT_NE(report.errors[1].find("cannot be skipped"), std::string::npos) << report.errors[1];
+}
+
 TEST(Config, ResolvedConfigAsJson) {
   auto json = nlohmann::json::parse(titan::config::to_json(load_job_config({"--training.steps", "4"}).config));
   EXPECT_EQ(json["training"]["steps"], 4);

@@ -30,12 +30,20 @@ void Adam::init_state() {
 void Adam::step() { step(at::Tensor()); }
 
 void Adam::step(const at::Tensor& skip) {
+  std::vector<size_t> all(params_.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  step_indices(all, skip);
+}
+
+void Adam::step_some(const std::vector<size_t>& indices) { step_indices(indices, at::Tensor()); }
+
+void Adam::step_indices(const std::vector<size_t>& indices, const at::Tensor& skip) {
   if (skip.defined() && !skips_on_device())
     fail("internal: optimizer.implementation = ", quote(implementation_), " cannot skip a step on the device");
   at::NoGradGuard no_grad;
   init_state();
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i : indices) {
     if (!params_[i].grad().defined()) continue;
     params.push_back(params_[i]);
     grads.push_back(params_[i].grad());

@@ -22,6 +22,10 @@ class Adam {
   // `skip` (a float32 scalar on the parameters' device) is 1, without the host reading it.
   bool skips_on_device() const { return implementation_ == "fused"; }
   void step(const at::Tensor& skip);
+  // Steps only the parameters at these indices into parameters() that hold gradients (an update during backward,
+  // optimizer.early_step_in_backward). Adam works element by element: stepping a parameter alone gives bitwise what
+  // stepping it with the others gives.
+  void step_some(const std::vector<size_t>& indices);
   void set_lr(double lr) { lr_ = lr; }
   double lr() const { return lr_; }
 
@@ -38,6 +42,8 @@ class Adam {
   void init_state();
 
  private:
+  void step_indices(const std::vector<size_t>& indices, const at::Tensor& skip);
+
   std::vector<at::Tensor> params_;
   std::vector<State> state_;
   double lr_, beta1_, beta2_, eps_, weight_decay_;

@@ -20,7 +20,24 @@ SupportReport check_supported(const LoadedConfig& loaded) {
             "an expert-parallel backend other than \"standard\" (all-to-all through the communicator)");
   if (c.fault_tolerance.enable) not_yet("fault_tolerance.enable", "true", "fault-tolerant training");
   if (c.training.enable_cpu_offload) not_yet("training.enable_cpu_offload", "true", "CPU offload");
-  if (c.optimizer.early_step_in_backward) not_yet("optimizer.early_step_in_backward", "true", "optimizer steps in backward");
+  if (c.optimizer.early_step_in_backward) {
+    const std::string where = loaded.where("optimizer.early_step_in_backward");
+    // As torchtitan, no pipeline: a stage's gradients are final only after the schedule's last backward.
+    if (p.pipeline_parallel_degree > 1)
+      r.errors.push_back(cat("optimizer.early_step_in_backward = true ", where, " with parallelism.pipeline_parallel_degree = ",
+                             p.pipeline_parallel_degree, ": a pipeline stage's gradients are final only after its last "
+                             "micro-batch's backward, so there is nothing to step early; set one of them off"));
+    if (c.training.skip_nonfinite_steps > 0)
+      r.errors.push_back(cat("optimizer.early_step_in_backward = true ", where, " with training.skip_nonfinite_steps = ",
+                             c.training.skip_nonfinite_steps, " ", loaded.where("training.skip_nonfinite_steps"),
+                             ": a step is applied during backward, before its loss and gradient norm are known to be "
+                             "finite, so it cannot be skipped; set training.skip_nonfinite_steps = 0 (a non-finite step then "
+                             "stops the run, the last checkpoint untouched)"));
+    r.warnings.push_back(cat("optimizer.early_step_in_backward = true ", where, ": gradients are not clipped (training.max_norm = ",
+                             c.training.max_norm, " does not apply): each parameter is updated as soon as its gradient is "
+                             "final, before the norm of all of them is known (torchtitan does not clip either); the logged "
+                             "grad_norm is that of the unclipped gradients"));
+  }
   if (c.training.dataloader.num_workers > 0)
     not_yet("training.dataloader.num_workers", std::to_string(c.training.dataloader.num_workers),
             "extra data worker threads (batches are prepared on one background thread; see training.prefetch_batches)");

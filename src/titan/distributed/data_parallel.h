@@ -5,6 +5,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,9 +16,15 @@
 
 namespace titan::distributed {
 
+// Told, during the step's last backward, which local tensors (ShardedParameter::local) hold their final gradient
+// for the step (optimizer.early_step_in_backward steps them there). What it is not told of is final after
+// finish_gradients().
+using GradientListener = std::function<void(const std::vector<at::Tensor>& locals)>;
+
 class DataParallel {
  public:
   virtual ~DataParallel() = default;
+  virtual void set_gradient_listener(GradientListener listener) { listener_ = std::move(listener); }
   // Called before each micro-batch's backward; gradients are synchronised during the last one.
   virtual void before_backward(bool last_microbatch) = 0;
   // Called after each micro-batch's backward returns.
@@ -36,16 +43,30 @@ class DataParallel {
   virtual void reshard_all() {}
   // Called after every optimizer step (FSDP precomputes its float8 scales there).
   virtual void after_optimizer_step() {}
+
+ protected:
+  GradientListener listener_;
 };
 
-// One data-parallel rank: gradients are final after backward.
+// One data-parallel rank: gradients are final after backward, each one as soon as autograd has accumulated it in
+// the last micro-batch (the listener hears of it there).
 class NoDataParallel final : public DataParallel {
  public:
-  void before_backward(bool) override {}
+  explicit NoDataParallel(std::vector<at::Tensor> parameters = {}) : params_(std::move(parameters)) {}
+  ~NoDataParallel() override;
+  void set_gradient_listener(GradientListener listener) override;
+  void before_backward(bool last_microbatch) override { last_microbatch_ = last_microbatch; }
   void finish_gradients() override {}
   std::string describe() const override { return "no data parallelism (one data-parallel rank)"; }
   int64_t bytes_communicated() const override { return 0; }
   double wait_seconds() const override { return 0; }
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<std::shared_ptr<void>> accumulators_;  // keeps the hooked gradient accumulators alive
+  // The hooks live in the parameters' autograd nodes, which may outlive this object: they check this flag.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  bool last_microbatch_ = false;
 };
 
 // Several data parallelisms over disjoint parameters (expert parallelism: FSDP of the experts over the efsdp ranks
@@ -53,6 +74,9 @@ class NoDataParallel final : public DataParallel {
 class DataParallelSet final : public DataParallel {
  public:
   explicit DataParallelSet(std::vector<std::unique_ptr<DataParallel>> members) : members_(std::move(members)) {}
+  void set_gradient_listener(GradientListener listener) override {
+    for (auto& m : members_) m->set_gradient_listener(listener);
+  }
   void before_backward(bool last) override { for (auto& m : members_) m->before_backward(last); }
   void after_backward() override { for (auto& m : members_) m->after_backward(); }
   void finish_gradients() override { for (auto& m : members_) m->finish_gradients(); }

@@ -76,6 +76,30 @@ void Ddp::launch(Bucket& b) {
   }
   b.work = group_->all_reduce(b.buffer, ReduceOp::Sum, /*async=*/true);
   b.launched = true;
+  // With a listener (an optimizer step in backward), the bucket launched before this one is finished now: its
+  // all-reduce overlapped this bucket's backward, and its gradients are stepped and freed while backward goes on.
+  if (listener_ && &b != &buckets_.front()) {
+    Bucket& previous = *(&b - 1);
+    if (previous.buffer.defined()) {
+      wait(previous);
+      std::vector<at::Tensor> ready;
+      for (int64_t index : previous.params) ready.push_back(params_[index]);
+      listener_(ready);
+      previous.buffer = at::Tensor();
+    }
+  }
+}
+
+void Ddp::wait(Bucket& b) {
+  if (!b.work) return;
+  auto start = std::chrono::steady_clock::now();
+  b.work->wait();
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  b.work.reset();
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    at::Tensor& p = params_[b.params[k]];
+    p.mutable_grad() = b.buffer.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
+  }
 }
 
 void Ddp::finish_gradients() {
@@ -83,16 +107,9 @@ void Ddp::finish_gradients() {
   at::NoGradGuard no_grad;
   // Buckets whose parameters did not all receive gradients are launched now, still in bucket order.
   for (; next_bucket_ < buckets_.size(); ++next_bucket_) launch(buckets_[next_bucket_]);
-  auto start = std::chrono::steady_clock::now();
-  for (auto& b : buckets_) b.work->wait();
-  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (auto& b : buckets_) {
-    for (size_t k = 0; k < b.params.size(); ++k) {
-      at::Tensor& p = params_[b.params[k]];
-      p.mutable_grad() = b.buffer.narrow(0, b.offsets[k], p.numel()).view(p.sizes());
-    }
+    wait(b);
     b.buffer = at::Tensor();
-    b.work.reset();
     b.ready = 0;
     b.launched = false;
   }

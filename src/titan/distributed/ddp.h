@@ -40,6 +40,7 @@ class Ddp final : public DataParallel {
   void on_gradient_ready(int64_t index);
   void launch_ready();
   void launch(Bucket& bucket);
+  void wait(Bucket& bucket);  // its all-reduce, whose result then becomes its parameters' gradients
 
   std::vector<at::Tensor> params_;
   std::shared_ptr<Communicator> group_;

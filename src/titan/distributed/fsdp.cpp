@@ -280,6 +280,12 @@ void Fsdp::reduce(size_t u) {
     auto start = std::chrono::steady_clock::now();
     pending_.back().work->wait();
     wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    // An optimizer step in backward: the finished reduction's gradients (and earlier micro-batches') go into the
+    // shards now, and the listener steps them while backward goes on.
+    if (pending_.back().final) {
+      accumulate(pending_.size());
+      earlier_pending_ = 0;
+    }
   }
   const int64_t n = shard_group_->size();
   auto options = unit.params.front().shard.options().dtype(options_.reduce_dtype).requires_grad(false);
@@ -308,7 +314,7 @@ void Fsdp::reduce(size_t u) {
     if (!(shard_group_->globally_ordered() && replicate_group_->globally_ordered())) work->wait();
     work = replicate_group_->all_reduce(reduced, ReduceOp::Sum, /*async=*/true);
   }
-  pending_.push_back(Pending{u, reduced, work});
+  pending_.push_back(Pending{u, reduced, work, listener_ && (last_microbatch_ || options_.defer_gradient_reduction)});
   unit.grads_ready = 0;
   unit.reduced_this_backward = true;
 }
@@ -356,6 +362,12 @@ void Fsdp::accumulate(size_t count) {
       at::Tensor slice = pending.reduced.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes()).to(p.shard.scalar_type());
       if (p.shard.grad().defined()) p.shard.mutable_grad().add_(slice);
       else p.shard.mutable_grad() = slice.clone();
+    }
+    if (pending.final) {
+      std::vector<at::Tensor> shards;
+      for (auto& p : units_[pending.unit].params) shards.push_back(p.shard);
+      pending.reduced = at::Tensor();
+      listener_(shards);
     }
   }
   pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(count));

@@ -36,7 +36,7 @@ class Fsdp final : public DataParallel {
        std::shared_ptr<Communicator> replicate_group, const FsdpOptions& options);
   ~Fsdp() override;
 
-  void before_backward(bool last_microbatch) override {}
+  void before_backward(bool last_microbatch) override { last_microbatch_ = last_microbatch; }
   void after_backward() override;
   void finish_gradients() override;
   std::string describe() const override;
@@ -66,6 +66,7 @@ class Fsdp final : public DataParallel {
     size_t unit;
     at::Tensor reduced;  // local flat gradient shard (reduce dtype)
     std::shared_ptr<Work> work;
+    bool final = false;  // the step's last reduction of the unit: the listener hears of its shards once accumulated
   };
   struct Unit {
     std::string name;
@@ -104,6 +105,7 @@ class Fsdp final : public DataParallel {
   int64_t bytes_gathered_ = 0, float8_bytes_gathered_ = 0;
   bool float8_scales_fresh_ = false;  // the precomputed scales match the shards
   bool in_backward_ = false;          // from the first unit's backward until finish_gradients
+  bool last_microbatch_ = true;
 };
 
 }  // namespace titan::distributed

@@ -145,13 +145,18 @@ void TensorParallel::sequence_parallel(nn::Unit& module, at::Tensor& weight) {
   replicate(weight);
 }
 
+bool summed_over(const ShardedParameter& param, const std::string& mesh_dim) {
+  for (const auto& level : param.layout.levels())
+    if (level.mesh_dim == mesh_dim && level.placement.is_replicate()) return true;
+  return false;
+}
+
 void reduce_replicated_gradients(const std::vector<ShardedParameter>& params, Communicator& group, const std::string& mesh_dim) {
   if (group.size() == 1) return;
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : params)
-    for (const auto& level : p.layout.levels())
-      if (level.mesh_dim == mesh_dim && level.placement.is_replicate() && p.local.grad().defined()) grads.push_back(p.local.grad());
+    if (summed_over(p, mesh_dim) && p.local.grad().defined()) grads.push_back(p.local.grad());
   if (grads.empty()) return;
   // One all-reduce for all of them (norm weights are small), in a fixed order on every rank.
   std::vector<at::Tensor> flat;

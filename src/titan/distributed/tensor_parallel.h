@@ -87,5 +87,7 @@ class TensorParallel {
 // weights: each rank's gradient is the part from its own sequence shard). Sums are linear, so this may run once per
 // step after data parallelism has reduced the gradients (or its shards of them). Collective over `group`.
 void reduce_replicated_gradients(const std::vector<ShardedParameter>& params, Communicator& group, const std::string& mesh_dim);
+// Whether `param` is one whose gradients reduce_replicated_gradients sums over `mesh_dim`.
+bool summed_over(const ShardedParameter& param, const std::string& mesh_dim);
 
 }  // namespace titan::distributed

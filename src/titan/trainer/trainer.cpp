@@ -201,6 +201,13 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
   // every later one holds, so its memory line shows the run's peak, and a job that cannot hold them fails before it
   // trains. Zero moments and a zero step count are what the lazy path starts from, and checkpoints leave them out.
   optimizer_->init_state();
+  if (c.optimizer.early_step_in_backward) {
+    step_in_backward_ = std::make_unique<StepInBackward>(*optimizer_, parameters_);
+    for (auto& part : model_parts())
+      part.data_parallel->set_gradient_listener([this](const std::vector<at::Tensor>& locals) { step_in_backward_->on_gradients(locals); });
+    log::info("Optimizer steps in backward (optimizer.early_step_in_backward): each parameter is updated once its gradient "
+              "for the step is final, and the gradient freed");
+  }
   lr_scheduler_ = std::make_unique<LRScheduler>(c.lr_scheduler, c.optimizer.lr, c.training.steps);
   optimizer_->set_lr(lr_scheduler_->current_lr());
 
@@ -305,7 +312,14 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
     }
     out.figure_count = figures.numel();
   }
-  at::Tensor norm = distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
+  at::Tensor norm = step_in_backward_ ? step_in_backward_->finish(*mesh_->world())
+                                      : distributed::clip_grad_norm(parameters_, loaded_.config.training.max_norm, *mesh_->world());
+  if (step_in_backward_ && !step_in_backward_logged_) {
+    step_in_backward_logged_ = true;
+    log::info("Optimizer steps in backward: ", step_in_backward_->stepped_during_backward(), " of this rank's parameter tensors were "
+              "updated as their gradients became final, ", step_in_backward_->stepped_after_backward(),
+              " once every reduction had ended (tensor-parallel sums, DDP's last bucket)");
+  }
   mesh_->get("loss")->all_reduce(loss_total, distributed::ReduceOp::Sum);
   schedule_->gather_loss(loss_total);
   // Loss, gradient norm and whether either is not finite, on the device; both are global (the same on every rank),
@@ -332,7 +346,11 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
 }
 
 void Trainer::update(DeviceStep& step, const at::Tensor& nonfinite) {
-  if (optimizer_->skips_on_device()) {
+  if (step_in_backward_) {
+    // Already applied: read now, so that a non-finite step stops the run before anything (a checkpoint) sees it.
+    ++reads_at_once_;
+    step.settled = settle(step);
+  } else if (optimizer_->skips_on_device()) {
     // No update where the step was not finite, decided on the device; the host learns of it later (settle).
     optimizer_->step(nonfinite.to(at::kFloat));
   } else {
@@ -378,6 +396,9 @@ StepResult Trainer::settle(const DeviceStep& pending) {
   ++nonfinite_total_;
   const int64_t allowed = loaded_.config.training.skip_nonfinite_steps;
   const std::string what = cat("step ", pending.step, ": the loss is ", r.loss, " and the gradient norm ", r.grad_norm);
+  if (step_in_backward_)
+    fail(what, "; the update was applied during backward (optimizer.early_step_in_backward), so the weights in memory "
+         "are not finite: stopping (the last checkpoint is untouched)");
   if (allowed == 0)
     fail(what, "; stopping without applying the step (the last checkpoint is untouched). training.skip_nonfinite_steps = N "
          "skips up to N such steps in a row instead");

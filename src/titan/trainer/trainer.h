@@ -15,6 +15,7 @@
 #include "titan/components/lr_scheduler.h"
 #include "titan/components/optimizer.h"
 #include "titan/components/optimizer_state.h"
+#include "titan/trainer/step_in_backward.h"
 #include "titan/components/profiling.h"
 #include "titan/components/tokenizer/tokenizer.h"
 #include "titan/config/loader.h"
@@ -129,6 +130,8 @@ class Trainer {
   std::vector<distributed::ShardedParameter> parameters_;
   std::vector<distributed::ShardedParameter> buffers_;  // checkpointed untrained state (MoE balancing biases)
   std::unique_ptr<Adam> optimizer_;
+  std::unique_ptr<StepInBackward> step_in_backward_;  // optimizer.early_step_in_backward: updates during backward
+  bool step_in_backward_logged_ = false;
   std::unique_ptr<LRScheduler> lr_scheduler_;
   std::unique_ptr<data::DataLoader> dataloader_;
   std::unique_ptr<Validator> validator_;

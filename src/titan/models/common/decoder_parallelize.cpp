@@ -476,7 +476,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
         param.layout = param.layout.then("dp_replicate", group->size(), group->rank(), Placement::replicate());
       out.data_parallel = std::make_unique<distributed::Ddp>(distributed::local_tensors(out.parameters), group);
     } else {
-      out.data_parallel = std::make_unique<distributed::NoDataParallel>();
+      out.data_parallel = std::make_unique<distributed::NoDataParallel>(distributed::local_tensors(out.parameters));
     }
   }
   out.description.push_back("Data parallelism: " + out.data_parallel->describe());
