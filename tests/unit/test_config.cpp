@@ -181,6 +181,10 @@ TEST(Config, UnsupportedFeaturesAreErrorsNotIgnored) {
   EXPECT_NE(e.find("training.enable_cpu_offload = true"), std::string::npos) << e;
   EXPECT_NE(e.find("fault_tolerance.enable = true"), std::string::npos) << e;
   EXPECT_TRUE(titan::config::check_supported(load_job_config({"--metrics.enable_wandb", "--memory_estimation.enable"})).errors.empty());
+  auto workers = titan::config::check_supported(load_job_config({"--training.dataloader.num_workers", "4"}));
+  EXPECT_TRUE(workers.errors.empty());
+  ASSERT_EQ(workers.warnings.size(), 1u);
+  EXPECT_NE(workers.warnings[0].find("training.dataloader.num_workers = 4"), std::string::npos) << workers.warnings[0];
   EXPECT_NE(e.find("not supported yet"), std::string::npos) << e;
   EXPECT_NE(e.find("--parallelism.expert_parallel_comm_backend"), std::string::npos) << e;  // where it was set
   auto defaults = load_job_config({});

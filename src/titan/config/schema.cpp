@@ -105,10 +105,11 @@ std::vector<KeySpec> describe(JobConfig& c) {
 
   auto add_dataloader = [&b](const char* section, DataLoader* dl) {
     b.in(section);
-    at_least(b.add("num_workers", &dl->num_workers, "background data workers"), 0);
-    b.add("persistent_workers", &dl->persistent_workers, "keep workers alive between epochs (not used yet)");
-    b.add("pin_memory", &dl->pin_memory, "put batches in pinned host memory before the device copy (not used yet)");
-    at_least(b.add("prefetch_factor", &dl->prefetch_factor, "batches each worker loads ahead (not used yet)"), 1);
+    at_least(b.add("num_workers", &dl->num_workers, "torchtitan's data-loader worker processes (accepted with a warning: titan prepares "
+                                                     "batches on one background thread per rank, which outpaces training)"), 0);
+    b.add("persistent_workers", &dl->persistent_workers, "keep workers alive between epochs (no workers here: no effect)");
+    b.add("pin_memory", &dl->pin_memory, "pinned host memory for batches (on GPUs titan always pins them: no effect)");
+    at_least(b.add("prefetch_factor", &dl->prefetch_factor, "batches each worker loads ahead (no workers here: see training.prefetch_batches)"), 1);
   };
 
   b.in("job");
