@@ -1,5 +1,5 @@
 // The trainer on one GPU, in process: it picks the GPU, bf16-autocast and bf16-parameter training lower the loss,
-// the three AdamW implementations agree, deterministic mode repeats losses bitwise, and a checkpoint saved from
+// the three AdamW implementations agree, optimizer steps in backward equal the ordinary step, deterministic mode repeats losses bitwise, and a checkpoint saved from
 // GPU tensors loads back bitwise (weights, AdamW moments and steps, the data stream) in every async mode.
 #include "gpu_test_util.h"
 
@@ -104,6 +104,33 @@ TEST(CudaTrainer, AdamWImplementationsAgree) {
     figure(std::string("trainer.adamw_") + implementation + "_vs_fused.loss_max_rel_diff", worst_loss);
     figure(std::string("trainer.adamw_") + implementation + "_vs_fused.weight_max_rel_diff", worst_param);
   }
+}
+
+TEST(CudaTrainer, OptimizerStepsInBackwardEqualTheOrdinaryStep) {
+  // optimizer.early_step_in_backward: the hooks step each parameter on autograd's device thread, with the fused AdamW
+  // kernel on a subset of the parameters; float32 without clipping, so the ordinary step must give the same weights.
+  TITAN_REQUIRE_CUDA_OR_DRY_RUN();
+  std::vector<std::vector<double>> losses;
+  std::vector<std::vector<at::Tensor>> weights;
+  for (bool early : {false, true}) {
+    titan_gpu_test::ScratchDir dump("titan_gpu_trainer");
+    std::vector<std::string> extra = {"--training.steps", "5", "--training.mixed_precision_param", "float32", "--training.max_norm", "1e9"};
+    if (early) extra.push_back("--optimizer.early_step_in_backward");
+    titan::Trainer trainer(titan::config::load_job_config(titan_gpu_test::debug_trainer_args(dump.path(), extra)));
+    losses.push_back(train_losses(trainer, 5));
+    std::vector<at::Tensor> params;
+    for (const auto& p : trainer.parameters()) params.push_back(p.local.detach().cpu().clone());
+    weights.push_back(params);
+  }
+  double worst_loss = 0, worst_param = 0;
+  for (size_t i = 0; i < losses[0].size(); ++i) worst_loss = std::max(worst_loss, std::abs(losses[1][i] - losses[0][i]) / losses[0][i]);
+  for (size_t i = 0; i < weights[0].size(); ++i)
+    worst_param = std::max(worst_param, titan_gpu_test::max_relative_difference(weights[1][i], weights[0][i]));
+  // Not bitwise on a GPU: without debug.deterministic the kernels may sum in another order from run to run.
+  EXPECT_LT(worst_loss, 1e-5) << join(losses[1]) << " / " << join(losses[0]);
+  EXPECT_LT(worst_param, 1e-4) << "weights after 5 steps";
+  figure("trainer.early_step_in_backward.loss_max_rel_diff", worst_loss);
+  figure("trainer.early_step_in_backward.weight_max_rel_diff", worst_param);
 }
 
 TEST(CudaTrainer, DeterministicModeRepeatsLossesBitwise) {
