@@ -1,7 +1,7 @@
 """optimizer.early_step_in_backward on real MPI ranks: each parameter is updated during backward once its gradient
 for the step is final. On a small Qwen3-MoE with load balancing (q/k norms, a router, 8 experts): one process gives
 bitwise the losses and weights of the ordinary step without clipping (Adam works element by element), and FSDP 2,
-DDP 2, TP 2 (its sequence-parallel norm weights wait for their sum over TP), TP 2 x FSDP 2 and EP 2 x efsdp 2 with
+DDP 2, TP 2 (its sequence-parallel norm weights wait for their sum over TP), TP 2 x FSDP 2, DDP 2 x TP 2 and EP 2 x efsdp 2 with
 full activation checkpointing give one process's losses and gradient norms within 1e-5 (float32, 6 steps), with
 every gradient accumulation each layout implies (4, 2 or 1 micro-batches)."""
 import re
@@ -57,6 +57,9 @@ CASES = {
     "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                    "--training.local_batch_size", "4"], (16, 11)),
     "tp2_fsdp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"], (16, 11)),
+    # The TP shards of this small model fit DDP's first bucket (1 MiB), so everything is stepped after backward.
+    "ddp2_tp2": (4, 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                        "--parallelism.data_parallel_shard_degree", "1", "--training.local_batch_size", "4"], (0, 27)),
     "ep2_efsdp2_full_ac": (4, 4, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
                                   "--activation_checkpoint.mode", "full"], (27, 0)),
 }

@@ -16,6 +16,8 @@ void Adam::zero_grad() {
 }
 
 void Adam::init_state() {
+  // Cheap when done: steps in backward call it once per parameter.
+  if (all_state_ && state_.size() == params_.size()) return;
   state_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (state_[i].exp_avg.defined()) continue;
@@ -25,6 +27,7 @@ void Adam::init_state() {
     state_[i].exp_avg = at::zeros_like(params_[i], at::MemoryFormat::Preserve);
     state_[i].exp_avg_sq = at::zeros_like(params_[i], at::MemoryFormat::Preserve);
   }
+  all_state_ = true;
 }
 
 void Adam::step() { step(at::Tensor()); }

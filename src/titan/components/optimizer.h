@@ -46,6 +46,7 @@ class Adam {
 
   std::vector<at::Tensor> params_;
   std::vector<State> state_;
+  bool all_state_ = false;  // every parameter has its state (set by init_state)
   double lr_, beta1_, beta2_, eps_, weight_decay_;
   bool decoupled_;
   std::string implementation_;

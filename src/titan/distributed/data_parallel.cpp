@@ -15,6 +15,7 @@ void NoDataParallel::set_gradient_listener(GradientListener listener) {
   // A parameter's accumulator runs its post-hooks once autograd has added the last contribution of this backward to
   // .grad: in the last micro-batch that gradient is the step's.
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].requires_grad()) continue;  // never has a gradient: the optimizer skips it
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
     accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, i, alive = alive_](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {

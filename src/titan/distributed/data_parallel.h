@@ -5,6 +5,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -65,7 +66,7 @@ class NoDataParallel final : public DataParallel {
   std::vector<at::Tensor> params_;
   std::vector<std::shared_ptr<void>> accumulators_;  // keeps the hooked gradient accumulators alive
   // The hooks live in the parameters' autograd nodes, which may outlive this object: they check this flag.
-  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  std::shared_ptr<std::atomic<bool>> alive_ = std::make_shared<std::atomic<bool>>(true);
   bool last_microbatch_ = false;
 };
 

@@ -94,6 +94,7 @@ SearchResult search_layouts(const protocols::ModelSpec& spec, const protocols::M
     if (tp > cluster.gpus_per_node || decoder.n_heads % tp || decoder.kv_heads() % tp) continue;
     for (int64_t pp : divisors(gpus / tp)) {
       if (pp > 1 && decoder.n_layers / pp < 1) continue;
+      if (pp > 1 && base.optimizer.early_step_in_backward) continue;  // the trainer refuses the two together
       for (int64_t cp : divisors(gpus / tp / pp)) {
         if (cp > 1 && base.training.seq_len % (2 * cp)) continue;
         const int64_t dp = gpus / tp / pp / cp;

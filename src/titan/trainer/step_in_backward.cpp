@@ -21,7 +21,13 @@ void StepInBackward::on_gradients(const std::vector<at::Tensor>& locals) {
   for (const at::Tensor& t : locals) {
     auto it = index_.find(t.unsafeGetTensorImpl());
     if (it == index_.end()) fail("internal: a gradient was reported for a tensor the optimizer does not update");
-    if (!after_tensor_parallel_sum_[it->second]) ready.push_back(it->second);
+    if (!after_tensor_parallel_sum_[it->second]) {
+      ready.push_back(it->second);
+    } else if (at::Tensor& grad = params_[it->second].local.mutable_grad(); grad.defined()) {
+      // It waits for its sum over TP: its own copy, so that it does not keep the rest of a DDP bucket alive (the
+      // gradients there are views of one flat buffer). These weights are small (norms, routers).
+      grad = grad.clone();
+    }
   }
   during_ += step(ready);
 }

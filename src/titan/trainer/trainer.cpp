@@ -347,9 +347,8 @@ Trainer::DeviceStep Trainer::launch_step(const std::vector<data::Batch>& microba
 
 void Trainer::update(DeviceStep& step, const at::Tensor& nonfinite) {
   if (step_in_backward_) {
-    // Already applied: read now, so that a non-finite step stops the run before anything (a checkpoint) sees it.
-    ++reads_at_once_;
-    step.settled = settle(step);
+    // Already applied during backward. The step is read later, as the fused path's: before the next update, a log
+    // line, a checkpoint or validation, so a non-finite step stops the run before any checkpoint holds its weights.
   } else if (optimizer_->skips_on_device()) {
     // No update where the step was not finite, decided on the device; the host learns of it later (settle).
     optimizer_->step(nonfinite.to(at::kFloat));
@@ -398,7 +397,7 @@ StepResult Trainer::settle(const DeviceStep& pending) {
   const std::string what = cat("step ", pending.step, ": the loss is ", r.loss, " and the gradient norm ", r.grad_norm);
   if (step_in_backward_)
     fail(what, "; the update was applied during backward (optimizer.early_step_in_backward), so the weights in memory "
-         "are not finite: stopping (the last checkpoint is untouched)");
+         "may not be finite: stopping (the last checkpoint is untouched)");
   if (allowed == 0)
     fail(what, "; stopping without applying the step (the last checkpoint is untouched). training.skip_nonfinite_steps = N "
          "skips up to N such steps in a row instead");

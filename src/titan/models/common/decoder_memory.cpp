@@ -179,14 +179,15 @@ RankBlocks rank_blocks(const DecoderArgs& a, const config::JobConfig& config, co
 }
 
 // Gradient elements held at once. optimizer.early_step_in_backward without gradient accumulation steps and frees
-// each gradient once it is final: at most a unit's shards under FSDP (`unit`), two buckets under DDP (one reducing,
-// one being stepped), about the largest parameter (`unit`, unsharded) on one rank. Otherwise every local gradient.
+// each gradient once it is final: at most a unit's shards under FSDP (`unit`), three buckets under DDP (one filling,
+// one reducing, one being stepped), a block's gradients on one data-parallel rank (`unit`). Otherwise (and under
+// pipeline parallelism, which the trainer refuses with it) every local gradient.
 double gradient_bytes(const config::JobConfig& config, const distributed::ParallelDims& dims, double local, double unit) {
   const auto& training = config.training;
   const int64_t per_step = training.local_batch_size * dims.dp_degree();
   const bool accumulates = training.global_batch_size > 0 && training.global_batch_size > per_step;
-  if (!config.optimizer.early_step_in_backward || accumulates) return local;
-  if (dims.ddp_enabled()) return std::min(local, 2.0 * (25 << 20) / titan::config::dtype_bytes(training.dtype));
+  if (!config.optimizer.early_step_in_backward || accumulates || dims.pp > 1) return local;
+  if (dims.ddp_enabled()) return std::min(local, 3.0 * (25 << 20) / titan::config::dtype_bytes(training.dtype));
   return std::min(local, unit);
 }
 
@@ -261,7 +262,10 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
 
   MemoryEstimate e;
   e.terms.push_back({"parameters", local * p_bytes});
-  e.terms.push_back({"gradients", gradient_bytes(config, dims, local, std::max(block_here, embed / tp) / shards) * p_bytes});
+  // A unit's local share: a block's parameters over TP and the data-parallel shards (under EP its experts' shards,
+  // over efsdp, hold the same share of them), or the embedding's.
+  const double unit_local = std::max({dense_block.params, moe_block.params, embed}) / tp / shards;
+  e.terms.push_back({"gradients", gradient_bytes(config, dims, local, unit_local) * p_bytes});
   e.terms.push_back({"optimizer", 2 * local * p_bytes});
   // Weights in the compute dtype: autocast's per-step cache of every weight; FSDP's gathered units (the current one
   // and the prefetched next, or all of them when they stay gathered between forward and backward).
