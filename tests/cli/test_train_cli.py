@@ -24,13 +24,20 @@ def test_torchtitan_debug_toml_runs_unchanged(tmp_path):
                   "--training.dataset_path", str(shared("text", "tinyshakespeare.txt")),
                   "--job.dump_folder", str(tmp_path), "--training.steps", "2",
                   # The TOML's 8 x 2,048 tokens cost a minute here; the keys it sets are what is tested.
-                  "--training.local_batch_size", "2", "--training.seq_len", "512"])
+                  "--training.local_batch_size", "2", "--training.seq_len", "512",
+                  "--checkpoint.enable", "--checkpoint.interval", "2"])
     lines = step_lines(result.stdout)
     assert [int(m.group(1)) for m in lines] == [1, 2]  # log_freq = 1 in that TOML
     assert "selective activation checkpointing of every 2-th block (3 of 6)" in result.stdout
     assert "Model llama3 debugmodel size: 6,163,712 total parameters" in result.stdout
     for m in lines:
         assert 0 < float(m.group(2)) < 20 and float(m.group(3)) > 0 and float(m.group(8)) > 0
+    # The model's 2,048 ids are more than the test tokenizer's 2,004: sampling (near-uniform at this temperature, 128
+    # draws, where about 2% of the mass lies on the 44 ids past the tokenizer) picks only ids the tokenizer has.
+    sampled = run([binary("titan"), "generate", "--checkpoint", str(tmp_path / "checkpoint" / "step-2"), "--max-new-tokens", "32",
+                   "--temperature", "5", "--seed", "1", "--ignore-eos", "--json", *sum((["--prompt", p] for p in "ABCD"), [])])
+    ids = [i for line in sampled.stdout.splitlines() for i in json.loads(line)["ids"]]
+    assert len(ids) == 128 and max(ids) < 2004, ids
 
 
 def test_default_job_loss_falls(tmp_path):

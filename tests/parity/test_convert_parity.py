@@ -111,6 +111,14 @@ def test_convert_errors_name_the_problem(trained, tmp_path):
     assert result.returncode == 2 and "dim (hidden_size): 256 vs 4096" in result.stderr, result.stderr
     again = run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)], check=False)
     assert again.returncode == 2 and "already holds weights" in again.stderr
+    for extra, message in [(["--dtype", "int8"], "--dtype \"int8\": expected float32, bfloat16 or float16"),
+                           (["--max-shard-mb", "0"], "--max-shard-mb \"0\": expected a positive integer"),
+                           (["--max-shard-mb", "lots"], "--max-shard-mb expects an integer, got \"lots\"")]:
+        result = run([binary("titan"), "convert", "--from", str(trained), "--to", str(tmp_path / "z"), *extra], check=False)
+        assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
+    # A destination that cannot be made: exit code 2 (bad input), naming the path.
+    result = run([binary("titan"), "convert", "--from", str(trained), "--to", "/proc/titan-export"], check=False)
+    assert result.returncode == 2 and "/proc/titan-export" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("dtype,zip64", [("float32", False), ("bfloat16", False), ("float32", True)])

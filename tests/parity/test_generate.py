@@ -117,7 +117,9 @@ def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint, tmp
                            (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1], got 0"),
                            (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
                            (["--prompt", "x", "--max-new-tokens", "100000000"], "more than the model's context"),
-                           (["--prompt", "x", "--temperature", "-1"], "--temperature must be 0 (greedy) or positive")]:
+                           (["--prompt", "x", "--temperature", "-1"], "--temperature must be 0 (greedy) or positive"),
+                           (["--prompt", "x", "--device", "tpu"], "--device \"tpu\": expected cpu or cuda")] + \
+                          ([] if torch.cuda.is_available() else [(["--prompt", "x", "--device", "cuda"], "LibTorch sees no GPU here")]):
         result = generate(step, *extra, check=False)
         assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)
     missing = run([binary("titan"), "generate", "--checkpoint", str(step.parent / "nothing"), "--prompt", "x"], check=False)

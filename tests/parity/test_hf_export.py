@@ -124,3 +124,22 @@ def test_last_save_in_hf_needs_a_model_only_last_save(tmp_path):
                   "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "false"], check=False)
     assert result.returncode == 2 and \
         "checkpoint.last_save_in_hf needs checkpoint.last_save_model_only = true" in result.stderr, result.stderr
+
+
+def test_a_longer_run_after_an_hf_last_save_keeps_the_export(tmp_path):
+    """The run's last save became step-2's Hugging Face export; the same job with more steps resumes from step-1
+    (titan's), keeps the export where its own step-2 would go (a warning says so) and saves steps 3 and 4."""
+    dump = tmp_path / "dump"
+    common = [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+              "--job.dump_folder", str(dump), "--training.seq_len", "32", "--training.local_batch_size", "2",
+              "--checkpoint.enable", "--checkpoint.interval", "1", "--debug.seed", "0"]
+    run(common + ["--training.steps", "2", "--checkpoint.last_save_in_hf"])
+    export = dump / "checkpoint" / "step-2"
+    files = sorted(p.name for p in export.iterdir())
+    assert "config.json" in files and not (export / "metadata.json").exists()
+    result = run(common + ["--training.steps", "4"])
+    assert "step-2 already exists and is not a titan checkpoint" in result.stdout + result.stderr, result.stdout
+    assert sorted(p.name for p in export.iterdir()) == files
+    for step in (3, 4):
+        assert (dump / "checkpoint" / f"step-{step}" / "metadata.json").exists()
+    assert not list((dump / "checkpoint").glob("*.partial"))

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <map>
 
+#include "titan/cli/arguments.h"
 #include "titan/cli/commands.h"
 #include "titan/cli/gguf_export.h"
 #include "titan/cli/model_source.h"
@@ -197,7 +198,7 @@ int run_convert(const std::vector<std::string>& args) {
     else if (a == "--dtype") dtype_name = v;
     else if (a == "--format") format = v;
     else if (a == "--tokenizer") tokenizer_path = v;
-    else if (a == "--max-shard-mb") max_shard_mb = std::stoll(v);
+    else if (a == "--max-shard-mb") max_shard_mb = positive_integer_argument(a, v);
     else if (a == "--gguf-type") gguf_type = v;
     else fail("unknown option ", quote(a), " for `titan convert`\n", kConvertUsage);
   }
@@ -208,6 +209,8 @@ int run_convert(const std::vector<std::string>& args) {
   bool from_titan = false;
   ModelSource source = read_model_source(from, model_name, flavor_name, &from_titan);
   if (!dtype_name.empty()) {
+    if (dtype_name != "float32" && dtype_name != "bfloat16" && dtype_name != "float16")
+      fail("--dtype ", quote(dtype_name), ": expected float32, bfloat16 or float16 (the weights' dtype in the written files)");
     const at::ScalarType dtype = checkpoint::parse_dtype(dtype_name, "--dtype");
     if (source.training_state && format == "dcp")
       std::cerr << "warning: --dtype " << dtype_name << " casts the weights only; the AdamW state keeps its dtype, and a "

@@ -15,6 +15,7 @@
 #include <random>
 #include <sstream>
 
+#include "titan/cli/arguments.h"
 #include "titan/cli/commands.h"
 #include "titan/cli/model_source.h"
 #include "titan/common/error.h"
@@ -63,26 +64,6 @@ struct Options {
   bool ignore_eos = false, json = false, device_given = false;
 };
 
-int64_t integer(const std::string& option, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(value, &used);
-    if (used == value.size()) return v;
-  } catch (const std::exception&) {
-  }
-  fail(option, " expects an integer, got ", quote(value));
-}
-
-double number(const std::string& option, const std::string& value) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(value, &used);
-    if (used == value.size()) return v;
-  } catch (const std::exception&) {
-  }
-  fail(option, " expects a number, got ", quote(value));
-}
-
 // `read_stdin`: false on the ranks after the first of a launch (only rank 0 reads standard input; it sends the
 // others the encoded prompts). `check_stdin`: whether an empty standard input is refused here (a launch of several
 // ranks refuses it on rank 0 later, where the other ranks learn of it instead of waiting).
@@ -107,11 +88,11 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
     else if (a == "--flavor") o.flavor = v;
     else if (a == "--dtype") o.dtype = v;
     else if (a == "--device") o.device = v, o.device_given = true;
-    else if (a == "--max-new-tokens") o.max_new_tokens = integer(a, v);
-    else if (a == "--top-k") o.top_k = integer(a, v);
-    else if (a == "--temperature") o.temperature = number(a, v);
-    else if (a == "--top-p") o.top_p = number(a, v);
-    else if (a == "--seed") o.seed = static_cast<uint64_t>(integer(a, v));
+    else if (a == "--max-new-tokens") o.max_new_tokens = integer_argument(a, v);
+    else if (a == "--top-k") o.top_k = integer_argument(a, v);
+    else if (a == "--temperature") o.temperature = number_argument(a, v);
+    else if (a == "--top-p") o.top_p = number_argument(a, v);
+    else if (a == "--seed") o.seed = static_cast<uint64_t>(integer_argument(a, v));
     else fail("unknown option ", quote(a), " for `titan generate`\n", kGenerateUsage);
   }
   if (o.checkpoint.empty()) fail("`titan generate` needs --checkpoint\n", kGenerateUsage);
@@ -125,6 +106,10 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
   if (!(o.top_p > 0 && o.top_p <= 1)) fail("--top-p must be in (0, 1], got ", o.top_p);
   if (o.top_k < 0) fail("--top-k must be positive (0: off), got ", o.top_k);
   if (o.dtype != "float32" && o.dtype != "bfloat16") fail("--dtype ", quote(o.dtype), ": expected float32 or bfloat16");
+  if (o.device != "cpu" && o.device != "cuda" && o.device.rfind("cuda:", 0) != 0)
+    fail("--device ", quote(o.device), ": expected cpu or cuda (cuda:N for one GPU of several)");
+  if (o.device != "cpu" && !at::hasCUDA())
+    fail("--device ", quote(o.device), ": LibTorch sees no GPU here (no NVIDIA driver, no device, or a CPU-only LibTorch); use --device cpu");
   return o;
 }
 
@@ -334,7 +319,15 @@ int run_generate(const std::vector<std::string>& args) {
     std::exception_ptr sampling_error;
     if (first) {
       try {
-        next = next_tokens(logits, o, generator);
+        // A model whose vocabulary is wider than its tokenizer (padded to a round size, as torchtitan's debug model's
+        // 2,048 over its test tokenizer's 2,004 ids) never samples an id the tokenizer cannot decode; the reported
+        // log-probabilities stay the model's.
+        at::Tensor choosable = logits;
+        if (const int64_t ids = tok->vocab_size(); ids < logits.size(-1)) {
+          choosable = logits.clone();
+          choosable.narrow(-1, ids, logits.size(-1) - ids).fill_(-std::numeric_limits<float>::infinity());
+        }
+        next = next_tokens(choosable, o, generator);
       } catch (...) {
         if (!control) throw;
         sampling_error = std::current_exception();

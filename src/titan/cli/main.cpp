@@ -2,6 +2,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 
 #include "titan/cli/commands.h"
@@ -67,6 +68,10 @@ static int run(int argc, char** argv) {
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), usage().c_str());
     return 2;
   } catch (const titan::UserError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path the user gave that cannot be made or read (permissions, a missing parent, a read-only file system).
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
   } catch (const c10::Error& e) {

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "titan/cli/arguments.h"
 #include "titan/cli/commands.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
@@ -31,16 +32,6 @@ const char* kPlanUsage =
     "constants fitted on the other folds predict each fold's runs (K folds of whole groups; default: one per group).\n";
 
 double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
-
-int64_t parse_count(const std::string& flag, const std::string& value) {
-  try {
-    size_t used = 0;
-    const long long v = std::stoll(value, &used);
-    if (used == value.size() && v > 0) return v;
-  } catch (const std::exception&) {
-  }
-  fail(flag, " ", quote(value), ": expected a positive integer");
-}
 
 nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   nlohmann::ordered_json memory = nlohmann::ordered_json::object();
@@ -121,10 +112,10 @@ Request parse_request(const std::vector<std::string>& raw_args) {
     if (a == "--json") as_json = true;
     else if (a == "--search") search = true;
     else if (is("--cluster")) cluster_spec = value("--cluster");
-    else if (is("--gpus")) gpus = parse_count("--gpus", value("--gpus"));
-    else if (is("--top")) top = parse_count("--top", value("--top"));
+    else if (is("--gpus")) gpus = positive_integer_argument("--gpus", value("--gpus"));
+    else if (is("--top")) top = positive_integer_argument("--top", value("--top"));
     else if (is("--calibrate")) calibrate = value("--calibrate");
-    else if (is("--folds")) folds = parse_count("--folds", value("--folds"));
+    else if (is("--folds")) folds = positive_integer_argument("--folds", value("--folds"));
     else if (is("--as")) {
       const std::string v = value("--as");
       if (v != "titan" && v != "torchtitan") fail("--as ", quote(v), ": expected titan (the default) or torchtitan");

@@ -420,6 +420,13 @@ void Checkpointer::save(const protocols::StatefulParts& parts, const HfModel& hf
     log::warn("checkpoint ", final_dir.string(), " already exists; it is kept, not overwritten");
     return;
   }
+  if (std::error_code ec; fs::exists(final_dir, ec) && !fs::is_empty(final_dir, ec)) {
+    // Not titan's (a run's last save exported in place for Hugging Face, checkpoint.last_save_in_hf, or another
+    // tool's files): kept too. The commit's rename could not replace a non-empty folder anyway.
+    log::warn("checkpoint folder ", final_dir.string(), " already exists and is not a titan checkpoint (a Hugging Face export "
+              "such as checkpoint.last_save_in_hf writes, or other files); it is kept, and step ", step, "'s checkpoint is not written");
+    return;
+  }
   {
     std::error_code ec;
     if (!async) {
