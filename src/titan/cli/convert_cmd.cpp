@@ -43,7 +43,7 @@ const char* kConvertUsage =
     "          the tokenizer embedded). Default: pt when --to ends in .pt/.pth, gguf for .gguf, hf from a titan checkpoint,\n"
     "          titan from anything else.\n"
     "  --gguf-type: the GGUF matrices' type (norms stay F32); default f32, or bf16/f16 as the weights are stored.\n"
-    "  --model: the model family (model.name: llama3, qwen3) where the source does not record it (torch DCP, .pth;\n"
+    "  --model: the model family (model.name: llama3, qwen3, deepseek_v3) where the source does not record it (torch DCP, .pth;\n"
     "          default llama3); titan checkpoints and Hugging Face directories (model_type) carry theirs.\n"
     "  --flavor: the model's shape where the source does not record it (torch DCP, a .pth without params.json); titan\n"
     "          checkpoints, Hugging Face directories and Meta's params.json carry theirs, and a --flavor given is compared\n"

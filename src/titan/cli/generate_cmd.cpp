@@ -104,7 +104,7 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
   if (o.max_new_tokens < 1) fail("--max-new-tokens must be at least 1, got ", o.max_new_tokens);
   if (!(o.temperature >= 0) || !std::isfinite(o.temperature)) fail("--temperature must be 0 (greedy) or positive, got ", o.temperature);
   if (!(o.top_p > 0 && o.top_p <= 1)) fail("--top-p must be in (0, 1], got ", o.top_p);
-  if (o.top_k < 0) fail("--top-k must be positive (0: off), got ", o.top_k);
+  if (o.top_k < 0) fail("--top-k must be 0 (off) or positive, got ", o.top_k);
   if (o.dtype != "float32" && o.dtype != "bfloat16") fail("--dtype ", quote(o.dtype), ": expected float32 or bfloat16");
   if (o.device != "cpu" && o.device != "cuda" && o.device.rfind("cuda:", 0) != 0)
     fail("--device ", quote(o.device), ": expected cpu or cuda (cuda:N for one GPU of several)");

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <filesystem>
 #include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -85,12 +86,18 @@ int run_tokenizer(const std::vector<std::string>& args) {
   if (verb == "train") {
     if (o.inputs.empty() || o.output.empty() || o.vocab_size <= 0)
       fail("`titan tokenizer train` needs --input, --vocab-size and --output\n", kTokenizerUsage);
+    // As `titan data tokenize`: an existing file is never replaced (a tokenizer in use would change under its shards).
+    if (std::filesystem::exists(o.output)) fail("--output ", quote(o.output), " already exists; remove it or choose another path");
     tokenizer::BpeTrainerOptions options;
     options.vocab_size = o.vocab_size;
     auto stats = tokenizer::train_bpe_files(o.inputs, options, o.output);
     std::cerr << "trained " << stats.merges << " merges on " << with_thousands(stats.bytes) << " bytes ("
               << with_thousands(stats.unique_words) << " distinct pieces) in " << strprintf("%.2f", stats.seconds)
               << " s -> " << o.output << "\n";
+    // 256 byte tokens, the merges, 256 special tokens.
+    if (const int64_t ids = 512 + stats.merges; ids < o.vocab_size)
+      std::cerr << "warning: the corpus has no more pairs that occur twice: the vocabulary has " << with_thousands(ids)
+                << " ids, not the " << with_thousands(o.vocab_size) << " asked for (a model's vocab_size may be larger)\n";
     return 0;
   }
   if (verb == "speed") {

@@ -142,7 +142,7 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   // only its own pieces, with values that depend on the seed alone (nn/init.h), not on the layout.
   const at::ScalarType param_dtype = titan::config::dtype_from_name(c.training.dtype, "training.dtype");
   if (const auto errors = quantization::float8_config_errors(loaded_, device_); !errors.empty())
-    fail("this configuration asks for float8 training titan.cpp cannot run:\n  - ", join(errors, "\n  - "));
+    fail("this configuration asks for model conversions (model.converters, [quantize]) titan.cpp cannot run:\n  - ", join(errors, "\n  - "));
   model_ = spec_->build(args, nn::ParameterOptions{at::TensorOptions().device(device_).dtype(param_dtype), /*allocate=*/false});
   model_->move_buffers(device_);
   // Converters run between building and parallelizing (torchtitan's order: converters, TP, CP, AC, FSDP).
@@ -603,6 +603,9 @@ int Trainer::train() {
     metrics_->finish(code);
     return code;
   }
+  if (train_state_.step >= c.training.steps && !c.memory_estimation.enable)
+    log::warn("the run starts at step ", train_state_.step, " (its checkpoint), which is not before training.steps = ", c.training.steps,
+              " ", loaded_.where("training.steps"), ": there is nothing to train; raise training.steps to continue");
   metrics_->restart_clock();
   const double train_start = now_seconds();
   const int64_t first_step = train_state_.step;

@@ -13,7 +13,7 @@ json to_hf_config(const DecoderArgs& args, const std::string& torch_dtype) {
   const auto& m = *args.moe;
   const auto& l = *args.mla;
   std::vector<std::string> beyond;
-  if (m.score_func != "sigmoid") beyond.push_back(cat("score_func ", quote(m.score_func), " (it routes by sigmoid scores)"));
+  if (m.score_func != "sigmoid") beyond.push_back(cat("score_func ", quote(m.score_func), " (Hugging Face's model routes by sigmoid scores only)"));
   if (m.score_before_experts) beyond.push_back("score_before_experts = true");
   if (m.gate_bias) beyond.push_back("a router bias");
   if (!beyond.empty())
