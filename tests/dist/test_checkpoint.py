@@ -174,6 +174,8 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
     data.write_bytes(original)
     expect('"model.layers.0.attention.wk.weight" has shape [256, 256], the model expects [64, 256]',
            extra=["--model.flavor", "debugmodel_gqa"])
+    expect('was saved from a llama3 model (flavor "debugmodel"); this run trains qwen3 (model.name)',
+           extra=["--model.name", "qwen3", "--model.flavor", "debugmodel"])
     # metadata.json: its own checksum catches any edit (swapped offsets loaded the wrong weights silently before).
     pristine = json.loads((step10 / "metadata.json").read_text())
     assert pristine["version"] == 4 and pristine["metadata_crc32"] == metadata_checksum(pristine)

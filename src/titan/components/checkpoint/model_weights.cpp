@@ -35,6 +35,11 @@ protocols::SavedState ModelWeights::state_dict(const protocols::SaveOptions& opt
 void ModelWeights::load_state_dict(protocols::StateSource& source) {
   const json& meta = source.metadata();
   const std::string saved_flavor = meta.contains("flavor") && meta["flavor"].is_string() ? meta["flavor"].get<std::string>() : "?";
+  if (meta.contains("model") && meta["model"].is_object() && meta["model"].contains("family") && meta["model"]["family"].is_string() &&
+      meta["model"]["family"].get<std::string>() != args_.family())
+    fail(source.name(), " was saved from a ", meta["model"]["family"].get<std::string>(), " model (flavor ", quote(saved_flavor),
+         "); this run trains ", args_.family(), " (model.name); set model.name and model.flavor to the checkpoint's, or "
+         "point checkpoint.folder elsewhere");
   // Every parameter of the model, not just this rank's (a pipeline stage holds some of them); tied aliases are the
   // names torchtitan's state dicts also carry.
   std::set<std::string> expected;
