@@ -45,12 +45,14 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 
 distributed::ParallelDims Trainer::check_job() {
   const config::JobConfig& c = loaded_.config;
+  launch_ = distributed::detect_launch();
+  log::set_enabled(rank_logs(launch_.rank));  // before the configuration's warnings: once, not once per rank
+  // Open MPI hands each rank a pseudo-terminal whether or not mpirun's own output is one, so a rank cannot tell a
+  // pipe from a terminal there: no colors under mpirun (metrics.disable_color_printing aside).
+  log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO) && launch_.launcher != "mpirun");
   config::require_supported(loaded_);
   kernels::set_fused_kernels_enabled(c.training.fused_kernels);
   weight_casts_per_step_ = c.training.autocast_weight_casts == "step";
-  launch_ = distributed::detect_launch();
-  log::set_enabled(rank_logs(launch_.rank));
-  log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO));
   if (const int used = c.training.fused_kernels ? kernels::kernel_threads() : 0; used > 0 && used < at::get_num_threads())
     log::warn("titan's fused CPU kernels split their work over ", used, " of ", at::get_num_threads(),
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
