@@ -304,6 +304,7 @@ ModelSource read_model_source(const std::string& from, const std::string& model_
   } else if (fs::is_regular_file(from) && (ends_with(from, ".pth") || ends_with(from, ".pt"))) {
     parts = {from};
   }
+  if (!fs::exists(from)) fail(quote(from), ": no such file or directory");
   if (parts.empty())
     fail(quote(from), " is neither a titan checkpoint directory (metadata.json), a torch DCP one (.metadata), a "
          "Hugging Face one (config.json) nor .pth files");

@@ -303,6 +303,9 @@ void apply_toml(KeyIndex& index, LoadedConfig& loaded, const std::string& path) 
     std::error_code ec;
     if (std::filesystem::is_directory(path, ec))
       fail("job.config_file = ", quote(path), " is a directory; expected a TOML file (e.g. configs/debug_model.toml)");
+    if (!std::filesystem::exists(path, ec))
+      fail("job.config_file = ", quote(path), ": no such file (relative paths are from the current directory, ",
+           std::filesystem::current_path(ec).string(), ")");
   }
   try {
     root = toml::parse_file(path);

@@ -53,8 +53,8 @@ std::unique_ptr<Tokenizer> load_file(const fs::path& file) {
 std::unique_ptr<Tokenizer> load(const std::string& path) {
   fs::path p(path);
   if (!fs::exists(p))
-    fail("tokenizer path ", quote(path), " does not exist; set --model.hf_assets_path to a directory with tokenizer.json "
-         "or tokenizer.model (or to a tokenizer file), or use --model.hf_assets_path builtin");
+    fail("tokenizer path ", quote(path), " does not exist; expected a directory with tokenizer.json or tokenizer.model, or a "
+         "tokenizer file (titan train: model.hf_assets_path, which also takes builtin; other commands: --tokenizer)");
   if (fs::is_regular_file(p)) return load_file(p);
   for (const char* candidate : {"tokenizer.json", "tokenizer.model", "original/tokenizer.model"}) {
     if (fs::is_regular_file(p / candidate)) return load_file(p / candidate);
