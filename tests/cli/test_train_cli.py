@@ -276,3 +276,15 @@ def test_the_host_block_cache_keeps_the_peak_near_the_live_tensors(tmp_path):
     cache, heap = peak({}), peak({"TITAN_HOST_ALLOCATOR": "malloc"})
     print(f"peak resident set above the process's footprint: {cache:.2f} GiB with the cache, {heap:.2f} GiB on glibc's heap")
     assert cache < 0.8 * heap, (cache, heap)
+
+
+def test_load_only_loads_and_never_saves(tmp_path):
+    """checkpoint.load_only (torchtitan's): the run resumes from the newest checkpoint and writes none, neither at
+    the interval nor at the end."""
+    common = [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
+              "--job.dump_folder", str(tmp_path), "--training.seq_len", "64", "--training.local_batch_size", "1",
+              "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.no_last_save_model_only", "--debug.seed", "0"]
+    run(common + ["--training.steps", "2"])
+    result = run(common + ["--training.steps", "4", "--checkpoint.load_only"])
+    assert "Training starts at step 3" in result.stdout, result.stdout
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1", "step-2"]

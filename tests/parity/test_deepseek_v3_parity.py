@@ -302,3 +302,73 @@ def test_torchtitan_deepseek_v3_tomls_load_unchanged(toml):
     out = json.loads(result.stdout)
     nparams, _ = torchtitan_counts(out["flavor"], 4096)
     assert out["name"] == "deepseek_v3" and out["parameters"] == nparams
+
+
+def test_float8_block_quantized_checkpoints_dequantize_as_pytorchs_reader(tmp_path):
+    """DeepSeek-V3 is published in float8 (E4M3) with a float32 scale per 128 x 128 block of each projection
+    (`*.weight_scale_inv`, config.json's quantization_config). titan reads such a directory as PyTorch's
+    QuantizedHuggingFaceStorageReader dequantizes it (what torchtitan's checkpoint.initial_load_in_hf_quantized uses):
+    every tensor bitwise, on weights of several blocks with partial ones at the edges; and a run starts from it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # A vocabulary the built-in tokenizer can fill (the run below).
+    config = DeepseekV3Config(vocab_size=2048, hidden_size=160, intermediate_size=272, moe_intermediate_size=144,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                              n_routed_experts=4, kv_lora_rank=144, q_lora_rank=136, qk_rope_head_dim=16, v_head_dim=24,
+                              qk_nope_head_dim=32, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                              max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    model = DeepseekV3ForCausalLM(config).float()
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)
+    weights = load_file(str(plain / "model.safetensors"))
+    projections = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    stored, quantized = {}, []
+    for name, w in weights.items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in projections):
+            stored[name] = w
+            continue
+        # DeepSeek's block quantization: scale_inv = amax / 448 per 128 x 128 block, values w / scale_inv in E4M3.
+        rows, cols = w.shape
+        blocks = torch.zeros((rows + 127) // 128, (cols + 127) // 128)
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(blocks.shape[0]):
+            for j in range(blocks.shape[1]):
+                tile = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+                blocks[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+                q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (tile / blocks[i, j]).to(torch.float8_e4m3fn)
+        stored[name], stored[name + "_scale_inv"] = q, blocks
+        quantized.append(name)
+    assert any(stored[n + "_scale_inv"].numel() > 1 for n in quantized)  # weights of several blocks
+    published = tmp_path / "published"
+    published.mkdir()
+    save_file(stored, str(published / "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
+    (published / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in stored}}))
+    hf_config = json.loads((plain / "config.json").read_text())
+    hf_config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                        "weight_block_size": [128, 128]}
+    (published / "config.json").write_text(json.dumps(hf_config))
+
+    reference = {name: torch.empty(w.shape, dtype=torch.float32) for name, w in weights.items()}
+    dcp.load(reference, storage_reader=QuantizedHuggingFaceStorageReader(str(published), target_dtype=torch.float32,
+                                                                         block_size=128))
+    converted = run([binary("titan"), "convert", "--from", str(published), "--to", str(tmp_path / "out"), "--format", "hf",
+                     "--dtype", "float32"])
+    assert f"{len(quantized)} float8 weights dequantized to float32 with their 128 x 128 block scales" in \
+        converted.stdout + converted.stderr
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(out) == sorted(weights)
+    for name in weights:
+        assert out[name].dtype == torch.float32 and torch.equal(out[name], reference[name].to(torch.float32)), name
+    # The dequantized weights are the originals within E4M3's step (3 mantissa bits).
+    worst = max(float(((out[n] - weights[n]).abs() / weights[n].abs().max()).max()) for n in quantized)
+    assert 0 < worst < 0.07, worst
+    # torchtitan's key for it: a run starts from the published directory.
+    run([binary("titan"), "train", "--job.dump_folder", str(tmp_path / "dump"), "--model.name", "deepseek_v3",
+         "--model.flavor", "hf", "--model.hf_assets_path", "builtin", "--checkpoint.initial_load_path", str(published),
+         "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_in_hf_quantized", "--training.steps", "1",
+         "--training.dataset", "fortunes",
+         "--training.seq_len", "32", "--training.local_batch_size", "1", "--training.mixed_precision_param", "float32"])

@@ -279,7 +279,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   at_least(b.add("pipeline_parallel_microbatch_size", &c.parallelism.pipeline_parallel_microbatch_size,
                  "sequences per pipeline micro-batch"), 1);
   b.add("pipeline_parallel_expert_parallel_overlap", &c.parallelism.pipeline_parallel_expert_parallel_overlap,
-        "overlap EP and PP communication (MoE only)");
+        "overlap EP and PP communication under the DualPipeV schedule, which titan does not have (no effect here)");
   at_least(b.add("context_parallel_degree", &c.parallelism.context_parallel_degree, "context-parallel degree"), 1);
   b.add("context_parallel_load_balancer", &c.parallelism.context_parallel_load_balancer, "CP load balancer: headtail, ptrr or None");
   choices(b.add("context_parallel_rotate_method", &c.parallelism.context_parallel_rotate_method,
@@ -292,13 +292,16 @@ std::vector<KeySpec> describe(JobConfig& c) {
 
   b.in("checkpoint");
   b.add("enable", &c.checkpoint.enable, "save and resume checkpoints");
-  b.add("enable_ft_dataloader_checkpoints", &c.checkpoint.enable_ft_dataloader_checkpoints, "checkpoint dataloader state under fault tolerance");
+  b.add("enable_ft_dataloader_checkpoints", &c.checkpoint.enable_ft_dataloader_checkpoints,
+        "checkpoint dataloader state under fault tolerance (torchft, which titan refuses: no effect here)");
   b.add("folder", &c.checkpoint.folder, "checkpoint folder under dump_folder");
   at_least(b.add("interval", &c.checkpoint.interval, "steps between checkpoints"), 1);
   b.add("initial_load_path", &c.checkpoint.initial_load_path, "checkpoint to start from when the run's folder is empty");
   b.add("initial_load_model_only", &c.checkpoint.initial_load_model_only, "load only the model from initial_load_path");
   b.add("initial_load_in_hf", &c.checkpoint.initial_load_in_hf, "initial_load_path is a Hugging Face safetensors model");
-  b.add("initial_load_in_hf_quantized", &c.checkpoint.initial_load_in_hf_quantized, "the HF initial checkpoint has quantized weights");
+  b.add("initial_load_in_hf_quantized", &c.checkpoint.initial_load_in_hf_quantized,
+        "the HF initial checkpoint has float8 weights with block scales (DeepSeek-V3's); titan finds and dequantizes them "
+        "whether or not this is set");
   b.add("last_save_model_only", &c.checkpoint.last_save_model_only, "the final save holds only the model");
   b.add("last_save_in_hf", &c.checkpoint.last_save_in_hf, "write the final save as Hugging Face safetensors");
   choices(b.add("export_dtype", &c.checkpoint.export_dtype, "dtype of a model-only final save"), {"float16", "bfloat16", "float32"});
@@ -311,7 +314,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("exclude_from_loading", &c.checkpoint.exclude_from_loading, "state parts not to load, comma-separated (optimizer,lr_scheduler,dataloader)");
   b.add("enable_first_step_checkpoint", &c.checkpoint.enable_first_step_checkpoint, "save right after step 1");
   b.add("create_seed_checkpoint", &c.checkpoint.create_seed_checkpoint, "write an initial checkpoint of the unsharded model and exit");
-  b.add("load_only", &c.checkpoint.load_only, "load checkpoints but never save");
+  b.add("load_only", &c.checkpoint.load_only, "load checkpoints but never save one (no interval, last or signal saves)");
 
   b.in("activation_checkpoint");
   choices(b.add("mode", &c.activation_checkpoint.mode, "activation checkpointing: none, selective, full or memory_budget"),
@@ -342,7 +345,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("emulate", &c.quantize.linear.float8.emulate, "emulate float8 matmuls (testing)");
 
   b.in("quantize.linear.mx");
-  choices(b.add("mxfp8_dim1_cast_kernel_choice", &c.quantize.linear.mx.mxfp8_dim1_cast_kernel_choice, "MX cast kernel"),
+  choices(b.add("mxfp8_dim1_cast_kernel_choice", &c.quantize.linear.mx.mxfp8_dim1_cast_kernel_choice,
+                "torchao's kernel for the MX casts (titan casts with its own ATen code: no effect here)"),
           {"triton", "cuda", "torch"});
   b.add("recipe_name", &c.quantize.linear.mx.recipe_name, "MX recipe");
   b.add("filter_fqns", &c.quantize.linear.mx.filter_fqns, "linear layers to keep in high precision");
@@ -358,9 +362,10 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.in("comm");
   positive(b.add("init_timeout_seconds", &c.comm.init_timeout_seconds, "collective timeout during start-up and the first step"));
   positive(b.add("train_timeout_seconds", &c.comm.train_timeout_seconds, "collective timeout after the first step"));
-  at_least(b.add("trace_buf_size", &c.comm.trace_buf_size, "flight-recorder entries (0 disables)"), 0);
-  b.add("save_traces_folder", &c.comm.save_traces_folder, "flight-recorder dump folder");
-  b.add("save_traces_file_prefix", &c.comm.save_traces_file_prefix, "flight-recorder file prefix");
+  at_least(b.add("trace_buf_size", &c.comm.trace_buf_size, "NCCL flight-recorder entries in torchtitan (no effect here: titan names a "
+                                                           "stuck collective itself, comm.train_timeout_seconds)"), 0);
+  b.add("save_traces_folder", &c.comm.save_traces_folder, "flight-recorder dump folder (no effect here, as trace_buf_size)");
+  b.add("save_traces_file_prefix", &c.comm.save_traces_file_prefix, "flight-recorder file prefix (no effect here, as trace_buf_size)");
   choices(b.add("mode", &c.comm.mode, "communication mode: default, fake_backend or local_tensor"),
           {"default", "fake_backend", "local_tensor"});
 

@@ -245,6 +245,8 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
                          {"lr_scheduler", lr_scheduler_.get()}, {"dataloader", dataloader_state_.get()},
                          {"train_state", &train_state_}};
     if (checkpointer_->load(checkpoint_parts_, hf_model())) optimizer_->set_lr(lr_scheduler_->current_lr());
+    if (c.checkpoint.enable && c.checkpoint.load_only)
+      log::info("checkpoint.load_only: checkpoints are loaded but none is saved (no interval, last or signal saves)");
   }
   // The device's peak for MFU, measured (on a CPU) once everything is built, as the first step will find the machine.
   const at::ScalarType param_dtype = titan::config::dtype_from_name(c.training.dtype, "training.dtype");
@@ -438,7 +440,7 @@ void Trainer::check_memory(const distributed::ParallelDims& dims) {
                                          mesh_->coordinate("pp"), fused);
   // Asynchronous checkpoints keep a host copy of the rank's whole state (its parameters and AdamW moments) for their
   // saves, made after the first step (Checkpointer::prepare_staging) and kept: on a CPU that is this device's memory.
-  if (device_.is_cpu() && c.checkpoint.enable && c.checkpoint.async_mode != "disabled") {
+  if (device_.is_cpu() && saves_checkpoints() && c.checkpoint.async_mode != "disabled") {
     double state = 0;
     for (const auto& term : estimate.terms)
       if (term.name == "parameters" || term.name == "optimizer") state += term.bytes;
@@ -537,6 +539,7 @@ int Trainer::create_seed_checkpoint() {
     fail("checkpoint.create_seed_checkpoint runs on a single process (it saves the unsharded initial model); got ",
          mesh_->world()->size(), " ranks");
   if (!checkpointer_ || !loaded_.config.checkpoint.enable) fail("checkpoint.create_seed_checkpoint needs checkpoint.enable = true");
+  if (loaded_.config.checkpoint.load_only) fail("checkpoint.create_seed_checkpoint saves a checkpoint; checkpoint.load_only = true saves none");
   save_checkpoint(/*last=*/true);
   checkpointer_->wait();
   log::info("Created seed checkpoint at step 0 in ", checkpointer_->folder());
@@ -550,7 +553,7 @@ int Trainer::stop_for_signal(int signal, int64_t first_step, std::vector<data::L
   const auto& c = loaded_.config;
   const int64_t step = train_state_.step;
   settle_pending();
-  const bool enabled = checkpointer_ && c.checkpoint.enable && step > first_step;
+  const bool enabled = checkpointer_ && saves_checkpoints() && step > first_step;
   if (enabled && !checkpointer_->should_save(step, step == c.training.steps)) {
     dataloader_->rewind_reported_position(std::move(position_before));
     save_checkpoint(/*last=*/false);
@@ -575,14 +578,14 @@ void Trainer::after_step(std::optional<StepResult> r, int64_t first_step) {
     if (pipeline()) pipeline()->runner().set_timeout(timeout);
   }
   const bool log_now = step == 1 || step % c.metrics.log_freq == 0;
-  const bool save_now = checkpointer_ && c.checkpoint.enable && checkpointer_->should_save(step, step == c.training.steps);
+  const bool save_now = checkpointer_ && saves_checkpoints() && checkpointer_->should_save(step, step == c.training.steps);
   const bool validate_now = c.validation.enable && (step == 1 || step % c.validation.freq == 0);
   if ((log_now || save_now || validate_now || step == c.training.steps) && !r) r = settle_pending();
   if (log_now) metrics_->log_step(step, *r, train_state_.tokens_seen);
   if (save_now) {
     save_checkpoint(step == c.training.steps);
     metrics_->restart_clock();  // saving time does not count against training throughput
-  } else if (step == first_step + 1 && checkpointer_ && c.checkpoint.enable) {
+  } else if (step == first_step + 1 && checkpointer_ && saves_checkpoints()) {
     // Async saves: the first save's staging memory, made in the background now that the optimizer state exists.
     checkpointer_->prepare_staging(checkpoint_parts_, step, c.training.steps);
   }

@@ -111,6 +111,8 @@ class Trainer {
   void write_pipeline_timeline();
   // memory_estimation.enable: the job is estimated instead of trained (torchtitan's memory estimation).
   void restrict_to_memory_estimation();
+  // Checkpoints are written (checkpoint.enable, unless checkpoint.load_only).
+  bool saves_checkpoints() const { return loaded_.config.checkpoint.enable && !loaded_.config.checkpoint.load_only; }
   bool estimate_only() const { return loaded_.config.memory_estimation.enable && !loaded_.config.memory_estimation.disable_fake_mode; }
   int report_memory_estimation(int64_t steps_run);  // 0: the estimate alone
 

@@ -113,6 +113,20 @@ struct HfReader::Impl {
   std::map<std::string, std::pair<const safetensors::File*, std::string>> where;  // titan name -> (file, HF name)
   // Titan tensors HF stores one slice (expert) per tensor: titan name -> (file, HF name) per index.
   std::map<std::string, std::vector<std::pair<const safetensors::File*, std::string>>> slices;
+  // Float8 weights with block scales (DeepSeek-V3's published checkpoints): HF weight name -> (file, scale name).
+  std::map<std::string, std::pair<const safetensors::File*, std::string>> scales;
+  int64_t block = 128;  // quantization_config.weight_block_size
+
+  // A tensor as float32 values: float8 weights multiplied, block by block, by their scale_inv (what PyTorch's
+  // QuantizedHuggingFaceStorageReader computes); any other tensor as stored.
+  at::Tensor load(const safetensors::File& file, const std::string& hf_name) const {
+    auto it = scales.find(hf_name);
+    if (it == scales.end()) return file.load(hf_name);
+    const at::Tensor weight = file.load(hf_name).to(at::kFloat);
+    const at::Tensor scale = it->second.first->load(it->second.second).to(at::kFloat);
+    const int64_t rows = weight.size(0), cols = weight.size(1);
+    return weight * scale.repeat_interleave(block, 0).repeat_interleave(block, 1).narrow(0, 0, rows).narrow(1, 0, cols);
+  }
 };
 
 HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& args, const protocols::StateDictAdapter& adapter)
@@ -139,12 +153,17 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
     fail("no model.safetensors or model.safetensors.index.json in ", quote(directory));
   }
   std::map<std::string, std::vector<std::string>> skipped;  // why -> the tensors skipped for it
+  std::map<std::string, std::pair<const safetensors::File*, std::string>> scale_tensors;  // weight name -> its scale
   for (const auto& file : files) {
     impl_->files.push_back(std::make_unique<safetensors::File>(directory + "/" + file));
     const safetensors::File& f = *impl_->files.back();
     for (const auto& [hf_name, info] : f.tensors()) {
       if (auto why = adapter.skipped_hf_tensor(hf_name)) {
         skipped[*why].push_back(hf_name);
+        continue;
+      }
+      if (ends_with(hf_name, ".weight_scale_inv")) {
+        scale_tensors[hf_name.substr(0, hf_name.size() - std::string("_scale_inv").size())] = {&f, hf_name};
         continue;
       }
       if (auto slice = adapter.from_hf_slice_name(hf_name)) {
@@ -161,6 +180,7 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   for (const auto& [why, names] : skipped)
     log::warn(quote(directory), ": skipped ", names.size(), " tensor(s) of ", why, ", from ", quote(names.front()), " to ",
               quote(names.back()));
+  read_quantization(directory, scale_tensors);
   for (const auto& p : args.parameter_shapes()) {
     if (const int64_t count = adapter.hf_slices(p.name)) {
       auto it = impl_->slices.find(p.name);
@@ -187,6 +207,43 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   }
 }
 
+void HfReader::read_quantization(const std::string& directory,
+                                 const std::map<std::string, std::pair<const safetensors::File*, std::string>>& scale_tensors) {
+  if (scale_tensors.empty()) return;
+  json config;
+  try {
+    std::ifstream in(directory + "/config.json");
+    config = json::parse(in);
+  } catch (const json::exception&) {
+  }
+  if (const auto q = config.find("quantization_config"); q != config.end() && q->is_object()) {
+    if (q->contains("quant_method") && (*q)["quant_method"] != "fp8")
+      fail(quote(directory), ": quantization_config.quant_method is ", (*q)["quant_method"].dump(),
+           "; titan reads float8 weights with block scales (\"fp8\", DeepSeek-V3's) only");
+    if (const auto b = q->find("weight_block_size"); b != q->end()) {
+      if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number_integer() || (*b)[0] != (*b)[1] || (*b)[0].get<int64_t>() < 1)
+        fail(quote(directory), ": quantization_config.weight_block_size is ", b->dump(), "; expected two equal positive integers");
+      impl_->block = (*b)[0].get<int64_t>();
+    }
+  }
+  for (const auto& [weight, scale] : scale_tensors) {
+    const safetensors::File* file = nullptr;
+    for (const auto& f : impl_->files)
+      if (f->tensors().count(weight)) file = f.get();
+    if (!file) fail(quote(directory), ": ", quote(scale.second), " scales a weight the files do not hold (", quote(weight), ")");
+    const auto& shape = file->tensors().at(weight).shape;
+    const auto& scale_shape = scale.first->tensors().at(scale.second).shape;
+    const int64_t b = impl_->block;
+    if (shape.size() != 2 || scale_shape != std::vector<int64_t>{(shape[0] + b - 1) / b, (shape[1] + b - 1) / b})
+      fail(quote(directory), ": ", quote(scale.second), " has shape ", at::IntArrayRef(scale_shape), "; a ", at::IntArrayRef(shape),
+           " weight in ", b, " x ", b, " blocks needs [", (shape.size() == 2 ? (shape[0] + b - 1) / b : 0), ", ",
+           (shape.size() == 2 ? (shape[1] + b - 1) / b : 0), "]");
+    impl_->scales[weight] = scale;
+  }
+  log::info(quote(directory), ": ", impl_->scales.size(), " float8 weights dequantized to float32 with their ", impl_->block, " x ",
+            impl_->block, " block scales (weight_scale_inv)");
+}
+
 HfReader::~HfReader() = default;
 
 void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t>& offsets, at::Tensor out) const {
@@ -194,7 +251,7 @@ void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t
     // Rows of the first dimension are whole HF tensors (experts): read each one the box covers.
     for (int64_t row = 0; row < out.size(0); ++row) {
       const auto& [file, hf_name] = sliced->second.at(static_cast<size_t>(offsets[0] + row));
-      at::Tensor source = file->load(hf_name);
+      at::Tensor source = impl_->load(*file, hf_name);
       for (int64_t d = 1; d < out.dim(); ++d) source = source.narrow(d - 1, offsets[static_cast<size_t>(d)], out.size(d));
       out[row].copy_(source);
     }
@@ -204,13 +261,14 @@ void HfReader::read_box(const std::string& titan_name, const std::vector<int64_t
   if (it == impl_->where.end()) fail(quote(impl_->directory), ": no weight for ", quote(titan_name));
   const auto& [file, hf_name] = it->second;
   if (out.dim() == 0 || out.numel() == 0) {
-    if (out.numel()) out.copy_(file->load(hf_name));
+    if (out.numel()) out.copy_(impl_->load(*file, hf_name));
     return;
   }
   int64_t begin = offsets[0], end = offsets[0] + out.size(0);
   const int64_t per_head = impl_->adapter->permuted_rows_per_head(titan_name);
   if (per_head) begin = begin / per_head * per_head, end = (end + per_head - 1) / per_head * per_head;
-  at::Tensor rows = file->load_rows(hf_name, begin, end - begin);
+  at::Tensor rows = impl_->scales.count(hf_name) ? impl_->load(*file, hf_name).narrow(0, begin, end - begin)
+                                                 : file->load_rows(hf_name, begin, end - begin);
   if (per_head) rows = impl_->adapter->from_hf_head_rows(rows, per_head);
   at::Tensor source = rows.narrow(0, offsets[0] - begin, out.size(0));
   for (int64_t d = 1; d < out.dim(); ++d) source = source.narrow(d, offsets[static_cast<size_t>(d)], out.size(d));
@@ -222,10 +280,13 @@ bool HfReader::contains(const std::string& titan_name) const {
 }
 
 at::ScalarType HfReader::dtype(const std::string& titan_name) const {
-  if (auto sliced = impl_->slices.find(titan_name); sliced != impl_->slices.end() && !sliced->second.empty())
+  if (auto sliced = impl_->slices.find(titan_name); sliced != impl_->slices.end() && !sliced->second.empty()) {
+    if (impl_->scales.count(sliced->second.front().second)) return at::kFloat;  // dequantized
     return sliced->second.front().first->tensors().at(sliced->second.front().second).dtype;
+  }
   auto it = impl_->where.find(titan_name);
   if (it == impl_->where.end()) fail(quote(impl_->directory), ": no weight for ", quote(titan_name));
+  if (impl_->scales.count(it->second.second)) return at::kFloat;
   return it->second.first->tensors().at(it->second.second).dtype;
 }
 

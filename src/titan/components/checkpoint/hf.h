@@ -14,6 +14,10 @@
 #include "titan/protocols/model_args.h"
 #include "titan/protocols/state_dict_adapter.h"
 
+namespace titan::safetensors {
+class File;
+}
+
 namespace titan::checkpoint {
 
 // config.json fields of the adapter's model.
@@ -45,6 +49,10 @@ class HfReader {
   bool contains(const std::string& titan_name) const;
 
  private:
+  // Float8 weights beside `*.weight_scale_inv` block scales (config.json's quantization_config, DeepSeek-V3's
+  // published checkpoints): read as float32, each block times its scale.
+  void read_quantization(const std::string& directory,
+                         const std::map<std::string, std::pair<const safetensors::File*, std::string>>& scale_tensors);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
