@@ -1,5 +1,6 @@
 #include "titan/nn/unit.h"
 
+#include "titan/common/strings.h"
 #include "titan/kernels/fused_ops.h"
 #include "titan/nn/kept_ops.h"
 #include "titan/nn/matmul.h"
@@ -66,6 +67,18 @@ at::Tensor RMSNorm::forward(const Inputs& inputs, const Context&) {
   }
   if (kernels::fused_kernel_applies(kernels::Op::rms_norm, {x, weight})) return kernels::rms_norm(x, weight, eps);
   return at::rms_norm(x, {dim_}, weight, eps);
+}
+
+void Unit::pretty_print(std::ostream& stream) const {
+  stream << name();
+  std::vector<std::string> parts;
+  for (const auto& item : named_parameters(/*recurse=*/false)) {
+    std::string dims;
+    for (int64_t d : item.value().sizes()) dims += (dims.empty() ? "" : " x ") + std::to_string(d);
+    parts.push_back(item.key() + " [" + dims + "]");
+  }
+  for (const auto& [wname, wrapper] : wrappers_) parts.push_back(wname);
+  if (!parts.empty()) stream << "(" << join(parts, ", ") << ")";
 }
 
 at::Tensor SwiGLU::forward(const Inputs& inputs, const Context&) {

@@ -44,6 +44,8 @@ class Unit : public torch::nn::Module {
   // Adds a wrapper closest to forward(), inside every wrapper already added (one that replaces the computation).
   void add_innermost_wrapper(std::string name, Wrapper wrapper);
   bool has_wrapper(const std::string& name) const;
+  // The module's name, its parameters' shapes and the wrappers around it, innermost first (model.print_after_conversion).
+  void pretty_print(std::ostream& stream) const override;
 
  protected:
   virtual at::Tensor forward(const Inputs& inputs, const Context& context) = 0;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <exception>
 #include <filesystem>
+#include <sstream>
 #include <fstream>
 #include <random>
 
@@ -152,6 +153,11 @@ void Trainer::build_model(const distributed::ParallelDims& dims) {
   if (quantization::float8_enabled(c)) fsdp_float8 = quantization::convert_to_float8(*model_, c).fsdp_float8;
   if (quantization::mx_enabled(c)) quantization::convert_to_mx(*model_, c);
   if (quantization::grouped_mx_enabled(c) || quantization::grouped_float8_enabled(c)) quantization::convert_grouped(*model_, c);
+  if (c.model.print_after_conversion) {
+    std::ostringstream structure;
+    structure << *model_;
+    log::info("Model after conversion (model.print_after_conversion):\n", structure.str());
+  }
   hf_adapter_ = spec_->state_dict_adapter(args);
   log::info("Model ", spec_->name, " ", model_name_, " size: ", with_thousands(args.reported_parameters()), " total parameters; ",
             strprintf("%.2f", args.flops_per_token(c.training.seq_len) / 1e6), " MFLOP per token at seq_len ", c.training.seq_len);
