@@ -295,3 +295,12 @@ def test_initial_load_path_names_what_it_was_given(tmp_path):
                       "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1", "--checkpoint.enable",
                       "--checkpoint.initial_load_path", str(path)], check=False)
         assert result.returncode == 2 and needle in result.stderr, (path, result.stderr[-2000:])
+
+
+def test_destinations_with_a_trailing_slash_or_without_a_folder(trained, tmp_path, monkeypatch):
+    """`--to out/` (as docs/checkpoint.md writes it) and a bare relative name are folders like any other."""
+    monkeypatch.chdir(tmp_path)
+    for to, fmt, marker in [("slash/", "titan", "metadata.json"), ("dcp_slash/", "dcp", ".metadata"), ("bare", "titan", "metadata.json")]:
+        run([binary("titan"), "convert", "--from", str(trained) + "/", "--to", to, "--format", fmt])
+        assert (tmp_path / to / marker).exists(), (to, sorted(p.name for p in tmp_path.iterdir()))
+    assert not list(tmp_path.glob("*.partial"))

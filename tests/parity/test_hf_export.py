@@ -143,3 +143,33 @@ def test_a_longer_run_after_an_hf_last_save_keeps_the_export(tmp_path):
     for step in (3, 4):
         assert (dump / "checkpoint" / f"step-{step}" / "metadata.json").exists()
     assert not list((dump / "checkpoint").glob("*.partial"))
+
+
+def test_last_save_in_hf_exports_the_routing_biases_or_says_it_cannot(tmp_path):
+    """The in-place export of the last save carries what `titan convert` carries: DeepSeek-V3's balancing biases as
+    e_score_correction_bias; Qwen3-MoE's format has no place for them, and the run warns (docs/moe.md)."""
+    from safetensors.torch import load_file
+
+    moe = ["--model.moe_top_k", "2", "--model.moe_inter_dim", "32", "--model.moe_load_balance_coeff", "0.01"]
+    families = {
+        # The 671B flavor's routing (sigmoid scores over groups: what Hugging Face's model computes) on a tiny shape.
+        "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.vocab_size", "2048", "--model.dim", "64",
+                        "--model.n_layers", "2", "--model.n_dense_layers", "1", "--model.n_heads", "4", "--model.hidden_dim", "128",
+                        "--model.q_lora_rank", "32", "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
+                        "--model.qk_rope_head_dim", "16", "--model.v_head_dim", "16", "--model.moe_num_experts", "16",
+                        "--model.max_seq_len", "8192"],
+        "qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.dim", "64", "--model.n_layers", "2",
+                  "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.head_dim", "16", "--model.moe_num_experts", "4"],
+    }
+    for family, shape in families.items():
+        dump = tmp_path / family
+        result = run([binary("titan"), "train", "--job.dump_folder", str(dump), *shape, *moe, "--model.hf_assets_path", "builtin",
+                      "--training.dataset", "fortunes", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                      "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.last_save_in_hf",
+                      "--debug.seed", "0"])
+        weights = load_file(str(dump / "checkpoint" / "step-3" / "model.safetensors"))
+        biases = [k for k in weights if k.endswith("e_score_correction_bias")]
+        if family == "deepseek_v3":
+            assert biases and any(weights[k].abs().max() > 0 for k in biases), sorted(weights)
+        else:
+            assert not biases and "has no place for" in result.stdout + result.stderr, result.stdout[-3000:]

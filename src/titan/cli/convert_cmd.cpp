@@ -203,6 +203,9 @@ int run_convert(const std::vector<std::string>& args) {
     else fail("unknown option ", quote(a), " for `titan convert`\n", kConvertUsage);
   }
   if (from.empty() || to.empty()) fail("`titan convert` needs --from and --to\n", kConvertUsage);
+  // "out/" names the folder "out": the checkpoint is written beside it as "out.partial" and renamed into place.
+  for (std::string* path : {&from, &to})
+    while (path->size() > 1 && path->back() == '/') path->pop_back();
   if (!format.empty() && format != "titan" && format != "hf" && format != "dcp" && format != "pt" && format != "gguf")
     fail("--format ", quote(format), ": expected titan, hf, dcp, pt or gguf");
 

@@ -305,6 +305,12 @@ ModelSource read_model_source(const std::string& from, const std::string& model_
     parts = {from};
   }
   if (!fs::exists(from)) fail(quote(from), ": no such file or directory");
+  if (fs::is_directory(from) && !fs::exists(fs::path(from) / ".metadata"))
+    for (const auto& e : fs::directory_iterator(from))
+      if (e.path().extension() == ".distcp")
+        fail(quote(from), " holds torch.distributed.checkpoint (DCP) data files (*.distcp) but no ",
+             quote((fs::path(from) / ".metadata").string()), ", the index DCP writes last: an incomplete save, or a copy that "
+             "left out the hidden file");
   if (parts.empty())
     fail(quote(from), " is neither a titan checkpoint directory (metadata.json), a torch DCP one (.metadata), a "
          "Hugging Face one (config.json) nor .pth files");

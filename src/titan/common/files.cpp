@@ -34,7 +34,9 @@ void write_file(const std::string& path, std::string_view content, bool durable)
   }
 }
 
-void fsync_path(const std::string& path, bool directory) {
+void fsync_path(const std::string& given, bool directory) {
+  // The parent of a bare name ("out") is the current directory.
+  const std::string path = given.empty() && directory ? "." : given;
   const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
   if (fd < 0) fail("cannot open ", quote(path), " to flush it to disk: ", std::strerror(errno));
   const int rc = ::fsync(fd);

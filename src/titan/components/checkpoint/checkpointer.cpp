@@ -619,6 +619,15 @@ void Checkpointer::export_hf_in_place(const HfModel& hf, const std::string& dire
     dtype = entry.dtype;
     tensors.emplace_back(p.name, full);
   }
+  // The MoE balancing biases too, as titan convert exports them: DeepSeek-V3's format holds them
+  // (e_score_correction_bias); where a format has no place for them save_hf warns that it leaves them out.
+  for (const auto& b : hf.args.buffer_shapes()) {
+    const auto it = reader.tensors().find("model." + b.name);
+    if (it == reader.tensors().end()) continue;
+    at::Tensor full = at::empty(it->second.shape, at::TensorOptions().dtype(it->second.dtype));
+    reader.read_box("model." + b.name, std::vector<int64_t>(it->second.shape.size(), 0), full);
+    tensors.emplace_back(b.name, full);
+  }
   const std::string partial = directory + ".hf.partial", aside = directory + ".model-only";
   fs::remove_all(partial);
   save_hf(partial, hf.args, hf.adapter, tensors, dtype, int64_t{5} * 1000 * 1000 * 1000, hf.tokenizer);

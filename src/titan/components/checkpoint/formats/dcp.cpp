@@ -193,6 +193,9 @@ namespace {
       fail(quote(where), " is a torch.save file (a state dict), not a titan checkpoint folder; ", convert);
     fail(quote(where), " is a file, not a titan checkpoint folder (step-N/ with metadata.json)");
   }
+  if (!fs::exists(p / ".metadata") && has([](const fs::path& f) { return f.extension() == ".distcp"; }))
+    fail(quote(where), " holds torch.distributed.checkpoint (DCP) data files (*.distcp) but no ", quote((p / ".metadata").string()),
+         ", the index DCP writes last: an incomplete save, or a copy that left out the hidden file");
   if (fs::exists(p / ".metadata") || has([](const fs::path& f) { return f.extension() == ".distcp"; }))
     fail(quote(where), " is a torch.distributed.checkpoint (DCP) folder, as torchtitan saves; titan loads it as "
          "checkpoint.initial_load_path, or as a step-N folder in checkpoint.folder, or `titan convert --from ", where,
