@@ -188,6 +188,14 @@ def test_hugging_face_datasets_arrow_files_serve_the_same_windows_as_jsonl_and_r
     column = {"text_field": "content"}
     from_jsonl = probe(tmp_path / "j", 30, dataset_path=str(jl_dir), **column)
     assert probe(tmp_path / "s", 30, dataset_path=str(saved), **column) == from_jsonl  # the folder, its JSON skipped
+    # A .map() on the loaded dataset leaves a cache-*.arrow in the folder; state.json lists the dataset's own files.
+    datasets.load_from_disk(str(saved)).map(lambda r: {"content": r["content"].upper()})
+    assert list(saved.glob("cache-*.arrow"))
+    assert probe(tmp_path / "s2", 30, dataset_path=str(saved), **column) == from_jsonl
+    # Hidden folders (a notebook's checkpoint copies) are not data.
+    (jl_dir / ".ipynb_checkpoints").mkdir()
+    (jl_dir / ".ipynb_checkpoints" / "part-0-checkpoint.jsonl").write_text((jl_dir / "part-0.jsonl").read_text())
+    assert probe(tmp_path / "j2", 30, dataset_path=str(jl_dir), **column) == from_jsonl
     assert probe(tmp_path / "g", 30, dataset_path=str(saved / "data-*.arrow"), **column) == from_jsonl  # a glob
     first = probe(tmp_path / "a", 13, dataset_path=str(saved), **column)
     assert first + probe(tmp_path / "b", 17, resume=tmp_path / "a", dataset_path=str(saved), **column) == from_jsonl

@@ -191,6 +191,11 @@ TEST(Config, UnsupportedFeaturesAreErrorsNotIgnored) {
   EXPECT_TRUE(titan::config::check_supported(defaults).errors.empty());
 }
 
+TEST(Config, ASecondConfigFileIsAnError) {
+  std::string e = error_of([] { load_job_config({"--job.config_file", "a.toml", "--job.config_file=b.toml"}); });
+  EXPECT_NE(e.find("--job.config_file is given twice (\"a.toml\" and \"b.toml\")"), std::string::npos) << e;
+}
+
 TEST(Config, OptimizerStepsInBackwardRefuseWhatTheyCannotDo) {
   // Accepted with a warning that clipping does not apply (as torchtitan, which does not clip in this mode).
   auto alone = titan::config::check_supported(load_job_config({"--optimizer.early_step_in_backward"}));

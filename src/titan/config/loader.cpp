@@ -398,17 +398,25 @@ void apply_cli(KeyIndex& index, LoadedConfig& loaded, const std::vector<std::str
 }
 
 std::optional<std::string> find_config_file(const std::vector<std::string>& args) {
+  std::optional<std::string> found;
   for (size_t i = 0; i < args.size(); ++i) {
     for (const char* flag : {"--job.config_file", "--job.config-file"}) {
       std::string f = flag;
+      std::optional<std::string> file;
       if (args[i] == f) {
         if (i + 1 >= args.size()) fail(f, " expects a file path");
-        return args[i + 1];
+        file = args[i + 1];
+      } else if (starts_with(args[i], f + "=")) {
+        file = args[i].substr(f.size() + 1);
       }
-      if (starts_with(args[i], f + "=")) return args[i].substr(f.size() + 1);
+      // One TOML per job (as torchtitan): a second would otherwise be dropped without a word.
+      if (file && found)
+        fail("--job.config_file is given twice (", quote(*found), " and ", quote(*file), "); a job reads one TOML file: "
+             "merge them, or override its keys with --section.key value");
+      if (file) found = file;
     }
   }
-  return std::nullopt;
+  return found;
 }
 
 }  // namespace

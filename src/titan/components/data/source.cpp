@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "titan/common/error.h"
@@ -135,9 +136,39 @@ SourceSpec resolve_source(const config::DatasetSource& source, const std::string
       fail(where, ": ", quote(source.path), " is a Hugging Face DatasetDict with the splits [", join(splits, ", "),
            "]; set the path to one split's folder, e.g. ", quote((fs::path(source.path) / (splits.empty() ? "train" : splits[0])).string()));
     }
-    for (const auto& e : fs::recursive_directory_iterator(source.path))
-      if (e.is_regular_file() && !e.path().string().ends_with(".partial") && !is_datasets_metadata(e.path()))
-        add_file(e.path().string(), true);
+    // A folder `datasets`' save_to_disk wrote: exactly the data files its state.json lists. Its .map() and filter()
+    // calls leave cache-*.arrow files beside them, which are not the dataset (read, they repeated its rows).
+    const fs::path state_path = fs::path(source.path) / "state.json";
+    std::vector<std::string> listed;
+    if (fs::is_regular_file(state_path)) {
+      try {
+        std::ifstream in(state_path);
+        const auto state = nlohmann::json::parse(in);
+        if (state.contains("_data_files") && state["_data_files"].is_array())
+          for (const auto& f : state["_data_files"])
+            if (f.is_object() && f.contains("filename") && f["filename"].is_string()) listed.push_back(f["filename"].get<std::string>());
+      } catch (const nlohmann::json::exception& e) {
+        fail(where, ": ", quote(state_path.string()), " (datasets' save_to_disk state) is not valid JSON: ", e.what());
+      }
+    }
+    if (!listed.empty()) {
+      for (const auto& name : listed) {
+        const fs::path file = fs::path(source.path) / name;
+        if (!fs::is_regular_file(file))
+          fail(where, ": ", quote(state_path.string()), " lists ", quote(name), ", which is not in ", quote(source.path));
+        add_file(file.string(), false);
+      }
+    } else {
+      // Hidden files and folders (.git, .ipynb_checkpoints, editors' copies) are not data, as for `datasets`.
+      for (auto it = fs::recursive_directory_iterator(source.path); it != fs::recursive_directory_iterator(); ++it) {
+        if (it->path().filename().string().starts_with(".")) {
+          if (it->is_directory()) it.disable_recursion_pending();
+          continue;
+        }
+        if (it->is_regular_file() && !it->path().string().ends_with(".partial") && !is_datasets_metadata(it->path()))
+          add_file(it->path().string(), true);
+      }
+    }
   }
   std::sort(spec.shards.begin(), spec.shards.end(), [](const Shard& a, const Shard& b) { return a.path < b.path; });
   if (spec.shards.empty())
