@@ -9,7 +9,7 @@ want_test_deps=1
 
 apt_packages=(g++ cmake ninja-build ccache pkg-config python3-venv
   libtomlplusplus-dev nlohmann-json3-dev libpcre2-dev libgtest-dev
-  libopenmpi-dev openmpi-bin fortunes zlib1g-dev libzstd-dev libsentencepiece-dev zstd dict-gcide
+  libopenmpi-dev openmpi-bin fortunes zlib1g-dev libzstd-dev libsentencepiece-dev zstd dict-gcide libicu-dev
   clang libclang-rt-14-dev)  # clang: the sanitized unit tests and libFuzzer harnesses (build-asan)
 missing=()
 for p in "${apt_packages[@]}"; do

@@ -164,3 +164,40 @@ def test_decode_refuses_ids_that_are_not_tokens(tmp_path):
         result = run([binary("titan"), "tokenizer", "decode", "--tokenizer", str(path)], input_text=json.dumps(ids),
                      check=False)
         assert result.returncode == 2 and needle in result.stderr, (ids, result.stderr)
+
+
+# Text whose forms differ: precomposed and decomposed accents, compatibility characters (ligatures, full-width
+# letters, superscripts, the Kelvin sign), Hangul, final sigma for lowercasing, and Qwen-like code and Chinese.
+UNICODE_TEXTS = [
+    "caf\u00e9 vs cafe\u0301, \u00c5ngstr\u00f6m vs A\u030angstro\u0308m, \u212b and \u212a",
+    "\ufb01nance \ufb02ow \uff21\uff22\uff23\uff11\uff12\uff13 x\u00b2 \u2460 \u3231",
+    "\u1100\u1161\u11a8 \uac01 \u00bd \u2126",
+    "\u039f\u0394\u03a5\u03a3\u03a3\u0395\u03a5\u03a3 \u0399\u03a3 \u0130stanbul \u00df STRASSE",
+    "def f(x):\n    return \"\u4f60\u597d\uff0c\u4e16\u754c\" + str(x)  # \u65e5\u672c\u8a9e\u30c6\u30ad\u30b9\u30c8",
+    "plain ASCII only, unchanged by every form",
+]
+
+
+@pytest.mark.parametrize("normalizer", ["NFC", "NFD", "NFKC", "NFKD", "Lowercase", "NFC+Lowercase"])
+def test_unicode_normalizers_match_hf_tokenizers(tmp_path, normalizer):
+    """Qwen2/2.5/3's tokenizer.json normalizes with NFC before its Split + ByteLevel pre-tokenizer: the same layout
+    with each of HF tokenizers' Unicode normalizers (and two in a Sequence) gives HF tokenizers' ids and decoding."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    steps = [getattr(normalizers, name)() for name in normalizer.split("+")]
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = steps[0] if len(steps) == 1 else normalizers.Sequence(steps)
+    # Qwen2's split pattern, then bytes.
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    corpus = shared("text", "tinyshakespeare.txt").read_text()[:50000].splitlines() + UNICODE_TEXTS * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=1200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        special_tokens=["<|endoftext|>"], show_progress=False))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    texts = UNICODE_TEXTS + TEXTS[:4]
+    for text, ids in zip(texts, titan_encode_many(path, texts)):
+        assert ids == tok.encode(text).ids, (normalizer, text)
+        assert titan_decode(path, ids) == tok.decode(ids), (normalizer, text)

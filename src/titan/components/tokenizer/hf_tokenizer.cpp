@@ -14,6 +14,7 @@
 #include "titan/components/tokenizer/string_map.h"
 #include "titan/components/tokenizer/hf_export.h"
 #include "titan/components/tokenizer/tokenizer.h"
+#include "titan/components/tokenizer/unicode_normalize.h"
 #include "titan/components/tokenizer/utf8.h"
 
 namespace titan::tokenizer {
@@ -41,8 +42,9 @@ struct PreStep {
 
 // Normalizers and decoders of SentencePiece-style tokenizer.json files (Llama 2, Mistral, ...).
 struct NormStep {
-  enum class Kind { Prepend, Replace } kind;
+  enum class Kind { Prepend, Replace, Unicode, Lowercase } kind;
   std::string a, b;  // Prepend: a; Replace: a -> b
+  UnicodeForm form = UnicodeForm::NFC;  // Unicode
 };
 struct DecodeStep {
   enum class Kind { ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace } kind;
@@ -268,8 +270,17 @@ class HfTokenizer : public Tokenizer {
     } else if (type == "Replace") {
       normalizers_.push_back({NormStep::Kind::Replace, pattern_string(norm.at("pattern"), "Replace normalizer"),
                               norm.at("content").get<std::string>()});
+    } else if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD" || type == "Lowercase") {
+      if (!unicode_normalization_available())
+        fail(path_, ": normalizer ", quote(type), " needs ICU, which this build of titan.cpp was configured without "
+             "(Debian: libicu-dev; then configure again)");
+      NormStep step{type == "Lowercase" ? NormStep::Kind::Lowercase : NormStep::Kind::Unicode, "", ""};
+      if (type == "NFD") step.form = UnicodeForm::NFD;
+      if (type == "NFKC") step.form = UnicodeForm::NFKC;
+      if (type == "NFKD") step.form = UnicodeForm::NFKD;
+      normalizers_.push_back(step);
     } else {
-      fail(path_, ": normalizer ", quote(type), " is not supported yet (Prepend, Replace, Sequence)");
+      fail(path_, ": normalizer ", quote(type), " is not supported yet (Prepend, Replace, NFC, NFD, NFKC, NFKD, Lowercase, Sequence)");
     }
   }
 
@@ -503,8 +514,14 @@ class HfTokenizer : public Tokenizer {
   void encode_plain(std::string_view text, bool first_segment, std::vector<int32_t>& ids) const {
     if (text.empty()) return;
     std::string normalized(text);
-    for (const auto& n : normalizers_)
-      normalized = n.kind == NormStep::Kind::Prepend ? n.a + normalized : replace_all(std::move(normalized), n.a, n.b);
+    for (const auto& n : normalizers_) {
+      switch (n.kind) {
+        case NormStep::Kind::Prepend: normalized = n.a + normalized; break;
+        case NormStep::Kind::Replace: normalized = replace_all(std::move(normalized), n.a, n.b); break;
+        case NormStep::Kind::Unicode: normalized = unicode_normalize(normalized, n.form); break;
+        case NormStep::Kind::Lowercase: normalized = unicode_lowercase(normalized); break;
+      }
+    }
     std::vector<std::string> pieces{std::move(normalized)};
     for (const auto& step : pre_) {
       std::vector<std::string> next;
