@@ -201,3 +201,23 @@ def test_unicode_normalizers_match_hf_tokenizers(tmp_path, normalizer):
     for text, ids in zip(texts, titan_encode_many(path, texts)):
         assert ids == tok.encode(text).ids, (normalizer, text)
         assert titan_decode(path, ids) == tok.decode(ids), (normalizer, text)
+
+
+def test_tokenizer_train_reads_what_training_reads(tmp_path):
+    """`titan tokenizer train` learns from the documents training reads: a gzipped JSONL file's text field (here
+    "content", given by --text-field) through a glob, not the files' bytes (JSON syntax, gzip's)."""
+    import base64
+    import gzip
+
+    lines = shared("text", "tinyshakespeare.txt").read_text().splitlines()[:4000]
+    with gzip.open(tmp_path / "part-0.jsonl.gz", "wt") as f:
+        for line in lines:
+            f.write(json.dumps({"id": 1, "content": line}) + "\n")
+    out = tmp_path / "trained.tiktoken"
+    run([binary("titan"), "tokenizer", "train", "--input", str(tmp_path / "*.jsonl.gz"), "--text-field", "content",
+         "--vocab-size", "1024", "--output", str(out)])
+    merges = [base64.b64decode(token) for token in out.read_text().split()[0::2][256:]]
+    assert len(merges) == 1024 - 512
+    text = "\n".join(lines).encode()
+    assert all(m in text for m in merges[:100]), [m for m in merges[:100] if m not in text]
+    assert not any(b'"' in m or b"{" in m or b"content" in m for m in merges)

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "titan/cli/commands.h"
+#include "titan/components/data/source.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/bpe_trainer.h"
@@ -25,8 +26,10 @@ const char* kTokenizerUsage =
     "  titan tokenizer info --tokenizer PATH                    vocabulary size and special tokens\n"
     "  titan tokenizer speed --tokenizer PATH --input FILE [--repeat N]\n"
     "                        encoding speed on one thread: JSON with tokens, bytes, seconds, tokens_per_second\n"
-    "  titan tokenizer train --input PATH [--input PATH ...] --vocab-size N --output FILE\n"
+    "  titan tokenizer train --input PATH [--input PATH ...] --vocab-size N --output FILE [--text-field F] [--format F]\n"
     "                        learn a byte-level BPE (Llama 3 pre-tokenizer, tiktoken format, Llama 3 special tokens)\n"
+    "                        from the documents training reads: files, directories or globs of .txt, .jsonl (its\n"
+    "                        text field, default \"text\"), .parquet or .arrow, optionally .gz/.zst\n"
     "\n"
     "PATH is a tokenizer file (tokenizer.json, tokenizer.model, *.tiktoken) or a directory holding one.\n"
     "--document adds BOS and EOS as the training data pipeline does.\n";
@@ -35,6 +38,7 @@ struct Options {
   std::string tokenizer;
   std::vector<std::string> inputs;
   std::string output;
+  std::string text_field = "text", format = "auto";  // train: how the inputs are read (as `titan data tokenize`)
   int64_t vocab_size = 0;
   int64_t repeat = 3;
   bool document = false, skip_special = false, jsonl = false;
@@ -51,6 +55,8 @@ Options parse(const std::vector<std::string>& args, size_t first) {
     if (a == "--tokenizer") o.tokenizer = value();
     else if (a == "--input") o.inputs.push_back(value());
     else if (a == "--output") o.output = value();
+    else if (a == "--text-field") o.text_field = value();
+    else if (a == "--format") o.format = value();
     else if (a == "--repeat") {
       std::string v = value();
       char* end = nullptr;
@@ -90,7 +96,29 @@ int run_tokenizer(const std::vector<std::string>& args) {
     if (std::filesystem::exists(o.output)) fail("--output ", quote(o.output), " already exists; remove it or choose another path");
     tokenizer::BpeTrainerOptions options;
     options.vocab_size = o.vocab_size;
-    auto stats = tokenizer::train_bpe_files(o.inputs, options, o.output);
+    // The documents training would read from these inputs: JSONL's text field, Parquet and Arrow columns, .gz/.zst,
+    // directories and globs (components/data/source.h), not the files' raw bytes.
+    std::vector<data::SourceSpec> sources;
+    for (const auto& input : o.inputs) {
+      config::DatasetSource s;
+      s.name = input;
+      s.path = input;
+      s.format = o.format;
+      s.text_field = o.text_field;
+      sources.push_back(data::resolve_source(s, "--input " + input));
+      for (const auto& shard : sources.back().shards)
+        if (shard.format == data::Format::Tokens) fail("--input ", quote(shard.path), " is a token shard, not text");
+    }
+    auto stats = tokenizer::train_bpe(
+        [&](const std::function<void(std::string_view)>& document) {
+          for (const auto& source : sources)
+            for (uint32_t i = 0; i < source.shards.size(); ++i) {
+              data::ShardRowReader reader(source.shards[i], i, source.text_field);
+              data::RawRow row;
+              while (reader.next(row)) document(data::row_text(row, source));
+            }
+        },
+        options, o.output);
     std::cerr << "trained " << stats.merges << " merges on " << with_thousands(stats.bytes) << " bytes ("
               << with_thousands(stats.unique_words) << " distinct pieces) in " << strprintf("%.2f", stats.seconds)
               << " s -> " << o.output << "\n";
