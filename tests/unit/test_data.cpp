@@ -529,6 +529,53 @@ TEST(DataLoader, ChangingLanesOrSeedAtAResumeNeitherRepeatsNorSkipsTokens) {
   }
 }
 
+TEST(DataLoader, NewMixtureWeightsAtAResumeFinishTheOpenDocumentsFromTheirSources) {
+  // Two sources of distinct ids. A resume with other weights draws later documents with them, but the documents
+  // the lanes had begun are finished from the source they were drawn from (before 2026-11-30 the open document was
+  // drawn again with the new weights: its rest was never served, and another document lost its head). Several stop
+  // points, so that some open documents came from the source the new weights all but drop.
+  titan_test::TempDir tmp;
+  tmp.write("a/0.jsonl", jsonl_ids(0, 300));
+  tmp.write("b/0.jsonl", jsonl_ids(300, 600));
+  IdTokenizer ids;
+  const auto first_sources = sources_of({source(tmp.path() + "/a", 1.0, false), source(tmp.path() + "/b", 1.0, false)});
+  const auto second_sources = sources_of({source(tmp.path() + "/a", 10.0, false), source(tmp.path() + "/b", 0.1, false)});
+  auto make = [&](const std::vector<SourceSpec>& sources) {
+    std::vector<std::unique_ptr<DataLoader>> ranks;
+    for (int r = 0; r < 2; ++r) ranks.push_back(std::make_unique<DataLoader>(sources, &ids, options(9, 2, r, 2, 2, 1)));
+    return ranks;
+  };
+  for (int stop : {3, 5, 7, 11, 13, 17}) {
+    std::vector<int64_t> served, after;
+    auto first = make(first_sources);
+    run_ranks(first, stop, served);
+    std::vector<std::string> states;
+    for (auto& r : first) states.push_back(r->state_dict());
+    auto second = make(second_sources);
+    for (auto& r : second) r->load_state_dict(states);
+    run_ranks(second, 11, after);
+    served.insert(served.end(), after.begin(), after.end());
+    std::map<int64_t, std::set<int64_t>> docs;
+    std::map<int64_t, int> seen;
+    for (int64_t t : served) ++seen[t];
+    for (const auto& [token, count] : seen) {
+      ASSERT_EQ(count, 1) << "stop " << stop << ": token " << token << " served twice";
+      docs[token / 16].insert(token % 16);
+    }
+    int incomplete = 0;
+    for (const auto& [doc, positions] : docs) {
+      EXPECT_EQ(*positions.begin(), 0) << "stop " << stop << ": document " << doc << " served without its head";
+      EXPECT_EQ(*positions.rbegin() + 1, static_cast<int64_t>(positions.size())) << "stop " << stop << ": document " << doc;
+      if (static_cast<int64_t>(positions.size()) != 1 + doc % 13) ++incomplete;
+    }
+    EXPECT_LE(incomplete, 2) << "stop " << stop << ": documents left unfinished besides the 2 lanes' last";
+    // The new weights took effect: after the resume source a (ids below 300) dominates.
+    int64_t from_a = 0, from_b = 0;
+    for (int64_t t : after) (t / 16 < 300 ? from_a : from_b) += 1;
+    EXPECT_GT(from_a, 5 * from_b) << "stop " << stop;
+  }
+}
+
 TEST(DataLoader, ExhaustedSourcesLeaveTheMixtureAndTheEndIsReported) {
   titan_test::TempDir tmp;
   tmp.write("small.jsonl", jsonl_ids(0, 5));

@@ -92,6 +92,7 @@ class DataLoader::Lane {
   }
 
   void add_seed(uint64_t from, uint64_t seed) { stream_.add_seed(from, seed); }
+  void add_configured_weights(uint64_t from) { stream_.add_configured_weights(from); }
 
   // Fills seq_len + 1 tokens (and their positions in their documents).
   void fill(int64_t* window, int64_t* positions, size_t length) {
@@ -402,8 +403,12 @@ void DataLoader::load_state_dict(const std::vector<std::string>& rank_states) {
     log::info("dataloader: ", saved_lanes, " saved lane(s) re-dealt to ", lane_count, " from document ",
               earliest->stream.doc, "; documents already consumed up to ", max_doc, " are skipped");
   }
-  // A new seed applies from the first document no old lane had reached.
-  for (auto& lane : lanes_) lane->add_seed(max_doc, options_.stream.seed);
+  // A new seed, and new mixture weights, apply from the first document no old lane had reached: a document begun
+  // before the stop is finished from the source it was drawn from.
+  for (auto& lane : lanes_) {
+    lane->add_seed(max_doc, options_.stream.seed);
+    lane->add_configured_weights(max_doc);
+  }
   served_state_.clear();
   for (const auto& lane : lanes_) served_state_.push_back(lane->state());
 }

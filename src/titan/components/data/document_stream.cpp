@@ -45,6 +45,7 @@ void to_json(nlohmann::json& j, const StreamState& s) {
   j = nlohmann::json::object();
   j["doc"] = s.doc;
   j["seeds"] = s.seeds;
+  if (!s.weights.empty()) j["weights"] = s.weights;
   nlohmann::json sources = nlohmann::json::array();
   for (const auto& src : s.sources)
     sources.push_back({{"epoch", src.epoch},
@@ -63,6 +64,11 @@ StreamState stream_state_from_json(const nlohmann::json& j, const std::vector<So
   try {
     s.doc = j.at("doc").get<uint64_t>();
     s.seeds = j.at("seeds").get<std::vector<std::pair<uint64_t, uint64_t>>>();
+    if (j.contains("weights")) {
+      s.weights = j.at("weights").get<std::vector<std::pair<uint64_t, std::vector<double>>>>();
+      for (const auto& [from, w] : s.weights)
+        if (w.size() != sources.size()) fail("the dataloader state's weights name ", w.size(), " source(s), not ", sources.size());
+    }
     const auto& list = j.at("sources");
     if (list.size() != sources.size())
       fail("the dataloader state has ", list.size(), " data source(s) but the config has ", sources.size(),
@@ -112,6 +118,7 @@ DocumentStream::DocumentStream(const std::vector<SourceSpec>& sources, StreamOpt
     : sources_(&sources), options_(options) {
   if (sources.empty()) fail("the dataset mixture has no sources");
   state_.seeds = {{0, options.seed}};
+  state_.weights = {{0, configured_weights()}};
   for (uint32_t s = 0; s < sources.size(); ++s) {
     SourceState st;
     st.order.resize(sources[s].shards.size());
@@ -133,10 +140,32 @@ uint64_t DocumentStream::seed_at(uint64_t doc) const {
   return seed;
 }
 
+const std::vector<double>& DocumentStream::weights_at(uint64_t doc) const {
+  const std::vector<double>* weights = &state_.weights.front().second;
+  for (const auto& [from, w] : state_.weights)
+    if (from <= doc) weights = &w;
+  return *weights;
+}
+
+std::vector<double> DocumentStream::configured_weights() const {
+  std::vector<double> weights;
+  for (const auto& source : *sources_) weights.push_back(source.weight);
+  return weights;
+}
+
 void DocumentStream::restore(const StreamState& state) {
   if (state.sources.size() != state_.sources.size()) fail("dataloader state does not match the data sources");
   state_ = state;
+  if (state_.weights.empty()) state_.weights = {{0, configured_weights()}};
   for (auto& r : readers_) r->reset();
+}
+
+void DocumentStream::add_configured_weights(uint64_t from) {
+  const std::vector<double> weights = configured_weights();
+  if (weights_at(from) == weights) return;
+  if (from < state_.doc) fail("internal: weight change at document ", from, " is in the past (at ", state_.doc, ")");
+  while (!state_.weights.empty() && state_.weights.back().first >= from) state_.weights.pop_back();
+  state_.weights.emplace_back(from, weights);
 }
 
 void DocumentStream::add_seed(uint64_t from, uint64_t seed) {
@@ -244,11 +273,12 @@ bool DocumentStream::advance(Document* doc) {
     if (state_.seeds[i].first == g && state_.seeds[i].second != state_.seeds[i - 1].second)
       apply_seed_switch(state_.seeds[i].second);
   const uint64_t seed = seed_at(g);
+  const std::vector<double>& weights = weights_at(g);
   const uint32_t n = static_cast<uint32_t>(sources_->size());
   for (uint64_t attempt = 0;; ++attempt) {
     double total = 0;
     for (uint32_t s = 0; s < n; ++s)
-      if (!state_.sources[s].exhausted) total += (*sources_)[s].weight;
+      if (!state_.sources[s].exhausted) total += weights[s];
     if (total <= 0) return false;
     uint32_t pick = n;
     if (n == 1) {
@@ -258,7 +288,7 @@ bool DocumentStream::advance(Document* doc) {
       for (uint32_t s = 0; s < n; ++s) {
         if (state_.sources[s].exhausted) continue;
         pick = s;
-        u -= (*sources_)[s].weight;
+        u -= weights[s];
         if (u < 0) break;
       }
     }

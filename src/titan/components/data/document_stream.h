@@ -29,6 +29,9 @@ struct SourceState {
 struct StreamState {
   uint64_t doc = 0;                                      // index of the next document
   std::vector<std::pair<uint64_t, uint64_t>> seeds;      // (first document, seed), ascending
+  // (first document, each source's weight), ascending; a state saved before 2026-11-30 has none (the configured
+  // weights then apply throughout).
+  std::vector<std::pair<uint64_t, std::vector<double>>> weights;
   std::vector<SourceState> sources;
 };
 
@@ -65,6 +68,9 @@ class DocumentStream {
   void restore(const StreamState& state);
   // From document `from` on, draws use `seed` (a restart with a new training.data_seed).
   void add_seed(uint64_t from, uint64_t seed);
+  // From document `from` on, draws use the configured weights (a restart with new mixture weights): a document
+  // already begun was drawn with the old ones and is finished from its own source.
+  void add_configured_weights(uint64_t from);
   const std::vector<SourceSpec>& sources() const { return *sources_; }
 
  private:
@@ -73,6 +79,8 @@ class DocumentStream {
   const RawRow* next_row(uint32_t source);
   bool load_block(uint32_t source, bool fresh);
   uint64_t seed_at(uint64_t doc) const;
+  const std::vector<double>& weights_at(uint64_t doc) const;
+  std::vector<double> configured_weights() const;
   void apply_seed_switch(uint64_t seed);
   const std::vector<SourceSpec>* sources_;
   StreamOptions options_;
