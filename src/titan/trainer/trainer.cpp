@@ -130,6 +130,9 @@ void Trainer::build_tokenizer() {
     tokenizer_path = data::ensure_builtin_tokenizer(c.job.dump_folder, vocab);
   }
   tokenizer_ = tokenizer::load(tokenizer_path);
+  if (!tokenizer_->bos_id() && !tokenizer_->eos_id())
+    log::warn("the tokenizer at ", quote(tokenizer_path), " has neither a BOS nor an EOS token (none of the usual names, no "
+              "tokenizer_config.json naming them): packed documents run into each other with nothing between them");
   log::info("Tokenizer: ", tokenizer_->description(), "; BOS ", tokenizer_->bos_id() ? std::to_string(*tokenizer_->bos_id()) : "none",
             ", EOS ", tokenizer_->eos_id() ? std::to_string(*tokenizer_->eos_id()) : "none");
   if (tokenizer_->vocab_size() > vocab)
@@ -546,6 +549,12 @@ int Trainer::create_seed_checkpoint() {
          mesh_->world()->size(), " ranks");
   if (!checkpointer_ || !loaded_.config.checkpoint.enable) fail("checkpoint.create_seed_checkpoint needs checkpoint.enable = true");
   if (loaded_.config.checkpoint.load_only) fail("checkpoint.create_seed_checkpoint saves a checkpoint; checkpoint.load_only = true saves none");
+  const std::filesystem::path existing = std::filesystem::path(checkpointer_->folder()) / "step-0" / "metadata.json";
+  if (std::filesystem::exists(existing)) {
+    log::warn("a seed checkpoint already exists in ", checkpointer_->folder(), " (step-0); it is kept, not replaced: remove it "
+              "to create another");
+    return 0;
+  }
   save_checkpoint(/*last=*/true);
   checkpointer_->wait();
   log::info("Created seed checkpoint at step 0 in ", checkpointer_->folder());
