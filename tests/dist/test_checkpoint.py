@@ -176,6 +176,8 @@ def test_bad_checkpoints_are_refused_by_name(tmp_path):
            extra=["--model.flavor", "debugmodel_gqa"])
     expect('was saved from a llama3 model (flavor "debugmodel"); this run trains qwen3 (model.name)',
            extra=["--model.name", "qwen3", "--model.flavor", "debugmodel"])
+    # The same flavor with another shape: the error names what differs, from the checkpoint's recorded arguments.
+    expect("(the checkpoint's vs this run's: n_layers (num_hidden_layers): ", extra=["--model.n_layers", "1"])
     # metadata.json: its own checksum catches any edit (swapped offsets loaded the wrong weights silently before).
     pristine = json.loads((step10 / "metadata.json").read_text())
     assert pristine["version"] == 4 and pristine["metadata_crc32"] == metadata_checksum(pristine)

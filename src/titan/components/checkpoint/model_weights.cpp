@@ -40,6 +40,19 @@ void ModelWeights::load_state_dict(protocols::StateSource& source) {
     fail(source.name(), " was saved from a ", meta["model"]["family"].get<std::string>(), " model (flavor ", quote(saved_flavor),
          "); this run trains ", args_.family(), " (model.name); set model.name and model.flavor to the checkpoint's, or "
          "point checkpoint.folder elsewhere");
+  // Where a tensor is missing or misshapen: the checkpoint's model against this run's, as far as its metadata says.
+  const auto origin = [&]() -> std::string {
+    std::string from = saved_flavor == "?" ? std::string("a model of another shape or family") : cat("flavor ", quote(saved_flavor));
+    if (meta.contains("model") && meta["model"].is_object()) {
+      try {
+        const auto saved = args_.parse_json(meta["model"], source.name());
+        if (const auto differences = saved->computation_differences(args_); !differences.empty())
+          from += cat(" (the checkpoint's vs this run's: ", join(differences, "; "), ")");
+      } catch (const UserError&) {
+      }
+    }
+    return from;
+  };
   // Every parameter of the model, not just this rank's (a pipeline stage holds some of them); tied aliases are the
   // names torchtitan's state dicts also carry.
   std::set<std::string> expected;
@@ -49,19 +62,17 @@ void ModelWeights::load_state_dict(protocols::StateSource& source) {
   for (const auto& k : source.keys())
     if (starts_with(k, "model.") && !expected.count(k))
       fail(source.name(), " has tensor ", quote(source.key_name(k)), ", which this run's model does not have (flavor ",
-           quote(flavor_), "); it was saved from ", saved_flavor == "?" ? std::string("a model of another shape or family")
-                                                                         : cat("flavor ", quote(saved_flavor)));
+           quote(flavor_), "); it was saved from ", origin());
   at::NoGradGuard no_grad;
   for (auto& p : parameters_) {
     const std::string k = key(p.name);
     const auto entry = source.entry(k);
     if (!entry)
-      fail(source.name(), " has no tensor ", quote(source.key_name(k)), "; it was saved from ",
-           saved_flavor == "?" ? std::string("a model of another shape or family") : cat("flavor ", quote(saved_flavor)),
-           ", this run uses ", quote(flavor_));
+      fail(source.name(), " has no tensor ", quote(source.key_name(k)), "; it was saved from ", origin(), ", this run uses ",
+           quote(flavor_));
     if (entry->shape != p.layout.global_shape())
       fail(source.name(), ": tensor ", quote(source.key_name(k)), " has shape [", join_ints(entry->shape),
-           "], the model expects [", join_ints(p.layout.global_shape()), "]");
+           "], the model expects [", join_ints(p.layout.global_shape()), "]; it was saved from ", origin());
     if (source.exact_dtypes() && entry->dtype != p.local.scalar_type())
       fail(source.name(), ": tensor ", quote(source.key_name(k)), " is ", titan::config::dtype_name(entry->dtype),
            ", the model trains in ", titan::config::dtype_name(p.local.scalar_type()),
