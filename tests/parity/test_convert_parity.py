@@ -220,6 +220,18 @@ def test_a_wrapped_torch_save_state_dict_is_read_one_level_down(trained, tmp_pat
     assert 'under "model"' in result.stderr, result.stderr
     _, imported = read_checkpoint(out)
     assert sorted(imported) == sorted(original) and all(np.array_equal(imported[k], original[k]) for k in original)
+    # DDP's and torch.compile's prefixes on every name are read through; names of another layout are listed.
+    torch.save({"module._orig_mod." + key: value for key, value in state.items()}, tmp_path / "prefixed.pt")
+    result = run([binary("titan"), "convert", "--from", str(tmp_path / "prefixed.pt"), "--to", str(tmp_path / "o3"),
+                  "--flavor", "debugmodel"])
+    assert 'starts with "module."' in result.stderr and 'starts with "_orig_mod."' in result.stderr, result.stderr
+    _, imported = read_checkpoint(tmp_path / "o3")
+    assert all(np.array_equal(imported[k], original[k]) for k in original)
+    torch.save({"transformer." + key: value for key, value in state.items()}, tmp_path / "other.pt")
+    other = run([binary("titan"), "convert", "--from", str(tmp_path / "other.pt"), "--to", str(tmp_path / "o4"),
+                 "--flavor", "debugmodel"], check=False)
+    assert other.returncode == 2 and 'no tensor "tok_embeddings.weight"' in other.stderr and "e.g. \"transformer." in other.stderr, \
+        other.stderr
     torch.save({"model": state, "ema": state}, tmp_path / "two.pt")
     two = run([binary("titan"), "convert", "--from", str(tmp_path / "two.pt"), "--to", str(tmp_path / "o2"),
                "--flavor", "debugmodel"], check=False)

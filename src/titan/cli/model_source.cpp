@@ -239,6 +239,19 @@ ModelSource read_pth(const std::vector<std::string>& parts, const std::string& f
       }
     }
   }
+  // Wrappers' prefixes on every name: DDP's "module.", torch.compile's "_orig_mod.", a {"model.<name>"} layout.
+  for (bool stripped = true; stripped && !weights.empty();) {
+    stripped = false;
+    for (const std::string prefix : {"module.", "_orig_mod.", "model."}) {
+      if (!std::all_of(weights.begin(), weights.end(), [&](const auto& w) { return starts_with(w.first, prefix); })) continue;
+      std::map<std::string, at::Tensor> renamed;
+      for (auto& [name, t] : weights) renamed[name.substr(prefix.size())] = std::move(t);
+      weights = std::move(renamed);
+      std::cerr << "note: every tensor name in " << s.description << " starts with " << quote(prefix) << "; read without it\n";
+      stripped = true;
+      break;
+    }
+  }
   // The shape: Meta's params.json beside the files where the family reads it, else --flavor.
   const fs::path params = fs::path(parts[0]).parent_path() / "params.json";
   if (fs::exists(params) && s.spec->read_meta_params) {
@@ -270,6 +283,16 @@ ModelSource read_pth(const std::vector<std::string>& parts, const std::string& f
   } else {
     s.flavor_name = flavor_name;
     s.args = flavor_for(*s.spec, flavor_name, s.description);
+  }
+  // A file of other names altogether (another model's, another layout's) names a few of them.
+  if (const auto shapes = s.args->parameter_shapes(); !shapes.empty() && !weights.count(shapes.front().name)) {
+    std::vector<std::string> seen;
+    for (const auto& [name, t] : weights) {
+      if (seen.size() == 4) break;
+      seen.push_back(quote(name));
+    }
+    fail(s.description, ": no tensor ", quote(shapes.front().name), " (is it a ", s.flavor_name, " model in titan's names?); it holds ",
+         weights.size(), " tensor(s)", seen.empty() ? std::string() : cat(", e.g. ", join(seen, ", ")));
   }
   // Each tensor leaves the map as it is taken, so that a piece's whole tensor is freed once the piece is cut.
   take_weights(
