@@ -576,6 +576,21 @@ TEST(DataLoader, NewMixtureWeightsAtAResumeFinishTheOpenDocumentsFromTheirSource
   }
 }
 
+TEST(DataSources, APathBesideMixtureTablesIsAnError) {
+  titan_test::TempDir tmp;
+  tmp.write("a.jsonl", jsonl_ids(0, 5));
+  titan::config::Training training;
+  training.datasets.push_back(source(tmp.path() + "/a.jsonl"));
+  EXPECT_EQ(resolve_sources(training).size(), 1u);
+  training.dataset_path = tmp.path() + "/a.jsonl";
+  try {
+    resolve_sources(training);
+    FAIL() << "the path was dropped silently";
+  } catch (const titan::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("[[training.datasets]] tables are both set"), std::string::npos) << e.what();
+  }
+}
+
 TEST(DataLoader, ExhaustedSourcesLeaveTheMixtureAndTheEndIsReported) {
   titan_test::TempDir tmp;
   tmp.write("small.jsonl", jsonl_ids(0, 5));

@@ -206,6 +206,9 @@ std::vector<SourceSpec> resolve_sources(const config::Training& training) {
   if (training.datasets.empty())
     return resolve_sources(training.dataset, training.dataset_path, training.dataset_format, training.text_field,
                            "training");
+  if (training.dataset_path)
+    fail("training.dataset_path = ", quote(*training.dataset_path), " and [[training.datasets]] tables are both set; a job reads "
+         "one or the other: add the path as a table of the mixture, or leave the tables out");
   std::vector<SourceSpec> out;
   for (size_t i = 0; i < training.datasets.size(); ++i)
     out.push_back(resolve_source(training.datasets[i], cat("training.datasets[", i, "] (", training.datasets[i].name, ")")));
