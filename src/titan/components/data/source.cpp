@@ -331,7 +331,8 @@ std::string row_text(const RawRow& row, const SourceSpec& source) {
   auto it = value.find(source.text_field);
   if (it == value.end())
     fail(shard.path, ":", row.line, ": no field ", quote(source.text_field), " (byte offset ", row.offset,
-         "); set text_field in the dataset's table to the field holding the text");
+         "); name the field holding the text (training.text_field, text_field in a [[training.datasets]] table, or "
+         "--text-field of titan data tokenize and titan tokenizer train)");
   if (!it->is_string())
     fail(shard.path, ":", row.line, ": field ", quote(source.text_field), " is not a string (byte offset ",
          row.offset, ")");
