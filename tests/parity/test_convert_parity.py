@@ -67,8 +67,11 @@ def test_round_trips_are_bitwise_and_shards_are_indexed(trained, tmp_path):
     assert sorted(restored) == sorted(original)
     for key in original:
         assert np.array_equal(original[key], restored[key]), key
+    # The HF directory's tokenizer goes with the weights: the titan checkpoint records it, and its next export carries it.
+    assert json.loads((back / "metadata.json").read_text())["tokenizer"] == str((hf / "tokenizer.json").resolve())
     hf2 = tmp_path / "hf2"
     run([binary("titan"), "convert", "--from", str(back), "--to", str(hf2)])
+    assert (hf2 / "tokenizer.json").exists() and "eos_token_id" in json.loads((hf2 / "config.json").read_text())
     merged = {}
     for f in files:
         merged.update(load_file(str(hf / f)))

@@ -50,9 +50,11 @@ const char* kConvertUsage =
     "          with it field by field.\n"
     "  --dtype: of the written weights (default: as stored).\n"
     "  --tokenizer: for --format hf and gguf, the tokenizer whose files (tokenizer.json + tokenizer_config.json) go into the\n"
-    "          export; default: the one a titan checkpoint's run used, or an HF directory's own.\n";
+    "          export; for a titan checkpoint, the tokenizer it records; default: the one a titan checkpoint's run used,\n"
+    "          or an HF directory's own.\n";
 
-void write_titan(const ModelSource& s, const std::string& to) {
+// `tokenizer`: recorded in the metadata (as a run records its own), so that `titan generate` and later exports find it.
+void write_titan(const ModelSource& s, const std::string& to, const std::string& tokenizer) {
   if (fs::exists(to)) fail("--to ", quote(to), " exists; choose a new directory so nothing is overwritten");
   const std::string partial = to + ".partial";
   fs::remove_all(partial);
@@ -70,6 +72,7 @@ void write_titan(const ModelSource& s, const std::string& to) {
   nlohmann::json metadata = checkpoint::merge_rank_parts({writer.finish()});
   metadata.update(checkpoint::metadata_header(0, /*model_only=*/true, /*world_size=*/1, s.flavor_name));
   metadata["model"] = s.args->to_json();
+  if (!tokenizer.empty() && fs::exists(tokenizer)) metadata["tokenizer"] = fs::absolute(tokenizer).string();
   checkpoint::commit(partial, to, metadata);
   std::cerr << "wrote titan checkpoint " << to << " (" << s.flavor_name << ", model only) from " << s.description << "\n";
 }
@@ -259,7 +262,7 @@ int run_convert(const std::vector<std::string>& args) {
   } else if (format == "dcp") {
     write_dcp(source, to);
   } else {
-    write_titan(source, to);
+    write_titan(source, to, !tokenizer_path.empty() ? tokenizer_path : source.tokenizer_path);
   }
   return 0;
 }
