@@ -319,3 +319,15 @@ def test_destinations_with_a_trailing_slash_or_without_a_folder(trained, tmp_pat
         run([binary("titan"), "convert", "--from", str(trained) + "/", "--to", to, "--format", fmt])
         assert (tmp_path / to / marker).exists(), (to, sorted(p.name for p in tmp_path.iterdir()))
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_hf_tensors_the_model_does_not_have_are_named(trained, tmp_path):
+    """A layer past num_hidden_layers in the files is not read, and the conversion says so (it was silent)."""
+    hf = tmp_path / "hf"
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf)])
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["model.layers.99.mlp.up_proj.weight"] = torch.zeros(4, 4)
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    result = run([binary("titan"), "convert", "--from", str(hf), "--to", str(tmp_path / "back"), "--flavor", "debugmodel"])
+    assert '1 tensor(s) this model does not have are not read, from "model.layers.99.mlp.up_proj.weight"' in \
+        result.stdout + result.stderr, result.stderr

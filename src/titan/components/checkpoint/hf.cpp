@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "titan/common/error.h"
 #include "titan/common/files.h"
@@ -181,6 +182,21 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
     log::warn(quote(directory), ": skipped ", names.size(), " tensor(s) of ", why, ", from ", quote(names.front()), " to ",
               quote(names.back()));
   read_quantization(directory, scale_tensors);
+  // Tensors the adapter can name but this model does not have (a layer past num_hidden_layers, say) are not read:
+  // said once, as transformers says of unused weights.
+  {
+    std::set<std::string> known;
+    for (const auto& p : args.parameter_shapes()) known.insert(p.name);
+    for (const auto& b : args.buffer_shapes()) known.insert(b.name);
+    std::vector<std::string> unused;
+    for (const auto& [name, where] : impl_->where)
+      if (!known.count(name)) unused.push_back(where.second);
+    for (const auto& [name, list] : impl_->slices)
+      if (!known.count(name) && !list.empty()) unused.push_back(list.front().second);
+    if (!unused.empty())
+      log::warn(quote(directory), ": ", unused.size(), " tensor(s) this model does not have are not read, from ",
+                quote(unused.front()), " to ", quote(unused.back()), " (a layer past num_hidden_layers?)");
+  }
   for (const auto& p : args.parameter_shapes()) {
     if (const int64_t count = adapter.hf_slices(p.name)) {
       auto it = impl_->slices.find(p.name);
