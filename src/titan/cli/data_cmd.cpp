@@ -116,20 +116,10 @@ int tokenize(const Options& o) {
   if (o.tokenizer.empty() || o.inputs.empty() || o.output.empty())
     fail("`titan data tokenize` needs --tokenizer, --input and --output\n", kDataUsage);
   auto tok = tokenizer::load(o.tokenizer);
-  std::vector<data::SourceSpec> sources;
+  const std::vector<data::SourceSpec> sources = data::resolve_text_inputs(o.inputs, o.format, o.text_field);
   uint64_t total_bytes = 0;
-  for (const auto& input : o.inputs) {
-    config::DatasetSource s;
-    s.name = input;
-    s.path = input;
-    s.format = o.format;
-    s.text_field = o.text_field;
-    sources.push_back(data::resolve_source(s, "--input " + input));
-    for (const auto& shard : sources.back().shards) {
-      if (shard.format == data::Format::Tokens) fail("--input ", quote(shard.path), " is already a token shard");
-      total_bytes += std::filesystem::file_size(shard.path);
-    }
-  }
+  for (const auto& source : sources)
+    for (const auto& shard : source.shards) total_bytes += std::filesystem::file_size(shard.path);
   namespace fs = std::filesystem;
   fs::create_directories(o.output);
   for (const auto& e : fs::directory_iterator(o.output))

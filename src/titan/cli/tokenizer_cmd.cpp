@@ -98,17 +98,7 @@ int run_tokenizer(const std::vector<std::string>& args) {
     options.vocab_size = o.vocab_size;
     // The documents training would read from these inputs: JSONL's text field, Parquet and Arrow columns, .gz/.zst,
     // directories and globs (components/data/source.h), not the files' raw bytes.
-    std::vector<data::SourceSpec> sources;
-    for (const auto& input : o.inputs) {
-      config::DatasetSource s;
-      s.name = input;
-      s.path = input;
-      s.format = o.format;
-      s.text_field = o.text_field;
-      sources.push_back(data::resolve_source(s, "--input " + input));
-      for (const auto& shard : sources.back().shards)
-        if (shard.format == data::Format::Tokens) fail("--input ", quote(shard.path), " is a token shard, not text");
-    }
+    const std::vector<data::SourceSpec> sources = data::resolve_text_inputs(o.inputs, o.format, o.text_field);
     auto stats = tokenizer::train_bpe(
         [&](const std::function<void(std::string_view)>& document) {
           for (const auto& source : sources)

@@ -202,6 +202,22 @@ std::vector<SourceSpec> resolve_sources(const std::string& dataset, const std::o
   return {resolve_source(source, where + ".dataset_path")};
 }
 
+std::vector<SourceSpec> resolve_text_inputs(const std::vector<std::string>& inputs, const std::string& format,
+                                            const std::string& text_field) {
+  std::vector<SourceSpec> sources;
+  for (const auto& input : inputs) {
+    config::DatasetSource s;
+    s.name = input;
+    s.path = input;
+    s.format = format;
+    s.text_field = text_field;
+    sources.push_back(resolve_source(s, "--input " + input));
+    for (const auto& shard : sources.back().shards)
+      if (shard.format == Format::Tokens) fail("--input ", quote(shard.path), " is a token shard, not text");
+  }
+  return sources;
+}
+
 std::vector<SourceSpec> resolve_sources(const config::Training& training) {
   if (training.datasets.empty())
     return resolve_sources(training.dataset, training.dataset_path, training.dataset_format, training.text_field,

@@ -32,6 +32,10 @@ extern const char* const kBuiltinCorpusDir;
 // One source from a [[training.datasets]] table. `path` may be a file, a directory (searched recursively for files
 // of known formats) or a glob. `where` names the config entry in errors.
 SourceSpec resolve_source(const config::DatasetSource& source, const std::string& where);
+// The command-line inputs of `titan data tokenize` and `titan tokenizer train` (files, directories, globs) read as
+// training reads them, each one source; token shards are refused, as they hold no text.
+std::vector<SourceSpec> resolve_text_inputs(const std::vector<std::string>& inputs, const std::string& format,
+                                            const std::string& text_field);
 // The mixture a training (or validation) config asks for: training.datasets when set, else one source from
 // dataset / dataset_path with dataset_format and text_field.
 std::vector<SourceSpec> resolve_sources(const config::Training& training);
