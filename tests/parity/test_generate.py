@@ -92,6 +92,37 @@ def test_greedy_continuations_equal_transformers_generate(checkpoint):
     assert [r["ids"] for r in again] == [r["ids"] for r in ours]
 
 
+def test_past_the_trained_context_rope_continues_as_transformers(checkpoint):
+    """Trained on 32 positions, asked for more with --context: titan continues RoPE with the model's frequencies, as
+    transformers computes it for any position, and warns that those positions were never trained."""
+    from transformers import AutoModelForCausalLM
+
+    family, step, hf = checkpoint
+    if family not in ("llama3", "qwen3"):
+        pytest.skip("the families whose max_seq_len is the training seq_len (32) show it")
+    new = 40
+    refused = generate(step, "--prompt", PROMPTS[0], "--max-new-tokens", str(new), check=False)
+    assert refused.returncode == 2 and "pass --context N to go past it" in refused.stderr, refused.stderr
+    result = generate(step, "--prompt", PROMPTS[0], "--max-new-tokens", str(new), "--context", "64", "--temperature", "0",
+                      "--ignore-eos", "--json")
+    assert "past the model's max_seq_len of 32" in result.stderr, result.stderr
+    ours = rows(result)[0]
+    assert len(ours["prompt_ids"]) + new > 32 and len(ours["ids"]) == new
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    ids = ours["prompt_ids"] + ours["ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(ours["prompt_ids"]) - 1:-1]
+    # Each token titan chose is transformers' most likely one (or within a near-tie of it), at its log-probability.
+    best = logits.max(-1).values
+    chosen = logits.gather(-1, torch.tensor(ours["ids"]).view(-1, 1)).view(-1)
+    assert ((best - chosen) < 1e-4).all(), (family, (best - chosen).tolist())
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ours["ids"]).view(-1, 1)).view(-1)
+    assert np.allclose(ours["logprobs"], expected.numpy(), rtol=1e-4, atol=1e-4), (family, ours["logprobs"], expected)
+    # Too short a --context is refused by name.
+    short = generate(step, "--prompt", PROMPTS[0], "--max-new-tokens", str(new), "--context", "33", check=False)
+    assert short.returncode == 2 and "more than --context 33" in short.stderr, short.stderr
+
+
 def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint, tmp_path):
     family, step, _ = checkpoint
     if family != "llama3":
@@ -117,6 +148,7 @@ def test_sampling_repeats_with_its_seed_and_bad_input_is_refused(checkpoint, tmp
                            (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1], got 0"),
                            (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
                            (["--prompt", "x", "--max-new-tokens", "100000000"], "more than the model's context"),
+                           (["--prompt", "x", "--context", "0"], "--context must be a positive number of positions, got 0"),
                            (["--prompt", "x", "--temperature", "-1"], "--temperature must be 0 (greedy) or positive"),
                            (["--prompt", "x", "--device", "tpu"], "--device \"tpu\": expected cpu or cuda")] + \
                           ([] if torch.cuda.is_available() else [(["--prompt", "x", "--device", "cuda"], "LibTorch sees no GPU here")]):

@@ -113,6 +113,43 @@ TEST(Model, RopeTableAppliesLlama31Scaling) {
   EXPECT_NEAR(angle[31].item<double>(), f_last, 1e-9);
 }
 
+TEST(Model, ExtendingPositionsKeepsTheTrainedOnesAndYarnsChoice) {
+  // A DeepSeek-V3 shape trained on 16 positions, YaRN's original context 32: YaRN is off. Sampling past 16 positions
+  // lengthens the table; the first 16 positions give the same logits, and the positions past them follow the
+  // unscaled frequencies (YaRN stays off, as does its attention scale) rather than what a 64-position model would use.
+  auto args = titan::deepseek_v3::flavor("debugmodel");
+  args.max_seq_len = 16;
+  args.yarn->original_seq_len = 32;
+  args.n_layers = 1;
+  args.n_dense_layers = 1;
+  at::manual_seed(3);
+  Decoder model(args);
+  model.init_weights();
+  model.eval();
+  at::NoGradGuard no_grad;
+  const at::Tensor tokens = at::randint(args.vocab_size, {1, 40}, at::kLong);
+  const int64_t end = model.module_count();
+  const at::Tensor before = model.forward_modules(tokens.narrow(1, 0, 16), 0, end, 16);
+  EXPECT_THROW(model.forward_modules(tokens, 0, end, 40), c10::Error);
+  model.extend_positions(64);
+  EXPECT_EQ(model.max_seq_len(), 16);
+  const at::Tensor after = model.forward_modules(tokens, 0, end, 40);
+  EXPECT_TRUE(at::equal(after.narrow(1, 0, 16), before));
+  // A model made for 64 positions turns YaRN on: different logits past (and before) position 16.
+  auto longer = args;
+  longer.max_seq_len = 64;
+  ASSERT_TRUE(longer.yarn_active() && !args.yarn_active());
+  Decoder other(longer);
+  auto theirs = other.named_parameters();
+  for (const auto& item : model.named_parameters()) theirs[item.key()].copy_(item.value());
+  other.eval();
+  EXPECT_FALSE(at::allclose(other.forward_modules(tokens, 0, end, 40).narrow(1, 16, 24), after.narrow(1, 16, 24), 1e-4, 1e-5));
+  // The extended table is the unscaled one for every row.
+  const at::Tensor unscaled = precompute_yarn_rope(args.rope_dim(), 64, args.rope_theta, *args.yarn, /*active=*/false);
+  EXPECT_TRUE(at::allclose(precompute_rope(args, 64), unscaled));
+  EXPECT_TRUE(at::equal(precompute_rope(args, 64).narrow(0, 0, 16), precompute_rope(args)));
+}
+
 namespace {
 
 struct GradRun {

@@ -6,6 +6,7 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -36,7 +37,7 @@ const char* kGenerateUsage =
     "usage: titan generate --checkpoint PATH [--prompt TEXT]... [--prompt-file FILE]... [--tokenizer PATH]\n"
     "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
     "                      [--model NAME] [--flavor F] [--dtype float32|bfloat16] [--device cpu|cuda]\n"
-    "                      [--ignore-eos] [--json]\n"
+    "                      [--context N] [--ignore-eos] [--json]\n"
     "  --checkpoint: a titan checkpoint step folder, a Hugging Face directory, a torch DCP folder (torchtitan's;\n"
     "          with --flavor), Meta's consolidated.NN.pth folder or a torch.save state dict (as `titan convert --from`).\n"
     "  --prompt: a prompt (repeat for a batch); --prompt-file: a file whose whole text is one prompt; with neither,\n"
@@ -51,6 +52,9 @@ const char* kGenerateUsage =
     "  --device: cpu (default) or cuda. Under mpirun or srun with N ranks the model runs tensor-parallel over them\n"
     "          (each rank on its GPU where LibTorch sees GPUs, else on the CPU); rank 0 reads standard input,\n"
     "          samples and prints.\n"
+    "  --context: the positions a row may take, prompt and new tokens together (default: the model's max_seq_len,\n"
+    "          the training seq_len for a titan run). Past max_seq_len, RoPE continues with the model's own\n"
+    "          frequencies; those positions were never trained, and a warning says so.\n"
     "  --ignore-eos: always generate --max-new-tokens (timing). --json: one JSON object per prompt on standard\n"
     "          output (prompt, prompt_ids, ids, logprobs, text, stop) instead of the text; logprobs: each new\n"
     "          token's log-probability under the model (before temperature, top-k and top-p).\n";
@@ -58,7 +62,7 @@ const char* kGenerateUsage =
 struct Options {
   std::string checkpoint, tokenizer, model, flavor, dtype = "float32", device = "cpu";
   std::vector<std::string> prompts;
-  int64_t max_new_tokens = 64, top_k = 0;
+  int64_t max_new_tokens = 64, top_k = 0, context = 0;  // context 0: the model's max_seq_len
   double temperature = 1.0, top_p = 1.0;
   std::optional<uint64_t> seed;
   bool ignore_eos = false, json = false, device_given = false;
@@ -90,6 +94,7 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
     else if (a == "--device") o.device = v, o.device_given = true;
     else if (a == "--max-new-tokens") o.max_new_tokens = integer_argument(a, v);
     else if (a == "--top-k") o.top_k = integer_argument(a, v);
+    else if (a == "--context") o.context = integer_argument(a, v);
     else if (a == "--temperature") o.temperature = number_argument(a, v);
     else if (a == "--top-p") o.top_p = number_argument(a, v);
     else if (a == "--seed") o.seed = static_cast<uint64_t>(integer_argument(a, v));
@@ -105,6 +110,8 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
   if (!(o.temperature >= 0) || !std::isfinite(o.temperature)) fail("--temperature must be 0 (greedy) or positive, got ", o.temperature);
   if (!(o.top_p > 0 && o.top_p <= 1)) fail("--top-p must be in (0, 1], got ", o.top_p);
   if (o.top_k < 0) fail("--top-k must be 0 (off) or positive, got ", o.top_k);
+  if (o.context < 0 || (o.context == 0 && std::find(args.begin(), args.end(), "--context") != args.end()))
+    fail("--context must be a positive number of positions, got ", o.context);
   if (o.dtype != "float32" && o.dtype != "bfloat16") fail("--dtype ", quote(o.dtype), ": expected float32 or bfloat16");
   if (o.device != "cpu" && o.device != "cuda" && o.device.rfind("cuda:", 0) != 0)
     fail("--device ", quote(o.device), ": expected cpu or cuda (cuda:N for one GPU of several)");
@@ -253,10 +260,18 @@ int run_generate(const std::vector<std::string>& args) {
     eos_id = shape[2].item<int64_t>();
     for (auto* c : {group.get(), control.get()}) c->set_timeout(std::chrono::seconds(300));
   }
-  const int64_t context = source.args->context_length(), total = longest + o.max_new_tokens;
+  const int64_t trained = source.args->context_length(), context = o.context ? o.context : trained;
+  const int64_t total = longest + o.max_new_tokens;
   if (total > context)
-    fail("the longest prompt (", longest, " tokens) and --max-new-tokens ", o.max_new_tokens, " make ", total,
-         " positions, more than the model's context of ", context, " (max_seq_len); shorten the prompt or ask for fewer tokens");
+    fail("the longest prompt (", longest, " tokens) and --max-new-tokens ", o.max_new_tokens, " make ", total, " positions, more than ",
+         o.context ? cat("--context ", context) : cat("the model's context of ", context, " (max_seq_len)"),
+         "; shorten the prompt, ask for fewer tokens", o.context ? ", or raise --context" : ", or pass --context N to go past it");
+  if (total > trained) {
+    model->extend_positions(total);
+    if (first)
+      std::cerr << "warning: positions " << trained + 1 << " to " << total << " are past the model's max_seq_len of " << trained
+                << " (what it was trained on): RoPE continues with its frequencies there, but expect the text to degrade\n";
+  }
   at::Tensor tokens = at::zeros({batch, longest}, at::kLong), padding = at::zeros({batch}, at::kLong);
   for (int64_t b = 0; b < static_cast<int64_t>(prompts.size()); ++b) {
     const auto& p = prompts[static_cast<size_t>(b)];

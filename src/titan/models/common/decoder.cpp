@@ -48,8 +48,12 @@ at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const Ro
 }
 
 at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, const YarnScaling& yarn) {
+  return precompute_yarn_rope(head_dim, end, theta, yarn, end > yarn.original_seq_len);
+}
+
+at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, const YarnScaling& yarn, bool active) {
   at::Tensor freqs = rope_frequencies(head_dim, theta);
-  if (end > yarn.original_seq_len) {
+  if (active) {
     // The pair index at which a frequency turns `turns` times over the original context, and the ramp between the
     // beta_fast and beta_slow indices: kept below it, divided by `factor` above.
     const double d = static_cast<double>(head_dim), base = theta, original = static_cast<double>(yarn.original_seq_len);
@@ -64,9 +68,10 @@ at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, con
   return rotation_table(freqs, end);
 }
 
-at::Tensor precompute_rope(const DecoderArgs& args) {
-  if (args.yarn) return precompute_yarn_rope(args.rope_dim(), args.max_seq_len, args.rope_theta, *args.yarn);
-  return precompute_rope(args.rope_dim(), args.max_seq_len, args.rope_theta, args.rope_scaling);
+at::Tensor precompute_rope(const DecoderArgs& args, int64_t end) {
+  if (end < 0) end = args.max_seq_len;
+  if (args.yarn) return precompute_yarn_rope(args.rope_dim(), end, args.rope_theta, *args.yarn, args.yarn_active());
+  return precompute_rope(args.rope_dim(), end, args.rope_theta, args.rope_scaling);
 }
 
 Attention::Attention(const DecoderArgs& args, const nn::ParameterOptions& options)
@@ -306,6 +311,11 @@ Decoder::Decoder(const DecoderArgs& args, const nn::ParameterOptions& options) :
                                          args.dim, args.vocab_size, args.tie_word_embeddings ? &tok_embeddings->weight : nullptr,
                                          options));
   rope_ = precompute_rope(args);
+}
+
+void Decoder::extend_positions(int64_t length) {
+  if (length <= rope_.size(0)) return;
+  rope_ = precompute_rope(args_, length).to(rope_.device());
 }
 
 void Decoder::move_buffers(const at::Device& device) {

@@ -20,8 +20,11 @@ namespace titan::models {
 at::Tensor precompute_rope(int64_t head_dim, int64_t end, double theta, const RopeScaling& scaling);
 // The same with YaRN's frequencies when `end` exceeds yarn.original_seq_len (DeepSeek-V3), plain ones otherwise.
 at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, const YarnScaling& yarn);
-// The model's table: rope_dim() columns pairs, max_seq_len rows, with the scaling its arguments name.
-at::Tensor precompute_rope(const DecoderArgs& args);
+// The same with the choice of YaRN's frequencies given (`active`) rather than taken from `end`.
+at::Tensor precompute_yarn_rope(int64_t head_dim, int64_t end, double theta, const YarnScaling& yarn, bool active);
+// The model's table: rope_dim() columns pairs, max_seq_len rows (`end` rows when given), with the scaling its
+// arguments name; YaRN's frequencies are chosen by max_seq_len whatever `end` is.
+at::Tensor precompute_rope(const DecoderArgs& args, int64_t end = -1);
 // The table rotates interleaved (even, odd) pairs of q and k's last dimension: kernels::rope, or
 // kernels::rope_reference where the fused kernel does not apply.
 
@@ -150,6 +153,9 @@ class Decoder : public nn::Model {
   // torchtitan's initial distribution of every parameter, by name.
   std::map<std::string, nn::InitSpec> init_specs() const override;
   void move_buffers(const at::Device& device) override;
+  // Lengthens the position table to `length` rows (for sampling past the trained context): the frequencies, YaRN's
+  // choice and the attention scale stay those of max_seq_len, so the first max_seq_len positions are unchanged.
+  void extend_positions(int64_t length);
   int64_t max_seq_len() const override { return args_.max_seq_len; }
 
   const DecoderArgs& args() const { return args_; }
