@@ -62,6 +62,8 @@ def test_tokenize_writes_the_tokens_tiktoken_gives(corpus, tmp_path):
     assert summary["tokens"] == sum(map(len, expected))
     inspect = json.loads(run([binary("titan"), "data", "inspect", *summary["shards"]]).stdout)
     assert sum(s["documents"] for s in inspect) == len(paragraphs)
+    # The output folder stands for its shards.
+    assert json.loads(run([binary("titan"), "data", "inspect", str(out)]).stdout) == inspect
     print(f"tokenized {summary['documents']} documents, {summary['tokens']} tokens at "
           f"{summary['tokens_per_second']:,.0f} tokens/s with {summary['threads']} threads")
 
@@ -111,6 +113,66 @@ def test_bad_input_is_reported_with_file_and_line(corpus, tmp_path):
     # Non-positive mixture weights are rejected when the config is read.
     result = run([binary("titan"), "train", "--training.datasets", '[{path="%s", weight=0}]' % bad], check=False)
     assert result.returncode == 2 and "weight must be a positive number" in result.stderr, result.stderr
+
+
+def test_text_is_utf8_in_every_format_and_a_files_byte_order_mark_is_not_text(tmp_path):
+    """Python decodes text strictly and Hugging Face's tokenizers take only str: a row that is not UTF-8 is refused
+    in every format, naming the file and the line or row, and --skip-malformed-rows skips that row alone. A UTF-8
+    byte-order mark that starts a .txt, .jsonl or fortune file marks the encoding and is not encoded; a U+FEFF
+    inside a Parquet value is text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, reference = cl100k()
+    eos = 100257
+    rows = [b"first row", b"caf\xe9 au lait", b"third row"]  # a Latin-1 byte in the second row
+
+    def tokenize(source, *extra):
+        out = tmp_path / ("out-" + source.name + "-" + str(len(extra)))
+        result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(source),
+                      "--output", str(out), *extra], check=False)
+        docs = [d for shard in sorted(out.glob("*.tokens")) for d in read_shard(shard)[0]]
+        return result, docs
+
+    text = tmp_path / "rows.txt"
+    text.write_bytes(b"\n".join(rows) + b"\n")
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_bytes(b"".join(b'{"text": "' + r + b'"}\n' for r in rows))
+    fortune = tmp_path / "rows"
+    fortune.write_bytes(b"\n%\n".join(rows) + b"\n")
+    table = pa.table({"text": pa.array(rows, type=pa.binary()).view(pa.string())})
+    parquet = tmp_path / "rows.parquet"
+    pq.write_table(table, str(parquet))
+    arrow = tmp_path / "rows.arrow"
+    with pa.ipc.new_stream(str(arrow), table.schema) as writer:
+        writer.write_table(table)
+    for source, extra, where in [(text, [], "rows.txt:2: not valid UTF-8 (byte 0xE9 at byte offset 13)"),
+                                 (jsonl, [], "rows.jsonl:2: malformed JSON line"),
+                                 (fortune, ["--format", "fortune"], "rows:3: not valid UTF-8 (byte 0xE9 at byte offset 15)"),
+                                 (parquet, [], 'rows.parquet: row 1: column "text" is not valid UTF-8 (byte 0xE9 at offset 3'),
+                                 (arrow, [], 'rows.arrow: row 1: column "text" is not valid UTF-8 (byte 0xE9 at offset 3')]:
+        result, docs = tokenize(source, *extra)
+        assert result.returncode == 2 and where in result.stderr and not docs, (source, result.stderr)
+        if source is text:
+            continue  # a .txt file is one document: nothing would be left
+        result, docs = tokenize(source, *extra, "--skip-malformed-rows")
+        assert json.loads(result.stdout)["skipped_rows"] == 1, result.stderr
+        assert docs == [reference.encode_ordinary(r.decode() + ("\n" if source is fortune else "")) + [eos]
+                        for r in (rows[0], rows[2])], (source, docs)
+    # A byte-order mark at the start of a file: the same tokens as without it.
+    good = ["first row", "second row"]
+    for name, body, extra in [("bom.txt", "\n".join(good) + "\n", []),
+                              ("bom.jsonl", "".join(json.dumps({"text": g}) + "\n" for g in good), []),
+                              ("bom", "\n%\n".join(good) + "\n", ["--format", "fortune"])]:
+        plain, marked = tmp_path / ("plain-" + name), tmp_path / name
+        plain.write_text(body)
+        marked.write_bytes(b"\xef\xbb\xbf" + body.encode())
+        (_, expected), (result, docs) = tokenize(plain, *extra), tokenize(marked, *extra)
+        assert result.returncode == 0 and docs == expected and expected, (name, result.stderr)
+    # Inside a value, U+FEFF is a character like any other.
+    value = tmp_path / "feff.parquet"
+    pq.write_table(pa.table({"text": ["\ufefffirst row"]}), str(value))
+    assert tokenize(value)[1] == [reference.encode_ordinary("\ufefffirst row") + [eos]]
 
 
 def test_parquet_sources_serve_the_same_windows_as_jsonl_and_resume(corpus, tmp_path):

@@ -2,6 +2,7 @@
 // token shards.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
@@ -33,7 +34,7 @@ const char* kDataUsage =
     "        or .arrow files (Hugging Face datasets' save_to_disk folders too).\n"
     "        Use DIR as a dataset path (format \"tokens\") with the same tokenizer.\n"
     "  titan data inspect PATH [PATH ...]\n"
-    "        Header and counts of token shards, as JSON.\n";
+    "        Header and counts of token shards (a directory: its .tokens files), as JSON.\n";
 
 struct Options {
   std::string tokenizer, output, format = "auto", text_field = "text";
@@ -234,11 +235,25 @@ int tokenize(const Options& o) {
 
 int inspect(const std::vector<std::string>& args) {
   if (args.size() < 2) fail("`titan data inspect` needs one or more token shard paths\n", kDataUsage);
-  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  // A directory (what `titan data tokenize --output` wrote) stands for its .tokens files, in name order.
+  std::vector<std::string> paths;
   for (size_t i = 1; i < args.size(); ++i) {
-    data::TokenShardReader reader(args[i]);
+    if (!std::filesystem::is_directory(args[i])) {
+      paths.push_back(args[i]);
+      continue;
+    }
+    std::vector<std::string> shards;
+    for (const auto& entry : std::filesystem::directory_iterator(args[i]))
+      if (entry.is_regular_file() && entry.path().extension() == ".tokens") shards.push_back(entry.path().string());
+    if (shards.empty()) fail(quote(args[i]), " is a directory without .tokens files (token shards, as `titan data tokenize` writes)");
+    std::sort(shards.begin(), shards.end());
+    paths.insert(paths.end(), shards.begin(), shards.end());
+  }
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (const auto& path : paths) {
+    data::TokenShardReader reader(path);
     const auto& h = reader.header();
-    out.push_back({{"path", args[i]},
+    out.push_back({{"path", path},
                    {"version", h.version},
                    {"token_bytes", h.token_bytes},
                    {"vocab_size", h.vocab_size},

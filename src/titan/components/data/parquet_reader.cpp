@@ -116,7 +116,7 @@ struct ArrowTextReader::Impl {
   std::shared_ptr<arrow::io::MemoryMappedFile> file;
   std::vector<std::shared_ptr<arrow::Array>> batches;  // the text column of each record batch (views into the mapping)
   std::vector<uint64_t> batch_start;                    // first row of each batch, plus the total at the end
-  std::vector<bool> checked;                            // batches whose offsets and UTF-8 were validated
+  std::vector<bool> checked;                            // batches whose offsets were validated
   std::string path;
 };
 
@@ -173,8 +173,14 @@ bool ArrowTextReader::read(uint64_t index, std::string& text, bool& is_null) {
   const auto& s = impl_->batch_start;
   const size_t batch = static_cast<size_t>(std::upper_bound(s.begin(), s.end(), index) - s.begin()) - 1;
   if (!impl_->checked[batch]) {
-    // IPC data is not checked when it is mapped: a batch's offsets and UTF-8 are, before its first row is read.
-    auto status = impl_->batches[batch]->ValidateFull();
+    // IPC data is not checked when it is mapped: a batch's offsets are, before its first row is read (viewed as
+    // bytes: each row's UTF-8 is checked as it is read, so that a bad row is one row, which skip_malformed_rows skips).
+    const auto& column = impl_->batches[batch];
+    const auto type = column->type_id() == arrow::Type::STRING        ? arrow::binary()
+                      : column->type_id() == arrow::Type::LARGE_STRING ? arrow::large_binary()
+                                                                        : arrow::binary_view();
+    auto bytes = column->View(type);
+    auto status = bytes.ok() ? (*bytes)->ValidateFull() : bytes.status();
     if (!status.ok())
       fail(quote(impl_->path), ": record batch ", batch, " (rows ", s[batch], "..", s[batch + 1], ") is malformed: ", status.ToString());
     impl_->checked[batch] = true;

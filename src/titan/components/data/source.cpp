@@ -12,6 +12,7 @@
 #include "titan/components/data/file_reader.h"
 #include "titan/components/data/parquet_reader.h"
 #include "titan/components/data/token_shard.h"
+#include "titan/components/tokenizer/utf8.h"
 
 namespace titan::data {
 
@@ -335,12 +336,28 @@ bool ShardRowReader::next(RawRow& row) {
 std::string row_text(const RawRow& row, const SourceSpec& source) {
   const Shard& shard = source.shards.at(row.shard);
   if (row.null_text) fail(shard.path, ": row ", row.row, ": column ", quote(source.text_field), " is null");
-  if (shard.format != Format::Jsonl) return row.bytes;
+  if (shard.format != Format::Jsonl) {
+    // Text is UTF-8 in every format, as Python's strict decoding and Hugging Face's tokenizers take it (JSON's
+    // parser checks its own). A byte-order mark that starts a text file marks its encoding and is not text.
+    const bool file_start = row.offset == 0 && (shard.format == Format::Text || shard.format == Format::Fortune);
+    const size_t skip = file_start && starts_with(row.bytes, "\xEF\xBB\xBF") ? 3 : 0;
+    const std::string_view text = std::string_view(row.bytes).substr(skip);
+    if (const size_t bad = tokenizer::first_invalid_utf8(text); bad != std::string_view::npos) {
+      const auto byte = strprintf("0x%02X", static_cast<unsigned>(static_cast<unsigned char>(text[bad])));
+      if (shard.format == Format::Parquet || shard.format == Format::Arrow)
+        fail(shard.path, ": row ", row.row, ": column ", quote(source.text_field), " is not valid UTF-8 (byte ", byte,
+             " at offset ", bad, " of its text)");
+      const uint64_t line = row.line + static_cast<uint64_t>(std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(bad), '\n'));
+      fail(shard.path, ":", line, ": not valid UTF-8 (byte ", byte, " at byte offset ", row.offset + skip + bad,
+           "); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)");
+    }
+    return skip ? std::string(text) : row.bytes;
+  }
   nlohmann::json value;
   try {
     value = nlohmann::json::parse(row.bytes);
   } catch (const nlohmann::json::exception& e) {  // parse errors and numbers out of range
-    fail(shard.path, ":", row.line, ": malformed JSON line (byte offset ", row.offset, "): ", e.what());
+    fail(shard.path, ":", row.line, ": malformed JSON line (byte offset ", row.offset, "): ", tokenizer::utf8_lossy(e.what()));
   }
   if (!value.is_object())
     fail(shard.path, ":", row.line, ": expected a JSON object per line (byte offset ", row.offset, ")");

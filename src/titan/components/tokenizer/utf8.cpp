@@ -1,5 +1,7 @@
 #include "titan/components/tokenizer/utf8.h"
 
+#include <cstring>
+
 namespace titan::tokenizer {
 
 void append_utf8(std::string& out, uint32_t cp) {
@@ -75,14 +77,24 @@ std::string utf8_lossy(std::string_view bytes) {
   return out;
 }
 
-bool is_valid_utf8(std::string_view bytes) {
+bool is_valid_utf8(std::string_view bytes) { return first_invalid_utf8(bytes) == std::string_view::npos; }
+
+size_t first_invalid_utf8(std::string_view bytes) {
   size_t pos = 0;
   while (pos < bytes.size()) {
+    // Runs of ASCII, eight bytes at a time.
+    while (pos + 8 <= bytes.size()) {
+      uint64_t word;
+      std::memcpy(&word, bytes.data() + pos, 8);
+      if (word & 0x8080808080808080ull) break;
+      pos += 8;
+    }
+    if (pos >= bytes.size()) break;
     size_t n = utf8_sequence_length(bytes, pos);
-    if (n == 0) return false;
+    if (n == 0) return pos;
     pos += n;
   }
-  return true;
+  return std::string_view::npos;
 }
 
 }  // namespace titan::tokenizer
