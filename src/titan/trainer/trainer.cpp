@@ -233,10 +233,12 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
   if (grad_accum_steps_ > 1) log::info("Gradient accumulation over ", grad_accum_steps_, " micro-batches per step");
 
   auto sources = data::resolve_sources(c.training);
-  for (const auto& source : sources)
+  for (const auto& source : sources) {
+    const bool named_by_file = source.shards.size() == 1 && source.name == source.shards.front().path;
     log::info("Dataset ", quote(source.name), ": ", source.shards.size(), " file(s), ", data::format_name(source.shards.front().format),
-              sources.size() > 1 ? cat(", weight ", source.weight) : std::string(), source.shards.size() > 1 ? ", first " : ", ",
-              source.shards.front().path);
+              sources.size() > 1 ? cat(", weight ", source.weight) : std::string(),
+              named_by_file ? "" : cat(source.shards.size() > 1 ? ", first " : ", ", source.shards.front().path));
+  }
   data::LoaderOptions data_options = data::training_loader_options(c, mesh_->dp_rank(), dp_degree);
   dataloader_ = std::make_unique<data::DataLoader>(std::move(sources), tokenizer_.get(), data_options);
   if (c.validation.enable) validator_ = std::make_unique<Validator>(c, *tokenizer_, *mesh_, device_);

@@ -188,7 +188,7 @@ std::vector<SourceSpec> resolve_sources(const std::string& dataset, const std::o
                                         const std::string& where) {
   if (!dataset_path) {
     if (dataset == "fortunes") return {builtin_fortunes()};
-    if (dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation")
+    if (dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation")  // torchtitan's Hugging Face names
       fail(where, ".dataset = ", quote(dataset), " is a Hugging Face dataset that titan.cpp does not download; set --",
            where, ".dataset_path to a file or directory (.txt/.jsonl/.tokens, optionally .gz/.zst), use "
            "[[training.datasets]] tables, or the built-in dataset \"fortunes\"");
@@ -196,7 +196,9 @@ std::vector<SourceSpec> resolve_sources(const std::string& dataset, const std::o
          ".dataset_path; datasets are files (built-in: fortunes)");
   }
   config::DatasetSource source;
-  source.name = dataset;
+  // torchtitan's default names (c4_test, ...) label nothing here once a path is given: the path names the source.
+  const bool hub_name = dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation";
+  source.name = hub_name ? *dataset_path : dataset;
   source.path = *dataset_path;
   source.format = format;
   source.text_field = text_field;
