@@ -90,6 +90,23 @@ TEST(Config, CommandLineOverridesTomlOverridesDefaults) {
   EXPECT_NE(loaded.where("training.seq_len").find("job.toml:3"), std::string::npos);
 }
 
+TEST(Config, ErrorsInDatasetTablesNameTheLineAtFault) {
+  // The second table's own lines, not the first [[training.datasets]] header.
+  titan_test::TempDir tmp;
+  const std::string head = "[[training.datasets]]\npath = \"a.txt\"\n\n[[training.datasets]]\npath = \"b.txt\"\n";
+  auto error_in = [&](const std::string& tail) {
+    return error_of([&] { load_job_config({"--job.config_file", tmp.write("mix.toml", head + tail)}); });
+  };
+  std::string e = error_in("format = \"jsonll\"\n");
+  EXPECT_NE(e.find("mix.toml:6: training.datasets[1].format must be one of"), std::string::npos) << e;
+  e = error_in("text_field = \"x\"\nweight = -1\n");
+  EXPECT_NE(e.find("mix.toml:7: training.datasets[1].weight must be a positive number"), std::string::npos) << e;
+  e = error_in("wieght = 2\n");
+  EXPECT_NE(e.find("mix.toml:6: unknown key \"wieght\" in training.datasets[1]; did you mean 'weight'?"), std::string::npos) << e;
+  e = error_of([&] { load_job_config({"--job.config_file", tmp.write("m2.toml", head + "[[training.datasets]]\nweight = 2\n")}); });
+  EXPECT_NE(e.find("m2.toml:6: training.datasets[2] needs a path"), std::string::npos) << e;
+}
+
 TEST(Config, BooleanFlagsListsAndNone) {
   auto c = load_job_config({"--compile.enable", "--checkpoint.no_initial_load_model_only", "--metrics.enable_tensorboard", "false",
                             "--model.converters", "float8,mx", "--lr_scheduler.decay_ratio", "0.5", "--lr_scheduler.decay_ratio",

@@ -76,14 +76,18 @@ StringList toml_string_list(const toml::node& node, const std::string& where, co
   return out;
 }
 
-DatasetSources toml_dataset_sources(const toml::node& node, const std::string& file_where, const std::string& key) {
+// `file`: the TOML file the node was read from (empty for a command-line value), so that an error names the line of
+// the table or key at fault rather than the array's first.
+DatasetSources toml_dataset_sources(const toml::node& node, const std::string& array_where, const std::string& key,
+                                    const std::string& file) {
+  auto at = [&](const toml::node& n) { return file.empty() ? array_where : location(n, file); };
   const auto* array = node.as_array();
-  if (!array) fail(file_where, ": ", key, " expects an array of tables ([[", key, "]] or [{path = ...}, ...]), got ", describe_toml(node));
+  if (!array) fail(array_where, ": ", key, " expects an array of tables ([[", key, "]] or [{path = ...}, ...]), got ", describe_toml(node));
   DatasetSources out;
   for (size_t i = 0; i < array->size(); ++i) {
     const auto* table = (*array)[i].as_table();
     const std::string item = cat(key, "[", i, "]");
-    if (!table) fail(file_where, ": ", item, " must be a table with keys name, path, format, weight, text_field, loop");
+    if (!table) fail(at((*array)[i]), ": ", item, " must be a table with keys name, path, format, weight, text_field, loop");
     DatasetSource source;
     bool has_path = false;
     for (auto&& [k, node_value] : *table) {
@@ -91,7 +95,7 @@ DatasetSources toml_dataset_sources(const toml::node& node, const std::string& f
       const auto& v = node_value;  // clang 14 cannot capture a structured binding in a lambda
       auto want_string = [&](std::string& target) {
         auto s = v.value_exact<std::string>();
-        if (!s) fail(file_where, ": ", item, ".", name, " expects a string, got ", describe_toml(v));
+        if (!s) fail(at(v), ": ", item, ".", name, " expects a string, got ", describe_toml(v));
         target = *s;
       };
       if (name == "name") want_string(source.name);
@@ -100,32 +104,32 @@ DatasetSources toml_dataset_sources(const toml::node& node, const std::string& f
       else if (name == "text_field") want_string(source.text_field);
       else if (name == "weight") {
         auto w = v.is_number() ? v.value<double>() : std::nullopt;
-        if (!w) fail(file_where, ": ", item, ".weight expects a number, got ", describe_toml(v));
+        if (!w) fail(at(v), ": ", item, ".weight expects a number, got ", describe_toml(v));
         source.weight = *w;
       } else if (name == "loop") {
         auto b = v.value_exact<bool>();
-        if (!b) fail(file_where, ": ", item, ".loop expects true or false, got ", describe_toml(v));
+        if (!b) fail(at(v), ": ", item, ".loop expects true or false, got ", describe_toml(v));
         source.loop = *b;
       } else {
         std::string hint = closest_match(name, {"name", "path", "format", "weight", "text_field", "loop"});
-        fail(file_where, ": unknown key ", quote(name), " in ", item, hint.empty() ? "" : cat("; did you mean '", hint, "'?"),
+        fail(at(v), ": unknown key ", quote(name), " in ", item, hint.empty() ? "" : cat("; did you mean '", hint, "'?"),
              " Keys: name, path, format, weight, text_field, loop");
       }
     }
     if (!has_path && source.name != "fortunes")
-      fail(file_where, ": ", item, " needs a path (a file, directory or glob), or name = \"fortunes\" for the built-in corpus");
+      fail(at(*table), ": ", item, " needs a path (a file, directory or glob), or name = \"fortunes\" for the built-in corpus");
     if (!(source.weight > 0) || !std::isfinite(source.weight))
-      fail(file_where, ": ", item, ".weight must be a positive number, got ", source.weight);
+      fail(table->contains("weight") ? at(*table->get("weight")) : at(*table), ": ", item, ".weight must be a positive number, got ", source.weight);
     static const std::vector<std::string> formats = {"auto", "text", "jsonl", "fortune", "tokens", "parquet", "arrow"};
     if (std::find(formats.begin(), formats.end(), source.format) == formats.end())
-      fail(file_where, ": ", item, ".format must be one of {", join(formats, ", "), "}, got ", quote(source.format));
+      fail(table->contains("format") ? at(*table->get("format")) : at(*table), ": ", item, ".format must be one of {", join(formats, ", "), "}, got ", quote(source.format));
     if (source.name.empty()) source.name = source.path;
     out.push_back(source);
   }
   return out;
 }
 
-void set_from_toml(KeySpec& spec, const toml::node& node, const std::string& where) {
+void set_from_toml(KeySpec& spec, const toml::node& node, const std::string& where, const std::string& file = "") {
   const std::string key = spec.full_name();
   auto wrong = [&](const char* expected) {
     fail(where, ": ", key, " expects ", expected, ", got ", describe_toml(node));
@@ -153,7 +157,7 @@ void set_from_toml(KeySpec& spec, const toml::node& node, const std::string& whe
         } else if constexpr (std::is_same_v<T, StringList>) {
           *target = toml_string_list(node, where, key);
         } else if constexpr (std::is_same_v<T, DatasetSources>) {
-          *target = toml_dataset_sources(node, where, key);
+          *target = toml_dataset_sources(node, where, key, file);
         } else {
           const auto* outer = node.as_array();
           if (!outer) wrong("a list of lists of strings");
@@ -240,7 +244,7 @@ void set_from_string(KeySpec& spec, const std::string& text, const std::string& 
           } catch (const toml::parse_error&) {
             wrong("a TOML array of tables, e.g. '[{path=\"a.jsonl\", weight=0.7}, {path=\"b.txt\", weight=0.3}]'");
           }
-          *target = toml_dataset_sources(*parsed.get("value"), where, key);
+          *target = toml_dataset_sources(*parsed.get("value"), where, key, "");
         } else {
           if (is_none(text)) {
             target->reset();
@@ -339,7 +343,7 @@ void apply_toml(KeyIndex& index, LoadedConfig& loaded, const std::string& path) 
         fail(where, ": unknown key '", std::string(name.str()), "' in section [", prefix, "]", index.suggest(full),
              " Run `titan train --help` for every key.");
       }
-      set_from_toml(*spec, node, where);
+      set_from_toml(*spec, node, where, path);
       loaded.origins[full] = where;
     }
   };
