@@ -79,6 +79,33 @@ def test_round_trips_are_bitwise_and_shards_are_indexed(trained, tmp_path):
     assert sorted(merged) == sorted(again)
     for name in merged:
         assert torch.equal(merged[name], again[name]), name
+    # An index that does not match its shards (files of two downloads mixed, a shard replaced) is refused by name,
+    # as is a tensor held twice; transformers would fail too, or load whichever copy it met.
+    import shutil
+    def convert_bad(edit):
+        bad = tmp_path / "bad"
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(hf, bad)
+        edit(bad, json.loads((bad / "model.safetensors.index.json").read_text()))
+        return run([binary("titan"), "convert", "--from", str(bad), "--to", str(tmp_path / "bad_out"), "--flavor", "debugmodel"],
+                   check=False)
+    def write_index(bad, index):
+        (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    moved = next(n for n, f in index["weight_map"].items() if f == files[0])
+    def misplace(bad, index):
+        index["weight_map"][moved] = files[1]
+        write_index(bad, index)
+    def duplicate(bad, index):
+        shutil.copy(bad / files[0], bad / "zz-extra.safetensors")
+        index["weight_map"]["lm_head.extra"] = "zz-extra.safetensors"
+        write_index(bad, index)
+    for edit, message in [(misplace, f'says "{moved}" is in {files[1]}, but {files[0]} holds it'),
+                          (lambda bad, index: write_index(bad, {"metadata": {}}), 'no "weight_map" object'),
+                          (duplicate, f"is in both {files[0]} and zz-extra.safetensors"),
+                          (lambda bad, index: write_index(bad, {"weight_map": {**index["weight_map"], "model.extra": files[0]}}),
+                           f'says "model.extra" is in {files[0]}, which does not hold it')]:
+        result = convert_bad(edit)
+        assert result.returncode == 2 and message in result.stderr, (message, result.stderr)
     # bfloat16 export
     hf_bf16 = tmp_path / "hf_bf16"
     run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf_bf16), "--dtype", "bfloat16"])

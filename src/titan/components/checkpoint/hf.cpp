@@ -136,6 +136,7 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   impl_->adapter = &adapter;
   check_hf_config(directory, adapter);
   std::vector<std::string> files;
+  std::map<std::string, std::string> indexed;  // the index's weight_map: tensor -> file
   const std::string index_path = directory + "/model.safetensors.index.json";
   if (fs::exists(index_path)) {
     json index;
@@ -145,8 +146,15 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
     } catch (const json::exception& e) {
       fail(index_path, ": not valid JSON: ", e.what());
     }
+    const auto map = index.find("weight_map");
+    if (map == index.end() || !map->is_object())
+      fail(index_path, ": no \"weight_map\" object (tensor name -> safetensors file)");
     std::set<std::string> unique;
-    for (const auto& [name, file] : index.at("weight_map").items()) unique.insert(file.get<std::string>());
+    for (const auto& [name, file] : map->items()) {
+      if (!file.is_string()) fail(index_path, ": weight_map[", quote(name), "] is ", file.dump(), ", expected a file name");
+      unique.insert(file.get<std::string>());
+      indexed[name] = file.get<std::string>();
+    }
     files.assign(unique.begin(), unique.end());
   } else if (fs::exists(directory + "/model.safetensors")) {
     files = {"model.safetensors"};
@@ -155,10 +163,18 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   }
   std::map<std::string, std::vector<std::string>> skipped;  // why -> the tensors skipped for it
   std::map<std::string, std::pair<const safetensors::File*, std::string>> scale_tensors;  // weight name -> its scale
+  std::map<std::string, std::string> found;  // tensor -> the file holding it
   for (const auto& file : files) {
     impl_->files.push_back(std::make_unique<safetensors::File>(directory + "/" + file));
     const safetensors::File& f = *impl_->files.back();
     for (const auto& [hf_name, info] : f.tensors()) {
+      // A tensor in two files, or not where the index says (files of two downloads mixed, or a shard replaced):
+      // which copy is meant cannot be known.
+      if (auto [it, fresh] = found.emplace(hf_name, file); !fresh)
+        fail(quote(directory), ": tensor ", quote(hf_name), " is in both ", it->second, " and ", file,
+             "; a checkpoint holds each tensor once (files of two checkpoints mixed?)");
+      if (auto it = indexed.find(hf_name); it != indexed.end() && it->second != file)
+        fail(index_path, " says ", quote(hf_name), " is in ", it->second, ", but ", file, " holds it (files of two checkpoints mixed?)");
       if (auto why = adapter.skipped_hf_tensor(hf_name)) {
         skipped[*why].push_back(hf_name);
         continue;
@@ -178,6 +194,9 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
       impl_->where[*name] = {&f, hf_name};
     }
   }
+  for (const auto& [name, file] : indexed)
+    if (!found.count(name))
+      fail(index_path, " says ", quote(name), " is in ", file, ", which does not hold it (an incomplete or replaced file?)");
   for (const auto& [why, names] : skipped)
     log::warn(quote(directory), ": skipped ", names.size(), " tensor(s) of ", why, ", from ", quote(names.front()), " to ",
               quote(names.back()));
