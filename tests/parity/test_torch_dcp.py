@@ -263,3 +263,47 @@ def dcp_tensors_names():
                   (p + "feed_forward.w3.weight", (768, 256)), (p + "attention_norm.weight", (256,)),
                   (p + "ffn_norm.weight", (256,))]
     return names + [("norm.weight", (256,)), ("output.weight", (2048, 256))]
+
+
+def test_custom_shapes_read_back_with_the_training_jobs_configuration(tmp_path):
+    """A torch DCP folder or torch.save file records no shape: a model of custom shape (here Qwen3 with its [model]
+    keys set in the job's TOML) is read back with `--config` (or the same `--model.KEY` options) by `titan convert` and
+    `titan generate`, bitwise and token for token; a configuration of another shape is refused by name."""
+    job = tmp_path / "job.toml"
+    job.write_text('[model]\nname = "qwen3"\nflavor = "debugmodel"\ndim = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n'
+                   'head_dim = 32\nhidden_dim = 128\nhf_assets_path = "builtin"\n\n[training]\nseq_len = 16\n'
+                   'local_batch_size = 2\nsteps = 2\ndataset = "fortunes"\nmixed_precision_param = "float32"\n')
+    run([binary("titan"), "train", "--job.config_file", str(job), "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable",
+         "--debug.seed", "0", "--activation_checkpoint.mode", "none"], env={"OMP_NUM_THREADS": "2"})
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    tokenizer = json.loads((step / "metadata.json").read_text())["tokenizer"]
+    _, original = read_checkpoint(step)
+    run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "dcp"), "--format", "dcp"])
+    run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "weights.pt")])
+    options = ["--model", "qwen3", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+               "--model.head_dim", "32", "--model.hidden_dim=128", "--training.seq_len", "16"]
+    for source, shape in [("dcp", ["--config", str(job)]), ("weights.pt", ["--config", str(job)]), ("dcp", options)]:
+        out = tmp_path / ("back-" + source + str(len(shape)))
+        run([binary("titan"), "convert", "--from", str(tmp_path / source), "--to", str(out), *shape])
+        _, back = read_checkpoint(out)
+        assert sorted(back) == sorted(original)
+        for key in original:
+            assert np.array_equal(original[key], back[key]), (source, key)
+    sample = ["--prompt", "The best", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"]
+    expected = json.loads(run([binary("titan"), "generate", "--checkpoint", str(step), *sample]).stdout)["ids"]
+    from_dcp = run([binary("titan"), "generate", "--checkpoint", str(tmp_path / "dcp"), "--config", str(job), "--tokenizer", tokenizer,
+                    *sample])
+    assert json.loads(from_dcp.stdout)["ids"] == expected
+    # The titan checkpoint records its shape: a configuration that agrees passes, one that does not is named.
+    run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "agreed.pt"), "--config", str(job)])
+    for source, extra, message in [
+            ("dcp", [], "pass --flavor (a built-in shape"),
+            ("dcp", ["--config", str(job), "--model.dim", "32"], "has shape [2048, 64], the model (debugmodel with dim"),
+            ("run/checkpoint/step-2", ["--config", str(job), "--model.n_layers", "3"], "is not the model"),
+            ("dcp", ["--config", str(job), "--flavor", "debugmodel"], "both give the shape"),
+            ("dcp", ["--config", str(job), "--model", "llama3"], "--model llama3 and the configuration's model.name = qwen3"),
+            ("dcp", ["--config", str(tmp_path / "missing.toml")], "missing.toml"),
+            ("dcp", ["--config", str(job), "--model.dimm", "32"], "unknown option \"--model.dimm\"; did you mean")]:
+        result = run([binary("titan"), "convert", "--from", str(tmp_path / source), "--to", str(tmp_path / "refused"), *extra],
+                     check=False)
+        assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)

@@ -30,6 +30,7 @@ namespace fs = std::filesystem;
 
 const char* kConvertUsage =
     "usage: titan convert --from PATH --to PATH [--format titan|hf|dcp|pt|gguf] [--model NAME] [--flavor F]\n"
+    "                     [--config FILE] [--model.KEY VALUE]...\n"
     "                     [--dtype float32|bfloat16|float16] [--tokenizer PATH] [--max-shard-mb N]\n"
     "                     [--gguf-type f32|f16|bf16|q8_0]\n"
     "  --from: a titan checkpoint step directory (metadata.json), a torch DCP directory (.metadata: torchtitan's\n"
@@ -186,12 +187,14 @@ void write_dcp(const ModelSource& s, const std::string& to) {
 int run_convert(const std::vector<std::string>& args) {
   std::string from, to, model_name, flavor_name, dtype_name, format, tokenizer_path, gguf_type;
   int64_t max_shard_mb = 5000;
+  std::vector<std::string> job;  // --config and --model.KEY arguments
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (a == "--help" || a == "-h") {
-      std::cout << kConvertUsage;
+      std::cout << kConvertUsage << kModelChoiceUsage;
       return 0;
     }
+    if (take_job_argument(args, i, job)) continue;
     if (i + 1 >= args.size()) fail(a, " expects a value\n", kConvertUsage);
     const std::string v = args[++i];
     if (a == "--from") from = v;
@@ -213,7 +216,7 @@ int run_convert(const std::vector<std::string>& args) {
     fail("--format ", quote(format), ": expected titan, hf, dcp, pt or gguf");
 
   bool from_titan = false;
-  ModelSource source = read_model_source(from, model_name, flavor_name, &from_titan);
+  ModelSource source = read_model_source(from, model_choice(model_name, flavor_name, job), &from_titan);
   if (!dtype_name.empty()) {
     if (dtype_name != "float32" && dtype_name != "bfloat16" && dtype_name != "float16")
       fail("--dtype ", quote(dtype_name), ": expected float32, bfloat16 or float16 (the weights' dtype in the written files)");

@@ -37,7 +37,7 @@ const char* kGenerateUsage =
     "usage: titan generate --checkpoint PATH [--prompt TEXT]... [--prompt-file FILE]... [--tokenizer PATH]\n"
     "                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
     "                      [--model NAME] [--flavor F] [--dtype float32|bfloat16] [--device cpu|cuda]\n"
-    "                      [--context N] [--ignore-eos] [--json]\n"
+    "                      [--config FILE] [--model.KEY VALUE]... [--context N] [--ignore-eos] [--json]\n"
     "  --checkpoint: a titan checkpoint step folder, a Hugging Face directory, a torch DCP folder (torchtitan's;\n"
     "          with --flavor), Meta's consolidated.NN.pth folder or a torch.save state dict (as `titan convert --from`).\n"
     "  --prompt: a prompt (repeat for a batch); --prompt-file: a file whose whole text is one prompt; with neither,\n"
@@ -61,7 +61,7 @@ const char* kGenerateUsage =
 
 struct Options {
   std::string checkpoint, tokenizer, model, flavor, dtype = "float32", device = "cpu";
-  std::vector<std::string> prompts;
+  std::vector<std::string> prompts, job;  // job: --config and --model.KEY arguments
   int64_t max_new_tokens = 64, top_k = 0, context = 0;  // context 0: the model's max_seq_len
   double temperature = 1.0, top_p = 1.0;
   std::optional<uint64_t> seed;
@@ -78,6 +78,7 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
     const std::string& a = args[i];
     if (a == "--ignore-eos") { o.ignore_eos = true; continue; }
     if (a == "--json") { o.json = true; continue; }
+    if (take_job_argument(args, i, o.job)) continue;
     if (i + 1 >= args.size()) fail(a, " expects a value\n", kGenerateUsage);
     const std::string v = args[++i];
     if (a == "--checkpoint") o.checkpoint = v;
@@ -181,7 +182,7 @@ at::Tensor broadcast_from_first(distributed::Communicator& group, const at::Tens
 int run_generate(const std::vector<std::string>& args) {
   for (const auto& a : args)
     if (a == "--help" || a == "-h") {
-      std::cout << kGenerateUsage;
+      std::cout << kGenerateUsage << kModelChoiceUsage;
       return 0;
     }
   const distributed::LaunchInfo launch = distributed::detect_launch();
@@ -226,7 +227,7 @@ int run_generate(const std::vector<std::string>& args) {
   std::vector<std::vector<int32_t>> prompts;
   int64_t longest = 0, batch = 0, eos_id = -1;
   on_every_rank(control.get(), "reading the checkpoint, tokenizer or prompts", [&] {
-    source = read_model_source(o.checkpoint, o.model, o.flavor, nullptr,
+    source = read_model_source(o.checkpoint, model_choice(o.model, o.flavor, o.job), nullptr,
                                [&](const ModelSource& s, const std::string& name, const std::vector<int64_t>& shape) {
                                  if (!model) build(s);
                                  auto it = pieces.find(name);

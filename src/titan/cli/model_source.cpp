@@ -11,6 +11,7 @@
 #include "titan/components/checkpoint/formats/torch_dcp.h"
 #include "titan/components/checkpoint/formats/torch_load.h"
 #include "titan/components/checkpoint/hf.h"
+#include "titan/config/loader.h"
 #include "titan/models/registry.h"
 
 namespace titan::cli {
@@ -18,11 +19,30 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::shared_ptr<const protocols::ModelArgs> flavor_for(const protocols::ModelSpec& spec, const std::string& flavor_name,
+// The family the choice names (the default one, Llama 3, when it names none).
+const protocols::ModelSpec& spec_for(const ModelChoice& choice) {
+  return choice.family.empty() ? models::default_model_spec() : models::model_spec(choice.family);
+}
+
+// The shape the choice gives, for a source that does not record one.
+std::shared_ptr<const protocols::ModelArgs> flavor_for(const protocols::ModelSpec& spec, const ModelChoice& choice,
                                                       const std::string& what) {
-  if (flavor_name.empty())
-    fail(what, " does not record the model's shape; pass --flavor (the titan model it holds; --model names its family, default llama3)");
-  return spec.flavor(flavor_name);
+  if (choice.args) return choice.args;
+  if (choice.flavor.empty())
+    fail(what, " does not record the model's shape; pass --flavor (a built-in shape: the titan model it holds; --model names "
+         "its family, default llama3) or --config with the training job's TOML (and its --model.KEY overrides)");
+  return spec.flavor(choice.flavor);
+}
+
+// Fails when the choice gives a shape that differs from the one the source records (`recorded`, from `what`).
+void check_choice(const protocols::ModelSpec& spec, const ModelChoice& choice, const protocols::ModelArgs& recorded,
+                  const std::string& what, const std::string& label, const std::string& purpose) {
+  if (!choice.has_shape()) return;
+  const auto differences = recorded.computation_differences(*flavor_for(spec, choice, what));
+  if (!differences.empty())
+    fail(choice.option, " is not the model ", what, " ", label, " (", label == "holds" ? "checkpoint" : "params.json", " vs ",
+         choice.args ? "configuration" : "flavor", "):\n  ", join(differences, "\n  "), "\nleave ",
+         choice.args ? "the configuration" : "--flavor", " out to ", purpose);
 }
 
 // A tensor of the source, read when asked: its whole shape and stored dtype, and how to fill a box of it.
@@ -89,8 +109,7 @@ void take_weights(ModelSource& s, Get&& get, const PieceOf& piece_of) {
   }
 }
 
-ModelSource read_titan(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                       const PieceOf& piece_of, bool weights_only) {
+ModelSource read_titan(const std::string& from, const ModelChoice& choice, const PieceOf& piece_of, bool weights_only) {
   checkpoint::Reader reader(from);
   const auto& meta = reader.metadata();
   ModelSource s;
@@ -99,22 +118,20 @@ ModelSource read_titan(const std::string& from, const std::string& model_name, c
   std::string family = models::default_model_spec().name;
   if (meta.contains("model") && meta.at("model").contains("family") && meta.at("model").at("family").is_string())
     family = meta.at("model").at("family").get<std::string>();
-  if (!model_name.empty() && model_name != family)
-    fail("--model ", model_name, ": ", from, " holds a ", family, " model; leave --model out to convert it as saved");
+  if (!choice.family.empty() && choice.family != family)
+    fail(choice.args ? choice.option + " (model.name = " + choice.family + ")" : "--model " + choice.family, ": ", from, " holds a ",
+         family, " model; leave it out to convert it as saved");
   s.spec = &models::model_spec(family);
   if (meta.contains("model")) {
-    // The shape it was trained with; a --flavor must describe the same model.
+    // The shape it was trained with; a --flavor or configuration must describe the same model.
     s.args = s.spec->args_from_json(meta.at("model"), from + "/metadata.json: model");
-    if (!flavor_name.empty()) {
-      const auto differences = s.args->computation_differences(*s.spec->flavor(flavor_name));
-      if (!differences.empty())
-        fail("--flavor ", flavor_name, " is not the model ", from, " holds (checkpoint vs flavor):\n  ", join(differences, "\n  "),
-             "\nleave --flavor out to convert the model as saved");
-    }
-    s.flavor_name = flavor_name.empty() ? meta.value("flavor", "custom") : flavor_name;
+    check_choice(*s.spec, choice, *s.args, from, "holds", "convert the model as saved");
+    s.flavor_name = choice.has_shape() ? choice.flavor : meta.value("flavor", "custom");
   } else {
-    s.flavor_name = flavor_name.empty() ? meta.value("flavor", "") : flavor_name;
-    s.args = flavor_for(*s.spec, s.flavor_name, from);
+    ModelChoice recorded = choice;
+    if (!choice.has_shape()) recorded.flavor = meta.value("flavor", "");
+    s.flavor_name = recorded.flavor;
+    s.args = flavor_for(*s.spec, recorded, from);
   }
   s.tokenizer_path = meta.value("tokenizer", "");
   auto read = [&](const std::string& key) -> at::Tensor {
@@ -150,14 +167,13 @@ ModelSource read_titan(const std::string& from, const std::string& model_name, c
   return s;
 }
 
-ModelSource read_torch_dcp(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                           const PieceOf& piece_of) {
+ModelSource read_torch_dcp(const std::string& from, const ModelChoice& choice, const PieceOf& piece_of) {
   checkpoint::torch_dcp::Reader reader(from);
   ModelSource s;
   s.description = "torch DCP checkpoint " + from;
-  s.flavor_name = flavor_name;
-  s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
-  s.args = flavor_for(*s.spec, flavor_name, s.description);
+  s.flavor_name = choice.flavor;
+  s.spec = &spec_for(choice);
+  s.args = flavor_for(*s.spec, choice, s.description);
   const std::string nested = checkpoint::torch_dcp::nested_model_prefix(reader);  // {"model": state_dict} saves
   if (!nested.empty()) std::cerr << "note: " << from << " holds the model's tensors under \"model.\"; read them from there\n";
   take_weights(
@@ -172,18 +188,18 @@ ModelSource read_torch_dcp(const std::string& from, const std::string& model_nam
   return s;
 }
 
-ModelSource read_hf(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                    const PieceOf& piece_of) {
+ModelSource read_hf(const std::string& from, const ModelChoice& choice, const PieceOf& piece_of) {
   // The family is config.json's model_type, the shape its fields; a --flavor is checked against it field by field
   // (HfReader).
   ModelSource s;
   s.description = "Hugging Face model " + from;
   s.spec = &models::spec_for_hf_directory(from);
-  if (!model_name.empty() && model_name != s.spec->name)
-    fail("--model ", model_name, ": ", from, "/config.json describes a ", s.spec->name, " model; leave --model out to convert it as it is");
+  if (!choice.family.empty() && choice.family != s.spec->name)
+    fail(choice.args ? choice.option + " (model.name = " + choice.family + ")" : "--model " + choice.family, ": ", from,
+         "/config.json describes a ", s.spec->name, " model; leave it out to convert it as it is");
   s.args = s.spec->read_hf_config((fs::path(from) / "config.json").string());
-  s.flavor_name = flavor_name.empty() ? "custom" : flavor_name;
-  if (!flavor_name.empty()) s.args = s.spec->flavor(flavor_name)->with_context_length(s.args->context_length());
+  s.flavor_name = choice.has_shape() ? choice.flavor : "custom";
+  if (choice.has_shape()) s.args = flavor_for(*s.spec, choice, from)->with_context_length(s.args->context_length());
   for (const char* file : {"tokenizer.json", "tokenizer.model"})
     if (s.tokenizer_path.empty() && fs::exists(fs::path(from) / file)) s.tokenizer_path = (fs::path(from) / file).string();
   const auto adapter = s.spec->state_dict_adapter(*s.args);
@@ -204,11 +220,11 @@ ModelSource read_hf(const std::string& from, const std::string& model_name, cons
 
 // Meta's original checkpoints: consolidated.00.pth, or consolidated.00..NN.pth model-parallel shards (70B: 8), with
 // params.json beside them; or any torch.save state dict (one wrapping level, {"model": state_dict}, unwrapped).
-ModelSource read_pth(const std::vector<std::string>& parts, const std::string& from, const std::string& model_name,
-                     const std::string& flavor_name, const PieceOf& piece_of) {
+ModelSource read_pth(const std::vector<std::string>& parts, const std::string& from, const ModelChoice& choice,
+                     const PieceOf& piece_of) {
   ModelSource s;
   s.description = parts.size() == 1 ? parts[0] : from;
-  s.spec = model_name.empty() ? &models::default_model_spec() : &models::model_spec(model_name);
+  s.spec = &spec_for(choice);
   std::vector<std::map<std::string, at::Tensor>> shards;
   for (const auto& part : parts) {
     std::string unwrapped;
@@ -263,12 +279,9 @@ ModelSource read_pth(const std::vector<std::string>& parts, const std::string& f
                       (embedding != weights.end() && output->second.sizes() == embedding->second.sizes() &&
                        output->second.scalar_type() == embedding->second.scalar_type() && at::equal(output->second, embedding->second));
     s.args = s.spec->read_meta_params(params.string(), tied);
-    if (!flavor_name.empty()) {
-      const auto differences = s.args->computation_differences(*s.spec->flavor(flavor_name));
-      if (!differences.empty())
-        fail("--flavor ", flavor_name, " is not the model ", params.string(), " describes (params.json vs flavor):\n  ",
-             join(differences, "\n  "), "\nleave --flavor out to import the model params.json describes");
-      s.flavor_name = flavor_name;
+    if (choice.has_shape()) {
+      check_choice(*s.spec, choice, *s.args, params.string(), "describes", "import the model params.json describes");
+      s.flavor_name = choice.flavor;
     } else {
       // A built-in flavor of the same shape gives its name; anything else is "custom".
       s.flavor_name = "custom";
@@ -281,8 +294,8 @@ ModelSource read_pth(const std::vector<std::string>& parts, const std::string& f
     std::cerr << "read the model's shape from " << params.string() << " (" << s.flavor_name
               << (tied ? ", output tied to the embedding" : "") << ")\n";
   } else {
-    s.flavor_name = flavor_name;
-    s.args = flavor_for(*s.spec, flavor_name, s.description);
+    s.flavor_name = choice.flavor;
+    s.args = flavor_for(*s.spec, choice, s.description);
   }
   // A file of other names altogether (another model's, another layout's) names a few of them.
   if (const auto shapes = s.args->parameter_shapes(); !shapes.empty() && !weights.count(shapes.front().name)) {
@@ -310,15 +323,63 @@ ModelSource read_pth(const std::vector<std::string>& parts, const std::string& f
 
 }  // namespace
 
-ModelSource read_model_source(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                              bool* from_titan, const PieceOf& piece_of, bool weights_only) {
+const char* kModelChoiceUsage =
+    "  --config FILE: the training job's TOML (titan's or torchtitan's), whose [model] section (name, flavor and shape\n"
+    "          keys) and training.seq_len give the family and shape, as `titan train` builds them; --model.KEY VALUE\n"
+    "          and --training.seq_len VALUE override it as on the training command line (they also work alone, over\n"
+    "          the defaults). For a model of custom shape where the source does not record it; compared with the\n"
+    "          source where it does.\n";
+
+bool take_job_argument(const std::vector<std::string>& args, size_t& i, std::vector<std::string>& job) {
+  const std::string& a = args[i];
+  const std::string key = a.substr(0, a.find('='));
+  const bool is_config = key == "--config" || key == "--job.config_file";
+  if (!is_config && !key.starts_with("--model.") && key != "--training.seq_len") return false;
+  const std::string name = is_config ? "--job.config_file" : key;
+  if (a.find('=') != std::string::npos) {
+    job.push_back(name + a.substr(a.find('=')));
+    return true;
+  }
+  if (i + 1 >= args.size()) fail(a, " expects a value");
+  job.push_back(name);
+  job.push_back(args[++i]);
+  return true;
+}
+
+ModelChoice model_choice(const std::string& family, const std::string& flavor, const std::vector<std::string>& job) {
+  ModelChoice choice{family, flavor, nullptr, flavor.empty() ? "" : "--flavor " + flavor};
+  if (job.empty()) return choice;
+  if (!flavor.empty())
+    fail("--flavor ", flavor, " and a job configuration (--config or --model.KEY) both give the shape; name the flavor in "
+         "the configuration (model.flavor, or --model.flavor ", flavor, ")");
+  config::LoadedConfig loaded = config::load_job_config(job);
+  if (!family.empty() && family != loaded.config.model.name) {
+    // --model names the family where the configuration leaves model.name at its default.
+    if (loaded.origins.count("model.name"))
+      fail("--model ", family, " and the configuration's model.name = ", loaded.config.model.name, " ", loaded.where("model.name"), " disagree");
+    std::vector<std::string> named = job;
+    named.insert(named.end(), {"--model.name", family});
+    loaded = config::load_job_config(named);
+  }
+  const auto& spec = models::model_spec(loaded.config.model.name);
+  const auto model = spec.job_model(loaded);
+  choice.family = spec.name;
+  choice.args = model.args;
+  choice.flavor = model.name;
+  const auto file = std::find(job.begin(), job.end(), "--job.config_file");
+  choice.option = file != job.end() && file + 1 != job.end() ? "--config " + *(file + 1) : join(job, " ");
+  return choice;
+}
+
+ModelSource read_model_source(const std::string& from, const ModelChoice& choice, bool* from_titan, const PieceOf& piece_of,
+                              bool weights_only) {
   if (from_titan) *from_titan = false;
   if (fs::exists(fs::path(from) / "metadata.json")) {
     if (from_titan) *from_titan = true;
-    return read_titan(from, model_name, flavor_name, piece_of, weights_only);
+    return read_titan(from, choice, piece_of, weights_only);
   }
-  if (checkpoint::torch_dcp::is_checkpoint(from)) return read_torch_dcp(from, model_name, flavor_name, piece_of);
-  if (fs::exists(fs::path(from) / "config.json")) return read_hf(from, model_name, flavor_name, piece_of);
+  if (checkpoint::torch_dcp::is_checkpoint(from)) return read_torch_dcp(from, choice, piece_of);
+  if (fs::exists(fs::path(from) / "config.json")) return read_hf(from, choice, piece_of);
   std::vector<std::string> parts;
   if (fs::is_directory(from)) {
     for (const auto& e : fs::directory_iterator(from))
@@ -337,7 +398,7 @@ ModelSource read_model_source(const std::string& from, const std::string& model_
   if (parts.empty())
     fail(quote(from), " is neither a titan checkpoint directory (metadata.json), a torch DCP one (.metadata), a "
          "Hugging Face one (config.json) nor .pth files");
-  return read_pth(parts, from, model_name, flavor_name, piece_of);
+  return read_pth(parts, from, choice, piece_of);
 }
 
 }  // namespace titan::cli

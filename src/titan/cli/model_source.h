@@ -34,14 +34,32 @@ struct ModelSource {
   std::string tokenizer_path;         // the tokenizer the model was trained with, where the source records it
 };
 
-// Reads `from` by what it holds (metadata.json, .metadata, config.json, .pth/.pt files). `model_name` (the family)
-// and `flavor_name` are needed where the source does not record them and checked against it where it does.
+// What the command line says of the model: its family (--model) and shape (--flavor, or the [model] section of the
+// training job's configuration: --config FILE with --model.KEY VALUE and --training.seq_len overrides, as given to
+// `titan train`). Needed where the source does not record them, compared with the source where it does.
+struct ModelChoice {
+  std::string family, flavor;
+  std::shared_ptr<const protocols::ModelArgs> args;  // from a job configuration (`flavor` then names that model)
+  std::string option;                                // how the shape was given, for messages ("--flavor 8B")
+  bool has_shape() const { return !flavor.empty() || args; }
+};
+
+// Whether `args[i]` is a job-configuration argument (--config/--job.config_file FILE, --model.KEY VALUE,
+// --training.seq_len VALUE, or the --key=value forms); if so appends it (and its value) to `job` and advances `i`.
+bool take_job_argument(const std::vector<std::string>& args, size_t& i, std::vector<std::string>& job);
+// The choice --model, --flavor and the job arguments make (UserError for a contradiction or a bad configuration).
+ModelChoice model_choice(const std::string& family, const std::string& flavor, const std::vector<std::string>& job);
+// The usage lines for the options above.
+extern const char* kModelChoiceUsage;
+
+// Reads `from` by what it holds (metadata.json, .metadata, config.json, .pth/.pt files). `choice`'s family and shape
+// are needed where the source does not record them and checked against it where it does.
 // `from_titan` (when given) says whether it was a titan checkpoint. UserError naming the path otherwise.
 // `piece_of` (when given) is asked, once the family and shape are known, which box of each weight to read (tensor
 // parallelism: a rank's slices); titan, torch DCP and Hugging Face files are read only there, .pth files whole and
 // then cut. Optimizer state is read whole, and not at all with `weights_only`.
 using PieceOf = std::function<distributed::Box(const ModelSource& source, const std::string& name, const std::vector<int64_t>& shape)>;
-ModelSource read_model_source(const std::string& from, const std::string& model_name, const std::string& flavor_name,
-                              bool* from_titan = nullptr, const PieceOf& piece_of = {}, bool weights_only = false);
+ModelSource read_model_source(const std::string& from, const ModelChoice& choice, bool* from_titan = nullptr,
+                              const PieceOf& piece_of = {}, bool weights_only = false);
 
 }  // namespace titan::cli
