@@ -175,6 +175,34 @@ def test_text_is_utf8_in_every_format_and_a_files_byte_order_mark_is_not_text(tm
     assert tokenize(value)[1] == [reference.encode_ordinary("\ufefffirst row") + [eos]]
 
 
+def test_text_by_lines_and_paragraphs_as_datasets_reads_it_and_one_file_is_not_dealt_to_several_lanes(tmp_path):
+    """format "lines" serves what Hugging Face datasets' text loader (torchtitan's reader of a .txt path) gives with
+    sample_by="line", "paragraphs" what it gives with sample_by="paragraph" (blank rows are no documents); a whole
+    .txt file is one document, which several data lanes would each read from its start: refused by name."""
+    from datasets import load_dataset
+
+    path, reference = cl100k()
+    text = tmp_path / "plays.txt"
+    text.write_text("\n".join(shared("text", "tinyshakespeare.txt").read_text().splitlines()[:300]) + "\n")
+    for fmt, sample_by in [("lines", "line"), ("paragraphs", "paragraph")]:
+        out = tmp_path / fmt
+        run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(text), "--format", fmt,
+             "--output", str(out)])
+        ours = [d for shard in sorted(out.glob("*.tokens")) for d in read_shard(shard)[0]]
+        rows = load_dataset("text", data_files=str(text), sample_by=sample_by, split="train")["text"]
+        expected = [reference.encode_ordinary(r.strip("\n")) + [100257] for r in rows if r.strip()]
+        assert len(expected) > (100 if fmt == "lines" else 20) and ours == expected, fmt
+    probe = [binary("titan_data_probe"), "--probe.out", str(tmp_path / "p"), "--probe.batches", "2", "--model.hf_assets_path",
+             str(path), "--training.dataset_path", str(text), "--training.seq_len", "64", "--training.local_batch_size", "2",
+             "--training.data_lanes", "2"]
+    refused = run(probe, check=False)
+    assert refused.returncode == 2 and "plays.txt\" holds 1 document(s)" in refused.stderr and \
+        'training.dataset_format = "paragraphs" or "lines"' in refused.stderr, refused.stderr
+    run(probe + ["--training.dataset_format", "paragraphs"])
+    lanes = json.loads((tmp_path / "p" / "rank0.json").read_text())["batches"]
+    assert all(len({tuple(w) for w in batch}) == len(batch) for batch in lanes)  # the two lanes' windows differ
+
+
 def test_parquet_sources_serve_the_same_windows_as_jsonl_and_resume(corpus, tmp_path):
     """Parquet (Hugging Face datasets' format) through Arrow C++: the same rows as JSONL give the same windows,
     also shuffled and across a resume that lands inside a row group."""

@@ -26,7 +26,7 @@ namespace {
 const char* kDataUsage =
     "usage:\n"
     "  titan data tokenize --tokenizer PATH --input PATH [--input PATH ...] --output DIR\n"
-    "                      [--format auto|text|jsonl|fortune|parquet|arrow] [--text-field text] [--shard-tokens N]\n"
+    "                      [--format auto|text|lines|paragraphs|jsonl|fortune|parquet|arrow] [--text-field text] [--shard-tokens N]\n"
     "                      [--threads N] [--skip-malformed-rows]\n"
     "        Encodes every document (BOS + tokens + EOS, as training does) of the inputs, in file order, into\n"
     "        DIR/part-00000.tokens, part-00001.tokens, ... of about --shard-tokens tokens each (default 100000000).\n"
@@ -69,9 +69,9 @@ Options parse(const std::vector<std::string>& args) {
     else if (a == "--skip-malformed-rows") o.skip_malformed = true;
     else fail("unknown option ", quote(a), " for `titan data tokenize`\n", kDataUsage);
   }
-  static const std::vector<std::string> formats = {"auto", "text", "jsonl", "fortune", "parquet", "arrow"};
+  static const std::vector<std::string> formats = {"auto", "text", "lines", "paragraphs", "jsonl", "fortune", "parquet", "arrow"};
   if (std::find(formats.begin(), formats.end(), o.format) == formats.end())
-    fail("--format must be one of {auto, text, jsonl, fortune, parquet, arrow}, got ", quote(o.format));
+    fail("--format must be one of {auto, text, lines, paragraphs, jsonl, fortune, parquet, arrow}, got ", quote(o.format));
   return o;
 }
 

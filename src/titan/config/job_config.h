@@ -85,7 +85,7 @@ struct LRScheduler {
 struct DatasetSource {
   std::string name;                 // for logs and state; default: the path
   std::string path;                 // file, directory or glob; "" with name "fortunes" = built-in corpus
-  std::string format = "auto";      // auto | text | jsonl | fortune | tokens | parquet
+  std::string format = "auto";      // auto | text | lines | paragraphs | jsonl | fortune | tokens | parquet | arrow
   double weight = 1.0;              // share of documents (rows) drawn from this source
   std::string text_field = "text";  // JSONL / Parquet column holding the text
   bool loop = true;                 // start a new epoch when exhausted; false: drop out of the mixture
@@ -266,6 +266,7 @@ struct Validation {
   bool enable = false;
   std::string dataset = "c4_validation";
   std::optional<std::string> dataset_path;
+  std::string dataset_format = "auto";  // as training.dataset_format (titan.cpp)
   int64_t local_batch_size = 8;
   int64_t seq_len = 2048;
   int64_t freq = 10;

@@ -120,7 +120,7 @@ DatasetSources toml_dataset_sources(const toml::node& node, const std::string& a
       fail(at(*table), ": ", item, " needs a path (a file, directory or glob), or name = \"fortunes\" for the built-in corpus");
     if (!(source.weight > 0) || !std::isfinite(source.weight))
       fail(table->contains("weight") ? at(*table->get("weight")) : at(*table), ": ", item, ".weight must be a positive number, got ", source.weight);
-    static const std::vector<std::string> formats = {"auto", "text", "jsonl", "fortune", "tokens", "parquet", "arrow"};
+    static const std::vector<std::string> formats = {"auto", "text", "lines", "paragraphs", "jsonl", "fortune", "tokens", "parquet", "arrow"};
     if (std::find(formats.begin(), formats.end(), source.format) == formats.end())
       fail(table->contains("format") ? at(*table->get("format")) : at(*table), ": ", item, ".format must be one of {", join(formats, ", "), "}, got ", quote(source.format));
     if (source.name.empty()) source.name = source.path;

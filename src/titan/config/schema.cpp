@@ -234,7 +234,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
         "a mixture: [[training.datasets]] tables {name, path, format, weight, text_field, loop}; on the command line "
         "a TOML array, e.g. '[{path=\"a.jsonl.zst\", weight=0.7}, {path=\"b/\", weight=0.3}]' (titan.cpp)");
   choices(b.add("dataset_format", &c.training.dataset_format, "format of training.dataset_path files (titan.cpp)"),
-          {"auto", "text", "jsonl", "fortune", "tokens", "parquet", "arrow"});
+          {"auto", "text", "lines", "paragraphs", "jsonl", "fortune", "tokens", "parquet", "arrow"});
   b.add("text_field", &c.training.text_field, "JSONL/Parquet/Arrow field holding the text for training.dataset_path (titan.cpp)");
   at_least(b.add("data_seed", &c.training.data_seed, "seed of shard order, row shuffle and mixture draws; may change at a restart (titan.cpp)"), 0);
   at_least(b.add("shuffle_buffer", &c.training.shuffle_buffer, "rows per shuffled block; memory holds one block per source (titan.cpp)"), 0);
@@ -390,6 +390,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
   b.add("enable", &c.validation.enable, "run validation during training");
   b.add("dataset", &c.validation.dataset, "validation dataset name");
   b.add("dataset_path", &c.validation.dataset_path, "validation data file or directory");
+  choices(b.add("dataset_format", &c.validation.dataset_format, "format of validation.dataset_path files, as training.dataset_format (titan.cpp)"),
+          {"auto", "text", "lines", "paragraphs", "jsonl", "fortune", "tokens", "parquet", "arrow"});
   at_least(b.add("local_batch_size", &c.validation.local_batch_size, "validation sequences per device"), 1);
   at_least(b.add("seq_len", &c.validation.seq_len, "validation sequence length"), 1);
   at_least(b.add("freq", &c.validation.freq, "steps between validations"), 1);

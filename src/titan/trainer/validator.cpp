@@ -14,7 +14,7 @@ Validator::Validator(const config::JobConfig& config, const tokenizer::Tokenizer
                      const at::Device& device)
     : config_(config), tokenizer_(tokenizer), mesh_(mesh), device_(device) {
   const auto& v = config.validation;
-  sources_ = data::resolve_sources(v.dataset, v.dataset_path, "auto", "text", "validation");
+  sources_ = data::resolve_sources(v.dataset, v.dataset_path, v.dataset_format, "text", "validation");
   for (const auto& source : sources_)
     log::info("Validation dataset ", quote(source.name), ": ", source.shards.size(), " file(s) (", source.shards.size() > 1 ? "first " : "",
               source.shards.front().path, "), every ", v.freq, " steps, ", v.steps < 0 ? std::string("one full pass") : cat(v.steps, " batches"));

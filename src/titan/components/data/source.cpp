@@ -28,6 +28,8 @@ const char* format_name(Format f) {
     case Format::Tokens: return "tokens";
     case Format::Parquet: return "parquet";
     case Format::Arrow: return "arrow";
+    case Format::Lines: return "lines";
+    case Format::Paragraphs: return "paragraphs";
   }
   return "?";
 }
@@ -52,6 +54,8 @@ Format parse_format(const std::string& name) {
   if (name == "fortune") return Format::Fortune;
   if (name == "tokens") return Format::Tokens;
   if (name == "arrow") return Format::Arrow;
+  if (name == "lines") return Format::Lines;
+  if (name == "paragraphs") return Format::Paragraphs;
   return Format::Parquet;
 }
 
@@ -111,7 +115,7 @@ SourceSpec resolve_source(const config::DatasetSource& source, const std::string
     if (f) spec.shards.push_back({file, *f});
     else if (!from_scan)
       fail(where, ": cannot tell the format of ", quote(file), " from its name; expected .txt, .jsonl, .json, "
-           ".tokens, .parquet or .arrow (optionally .gz/.zst), or set format = \"text\" | \"jsonl\" | \"fortune\" | "
+           ".tokens, .parquet or .arrow (optionally .gz/.zst), or set format = \"text\" | \"lines\" | \"paragraphs\" | \"jsonl\" | \"fortune\" | "
            "\"tokens\" | \"parquet\" | \"arrow\"");
   };
   std::vector<std::string> candidates;
@@ -292,6 +296,38 @@ bool ShardRowReader::next(RawRow& row) {
       row.bytes = std::move(line);
       break;
     }
+    case Format::Lines: {
+      std::string line;
+      do {
+        if (!impl_->file->next_line(line)) return false;
+      } while (trim(line).empty());
+      row.line = impl_->file->line_number();
+      row.offset = impl_->file->line_offset();
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      row.bytes = std::move(line);
+      break;
+    }
+    case Format::Paragraphs: {
+      std::string line;
+      bool started = false;
+      while (impl_->file->next_line(line)) {
+        if (trim(line).empty()) {
+          if (started) break;
+          continue;
+        }
+        if (!line.empty() && line.back() == '\r') line.pop_back();
+        if (!started) {
+          started = true;
+          row.line = impl_->file->line_number();
+          row.offset = impl_->file->line_offset();
+        } else {
+          row.bytes.push_back('\n');
+        }
+        row.bytes += line;
+      }
+      if (!started) return false;
+      break;
+    }
     case Format::Fortune: {
       std::string line;
       bool started = false;
@@ -341,7 +377,7 @@ std::string row_text(const RawRow& row, const SourceSpec& source) {
   if (shard.format != Format::Jsonl) {
     // Text is UTF-8 in every format, as Python's strict decoding and Hugging Face's tokenizers take it (JSON's
     // parser checks its own). A byte-order mark that starts a text file marks its encoding and is not text.
-    const bool file_start = row.offset == 0 && (shard.format == Format::Text || shard.format == Format::Fortune);
+    const bool file_start = row.offset == 0 && shard.format != Format::Parquet && shard.format != Format::Arrow;
     const size_t skip = file_start && starts_with(row.bytes, "\xEF\xBB\xBF") ? 3 : 0;
     const std::string_view text = std::string_view(row.bytes).substr(skip);
     if (const size_t bad = tokenizer::first_invalid_utf8(text); bad != std::string_view::npos) {

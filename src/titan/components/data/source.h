@@ -10,7 +10,9 @@
 
 namespace titan::data {
 
-enum class Format { Text, Jsonl, Fortune, Tokens, Parquet, Arrow };
+// Text: a whole file is one document; Lines: each non-blank line (how Hugging Face datasets' text loader, and so
+// torchtitan, reads a .txt path); Paragraphs: each run of non-blank lines.
+enum class Format { Text, Jsonl, Fortune, Tokens, Parquet, Arrow, Lines, Paragraphs };
 const char* format_name(Format f);
 
 struct Shard {
