@@ -316,6 +316,17 @@ def test_command_line_errors():
     # A pipeline the trainer could not build: 16 stages of Interleaved1F1B for the debug model's 6 layers.
     refused(["--cluster", "h100-sxm", "--gpus", "8", "--parallelism.pipeline_parallel_degree", "8",
              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "16"], "stage")
+    # Layouts the trainer refuses are no plans: the trainer's own checks, naming the key.
+    refused(["--cluster", "h100-sxm", "--gpus", "3", "--parallelism.tensor_parallel_degree", "3"],
+            "n_heads (query heads) = 16 does not divide by 3")
+    refused(["--cluster", "h100-sxm", "--gpus", "12", "--model.name", "qwen3", "--model.flavor", "30B-A3B",
+             "--parallelism.expert_parallel_degree", "3"], "does not divide the model's 128 experts")
+    refused(["--cluster", "h100-sxm", "--gpus", "2", "--model.name", "qwen3", "--model.flavor", "0.6B",
+             "--parallelism.expert_parallel_degree", "2"], "needs a Mixture-of-Experts model")
+    refused(["--cluster", "h100-sxm", "--gpus", "2", "--parallelism.context_parallel_degree", "2", "--training.seq_len", "130"],
+            "training.seq_len")
+    refused(["--cluster", "h100-sxm", "--gpus", "8", "--model.flavor", "8B", "--training.local_batch_size", "8",
+             "--training.global_batch_size", "12"], "must be a multiple of training.local_batch_size x data-parallel degree = 64")
     # Nothing fits: --search says so and exits 1, in JSON too.
     for extra in ([], ["--json"]):
         result = run([binary("titan"), "plan", "--cluster", "h100-sxm", "--search", "--gpus", "1", "--model.flavor", "405B",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from titan_testing import binary, run
+from titan_testing import binary, run, shared
 
 STEPS = 6
 COMMON = ["--model.hf_assets_path", "builtin", "--training.dataset", "fortunes", "--training.steps", str(STEPS),
@@ -23,11 +23,23 @@ def mpirun(np):
     return [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", str(np)]
 
 
+def validation_set(root):
+    """Five documents of very different lengths: dealt to 4 lanes, the lanes end at different batches (one gets
+    two documents, and the shortest lane ends long before the longest)."""
+    path = root / "validation.jsonl"
+    if not path.exists():
+        paragraphs = [p for p in shared("text", "tinyshakespeare.txt").read_text().split("\n\n") if p.strip()]
+        cuts = [0, 30, 33, 50, 52, 70]
+        path.write_text("".join(json.dumps({"text": "\n\n".join(paragraphs[a:b])}) + "\n" for a, b in zip(cuts, cuts[1:])))
+    return path
+
+
 def probe(tmp_path, name, np, extra):
     out = tmp_path / name
-    # Validation after the last step over the same 16 windows on every layout (8 per step across the ranks).
-    validation = ["--probe.validate", "--validation.enable", "--validation.dataset", "fortunes", "--validation.seq_len", "64",
-                  "--validation.local_batch_size", str(8 // np), "--validation.steps", "2"]
+    # Validation after the last step: one full pass over the same windows on every layout (a rank whose lanes end
+    # first evaluates padding until every rank's lanes have ended).
+    validation = ["--probe.validate", "--validation.enable", "--validation.dataset_path", str(validation_set(tmp_path.parent)),
+                  "--validation.seq_len", "64", "--validation.local_batch_size", str(4 // np), "--validation.steps", "-1"]
     cmd = ([] if np == 1 else mpirun(np)) + [binary("titan_train_probe"), "--probe.out", str(out),
                                              "--job.dump_folder", str(tmp_path / "dump"), *COMMON, *validation, *extra]
     run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)

@@ -144,6 +144,27 @@ def test_sigusr1_on_one_rank_saves_a_checkpoint_and_every_rank_stops(tmp_path):
     print(f"both ranks stopped and saved step {step} {seconds:.1f} s after rank 1 got SIGUSR1")
 
 
+def test_a_signal_during_validation_ends_it_and_the_step_is_saved(tmp_path):
+    """A full validation pass over a large set (the built-in corpus: 7,586 batches) runs right after step 1 is logged;
+    SIGUSR1 to rank 1 then ends the validation at its next batch on both ranks (without waiting for the pass), and
+    the step is saved."""
+    layout = ("--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "100000",
+              "--validation.enable", "--validation.dataset", "fortunes", "--validation.freq", "100", "--validation.steps", "-1",
+              "--validation.seq_len", "64", "--validation.local_batch_size", "1")
+    proc, lines = start_job(tmp_path, 60, layout, until="step:  1")
+    pids = rank_pids(proc.pid)
+    time.sleep(1)
+    os.kill(pids[1], signal.SIGUSR1)
+    text, seconds = finish(proc, lines, limit=60)
+    assert proc.returncode == 138, text[-3000:]
+    assert re.search(r"validation at step 1 stopped after \d+ batch\(es\): SIGUSR1 received", text), text[-3000:]
+    assert "validate step:" not in text
+    m = re.search(r"received SIGUSR1: stopped cleanly after step (\d+) of 100000; checkpoint step-(\d+) is complete", text)
+    assert m and m.group(1) == m.group(2) == "1", text[-3000:]
+    assert (tmp_path / "checkpoint" / "step-1" / "metadata.json").exists()
+    print(f"the validation stopped and step 1 was saved {seconds:.1f} s after rank 1 got SIGUSR1")
+
+
 def single_job(tmp_path, seq_len, extra=()):
     cmd = [binary("titan"), "train", "--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
            "--job.dump_folder", str(tmp_path), "--training.steps", "100000", "--training.seq_len", str(seq_len),

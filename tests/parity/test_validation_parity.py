@@ -1,6 +1,6 @@
 """Validation: the loss titan's trainer reports for a validation set equals the loss HF transformers' Llama
-computes with the trained weights on windows packed in Python from HF `tokenizers` ids (one pass, file order,
-torchtitan's formula: the mean over batches of each batch's summed loss over its valid tokens)."""
+computes with the trained weights on windows packed in Python from HF `tokenizers` ids (one full pass in file order,
+the last batch partial: the summed loss over all the pass's tokens)."""
 import json
 
 import pytest
@@ -41,8 +41,9 @@ def test_validation_loss_matches_transformers(tmp_path):
             ids = ids + [eos]
         stream += ids
     windows = [stream[i:i + SEQ + 1] for i in range(0, len(stream) - SEQ, SEQ + 1)]
-    batches = [torch.tensor(windows[i:i + BATCH]) for i in range(0, len(windows) - BATCH + 1, BATCH)]
-    assert len(batches) >= 3
+    # Every window, the last batch partial (titan pads its missing rows, which add no tokens).
+    batches = [torch.tensor(windows[i:i + BATCH]) for i in range(0, len(windows), BATCH)]
+    assert len(batches) >= 3 and len(windows) % BATCH != 0
 
     model = hf_model(16)
     model.load_state_dict(load_file(str(out / "final.safetensors")), strict=True)
@@ -51,8 +52,8 @@ def test_validation_loss_matches_transformers(tmp_path):
         for b in batches:
             logits = model(input_ids=b[:, :-1]).logits
             labels = b[:, 1:]
-            losses.append(F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum").item()
-                          / labels.numel())
-    expected = sum(losses) / len(losses)
+            losses.append(F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum").item())
+    # A full pass's loss: over all its tokens (torchtitan averages the batches' means, the same when all are full).
+    expected = sum(losses) / (len(windows) * SEQ)
     assert meta["validation_loss"] == pytest.approx(expected, rel=2e-6), (meta["validation_loss"], expected)
     print(f"validation loss {meta['validation_loss']:.6f}, transformers {expected:.6f} over {len(batches)} batches")

@@ -52,6 +52,13 @@ std::vector<int64_t> divisors(int64_t n) {
 Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& args, const config::JobConfig& config,
                const distributed::ParallelDims& dims, const ClusterProfile& cluster, protocols::Execution execution,
                bool per_pipeline_rank) {
+  // What the trainer checks before it builds anything (divisibility of heads, widths, experts and sequence by the
+  // degrees, float8 under TP, the global batch): a layout it refuses is no plan (UserError naming the key).
+  spec.check_parallelism(args, dims, config);
+  const int64_t per_step = config.training.local_batch_size * dims.dp_degree();
+  if (config.training.global_batch_size > 0 && config.training.global_batch_size % per_step != 0)
+    fail("training.global_batch_size = ", config.training.global_batch_size,
+         " must be a multiple of training.local_batch_size x data-parallel degree = ", per_step);
   Plan plan;
   plan.dims = dims;
   plan.layout = layout_of(dims, config);

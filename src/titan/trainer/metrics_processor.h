@@ -26,9 +26,10 @@ struct StepResult {
 };
 
 struct ValidationResult {
-  double loss = 0;  // torchtitan's: the mean over batches of each batch's loss sum over its global valid tokens
+  double loss = 0;  // torchtitan's: the mean over batches of each batch's loss sum over its global valid tokens; a full pass: over all its tokens
   int64_t tokens = 0, batches = 0;
   double seconds = 0;
+  int interrupted = 0;  // the stop signal that ended it early, or 0
 };
 
 class MetricsProcessor {

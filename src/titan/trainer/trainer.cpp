@@ -538,7 +538,15 @@ void Trainer::write_pipeline_timeline() {
 
 double Trainer::validate() {
   if (!validator_) fail("validation is off (validation.enable = false)");
-  const ValidationResult result = validator_->run(*schedule_);
+  // A stop signal ends a long validation early (every rank agrees before each batch), so that the step's checkpoint
+  // is saved within a preemption's grace period; the training loop then stops as after any step.
+  const ValidationResult result =
+      validator_->run(*schedule_, [&] { return exchange_control(false, 0, StopSignals::received(), false).signal; });
+  if (result.interrupted) {
+    log::warn("validation at step ", train_state_.step, " stopped after ", result.batches, " batch(es): ",
+              signal_name(result.interrupted), " received; its loss is not logged");
+    return std::nan("");
+  }
   metrics_->log_validation(train_state_.step, result);
   return result.loss;
 }

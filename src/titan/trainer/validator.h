@@ -1,6 +1,7 @@
 // Validation (torchtitan's validator): the configured validation data, in file order without shuffling, through
 // the step schedule's forward without gradients, averaged as torchtitan does over the data-parallel ranks.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "titan/components/data/dataloader.h"
@@ -18,7 +19,9 @@ class Validator {
   Validator(const config::JobConfig& config, const tokenizer::Tokenizer& tokenizer, const distributed::DeviceMesh& mesh,
             const at::Device& device);
   // validation.steps batches (or one pass when -1) from a fresh loader. Collective over the data-parallel ranks.
-  ValidationResult run(StepSchedule& schedule) const;
+  // `stop` (when given; collective over every rank) is asked before each batch for a stop signal that reached any
+  // rank: a non-zero answer ends the validation there (result.interrupted), so that a preempted job saves in time.
+  ValidationResult run(StepSchedule& schedule, const std::function<int()>& stop = {}) const;
 
  private:
   const config::JobConfig& config_;

@@ -7,6 +7,7 @@
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/components/data/token_shard.h"
+#include "titan/nn/loss.h"
 
 namespace titan::data {
 
@@ -253,6 +254,7 @@ void DataLoader::build_lanes(int64_t lane_count) {
          "a document, or split the text into several files");
   lane_count_ = lane_count;
   lanes_.clear();
+  exhausted_.clear();
   for (int64_t l = options_.dp_rank; l < lane_count; l += options_.dp_degree)
     lanes_.push_back(std::make_unique<Lane>(static_cast<uint32_t>(l), static_cast<uint32_t>(lane_count), sources_,
                                             tokenizer_, options_, malformed_));
@@ -265,16 +267,32 @@ Batch DataLoader::produce(std::vector<LaneState>& snapshot) {
   at::Tensor windows = at::empty({options_.batch_size, length}, at::kLong);
   at::Tensor positions;
   if (options_.positions) positions = at::empty({options_.batch_size, length}, at::kLong);
+  std::vector<int64_t> padded;  // rows no lane could fill (drain)
   for (int64_t b = 0; b < options_.batch_size; ++b) {
-    Lane* lane = lanes_.front().get();
+    Lane* lane = nullptr;
     for (const auto& candidate : lanes_)
-      if (candidate->next_global_window() < lane->next_global_window()) lane = candidate.get();
-    lane->fill(windows.data_ptr<int64_t>() + b * length,
-               options_.positions ? positions.data_ptr<int64_t>() + b * length : nullptr, static_cast<size_t>(length));
+      if (!exhausted_.count(candidate->id()) && (!lane || candidate->next_global_window() < lane->next_global_window()))
+        lane = candidate.get();
+    if (!lane) {
+      if (b == 0) throw DataExhausted(options_.name + " data: every lane of this rank is exhausted");
+      windows[b].fill_(0);
+      if (options_.positions) positions[b].fill_(0);
+      padded.push_back(b);
+      continue;
+    }
+    try {
+      lane->fill(windows.data_ptr<int64_t>() + b * length,
+                 options_.positions ? positions.data_ptr<int64_t>() + b * length : nullptr, static_cast<size_t>(length));
+    } catch (const DataExhausted&) {
+      if (!options_.drain) throw;
+      exhausted_.insert(lane->id());  // its partly filled window is dropped, as a lane's last always is
+      --b;
+    }
   }
   snapshot.clear();
   for (const auto& lane : lanes_) snapshot.push_back(lane->state());
   Batch batch{windows.narrow(1, 0, options_.seq_len).contiguous(), windows.narrow(1, 1, options_.seq_len).contiguous(), {}};
+  for (const int64_t b : padded) batch.labels[b].fill_(kIgnoreIndex);
   if (options_.positions) batch.positions = positions.narrow(1, 0, options_.seq_len).contiguous();
   return batch;
 }

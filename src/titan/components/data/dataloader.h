@@ -46,6 +46,10 @@ struct LoaderOptions {
   int64_t prefetch_batches = 0;  // 0: produce in next() on the calling thread
   bool positions = false;
   std::string name = "training";
+  // One pass to the end (validation's full pass): a lane whose sources are exhausted gives way to this rank's
+  // other lanes, rows none can fill are padding (token 0, label kIgnoreIndex: no loss, no valid token), and next()
+  // throws DataExhausted only when every lane of this rank is exhausted.
+  bool drain = false;
 };
 
 // Consumption recorded by an earlier lane layout, so a re-layout neither repeats nor skips documents.
@@ -106,6 +110,7 @@ class DataLoader {
   LoaderOptions options_;
   int64_t lane_count_ = 1;
   std::vector<std::unique_ptr<Lane>> lanes_;  // this rank's lanes
+  std::set<uint32_t> exhausted_;              // ids of lanes with nothing left (drain)
   std::vector<LaneState> served_state_;       // after the last batch handed out
   bool rewound_ = false;                      // rewind_reported_position() was called
   std::shared_ptr<std::atomic<uint64_t>> malformed_;
