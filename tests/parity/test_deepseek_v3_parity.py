@@ -12,6 +12,7 @@ torchtitan runs here with its for-loop experts (use_grouped_mm = False) and torc
 test_moe_layer_parity.py."""
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -372,3 +373,48 @@ def test_float8_block_quantized_checkpoints_dequantize_as_pytorchs_reader(tmp_pa
          "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_in_hf_quantized", "--training.steps", "1",
          "--training.dataset", "fortunes",
          "--training.seq_len", "32", "--training.local_batch_size", "1", "--training.mixed_precision_param", "float32"])
+
+
+def test_flavors_carry_torchtitans_attention_masks(tmp_path):
+    """torchtitan's flavors carry their attention mask: its flex and varlen flavors and DeepSeek-V3's 16B, 236B and
+    671B are block-causal. A titan job of such a flavor trains with document masks unless model.attn_mask_type says
+    otherwise, and the same flavor names are causal where torchtitan's are."""
+    from torchtitan.models.deepseek_v3 import deepseekv3_args
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.qwen3 import qwen3_args
+
+    tiny = {"llama3": ["--model.dim", "64", "--model.n_layers", "1", "--model.n_heads", "4", "--model.n_kv_heads", "2"],
+            "qwen3": ["--model.dim", "64", "--model.n_layers", "1", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+                      "--model.head_dim", "16", "--model.hidden_dim", "64"],
+            "deepseek_v3": ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.hidden_dim", "64",
+                            "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16", "--model.qk_rope_head_dim", "16",
+                            "--model.v_head_dim", "16", "--model.moe_inter_dim", "32"]}
+
+    def train(family, flavor, *extra):
+        dump = tmp_path / f"{family}-{flavor}-{len(extra)}"
+        result = run([binary("titan"), "train", "--model.name", family, "--model.flavor", flavor, *tiny[family],
+                      "--model.vocab_size", "2048", "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
+                      "--training.seq_len", "256", "--training.local_batch_size", "1", "--training.steps", "1",
+                      "--training.mixed_precision_param", "float32", "--debug.seed", "0", "--job.dump_folder", str(dump),
+                      "--metrics.disable_color_printing", *extra], env={"OMP_NUM_THREADS": "2", "TITAN_PEAK_FLOPS": "1e11"})
+        loss = float(re.search(r"step:\s+1\s+loss:\s+([0-9.]+)", result.stdout).group(1))
+        return "Attention mask: block_causal" in result.stdout, loss
+
+    trained = []
+    for family, table in [("llama3", llama3_args), ("qwen3", qwen3_args), ("deepseek_v3", deepseekv3_args)]:
+        causal_checked = False
+        for flavor, args in table.items():
+            block = getattr(args, "attn_mask_type", "causal") == "block_causal"
+            known = run([binary("titan"), "estimate", "--model.name", family, "--model.flavor", flavor], check=False).returncode == 0
+            assert known or not block, (family, flavor)  # every block-causal flavor of torchtitan's is titan's too
+            if not known or (not block and causal_checked):
+                continue
+            causal_checked = causal_checked or not block
+            assert train(family, flavor)[0] == block, (family, flavor)
+            trained.append(flavor)
+    assert len(trained) >= 8, trained
+    # The flavor's mask is the mask: the same loss as the base flavor with the key set, another without it.
+    _, flex = train("deepseek_v3", "debugmodel_flex_attn")
+    _, keyed = train("deepseek_v3", "debugmodel", "--model.attn_mask_type", "block_causal")
+    _, causal = train("deepseek_v3", "debugmodel_flex_attn", "--model.attn_mask_type", "causal")
+    assert flex == keyed != causal

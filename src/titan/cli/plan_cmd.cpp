@@ -382,6 +382,7 @@ int run_plan(const std::vector<std::string>& raw_args) {
   const auto& c = loaded.config;
   const protocols::ModelSpec& spec = models::job_spec(loaded);
   const protocols::JobModel job = spec.job_model(loaded);
+  models::take_flavor_mask(loaded, *job.args);  // the flavor's attention mask unless the job sets one
   const auto& model = *job.args;
   const std::string header = cat("titan plan: ", spec.name, " ", job.name, ", seq_len ", c.training.seq_len, ", on ",
                                  cluster.name, " (", cluster.description, ")");

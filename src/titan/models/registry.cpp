@@ -100,4 +100,10 @@ const protocols::ModelSpec& job_spec(const config::LoadedConfig& loaded) {
   return spec;
 }
 
+bool take_flavor_mask(config::LoadedConfig& loaded, const protocols::ModelArgs& args) {
+  if (loaded.origins.count("model.attn_mask_type") || loaded.config.model.attn_mask_type == args.attn_mask_type()) return false;
+  loaded.config.model.attn_mask_type = args.attn_mask_type();
+  return true;
+}
+
 }  // namespace titan::models

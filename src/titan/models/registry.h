@@ -22,5 +22,7 @@ const protocols::ModelSpec& spec_for_hf_directory(const std::string& directory);
 // The family a job trains: model.name; when the job starts from Hugging Face weights, their config.json's model_type
 // picks it if model.name is not set, and must name the same family if it is.
 const protocols::ModelSpec& job_spec(const config::LoadedConfig& loaded);
+// model.attn_mask_type from the flavor (`args`) where the job does not set it; whether it changed the job's.
+bool take_flavor_mask(config::LoadedConfig& loaded, const protocols::ModelArgs& args);
 
 }  // namespace titan::models

@@ -41,6 +41,9 @@ class ModelArgs {
   virtual int64_t vocabulary() const = 0;      // tokens the embedding holds
   virtual int64_t context_length() const = 0;  // the longest sequence the position tables cover (max_seq_len)
   virtual int64_t layers() const = 0;          // transformer blocks
+  // The attention mask the flavor is defined with ("causal" or "block_causal": torchtitan's flavors carry it), which
+  // a job takes unless it sets model.attn_mask_type.
+  virtual std::string attn_mask_type() const { return "causal"; }
   // The arguments as JSON ("family" included) for checkpoint metadata, and back for the same family.
   virtual nlohmann::json to_json() const = 0;
   virtual std::shared_ptr<const ModelArgs> parse_json(const nlohmann::json& j, const std::string& where) const = 0;

@@ -63,6 +63,9 @@ distributed::ParallelDims Trainer::check_job() {
   const protocols::JobModel job_model = spec_->job_model(loaded_);
   model_args_ = job_model.args;
   model_name_ = job_model.name;
+  if (models::take_flavor_mask(loaded_, *model_args_))
+    log::info("Attention mask: ", c.model.attn_mask_type, " (model.flavor ", quote(c.model.flavor),
+              "'s, as torchtitan defines it; set model.attn_mask_type to choose another)");
   spec_->check_parallelism(*model_args_, dims, c);
   // The stage split and schedule are checked before any communication.
   if (dims.pp > 1) distributed::pipeline::plan_stages(model_args_->layers(), spec_->tied_embeddings(*model_args_), c, dims.pp);

@@ -57,6 +57,7 @@ enum class RopeLayout { interleaved, half_split };
 
 struct DecoderArgs : protocols::ModelArgs {
   std::string family_name = "llama3";
+  std::string attn_mask = "causal";  // the flavor's mask (model.attn_mask_type's default); not part of the weights' shape
   int64_t dim = 4096;
   int64_t n_layers = 32;
   int64_t n_heads = 32;
@@ -127,6 +128,7 @@ struct DecoderArgs : protocols::ModelArgs {
   double flops_per_token(int64_t seq_len) const override;
   int64_t vocabulary() const override { return vocab_size; }
   int64_t context_length() const override { return max_seq_len; }
+  std::string attn_mask_type() const override { return attn_mask; }
   int64_t layers() const override { return n_layers; }
   nlohmann::json to_json() const override;
   std::shared_ptr<const protocols::ModelArgs> parse_json(const nlohmann::json& j, const std::string& where) const override;

@@ -67,12 +67,14 @@ const std::map<std::string, DecoderArgs>& flavors() {
   static const std::map<std::string, DecoderArgs> table = [] {
     std::map<std::string, DecoderArgs> t;
     t["debugmodel"] = make({2048, 256, 1024, 256, 6, 1, 16, 8, 2, 3, std::nullopt, std::nullopt, "softmax", false, 1.0, 0, 0.70});
-    // torchtitan's flex-attention variant of the debug model: the same arguments; titan's attention takes
-    // model.attn_mask_type for the document mask.
+    // torchtitan's flex-attention variant of the debug model: the same arguments with the document (block-causal)
+    // mask, which torchtitan's 16B, 236B and 671B flavors use too.
     t["debugmodel_flex_attn"] = t["debugmodel"];
+    t["debugmodel_flex_attn"].attn_mask = "block_causal";
     t["16B"] = make({102400, 2048, 10944, 1408, 27, 1, 16, 64, 2, 6, std::nullopt, std::nullopt, "softmax", false, 1.0, 0, 0.70});
     t["236B"] = make({102400, 5120, 12288, 1536, 60, 1, 128, 160, 2, 6, 8, 3, "softmax", false, 16.0, 1536, 1.0});
     t["671B"] = make({129280, 7168, 18432, 2048, 61, 3, 128, 256, 1, 8, 8, 4, "sigmoid", true, 2.5, 1536, 1.0});
+    for (const char* name : {"16B", "236B", "671B"}) t[name].attn_mask = "block_causal";
     return t;
   }();
   return table;

@@ -31,6 +31,11 @@ const std::map<std::string, DecoderArgs>& flavors() {
     // About 100M parameters with the debug vocabulary: for benchmarks (checkpoint speed) and mid-size CPU runs.
     t["100M"] = make(768, 16, 12, 4, 2048, std::nullopt, 256, 500000);
     t["8B"] = make(4096, 32, 32, 8, 128256, 1.3, 1024, 500000);
+    // torchtitan's flex and varlen attention variants: the same shapes, with the document (block-causal) mask.
+    for (const char* name : {"debugmodel_flex_attn", "debugmodel_varlen_attn", "8B_flex", "8B_varlen"}) {
+      t[name] = t[std::string(name).starts_with("8B") ? "8B" : "debugmodel"];
+      t[name].attn_mask = "block_causal";
+    }
     t["70B"] = make(8192, 80, 64, 8, 128256, 1.3, 4096, 500000);
     t["405B"] = make(16384, 126, 128, 8, 128256, 1.2, 4096, 500000);
     // Llama 3.2: tied embeddings and RoPE scaling factor 32.
