@@ -418,3 +418,21 @@ def test_flavors_carry_torchtitans_attention_masks(tmp_path):
     _, keyed = train("deepseek_v3", "debugmodel", "--model.attn_mask_type", "block_causal")
     _, causal = train("deepseek_v3", "debugmodel_flex_attn", "--model.attn_mask_type", "causal")
     assert flex == keyed != causal
+
+
+def test_an_export_transformers_cannot_express_writes_nothing(tmp_path):
+    """The debug flavor's softmax routing has no Hugging Face DeepseekV3ForCausalLM form: `titan convert` refuses it
+    by name before writing any file, so the folder is not left half-written (a retry says the same, not "already
+    holds weights")."""
+    dump = tmp_path / "run"
+    run([binary("titan"), "train", "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.dim", "64",
+         "--model.n_layers", "2", "--model.n_heads", "4", "--model.hidden_dim", "64", "--model.kv_lora_rank", "32",
+         "--model.qk_nope_head_dim", "16", "--model.qk_rope_head_dim", "16", "--model.v_head_dim", "16",
+         "--model.moe_inter_dim", "32", "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
+         "--training.seq_len", "32", "--training.local_batch_size", "1", "--training.steps", "1", "--checkpoint.enable",
+         "--job.dump_folder", str(dump)], env={"OMP_NUM_THREADS": "2", "TITAN_PEAK_FLOPS": "1e11"})
+    out = tmp_path / "hf"
+    for _ in range(2):
+        result = run([binary("titan"), "convert", "--from", str(dump / "checkpoint" / "step-1"), "--to", str(out)], check=False)
+        assert result.returncode == 2 and "DeepseekV3ForCausalLM cannot express" in result.stderr, result.stderr
+        assert not list(tmp_path.glob("hf*/*.safetensors"))

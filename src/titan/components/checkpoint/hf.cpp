@@ -66,6 +66,8 @@ void save_hf(const std::string& directory, const protocols::ModelArgs& args, con
               quote(dropped.front()), " to ", quote(dropped.back()), " (largest magnitude ", dropped_max,
               "): left out, so the export differs from the checkpoint where they matter (Mixture-of-Experts routing biases "
               "decide near-tied expert choices; train with model.moe_load_balance_coeff = 0 for an exact export)");
+  // config.json first: a model the Hugging Face class cannot express is refused before any file is written.
+  json config = hf_config(adapter, dtype);
   // Shards in parameter order, each up to max_shard_bytes.
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
   int64_t size = 0, total = 0;
@@ -94,7 +96,6 @@ void save_hf(const std::string& directory, const protocols::ModelArgs& args, con
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     write_file(directory + "/model.safetensors.index.json", index.dump(2) + "\n");
   }
-  json config = hf_config(adapter, dtype);
   if (tokenizer) {
     tokenizer->save_hf_files(directory);
     json generation = {{"_from_model_config", true}};
