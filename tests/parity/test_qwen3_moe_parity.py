@@ -25,12 +25,14 @@ CONFIGS = {
 }
 
 
-def hf_model(name, seed=0):
+def hf_model(name, seed=0, dense=()):
+    """`dense`: Qwen3-MoE's mlp_only_layers (titan's leading dense blocks, model.n_dense_layers)."""
     hidden, layers, heads, kv, head_dim, experts, top_k, width, renorm, tied = CONFIGS[name]
     config = Qwen3MoeConfig(vocab_size=256, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                             num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, num_experts=experts,
                             num_experts_per_tok=top_k, moe_intermediate_size=width, norm_topk_prob=renorm,
-                            rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=tied)
+                            rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=4096, tie_word_embeddings=tied,
+                            mlp_only_layers=list(dense))
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).float()
     with torch.no_grad():
@@ -50,9 +52,10 @@ def make_batch(seq_len=40, batch=2, seed=1):
     return inputs, labels
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CONFIGS) + ["first_dense"])
 def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
-    model = hf_model(name)
+    # first_dense: layer 0 a dense MLP (mlp_only_layers = [0]), the rest Mixture-of-Experts.
+    model = hf_model("top2_of_8_renormalised", dense=(0,)) if name == "first_dense" else hf_model(name)
     inputs, labels = make_batch()
     got, logits, loss, grads = probe_published_hf_model(tmp_path, model, inputs, labels)
     if model.config.tie_word_embeddings:
@@ -79,14 +82,15 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, name):
         assert idle > 0  # the case is meant to have idle experts
 
 
-@pytest.mark.parametrize("name", ["top2_of_8_renormalised", "top3_of_6_plain_tied"])
+@pytest.mark.parametrize("name", ["top2_of_8_renormalised", "top3_of_6_plain_tied", "first_dense"])
 def test_hugging_face_round_trip_is_bitwise(tmp_path, name):
-    model = hf_model(name, seed=2)
+    model = hf_model("top2_of_8_renormalised", seed=2, dense=(0,)) if name == "first_dense" else hf_model(name, seed=2)
     hf_dir = tmp_path / "hf"
     model.save_pretrained(hf_dir)
     run([binary("titan"), "convert", "--from", str(hf_dir), "--to", str(tmp_path / "titan")])
     meta = json.loads((tmp_path / "titan" / "metadata.json").read_text())
     assert meta["model"]["family"] == "qwen3" and meta["model"]["moe"]["num_experts"] == model.config.num_experts
+    assert meta["model"].get("n_dense_layers", 0) == len(model.config.mlp_only_layers)
     run([binary("titan"), "convert", "--from", str(tmp_path / "titan"), "--to", str(tmp_path / "back"), "--format", "hf"])
     original, back = load_file(str(hf_dir / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
     if model.config.tie_word_embeddings:
@@ -96,7 +100,8 @@ def test_hugging_face_round_trip_is_bitwise(tmp_path, name):
         assert torch.equal(value, back[key]), key
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     for field in ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "tie_word_embeddings"]:
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "tie_word_embeddings",
+                  "mlp_only_layers"]:
         assert config[field] == getattr(model.config, field), field
     assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
     reread = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "back").float()
@@ -108,7 +113,7 @@ def test_hugging_face_round_trip_is_bitwise(tmp_path, name):
 def test_config_json_fields_titan_cannot_compute_are_refused(tmp_path):
     model = hf_model("top2_of_8_renormalised")
     for field, value, needle in [("decoder_sparse_step", 2, "decoder_sparse_step = 2"),
-                                 ("mlp_only_layers", [0], "mlp_only_layers = [0]"),
+                                 ("mlp_only_layers", [1], "mlp_only_layers = [1]"),
                                  ("hidden_act", "gelu", "hidden_act")]:
         hf_dir = tmp_path / field
         model.save_pretrained(hf_dir)

@@ -177,7 +177,7 @@ std::vector<KeySpec> describe(JobConfig& c) {
   at_least(b.add("moe_load_balance_coeff", &c.model.moe_load_balance_coeff,
                  "titan.cpp: step of the MoE balancing bias after each optimizer step (torchtitan's 1e-3); 0 turns it off"), 0);
   at_least(b.add("n_dense_layers", &c.model.n_dense_layers,
-                 "titan.cpp: dense blocks before the Mixture-of-Experts ones (DeepSeek-V3; HF first_k_dense_replace)"), 0);
+                 "titan.cpp: dense blocks before the Mixture-of-Experts ones (DeepSeek-V3: HF first_k_dense_replace; Qwen3-MoE: HF mlp_only_layers [0..k-1])"), 0);
   at_least(b.add("q_lora_rank", &c.model.q_lora_rank,
                  "titan.cpp: latent attention (DeepSeek-V3): the queries' low-rank width, 0 for one projection"), 0);
   positive(b.add("kv_lora_rank", &c.model.kv_lora_rank, "titan.cpp: latent attention (DeepSeek-V3): the compressed key/value width"));

@@ -28,7 +28,10 @@ json to_hf_config(const DecoderArgs& args, const std::string& torch_dtype) {
     c["moe_intermediate_size"] = m.hidden_dim;
     c["norm_topk_prob"] = m.route_norm;
     c["decoder_sparse_step"] = 1;
-    c["mlp_only_layers"] = json::array();
+    // Leading dense blocks (model.n_dense_layers): Qwen3MoeForCausalLM's dense layers, of intermediate_size.
+    json dense = json::array();
+    for (int64_t layer = 0; layer < args.n_dense_layers; ++layer) dense.push_back(layer);
+    c["mlp_only_layers"] = dense;
     c["output_router_logits"] = false;
   }
   c["hidden_size"] = args.dim;
@@ -113,9 +116,16 @@ DecoderArgs from_hf_config(const json& config, const std::string& path) {
     if (f.find("decoder_sparse_step") && f.integer("decoder_sparse_step") != 1)
       fail(path, ": decoder_sparse_step = ", f.integer("decoder_sparse_step"),
            "; titan's Qwen3-MoE has a Mixture of Experts in every layer (decoder_sparse_step 1), as torchtitan's");
-    if (const json* dense = f.find("mlp_only_layers"); dense && !dense->is_null() && !(dense->is_array() && dense->empty()))
-      fail(path, ": mlp_only_layers = ", dense->dump(),
-           "; titan's Qwen3-MoE has a Mixture of Experts in every layer (no dense layers), as torchtitan's");
+    if (const json* dense = f.find("mlp_only_layers"); dense && !dense->is_null()) {
+      // Dense layers first (titan's model.n_dense_layers): 0, 1, ..., k - 1.
+      bool leading = dense->is_array();
+      for (size_t i = 0; leading && i < dense->size(); ++i)
+        leading = (*dense)[i].is_number_integer() && (*dense)[i].get<int64_t>() == static_cast<int64_t>(i);
+      if (!leading)
+        fail(path, ": mlp_only_layers = ", dense->dump(), "; titan's Qwen3-MoE takes dense layers only as the first ones "
+             "([0, 1, ..., k - 1], model.n_dense_layers = k)");
+      a.n_dense_layers = static_cast<int64_t>(dense->size());
+    }
     if (f.find("num_experts") && m.num_experts == 0)
       fail(path, ": num_experts = 0 describes a dense model; write model_type \"qwen3\" for it");
     a.moe = m;
