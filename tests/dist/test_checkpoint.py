@@ -224,6 +224,20 @@ def test_seed_checkpoint_starts_every_layout_from_the_same_weights(tmp_path):
     assert refused.returncode != 0 and "runs on a single process" in refused.stderr + refused.stdout
 
 
+def test_a_finished_runs_model_only_last_save_is_not_resumed_from(tmp_path):
+    """A run that ended with the default model-only last save, started again with more steps in the same folder,
+    would restart at step 1 from it, and every restart would load it again (its own checkpoints sort below): refused,
+    naming the newest full checkpoint, from which load_step continues the run."""
+    dump = tmp_path / "run"
+    train(dump, 1, 4, extra=["--checkpoint.interval", "2", "--checkpoint.last_save_model_only"])
+    assert json.loads((dump / "checkpoint" / "step-4" / "metadata.json").read_text())["model_only"]
+    refused = train(dump, 1, 6, check=False, extra=["--checkpoint.interval", "2"])
+    assert refused.returncode == 2 and "step-4 is a model-only save" in refused.stderr and \
+        "checkpoint.load_step = 2 (its newest full checkpoint)" in refused.stderr, refused.stderr
+    resumed = train(dump, 1, 6, extra=["--checkpoint.interval", "2", "--checkpoint.load_step", "2"])
+    assert "Loaded checkpoint" in resumed.stdout and losses(resumed.stdout)[0][0] == 3
+
+
 @contextlib.contextmanager
 def small_disk(tmp_path):
     """A 110 MB tmpfs: one 74 MB training state fits, two do not (skipped where tmpfs cannot be mounted)."""

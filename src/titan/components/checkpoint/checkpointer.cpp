@@ -604,6 +604,27 @@ bool Checkpointer::load(const protocols::StatefulParts& parts, const HfModel& hf
            "from its weights, and move it out of checkpoint.folder");
     return load_torch_dcp(parts, directory, false);
   }
+  if (config_.load_step < 0 && *step > 0 && Reader(directory).metadata().value("model_only", false)) {
+    // The final save of a finished run (last_save_model_only): resuming from it would start over at step 1, and the
+    // new run's checkpoints would sort below it, so every restart would load it again.
+    std::optional<int64_t> full;
+    for (const auto& e : fs::directory_iterator(root_)) {
+      const std::string name = e.path().filename().string();
+      if (!name.starts_with("step-") || !fs::exists(e.path() / "metadata.json")) continue;
+      try {
+        const int64_t s = std::stoll(name.substr(5));
+        if (s < *step && (!full || s > *full) && !Reader(e.path().string()).metadata().value("model_only", false)) full = s;
+      } catch (const std::exception&) {
+      }
+    }
+    fail("checkpoint ", directory, " is a model-only save (the last save of a finished run, checkpoint.last_save_model_only): "
+         "a run cannot resume from it, and would start over from step 1 at every restart. To train on from its weights, "
+         "use a new checkpoint.folder with checkpoint.initial_load_path = ", quote(directory),
+         full ? cat("; to continue the run itself, set checkpoint.load_step = ", *full, " (its newest full checkpoint) and raise "
+                    "training.steps")
+              : std::string(),
+         "; keep checkpoint.last_save_model_only = false for runs that will be extended");
+  }
   return load_directory(parts, directory, false);
 }
 
