@@ -3,6 +3,7 @@ transformers' LlamaForCausalLM and gives titan's logits; HF -> titan -> HF and t
 are bitwise; sharded exports carry an index; checkpoint.initial_load_in_hf starts training from HF weights,
 also under FSDP and TP."""
 import json
+import shutil
 import os
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
+from titan_testing import shared, SOURCE_DIR, binary, read_checkpoint, run
 
 
 
@@ -106,6 +107,13 @@ def test_round_trips_are_bitwise_and_shards_are_indexed(trained, tmp_path):
                            f'says "model.extra" is in {files[0]}, which does not hold it')]:
         result = convert_bad(edit)
         assert result.returncode == 2 and message in result.stderr, (message, result.stderr)
+    # A read-only tokenizer (shared data often is) gives the export files of its own, which their owner can change.
+    tokenizer = tmp_path / "read_only_tokenizer"
+    shutil.copytree(shared("tokenizers", "torchtitan_test"), tokenizer)
+    for f in tokenizer.iterdir():
+        f.chmod(0o444)
+    run([binary("titan"), "convert", "--from", str(trained), "--to", str(tmp_path / "hf_tok"), "--tokenizer", str(tokenizer)])
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in (tmp_path / "hf_tok").iterdir())
     # bfloat16 export
     hf_bf16 = tmp_path / "hf_bf16"
     run([binary("titan"), "convert", "--from", str(trained), "--to", str(hf_bf16), "--dtype", "bfloat16"])

@@ -107,6 +107,15 @@ TEST(Config, ErrorsInDatasetTablesNameTheLineAtFault) {
   EXPECT_NE(e.find("m2.toml:6: training.datasets[2] needs a path"), std::string::npos) << e;
 }
 
+TEST(Config, MovedSectionsAndUnknownCompileParts) {
+  titan_test::TempDir tmp;
+  std::string e = error_of([&] { load_job_config({"--job.config_file", tmp.write("f8.toml", "[float8]\nrecipe_name = \"rowwise\"\n")}); });
+  EXPECT_NE(e.find("f8.toml:1: unknown section [float8]; did you mean [quantize.linear.float8]?"), std::string::npos) << e;
+  e = error_of([&] { load_job_config({"--compile.components", "model,bogus"}); });
+  EXPECT_NE(e.find("compile.components lists \"bogus\"; the parts are model, loss"), std::string::npos) << e;
+  EXPECT_EQ(load_job_config({"--compile.components", "model,loss"}).config.compile.components.size(), 2u);
+}
+
 TEST(Config, BooleanFlagsListsAndNone) {
   auto c = load_job_config({"--compile.enable", "--checkpoint.no_initial_load_model_only", "--metrics.enable_tensorboard", "false",
                             "--model.converters", "float8,mx", "--lr_scheduler.decay_ratio", "0.5", "--lr_scheduler.decay_ratio",

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
@@ -60,6 +61,13 @@ std::string binary_identity() {
   if (error) return exe.string();
   const auto mtime = std::filesystem::last_write_time(exe, error).time_since_epoch().count();
   return cat(exe.string(), " (", size, " bytes, modified ", mtime, ")");
+}
+
+void copy_file_as_own(const std::string& from, const std::string& to) {
+  namespace fs = std::filesystem;
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+  fs::permissions(to, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read,
+                  fs::perm_options::replace);
 }
 
 }  // namespace titan

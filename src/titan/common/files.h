@@ -14,6 +14,9 @@ void write_file(const std::string& path, std::string_view content, bool durable 
 // fsync of a file or a folder (for renames inside it). Throws UserError on failure; a file system that cannot
 // sync folders (EINVAL) is not an error.
 void fsync_path(const std::string& path, bool directory);
+// Copies `from` over `to` as a new file of this user's: readable by all, writable by its owner (0644), whatever the
+// source's mode (a read-only shared tokenizer must not make the export's copy read-only).
+void copy_file_as_own(const std::string& from, const std::string& to);
 
 // " (the disk is full)" for ENOSPC / EDQUOT, else ": <strerror>".
 std::string describe_write_error(int error);

@@ -327,8 +327,12 @@ void apply_toml(KeyIndex& index, LoadedConfig& loaded, const std::string& path) 
       if (node.is_table()) {
         if (!index.sections.count(full)) {
           std::vector<std::string> all(index.sections.begin(), index.sections.end());
-          std::string hint = closest_match(full, all);
-          fail(where, ": unknown section [", full, "]", hint.empty() ? "" : cat("; did you mean [", hint, "]?"),
+          // A section torchtitan has since moved ([float8] is now [quantize.linear.float8]): the one ending in it.
+          std::string hint;
+          for (const auto& section : all)
+            if (section.size() > full.size() && section.ends_with("." + full)) hint = section;
+          if (hint.empty()) hint = closest_match(full, all);
+          fail(where, ": unknown section [", full, "]", hint.empty() ? "." : cat("; did you mean [", hint, "]?"),
                " Run `titan train --help` for every section and key.");
         }
         walk(*node.as_table(), full);
@@ -439,6 +443,12 @@ void validate(LoadedConfig& loaded) {
       if (std::find(parts.begin(), parts.end(), part) == parts.end())
         fail(loaded.where("checkpoint.exclude_from_loading"), ": checkpoint.exclude_from_loading lists ", quote(part),
              "; the parts are ", join(parts, ", "));
+  }
+  {
+    static const std::vector<std::string> parts = {"model", "loss"};
+    for (const auto& part : c.compile.components)
+      if (std::find(parts.begin(), parts.end(), part) == parts.end())
+        fail(loaded.where("compile.components"), ": compile.components lists ", quote(part), "; the parts are model, loss");
   }
   KeyIndex index(c);
   for (const auto& spec : index.keys) {

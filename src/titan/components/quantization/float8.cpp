@@ -297,6 +297,10 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
       return nn::float8::linear(inputs[0], linear->weight, *recipe, emulate, precast);
     };
   });
+  if (result.converted.empty())
+    log::warn("model.converters asks for float8 linears, but none of the model's ", result.kept.size(),
+              " linears can be converted (float8 needs both dimensions divisible by 16, and filter_fqns leaves some out): "
+              "training runs in high precision");
   log::info("Float8 linears (", recipe->name, emulate ? ", emulated" : "",
             result.fsdp_float8 ? (result.fsdp_float8->precompute_scales ? ", float8 FSDP all-gathers with precomputed scales" : ", float8 FSDP all-gathers") : "",
             "): ", result.converted.size(), " converted",
@@ -316,6 +320,10 @@ Float8Conversion convert_to_mx(nn::Model& model, const config::JobConfig& config
       return nn::float8::mx_linear(inputs[0], linear->weight, rounding, emulate);
     };
   });
+  if (result.converted.empty())
+    log::warn("model.converters asks for MXFP8 linears, but none of the model's ", result.kept.size(),
+              " linears can be converted (MXFP8 needs both dimensions divisible by 32, and filter_fqns leaves some out): "
+              "training runs in high precision");
   log::info("MXFP8 linears (", settings.recipe_name, ", ", rounding == nn::float8::MxScaleRounding::rceil ? "rceil" : "floor",
             " scales", emulate ? ", emulated" : ", LibTorch's blockwise-scaled matmul", "): ", result.converted.size(), " converted",
             result.kept.empty() ? std::string() : cat(", ", result.kept.size(), " kept in high precision (", join(result.kept, ", "), ")"));

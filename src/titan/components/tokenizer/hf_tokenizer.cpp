@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "titan/common/error.h"
+#include "titan/common/files.h"
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/bpe_merge.h"
 #include "titan/components/tokenizer/byte_level.h"
@@ -167,10 +168,10 @@ class HfTokenizer : public Tokenizer {
   void save_hf_files(const std::string& directory) const override {
     namespace fs = std::filesystem;
     const fs::path source = fs::path(path_).parent_path();
-    fs::copy_file(path_, fs::path(directory) / "tokenizer.json", fs::copy_options::overwrite_existing);
+    copy_file_as_own(path_, (fs::path(directory) / "tokenizer.json").string());
     if (fs::exists(source / "tokenizer_config.json")) {
       for (const char* name : {"tokenizer_config.json", "special_tokens_map.json"})
-        if (fs::exists(source / name)) fs::copy_file(source / name, fs::path(directory) / name, fs::copy_options::overwrite_existing);
+        if (fs::exists(source / name)) copy_file_as_own((source / name).string(), (fs::path(directory) / name).string());
       return;
     }
     auto name = [&](std::optional<int32_t> id) -> std::optional<std::string> {

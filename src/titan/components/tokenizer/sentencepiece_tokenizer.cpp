@@ -4,6 +4,7 @@
 
 #include <filesystem>
 
+#include "titan/common/files.h"
 #include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/components/tokenizer/hf_export.h"
@@ -57,8 +58,7 @@ class SentencePieceTokenizer : public Tokenizer {
 
   // transformers' LlamaTokenizer (slow; its fast variant converts from it) reads the same model file.
   void save_hf_files(const std::string& directory) const override {
-    std::filesystem::copy_file(path_, std::filesystem::path(directory) / "tokenizer.model",
-                               std::filesystem::copy_options::overwrite_existing);
+    copy_file_as_own(path_, (std::filesystem::path(directory) / "tokenizer.model").string());
     auto name = [&](std::optional<int32_t> id) -> std::optional<std::string> {
       if (!id) return std::nullopt;
       return processor_.IdToPiece(*id);
