@@ -628,8 +628,12 @@ int Trainer::train() {
   if (estimate_only()) return report_memory_estimation(0);
   const auto& c = loaded_.config;
   StopSignals stop_signals;
+  const int64_t pp_microbatches = mesh_->dims().pp > 1
+                                      ? c.training.local_batch_size / std::max<int64_t>(1, c.parallelism.pipeline_parallel_microbatch_size)
+                                      : 0;
   log::info("Training starts at step ", train_state_.step + 1, " of ", c.training.steps, " (local batch ", c.training.local_batch_size,
-            " x seq_len ", c.training.seq_len, ", ", grad_accum_steps_, " micro-batch(es) per step, lr warm-up ",
+            " x seq_len ", c.training.seq_len, ", ", grad_accum_steps_, " gradient-accumulation pass(es) per step",
+            pp_microbatches ? cat(", each ", pp_microbatches, " pipeline micro-batches") : std::string(), ", lr warm-up ",
             lr_scheduler_->warmup_steps(), " steps)");
   if (c.checkpoint.create_seed_checkpoint) {
     const int code = create_seed_checkpoint();
