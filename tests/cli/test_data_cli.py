@@ -201,6 +201,19 @@ def test_text_by_lines_and_paragraphs_as_datasets_reads_it_and_one_file_is_not_d
     run(probe + ["--training.dataset_format", "paragraphs"])
     lanes = json.loads((tmp_path / "p" / "rank0.json").read_text())["batches"]
     assert all(len({tuple(w) for w in batch}) == len(batch) for batch in lanes)  # the two lanes' windows differ
+    # Validation: a full pass over one file on two lanes is refused at start, before any step; a fixed number of
+    # batches (which loops over the data) runs.
+    train = [binary("titan"), "train", "--model.hf_assets_path", str(shared("tokenizers", "torchtitan_test")),
+             "--training.dataset_path", str(text),
+             "--training.dataset_format", "paragraphs", "--training.data_lanes", "2", "--training.local_batch_size", "2",
+             "--training.seq_len", "64", "--training.steps", "1", "--job.dump_folder", str(tmp_path / "run"),
+             "--validation.enable", "--validation.dataset_path", str(text), "--validation.seq_len", "64",
+             "--validation.local_batch_size", "1"]
+    refused = run(train + ["--validation.steps", "-1"], check=False, env={"TITAN_PEAK_FLOPS": "1e11"})
+    assert refused.returncode == 2 and "validation data:" in refused.stderr and "step:" not in refused.stdout, refused.stderr
+    assert 'validation.dataset_format = "paragraphs" or "lines"' in refused.stderr
+    looped = run(train + ["--validation.steps", "2"], env={"TITAN_PEAK_FLOPS": "1e11"})
+    assert "validate step:" in looped.stdout
 
 
 def test_parquet_sources_serve_the_same_windows_as_jsonl_and_resume(corpus, tmp_path):

@@ -103,10 +103,15 @@ def test_round_trips_are_bitwise_and_shards_are_indexed(trained, tmp_path):
     for edit, message in [(misplace, f'says "{moved}" is in {files[1]}, but {files[0]} holds it'),
                           (lambda bad, index: write_index(bad, {"metadata": {}}), 'no "weight_map" object'),
                           (duplicate, f"is in both {files[0]} and zz-extra.safetensors"),
-                          (lambda bad, index: write_index(bad, {"weight_map": {**index["weight_map"], "model.extra": files[0]}}),
-                           f'says "model.extra" is in {files[0]}, which does not hold it')]:
+                          (lambda bad, index: save_file({k: v for k, v in load_file(str(bad / files[0])).items() if k != moved},
+                                                        str(bad / files[0]), metadata={"format": "pt"}),
+                           f'says "{moved}" is in {files[0]}, which does not hold it')]:
         result = convert_bad(edit)
         assert result.returncode == 2 and message in result.stderr, (message, result.stderr)
+    # An index entry the model does not need (a rotary table, say) that no file holds: a warning, not an error.
+    result = convert_bad(lambda bad, index: write_index(bad, {"weight_map": {**index["weight_map"],
+                                                                             "model.layers.0.self_attn.rotary_emb.inv_freq": files[0]}}))
+    assert result.returncode == 0 and "lists 1 tensor(s) its files do not hold" in result.stdout + result.stderr, result.stderr
     # A read-only tokenizer (shared data often is) gives the export files of its own, which their owner can change.
     tokenizer = tmp_path / "read_only_tokenizer"
     shutil.copytree(shared("tokenizers", "torchtitan_test"), tokenizer)

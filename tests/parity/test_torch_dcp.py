@@ -281,7 +281,8 @@ def test_custom_shapes_read_back_with_the_training_jobs_configuration(tmp_path):
     run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "dcp"), "--format", "dcp"])
     run([binary("titan"), "convert", "--from", str(step), "--to", str(tmp_path / "weights.pt")])
     options = ["--model", "qwen3", "--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-               "--model.head_dim", "32", "--model.hidden_dim=128", "--training.seq_len", "16"]
+               "--model.head_dim", "32", "--model.hidden_dim=128", "--model.tie_word_embeddings", "--training.seq_len", "16",
+               "--model.no_print_after_conversion", "--model.print_after_conversion", "false"]  # booleans as titan train takes them
     for source, shape in [("dcp", ["--config", str(job)]), ("weights.pt", ["--config", str(job)]), ("dcp", options)]:
         out = tmp_path / ("back-" + source + str(len(shape)))
         run([binary("titan"), "convert", "--from", str(tmp_path / source), "--to", str(out), *shape])

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
+#include <set>
 
 #include "titan/common/error.h"
 #include "titan/common/progress.h"
@@ -340,9 +341,15 @@ bool take_job_argument(const std::vector<std::string>& args, size_t& i, std::vec
     job.push_back(name + a.substr(a.find('=')));
     return true;
   }
-  if (i + 1 >= args.size()) fail(a, " expects a value");
   job.push_back(name);
-  job.push_back(args[++i]);
+  // As on titan train's command line: a boolean key alone is true and --model.no_KEY false, so the next argument
+  // is its value only when it is true or false; any other key takes the next argument unless it is an option.
+  static const std::set<std::string> booleans = {"--model.tie_word_embeddings", "--model.print_after_conversion"};
+  const bool flag = key.starts_with("--model.no_") || booleans.count(key);
+  if (i + 1 < args.size() && (flag ? args[i + 1] == "true" || args[i + 1] == "false" : !args[i + 1].starts_with("--")))
+    job.push_back(args[++i]);
+  else if (!flag)
+    fail(a, " expects a value");
   return true;
 }
 

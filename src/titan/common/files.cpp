@@ -66,8 +66,9 @@ std::string binary_identity() {
 void copy_file_as_own(const std::string& from, const std::string& to) {
   namespace fs = std::filesystem;
   fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+  std::error_code ignored;  // a file system without modes (some network mounts) keeps its own
   fs::permissions(to, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read,
-                  fs::perm_options::replace);
+                  fs::perm_options::replace, ignored);
 }
 
 }  // namespace titan

@@ -547,7 +547,8 @@ double Trainer::validate() {
       validator_->run(*schedule_, [&] { return exchange_control(false, 0, StopSignals::received(), false).signal; });
   if (result.interrupted) {
     log::warn("validation at step ", train_state_.step, " stopped after ", result.batches, " batch(es): ",
-              signal_name(result.interrupted), " received; its loss is not logged");
+              signal_name(result.interrupted), " received; its loss is not logged",
+              train_state_.step == loaded_.config.training.steps ? " (training itself is complete and saved)" : "");
     return std::nan("");
   }
   metrics_->log_validation(train_state_.step, result);

@@ -15,6 +15,11 @@ Validator::Validator(const config::JobConfig& config, const tokenizer::Tokenizer
     : config_(config), tokenizer_(tokenizer), mesh_(mesh), device_(device) {
   const auto& v = config.validation;
   sources_ = data::resolve_sources(v.dataset, v.dataset_path, v.dataset_format, "text", "validation");
+  // A full pass deals the set to the lanes once: lanes that share one whole-file document would validate the same
+  // windows or none. Checked at start-up, not at the first validation. (A fixed number of batches loops over the
+  // data, where repeated windows change nothing.)
+  const int64_t dp = mesh.dims().dp_degree();
+  if (v.steps < 0) data::check_documents_per_lane(sources_, config.training.data_lanes > 0 ? config.training.data_lanes : dp, "validation");
   for (const auto& source : sources_)
     log::info("Validation dataset ", quote(source.name), ": ", source.shards.size(), " file(s) (", source.shards.size() > 1 ? "first " : "",
               source.shards.front().path, "), every ", v.freq, " steps, ", v.steps < 0 ? std::string("one full pass") : cat(v.steps, " batches"));
@@ -32,6 +37,7 @@ ValidationResult Validator::run(StepSchedule& schedule, const std::function<int(
   o.lanes = config_.training.data_lanes;  // a fixed lane count gives the same validation set on any number of ranks
   o.positions = config_.model.attn_mask_type == "block_causal";
   o.name = "validation";
+  o.check_documents_per_lane = false;  // the constructor checked a full pass
   const bool full_pass = v.steps < 0;
   o.drain = full_pass;
   auto sources = sources_;

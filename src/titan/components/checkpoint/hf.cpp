@@ -195,9 +195,28 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
       impl_->where[*name] = {&f, hf_name};
     }
   }
-  for (const auto& [name, file] : indexed)
-    if (!found.count(name))
-      fail(index_path, " says ", quote(name), " is in ", file, ", which does not hold it (an incomplete or replaced file?)");
+  // Index entries their file does not hold: an error where the model needs the tensor, else (a tensor the adapter
+  // skips or the model does not have) a warning.
+  {
+    std::set<std::string> needed;
+    for (const auto& p : args.parameter_shapes()) needed.insert(p.name);
+    for (const auto& b : args.buffer_shapes()) needed.insert(b.name);
+    std::vector<std::string> absent;
+    for (const auto& [name, file] : indexed) {
+      if (found.count(name)) continue;
+      std::optional<std::string> ours;
+      if (!adapter.skipped_hf_tensor(name)) {
+        if (auto slice = adapter.from_hf_slice_name(name)) ours = slice->first;
+        else ours = adapter.from_hf_name(name);
+      }
+      if (ours && needed.count(*ours))
+        fail(index_path, " says ", quote(name), " is in ", file, ", which does not hold it (an incomplete or replaced file?)");
+      absent.push_back(name);
+    }
+    if (!absent.empty())
+      log::warn(index_path, " lists ", absent.size(), " tensor(s) its files do not hold, from ", quote(absent.front()), " to ",
+                quote(absent.back()), "; the model needs none of them");
+  }
   for (const auto& [why, names] : skipped)
     log::warn(quote(directory), ": skipped ", names.size(), " tensor(s) of ", why, ", from ", quote(names.front()), " to ",
               quote(names.back()));

@@ -231,27 +231,32 @@ DataLoader::DataLoader(std::vector<SourceSpec> sources, const tokenizer::Tokeniz
 
 DataLoader::~DataLoader() { stop_worker(); }
 
-void DataLoader::build_lanes(int64_t lane_count) {
-  if (lane_count % options_.dp_degree != 0)
-    fail(options_.name, " data: training.data_lanes = ", lane_count, " must be a multiple of the data-parallel degree ",
-         options_.dp_degree);
+void check_documents_per_lane(const std::vector<SourceSpec>& sources, int64_t lanes, const std::string& name) {
   // Lanes l and l + D of a stream of D documents per pass are dealt the same documents in the same order: with
   // fewer documents than lanes, some lanes would serve exactly another lane's windows (or, without looping,
   // nothing). Known before reading for whole-file text, the case that meets it (one .txt file).
   int64_t documents = 0;
-  bool counted = true;
-  for (const auto& source : sources_)
+  for (const auto& source : sources)
     for (const auto& shard : source.shards) {
-      if (shard.format == Format::Text) ++documents;
-      else counted = false;
+      if (shard.format != Format::Text) return;
+      ++documents;
     }
-  if (counted && lane_count > 1 && documents < lane_count)
-    fail(options_.name, " data: ", documents == 1 ? quote(sources_.front().shards.front().path) + " holds " : cat("the text files hold "), documents, " document(s) (a .txt file is one document under format \"text\"), fewer than the ", lane_count,
-         " data lanes (", options_.name == "validation" ? "one per data-parallel rank" : "training.data_lanes, default: the data-parallel degree",
-         "): lanes would read the same text from its start, and ranks would ", options_.name == "validation" ? "validate" : "train",
-         " on the same windows. Set ", options_.name == "validation" ? "validation" : "training",
-         ".dataset_format = \"paragraphs\" or \"lines\" (a [[training.datasets]] table's format) to make each paragraph or line "
-         "a document, or split the text into several files");
+  if (lanes <= 1 || documents >= lanes) return;
+  const bool validation = name == "validation";
+  fail(name, " data: ", documents == 1 ? quote(sources.front().shards.front().path) + " holds " : cat("the text files hold "), documents,
+       " document(s) (a .txt file is one document under format \"text\"), fewer than the ", lanes,
+       " data lanes (training.data_lanes, default: the data-parallel degree): lanes would read the same text from its start, "
+       "and ranks would ", validation ? "validate" : "train", " on the same windows", validation ? " (or find none)" : "",
+       ". Set ", validation ? "validation" : "training",
+       ".dataset_format = \"paragraphs\" or \"lines\"", validation ? "" : " (a [[training.datasets]] table's format)",
+       " to make each paragraph or line a document, or split the text into several files");
+}
+
+void DataLoader::build_lanes(int64_t lane_count) {
+  if (lane_count % options_.dp_degree != 0)
+    fail(options_.name, " data: training.data_lanes = ", lane_count, " must be a multiple of the data-parallel degree ",
+         options_.dp_degree);
+  if (options_.check_documents_per_lane) check_documents_per_lane(sources_, lane_count, options_.name);
   lane_count_ = lane_count;
   lanes_.clear();
   exhausted_.clear();

@@ -50,7 +50,13 @@ struct LoaderOptions {
   // other lanes, rows none can fill are padding (token 0, label kIgnoreIndex: no loss, no valid token), and next()
   // throws DataExhausted only when every lane of this rank is exhausted.
   bool drain = false;
+  // Whether the lanes are checked against the sources' documents (check_documents_per_lane) when they are made.
+  bool check_documents_per_lane = true;
 };
+
+// Fails (naming `name`'s data, the file and the remedy) when whole-file text sources hold fewer documents than
+// `lanes`: lanes l and l + D of D documents would serve the same windows.
+void check_documents_per_lane(const std::vector<SourceSpec>& sources, int64_t lanes, const std::string& name);
 
 // Consumption recorded by an earlier lane layout, so a re-layout neither repeats nor skips documents.
 struct Layer {

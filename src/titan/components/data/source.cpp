@@ -386,8 +386,10 @@ std::string row_text(const RawRow& row, const SourceSpec& source) {
         fail(shard.path, ": row ", row.row, ": column ", quote(source.text_field), " is not valid UTF-8 (byte ", byte,
              " at offset ", bad, " of its text)");
       const uint64_t line = row.line + static_cast<uint64_t>(std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(bad), '\n'));
-      fail(shard.path, ":", line, ": not valid UTF-8 (byte ", byte, " at byte offset ", row.offset + skip + bad,
-           "); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)");
+      // (A paragraph's lines lost their \r: its byte offsets are the file's only up to its first line break.)
+      const std::string at = shard.format == Format::Paragraphs ? cat("in the paragraph at byte offset ", row.offset)
+                                                                : cat("at byte offset ", row.offset + skip + bad);
+      fail(shard.path, ":", line, ": not valid UTF-8 (byte ", byte, " ", at, "); convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)");
     }
     return skip ? std::string(text) : row.bytes;
   }
