@@ -36,7 +36,8 @@ ParallelDims ParallelDims::from_config(const config::Parallelism& p, int64_t wor
   if (d.ep > 1 && d.ep_borrowed() % d.ep != 0)
     fail("parallelism: expert_parallel_degree = ", d.ep, " must divide the ranks it borrows: data_parallel_shard_degree (", d.dp_shard,
          ") x context_parallel_degree (", d.cp, ")", d.etp == 1 ? cat(" x tensor_parallel_degree (", d.tp, ")") : std::string(),
-         " = ", d.ep_borrowed());
+         " = ", d.ep_borrowed(), d.dp_replicate > 1 ? cat(" (data_parallel_replicate_degree's ", d.dp_replicate,
+                                                            " replicas are not borrowed, as in torchtitan)") : std::string());
   return d;
 }
 
