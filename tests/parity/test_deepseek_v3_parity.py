@@ -293,6 +293,8 @@ def test_counts_match_torchtitan(flavor):
         assert out["name"] == "deepseek_v3"
         assert out["parameters"] == nparams, (flavor, seq_len)
         assert out["flops_per_token"] == flops, (flavor, seq_len)
+    if flavor == "671B":  # DeepSeek-V3's published "37B activated for each token"
+        assert abs(out["active_parameters"] / 37e9 - 1) < 0.02, out["active_parameters"]
 
 
 @pytest.mark.parametrize("toml", ["debug_model.toml", "deepseek_v3_16b.toml", "deepseek_v3_671b.toml"])

@@ -146,6 +146,11 @@ def test_counts_match_torchtitan(flavor):
                           "--training.seq_len", "4096"]).stdout)
     assert out["parameters"] == nparams
     assert out["flops_per_token"] == flops
+    # Activated parameters per token as Qwen's model cards give them (3.3B, 22B), every parameter but the routed
+    # experts a token is not sent to.
+    card = {"30B-A3B": 3.3e9, "235B-A22B": 22e9}.get(flavor)
+    if card:
+        assert abs(out["active_parameters"] / card - 1) < 0.02, (flavor, out["active_parameters"])
 
 
 def test_the_debug_moe_flavor_trains(tmp_path):

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "titan/cli/commands.h"
+#include "titan/common/error.h"
 #include "titan/common/strings.h"
 #include "titan/config/dtypes.h"
 #include "titan/config/loader.h"
@@ -41,6 +42,7 @@ int run_estimate(const std::vector<std::string>& raw_args) {
                                 {"model", job.name},
                                 {"parameters", params},
                                 {"embedding_parameters", embedding},
+                                {"active_parameters", args_model.active_parameters()},
                                 {"seq_len", c.training.seq_len},
                                 {"flops_per_token", flops},
                                 {"training_state_bytes", state_bytes}};
@@ -48,7 +50,10 @@ int run_estimate(const std::vector<std::string>& raw_args) {
     return 0;
   }
   std::cout << "model " << spec.name << " " << job.name << ": " << with_thousands(params) << " parameters ("
-            << with_thousands(embedding) << " in the embedding)\n"
+            << with_thousands(embedding) << " in the embedding"
+            << (args_model.active_parameters() != params ? cat("; ", with_thousands(args_model.active_parameters()), " active per token")
+                                                         : std::string())
+            << ")\n"
             << "training FLOPs per token at seq_len " << c.training.seq_len << ": " << strprintf("%.4g", flops) << "\n"
             << "weights + gradients + AdamW state in " << c.training.dtype << ": "
             << strprintf("%.2f", state_bytes / (1024.0 * 1024.0 * 1024.0)) << " GiB (unsharded)\n";

@@ -35,6 +35,9 @@ class ModelArgs {
   int64_t stored_parameters() const;
   // The parameter count and the embedding's part of it as torchtitan's get_nparams_and_flops reports them.
   virtual int64_t reported_parameters() const = 0;
+  // The parameters one token uses: reported_parameters() less the routed experts it is not sent to (Mixture of
+  // Experts: top_k of num_experts per MoE block), as model cards count "activated" parameters.
+  virtual int64_t active_parameters() const { return reported_parameters(); }
   virtual int64_t embedding_parameters() const = 0;
   // Training FLOPs per token (forward + backward), torchtitan's formula for the family.
   virtual double flops_per_token(int64_t seq_len) const = 0;

@@ -136,6 +136,14 @@ int64_t DecoderArgs::reported_parameters() const {
   return tie_word_embeddings && !counts_tied_output ? stored - embedding_parameters() : stored;
 }
 
+int64_t DecoderArgs::active_parameters() const {
+  if (!moe || moe_layers() == 0) return reported_parameters();
+  int64_t routed = 0;  // one MoE block's routed experts
+  for (const auto& p : layer_parameter_shapes(n_layers - 1))
+    if (p.name.find("moe.experts.") != std::string::npos) routed += p.numel();
+  return reported_parameters() - moe_layers() * (routed - routed * moe->top_k / moe->num_experts);
+}
+
 double DecoderArgs::flops_per_token(int64_t seq_len) const {
   double dense = static_cast<double>(stored_parameters() - embedding_parameters());
   if (moe) {

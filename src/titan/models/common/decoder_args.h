@@ -121,6 +121,7 @@ struct DecoderArgs : protocols::ModelArgs {
     return {{"output.weight", "tok_embeddings.weight"}};
   }
   int64_t reported_parameters() const override;
+  int64_t active_parameters() const override;
   int64_t embedding_parameters() const override { return vocab_size * dim; }
   // 6 x (parameters - embedding) + 12 x layers x heads x head_dim x seq_len (torchtitan's formula); with MoE blocks
   // the parameters are the active ones: every dense one, the routers, the shared experts, and the routed experts'
