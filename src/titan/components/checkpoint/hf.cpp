@@ -195,12 +195,13 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
       impl_->where[*name] = {&f, hf_name};
     }
   }
+  // The model's tensors, by titan name.
+  std::set<std::string> known;
+  for (const auto& p : args.parameter_shapes()) known.insert(p.name);
+  for (const auto& b : args.buffer_shapes()) known.insert(b.name);
   // Index entries their file does not hold: an error where the model needs the tensor, else (a tensor the adapter
   // skips or the model does not have) a warning.
   {
-    std::set<std::string> needed;
-    for (const auto& p : args.parameter_shapes()) needed.insert(p.name);
-    for (const auto& b : args.buffer_shapes()) needed.insert(b.name);
     std::vector<std::string> absent;
     for (const auto& [name, file] : indexed) {
       if (found.count(name)) continue;
@@ -209,7 +210,7 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
         if (auto slice = adapter.from_hf_slice_name(name)) ours = slice->first;
         else ours = adapter.from_hf_name(name);
       }
-      if (ours && needed.count(*ours))
+      if (ours && known.count(*ours))
         fail(index_path, " says ", quote(name), " is in ", file, ", which does not hold it (an incomplete or replaced file?)");
       absent.push_back(name);
     }
@@ -224,9 +225,6 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   // Tensors the adapter can name but this model does not have (a layer past num_hidden_layers, say) are not read:
   // said once, as transformers says of unused weights.
   {
-    std::set<std::string> known;
-    for (const auto& p : args.parameter_shapes()) known.insert(p.name);
-    for (const auto& b : args.buffer_shapes()) known.insert(b.name);
     std::vector<std::string> unused;
     for (const auto& [name, where] : impl_->where)
       if (!known.count(name)) unused.push_back(where.second);

@@ -286,24 +286,16 @@ bool ShardRowReader::next(RawRow& row) {
       if (trim(row.bytes).empty()) return false;
       break;
     }
-    case Format::Jsonl: {
-      std::string line;
-      do {
-        if (!impl_->file->next_line(line)) return false;
-      } while (trim(line).empty());
-      row.line = impl_->file->line_number();
-      row.offset = impl_->file->line_offset();
-      row.bytes = std::move(line);
-      break;
-    }
+    case Format::Jsonl:
     case Format::Lines: {
+      // The next non-blank line (a text line without its CRLF's \r; JSON takes it as whitespace).
       std::string line;
       do {
         if (!impl_->file->next_line(line)) return false;
       } while (trim(line).empty());
       row.line = impl_->file->line_number();
       row.offset = impl_->file->line_offset();
-      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (shard_.format == Format::Lines && !line.empty() && line.back() == '\r') line.pop_back();
       row.bytes = std::move(line);
       break;
     }
