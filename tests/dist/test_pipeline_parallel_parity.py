@@ -1,6 +1,7 @@
 """Pipeline parallelism on real MPI ranks against one process at the same global batch: every schedule on PP2 and
 PP4 (virtual stages for the looped ones), and PP with FSDP, DDP, TP and activation checkpointing, give the same
-losses and gradient norms (1e-5 relative) and final weights over 6 float32 steps. Each rank's recorded order of
+losses and gradient norms (1e-5 relative) and final weights over 6 float32 steps; DualPipeV (which needs as many
+micro-batches as stages) on PP2 alone and with FSDP. Each rank's recorded order of
 actions is the order torch.distributed.pipelining's schedule of that name defines, every action started only after
 the neighbouring stage's action it depends on had ended, 1F1B holds at most p micro-batches in flight on the
 first stage where GPipe holds m, and bad stage splits and micro-batch counts are clear errors."""
@@ -60,6 +61,9 @@ CASES.update({
     "pp2_fsdp2_InterleavedZeroBubble": (4, 2, 2, 1, 1, "InterleavedZeroBubble", []),
     "pp2_ddp2_Interleaved1F1B": (4, 2, 1, 2, 1, "Interleaved1F1B", []),
     "pp2_ddp2_ZBVZeroBubble": (4, 2, 1, 2, 1, "ZBVZeroBubble", []),
+    # DualPipeV needs as many micro-batches as stages: 4 here, so PP 2 only.
+    "pp2_DualPipeV": (2, 2, 1, 1, 1, "DualPipeV", []),
+    "pp2_fsdp2_DualPipeV": (4, 2, 2, 1, 1, "DualPipeV", []),
     "pp2_tp2_1F1B_ac_full": (4, 2, 1, 1, 2, "1F1B", ["--activation_checkpoint.mode", "full"]),
     "pp2_tp2_fsdp2_Interleaved1F1B": (8, 2, 2, 1, 2, "Interleaved1F1B", []),
     "pp2_fsdp2_ZBVZeroBubble_ac_op_reshard": (4, 2, 2, 1, 1, "ZBVZeroBubble", [
@@ -84,7 +88,15 @@ def torch_order(name, ranks, microbatches, local):
         schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
         order = {r: schedule._calculate_single_rank_operations(r) for r in range(ranks)}
     compute = (torch_schedules.FORWARD, torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_INPUT, torch_schedules.BACKWARD_WEIGHT)
-    out = {r: [str(a) for a in actions if a is not None and a.computation_type in compute] for r, actions in order.items()}
+
+    def flat(actions):
+        # DualPipeV pairs one stage's forward with the other's backward in one action; titan runs them in that order.
+        for a in actions:
+            if a is not None and a.computation_type == torch_schedules.OVERLAP_F_B:
+                yield from a.sub_actions
+            elif a is not None:
+                yield a
+    out = {r: [str(a) for a in flat(actions) if a.computation_type in compute] for r, actions in order.items()}
     if name == "1F1B":
         # torch's 1F1B order table numbers the last rank's forwards from 1 (1F1, 1F2, ..., 1F{m}: its counter is
         # bumped before first use when that rank has no warm-up); its runtime runs 0 .. m-1, as the other ranks'
@@ -200,6 +212,7 @@ def test_1f1b_keeps_p_microbatches_in_flight_where_gpipe_keeps_m(tmp_path):
      ["training.local_batch_size = 3 does not divide into micro-batches"]),
     (2, pp(2, "Interleaved1F1B") + ["--training.local_batch_size", "5"],
      ["multiple of their rounds", "max(1, 5 / 2) = 2"]),
+    (2, pp(2, "DualPipeV") + ["--training.local_batch_size", "3"], ["DualPipeV needs at least as many micro-batches as stages"]),
     (2, pp(2, "Zigzag"), ["\"Zigzag\" is not a schedule", "Interleaved1F1B"]),
     (2, pp(2, "1F1B") + ["--parallelism.module_fqns_per_model_part",
                          '[["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layer.3", "layers.4", "layers.5", "norm", "output"]]'],

@@ -279,7 +279,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
   at_least(b.add("pipeline_parallel_microbatch_size", &c.parallelism.pipeline_parallel_microbatch_size,
                  "sequences per pipeline micro-batch"), 1);
   b.add("pipeline_parallel_expert_parallel_overlap", &c.parallelism.pipeline_parallel_expert_parallel_overlap,
-        "overlap EP and PP communication under the DualPipeV schedule, which titan does not have (no effect here)");
+        "overlap each DualPipeV forward/backward pair's EP communication with the other's computation; titan runs the pair "
+        "one after the other (no effect here)");
   at_least(b.add("context_parallel_degree", &c.parallelism.context_parallel_degree, "context-parallel degree"), 1);
   b.add("context_parallel_load_balancer", &c.parallelism.context_parallel_load_balancer, "CP load balancer: headtail, ptrr or None");
   choices(b.add("context_parallel_rotate_method", &c.parallelism.context_parallel_rotate_method,

@@ -24,6 +24,7 @@ const std::vector<ScheduleTraits>& all_traits() {
       {"LoopedBFS", false, false, false},
       {"InterleavedZeroBubble", false, false, true},
       {"ZBVZeroBubble", false, true, true},
+      {"DualPipeV", false, true, true},
   };
   return traits;
 }
@@ -140,6 +141,49 @@ std::vector<Action> zbv(int rank, int p, int m) {
   return out;
 }
 
+// DualPipeV (DeepSeek-V3's bidirectional schedule folded into a V, as torch.distributed.pipelining orders it): rank r
+// holds stages r and 2p - 1 - r. After a warm-up of forwards it runs pairs of one stage's forward with the other's
+// full backward (DualPipe overlaps each pair's computation with the other's communication; here they run one after
+// the other); the cool-down splits the last backwards, and their weight steps fill the tail in the order the input
+// steps ran.
+std::vector<Action> dual_pipe_v(int rank, int p, int m) {
+  const int c0 = rank, c1 = 2 * p - 1 - rank;
+  std::vector<Action> a;
+  std::map<int, int> forwards, backwards;  // per stage: the next micro-batch
+  std::deque<std::pair<int, int>> weights; // input steps whose weight step is still to come, oldest first
+  auto forward = [&](int stage) { a.push_back(Action{stage, Op::Forward, forwards[stage]++}); };
+  auto backward = [&](int stage, bool split) {
+    const int mb = backwards[stage]++;
+    a.push_back(Action{stage, split ? Op::BackwardInput : Op::Backward, mb});
+    if (split) weights.emplace_back(stage, mb);
+  };
+  auto weight = [&] {
+    if (weights.empty()) return;
+    a.push_back(Action{weights.front().first, Op::BackwardWeight, weights.front().second});
+    weights.pop_front();
+  };
+  const int after = p - rank - 1;  // ranks after this one
+  for (int i = 0; i < 2 * after; ++i) forward(c0);
+  for (int i = 0; i <= rank; ++i) forward(c0), forward(c1);
+  for (int i = 0; i < after; ++i) backward(c1, true), weight(), forward(c1);
+  for (int i = 0; i < m - 2 * p + rank + 1; ++i) {
+    forward(c0), backward(c1, false);  // the last rank's first pair is not overlapped in DualPipe: same order here
+    forward(c1), backward(c0, false);
+  }
+  for (int i = 0; i < after; ++i) backward(c1, false), forward(c1), backward(c0, false);
+  // The cool-down: the later half of these backwards is split (from stage c1 on odd ranks, c0 on even ones).
+  bool split = false;
+  for (int i = 0; i <= rank; ++i) {
+    if (i == (rank + 1) / 2 && rank % 2 == 1) split = true;
+    backward(c1, split);
+    if (i == (rank + 1) / 2 && rank % 2 == 0) split = true;
+    backward(c0, split);
+  }
+  for (int i = 0; i < after; ++i) weight(), backward(c0, split);
+  while (!weights.empty()) weight();
+  return a;
+}
+
 bool is_backward(Op op) { return op == Op::Backward || op == Op::BackwardInput; }
 
 }  // namespace
@@ -189,12 +233,15 @@ Schedule Schedule::build(const ScheduleTraits& t, int pp, int stages, int m) {
   if (stages % pp != 0) fail(what, ": the stages do not divide evenly over the ranks");
   const int local = stages / pp;
   if (t.single_stage && local != 1)
-    fail(what, ": ", t.name, " runs one stage per rank, got ", local, "; use Interleaved1F1B, LoopedBFS, InterleavedZeroBubble "
-         "or ZBVZeroBubble for virtual stages");
+    fail(what, ": ", t.name, " runs one stage per rank, got ", local, "; use Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+         "ZBVZeroBubble or DualPipeV for virtual stages");
   if (!t.single_stage && local < 2 && pp > 1)
     fail(what, ": ", t.name, " needs at least 2 stages per rank, got ", local,
          "; lower parallelism.pipeline_parallel_layers_per_stage or use GPipe/1F1B");
-  if (t.v_shape && local != 2) fail(what, ": ZBVZeroBubble needs exactly 2 stages per rank, got ", local);
+  if (t.v_shape && local != 2) fail(what, ": ", t.name, " needs exactly 2 stages per rank, got ", local);
+  if (t.name == "DualPipeV" && m < stages)
+    fail(what, ": DualPipeV needs at least as many micro-batches as stages; raise training.local_batch_size or lower "
+         "parallelism.pipeline_parallel_microbatch_size (micro-batches = local_batch_size / microbatch_size)");
   if (t.name == "1F1B" && m < stages)
     fail(what, ": 1F1B needs at least as many micro-batches as stages; raise training.local_batch_size or lower "
          "parallelism.pipeline_parallel_microbatch_size (micro-batches = local_batch_size / microbatch_size)");
@@ -209,6 +256,7 @@ Schedule Schedule::build(const ScheduleTraits& t, int pp, int stages, int m) {
     else if (t.name == "1F1B") s.per_rank_.push_back(one_f_one_b(r, pp, m));
     else if (t.name == "LoopedBFS") s.per_rank_.push_back(looped_bfs(r, pp, local, m));
     else if (t.name == "ZBVZeroBubble") s.per_rank_.push_back(zbv(r, pp, m));
+    else if (t.name == "DualPipeV") s.per_rank_.push_back(dual_pipe_v(r, pp, m));
     else s.per_rank_.push_back(interleaved(r, pp, local, m, t.splits_backward));
   }
   s.check(what);

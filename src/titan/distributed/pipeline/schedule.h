@@ -1,7 +1,7 @@
 // Pipeline schedules: which compute action (forward, backward, or the zero-bubble split of backward into input
 // and weight gradients) each pipeline rank runs in which order, for torchtitan's schedule names (the orders of
-// torch.distributed.pipelining's GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble)
-// or a CSV file in its compute-only format. Pure data: no tensors, no communication.
+// torch.distributed.pipelining's GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble,
+// DualPipeV) or a CSV file in its compute-only format. Pure data: no tensors, no communication.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,7 +28,7 @@ struct Action {
 struct ScheduleTraits {
   std::string name;         // canonical spelling
   bool single_stage = true; // one stage per rank (GPipe, 1F1B); the others hold several
-  bool v_shape = false;     // rank r holds stages r and 2p - 1 - r (ZBVZeroBubble) instead of r, r + p, ...
+  bool v_shape = false;     // rank r holds stages r and 2p - 1 - r (ZBVZeroBubble, DualPipeV) instead of r, r + p, ...
   bool splits_backward = false;
 };
 // Case-insensitive as torchtitan; throws UserError listing the valid names.
