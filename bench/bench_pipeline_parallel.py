@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pipeline parallelism on one machine: each schedule at PP 2 and PP 4 against one process (no PP) at the same
 global batch. Prints step time, tokens/s of the job, the bubble rank 0 measured (its time not computing) next to
-the schedule's unit-time bubble and, for GPipe/1F1B, the analytic (p - 1) / (m + p - 1), and the bytes rank 0 sent
+the schedule's simulated bubble and, for GPipe/1F1B, the analytic (p - 1) / (m + p - 1), and the bytes rank 0 sent
 to neighbouring stages per step against the analytic figure. Figures and ratios only; never fails on time.
 
 On a 2-core machine the ranks share the cores, so measured bubbles include time a rank waits for a core.
@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BINARY = os.environ.get("TITAN_BIN", str(ROOT / "build" / "bin" / "titan"))
 DIM = 256  # debugmodel
-SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2, "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2}
+SCHEDULES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2, "InterleavedZeroBubble": 2, "ZBVZeroBubble": 2,
+             "DualPipeV": 2}
 
 
 def run(args, pp=1, schedule="1F1B"):
@@ -40,7 +41,7 @@ def run(args, pp=1, schedule="1F1B"):
     tps = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", out.stdout)][1:]
     result = {"tokens_per_s": sum(tps) / len(tps) * pp}  # tps is per device
     result["step"] = args.local_batch * args.seq_len / result["tokens_per_s"]
-    m = re.search(r"measured bubble ([\d.]+)% \(schedule's unit-time bubble ([\d.]+)%\), ([\d.]+) MB sent", out.stdout)
+    m = re.search(r"measured bubble ([\d.]+)% \(schedule's simulated bubble ([\d.]+)%\), ([\d.]+) MB sent", out.stdout)
     if m:
         result.update(bubble=float(m.group(1)), unit_bubble=float(m.group(2)), mb_sent=float(m.group(3)))
     return result
@@ -72,13 +73,13 @@ def main():
     args = parser.parse_args()
     base = run(args)
     print(f"debugmodel, seq_len {args.seq_len}, {args.local_batch} micro-batches of 1 per step, float32, {os.cpu_count()} cores")
-    print(f"{'layout':<28}{'step s':>8}{'tok/s':>9}{'vs 1 proc':>10}{'bubble':>8}{'unit-time':>10}{'(p-1)/(m+p-1)':>15}"
+    print(f"{'layout':<28}{'step s':>8}{'tok/s':>9}{'vs 1 proc':>10}{'bubble':>8}{'simulated':>10}{'(p-1)/(m+p-1)':>15}"
           f"{'MB sent':>9}{'analytic':>9}")
     print(f"{f'one process x {os.cpu_count()} threads':<28}{base['step']:>8.3f}{base['tokens_per_s']:>9.0f}{1.0:>10.2f}")
     for pp in (2, 4):
         for schedule, local in SCHEDULES.items():
             r = run(args, pp, schedule)
-            args.v = schedule == "ZBVZeroBubble"
+            args.v = schedule in ("ZBVZeroBubble", "DualPipeV")
             analytic = f"{100 * (pp - 1) / (args.local_batch + pp - 1):.1f}%" if local == 1 else "-"
             print(f"{f'PP{pp} {schedule}':<28}{r['step']:>8.3f}{r['tokens_per_s']:>9.0f}{r['tokens_per_s'] / base['tokens_per_s']:>10.2f}"
                   f"{r['bubble']:>7.1f}%{r['unit_bubble']:>9.1f}%{analytic:>15}{r['mb_sent']:>9.2f}{analytic_mb_sent(args, pp, local):>9.2f}")

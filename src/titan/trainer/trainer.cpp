@@ -752,7 +752,7 @@ void Trainer::log_summary(int64_t first_step, double train_start) {
   }
   if (pipeline() && pipeline()->runner().steps() > 0) {
     const auto& r = pipeline()->runner();
-    log::info(strprintf("Pipeline on this rank: measured bubble %.1f%%%s (schedule's unit-time bubble %.1f%%), %.2f MB sent to "
+    log::info(strprintf("Pipeline on this rank: measured bubble %.1f%%%s (schedule's simulated bubble %.1f%%), %.2f MB sent to "
                         "neighbouring stages per step, at most %d micro-batches in flight; %lld activation shape header(s) read "
                         "back from the device over %lld training pass(es) of the schedule (the first activation of a shape "
                         "on each channel, and every one in validation), no loss read back within a pass",

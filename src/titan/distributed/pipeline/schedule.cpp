@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -376,43 +377,63 @@ void Schedule::check(const std::string& where) const {
 }
 
 Schedule::Simulation Schedule::simulate() const {
-  Simulation sim;
-  std::set<std::tuple<int, char, int>> done;
-  auto finished = [&](int s, Op op, int m) { return done.count({s, static_cast<char>(op), m}) > 0; };
-  auto ready = [&](const Action& a) {
+  // A forward, an input step and a weight step take one unit each; a full backward two (it is both steps).
+  auto duration = [](Op op) -> int64_t { return op == Op::Backward ? 2 : 1; };
+  std::map<std::tuple<int, char, int>, int64_t> ends;
+  auto end_of = [&](int s, Op op, int m) -> std::optional<int64_t> {
+    auto it = ends.find({s, static_cast<char>(op), m});
+    if (it == ends.end()) return std::nullopt;
+    return it->second;
+  };
+  // When every action `a` depends on has ended, the latest of those ends; nothing while one has not.
+  auto ready_at = [&](const Action& a) -> std::optional<int64_t> {
+    std::vector<std::optional<int64_t>> needs;
     switch (a.op) {
-      case Op::Forward: return a.stage == 0 || finished(a.stage - 1, Op::Forward, a.microbatch);
+      case Op::Forward:
+        if (a.stage > 0) needs.push_back(end_of(a.stage - 1, Op::Forward, a.microbatch));
+        break;
       case Op::Backward:
       case Op::BackwardInput:
-        return finished(a.stage, Op::Forward, a.microbatch) &&
-               (a.stage == stages_ - 1 || finished(a.stage + 1, Op::Backward, a.microbatch) ||
-                finished(a.stage + 1, Op::BackwardInput, a.microbatch));
-      case Op::BackwardWeight: return finished(a.stage, Op::BackwardInput, a.microbatch);
+        needs.push_back(end_of(a.stage, Op::Forward, a.microbatch));
+        if (a.stage < stages_ - 1) {
+          auto next = end_of(a.stage + 1, Op::Backward, a.microbatch);
+          needs.push_back(next ? next : end_of(a.stage + 1, Op::BackwardInput, a.microbatch));
+        }
+        break;
+      case Op::BackwardWeight: needs.push_back(end_of(a.stage, Op::BackwardInput, a.microbatch)); break;
     }
-    return false;
+    int64_t at = 0;
+    for (const auto& n : needs) {
+      if (!n) return std::nullopt;
+      at = std::max(at, *n);
+    }
+    return at;
   };
-  std::vector<size_t> next(static_cast<size_t>(pp_), 0);
+  Simulation sim;
   sim.slot.resize(static_cast<size_t>(pp_));
+  std::vector<size_t> next(static_cast<size_t>(pp_), 0);
+  std::vector<int64_t> free(static_cast<size_t>(pp_), 0);
   int64_t busy = 0;
-  for (int64_t t = 0;; ++t) {
-    std::vector<Action> ran;
-    bool remaining = false;
+  for (;;) {
+    bool progress = false, remaining = false;
     for (int r = 0; r < pp_; ++r) {
       const auto& actions = per_rank_[static_cast<size_t>(r)];
       size_t& i = next[static_cast<size_t>(r)];
-      if (i >= actions.size()) continue;
-      remaining = true;
-      if (!ready(actions[i])) continue;
-      ran.push_back(actions[i]);
-      sim.slot[static_cast<size_t>(r)].push_back(static_cast<int>(t));
-      ++i;
-      ++busy;
+      int64_t& at = free[static_cast<size_t>(r)];
+      for (; i < actions.size(); ++i) {
+        const auto dependencies = ready_at(actions[i]);
+        if (!dependencies) break;
+        at = std::max(at, *dependencies);
+        sim.slot[static_cast<size_t>(r)].push_back(at);
+        at += duration(actions[i].op);
+        busy += duration(actions[i].op);
+        ends[{actions[i].stage, static_cast<char>(actions[i].op), actions[i].microbatch}] = at;
+        progress = true;
+      }
+      remaining = remaining || i < actions.size();
     }
-    if (!remaining) {
-      sim.makespan = t;
-      break;
-    }
-    if (ran.empty()) {
+    if (!remaining) break;
+    if (!progress) {
       std::vector<std::string> stuck;
       for (int r = 0; r < pp_; ++r) {
         const auto& actions = per_rank_[static_cast<size_t>(r)];
@@ -421,8 +442,8 @@ Schedule::Simulation Schedule::simulate() const {
       fail("pipeline schedule ", name_, " deadlocks: every rank waits for another (", join(stuck, "; "),
            "); each forward needs the previous stage's forward, each backward the next stage's backward");
     }
-    for (const auto& a : ran) done.insert({a.stage, static_cast<char>(a.op), a.microbatch});
   }
+  sim.makespan = *std::max_element(free.begin(), free.end());
   sim.bubble = sim.makespan == 0 ? 0.0 : 1.0 - static_cast<double>(busy) / static_cast<double>(sim.makespan * pp_);
   return sim;
 }

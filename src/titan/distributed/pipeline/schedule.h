@@ -54,11 +54,11 @@ class Schedule {
   const std::vector<Action>& actions(int rank) const { return per_rank_.at(static_cast<size_t>(rank)); }
   bool splits_backward() const;
 
-  // Unit-time simulation (every action takes one slot, communication is free): the slot each action runs in, per
-  // rank, and the idle fraction of the ranks' time until the last action ends. Throws UserError naming the stuck
-  // actions when the order deadlocks.
+  // Simulated in time units, communication free: a forward, an input step (I) and a weight step (W) take one unit
+  // each, a full backward two. Gives when each action starts, per rank, and the idle fraction of the ranks' time
+  // until the last action ends. Throws UserError naming the stuck actions when the order deadlocks.
   struct Simulation {
-    std::vector<std::vector<int>> slot;  // per rank, per action
+    std::vector<std::vector<int64_t>> slot;  // per rank, per action: its start
     int64_t makespan = 0;
     double bubble = 0;
   };
