@@ -185,6 +185,40 @@ def test_training_from_a_qwen3_directory_takes_the_family_from_config_json(tmp_p
         assert needle in mismatch.stderr, mismatch.stderr
 
 
+def test_a_run_from_hugging_face_weights_resumes_with_the_model_its_checkpoint_records(tmp_path):
+    """A run that took its shape from a Hugging Face folder (model.flavor "hf") resumes from its own checkpoint with
+    the shape that checkpoint records: the folder may be gone, or its config.json edited, by then (a requeued job
+    whose model cache was cleared), and the resumed steps equal the uninterrupted run's."""
+    import re
+    import shutil
+
+    hf_dir = tmp_path / "hf"
+    hf_model("untied_gqa").save_pretrained(hf_dir)
+
+    def train(dump, steps, source):
+        result = run([binary("titan"), "train", "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
+                      "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(steps),
+                      "--debug.seed", "0", "--checkpoint.initial_load_path", str(source), "--checkpoint.initial_load_in_hf",
+                      "--model.flavor", "hf", "--checkpoint.enable", "--checkpoint.interval", "2",
+                      "--checkpoint.last_save_model_only", "false",
+                      "--metrics.disable_color_printing", "--job.dump_folder", str(dump)])
+        return {int(m.group(1)): m.group(2) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", result.stdout)}
+
+    straight = train(tmp_path / "straight", 4, hf_dir)
+    for change in ("removed", "edited"):
+        source = tmp_path / f"hf_{change}"
+        shutil.copytree(hf_dir, source)
+        first = train(tmp_path / change, 2, source)
+        if change == "removed":
+            shutil.rmtree(source)
+        else:
+            config = json.loads((source / "config.json").read_text())
+            config.update(rope_theta=10000.0, rms_norm_eps=1e-5)
+            (source / "config.json").write_text(json.dumps(config))
+        resumed = train(tmp_path / change, 4, source)
+        assert {**first, **resumed} == straight, (change, first, resumed, straight)
+
+
 @pytest.mark.parametrize("name", ["tied_wide_heads", "untied_gqa"])
 def test_dcp_export_is_torchtitans_qwen3_layout(tmp_path, name):
     """A Qwen3 titan checkpoint exported with `titan convert --format dcp` holds exactly torchtitan's Qwen3Model state

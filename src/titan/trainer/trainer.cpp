@@ -16,6 +16,7 @@
 #include "titan/common/files.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
+#include "titan/components/checkpoint/formats/dcp.h"
 #include "titan/components/data/builtin.h"
 #include "titan/components/metrics/cuda_device.h"
 #include "titan/components/quantization/float8.h"
@@ -59,8 +60,29 @@ distributed::ParallelDims Trainer::check_job() {
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
               "OMP_THREAD_LIMIT limit the threads");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
-  spec_ = &models::job_spec(loaded_);
-  const protocols::JobModel job_model = spec_->job_model(loaded_);
+  // A run that started from Hugging Face weights and has saved since resumes with the family and model its
+  // checkpoint records: checkpoint.initial_load_path matters only while the folder holds no checkpoint (it may have
+  // changed or gone since).
+  const std::optional<protocols::ResumedModel> resumed = [&]() -> std::optional<protocols::ResumedModel> {
+    if (!c.checkpoint.initial_load_in_hf || !c.checkpoint.initial_load_path) return std::nullopt;
+    const auto directory = checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder);
+    if (!directory || !std::filesystem::exists(std::filesystem::path(*directory) / "metadata.json")) return std::nullopt;
+    const checkpoint::Reader reader(*directory);
+    const nlohmann::json& meta = reader.metadata();
+    if (!meta.contains("model") || !meta.at("model").is_object()) return std::nullopt;
+    return protocols::ResumedModel{meta.at("model"), meta.value("flavor", "custom"),
+                                   (std::filesystem::path(*directory) / "metadata.json").string()};
+  }();
+  if (resumed) {
+    const nlohmann::json& family = resumed->model.contains("family") ? resumed->model.at("family") : nlohmann::json();
+    spec_ = &models::model_spec(loaded_.origins.count("model.name") || !family.is_string() ? c.model.name
+                                                                                        : family.get<std::string>());
+    log::info("Resuming from ", std::filesystem::path(resumed->where).parent_path().string(), ": the model's shape is the one it "
+              "records (checkpoint.initial_load_path ", quote(*c.checkpoint.initial_load_path), " is not read)");
+  } else {
+    spec_ = &models::job_spec(loaded_);
+  }
+  const protocols::JobModel job_model = resumed ? spec_->resumed_job_model(loaded_, *resumed) : spec_->job_model(loaded_);
   model_args_ = job_model.args;
   model_name_ = job_model.name;
   if (models::take_flavor_mask(loaded_, *model_args_))

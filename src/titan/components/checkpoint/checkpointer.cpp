@@ -282,6 +282,16 @@ std::optional<int64_t> Checkpointer::latest_complete_step(const std::string& roo
   return best;
 }
 
+std::optional<std::string> Checkpointer::resume_directory(const config::Checkpoint& config, const std::string& dump_folder) {
+  const fs::path root = fs::path(dump_folder) / config.folder;
+  const std::optional<int64_t> step = config.load_step >= 0 ? std::optional<int64_t>(config.load_step) : latest_complete_step(root.string());
+  if (!step) return std::nullopt;
+  const fs::path dir = root / ("step-" + std::to_string(*step));
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return std::nullopt;  // load() names a missing load_step
+  return dir.string();
+}
+
 bool Checkpointer::should_save(int64_t step, bool last) const {
   return last || step % config_.interval == 0 || (step == 1 && config_.enable_first_step_checkpoint);
 }

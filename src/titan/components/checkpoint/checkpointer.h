@@ -63,6 +63,9 @@ class Checkpointer {
 
   std::string folder() const { return root_; }
   static std::optional<int64_t> latest_complete_step(const std::string& root);
+  // The checkpoint directory load() resumes from (checkpoint.load_step's, else the newest complete one in
+  // checkpoint.folder), when there is one; what the folder will hold after load() tidies it is not considered.
+  static std::optional<std::string> resume_directory(const config::Checkpoint& config, const std::string& dump_folder);
 
  private:
   void purge(int64_t newest_step);

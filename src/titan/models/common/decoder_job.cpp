@@ -126,7 +126,8 @@ DecoderJobModel checked(DecoderJobModel model, const config::LoadedConfig& loade
   return model;
 }
 
-DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
+DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const DecoderFamily& family,
+                                    const protocols::ResumedModel* resumed) {
   const config::JobConfig& c = loaded.config;
   const auto keys = set_shape_keys(loaded);
   const bool from_hf = c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path;
@@ -138,8 +139,9 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
   if (!from_hf || (is_set(loaded, "model.flavor") && !hf_flavor)) {
     DecoderJobModel out{apply_shape_keys(family.flavor(c.model.flavor), loaded), c.model.flavor};
     if (!keys.empty()) out.name = cat(c.model.flavor, " with ", join(keys, ", "), " set");
-    if (from_hf) {
-      // The configured model must compute what the Hugging Face weights were trained to compute.
+    if (from_hf && !resumed) {
+      // The configured model must compute what the Hugging Face weights were trained to compute (a resumed run is
+      // checked against its checkpoint when that loads).
       const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
       const auto differences = family.read_hf_config(path).computation_differences(out.args);
       if (!differences.empty())
@@ -149,9 +151,11 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
     }
     return out;
   }
-  // No flavor named: the Hugging Face config.json is the shape; shape keys set in the config must agree with it.
-  const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
-  const DecoderArgs hf = family.read_hf_config(path);
+  // No flavor named: the Hugging Face config.json is the shape, or once the run has saved, the shape its checkpoint
+  // recorded; shape keys set in the config must agree with it.
+  const std::string path = resumed ? resumed->where : (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
+  const DecoderArgs hf = resumed ? decoder_args_from_json(resumed->model, resumed->where + ": model", c.model.name)
+                                 : family.read_hf_config(path);
   DecoderArgs args = apply_shape_keys(hf, loaded);
   // The model keeps the context it was made for (max_position_embeddings) unless model.max_seq_len says otherwise,
   // so that its Hugging Face export still advertises it.
@@ -160,13 +164,14 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
   if (!differences.empty())
     fail("[model] keys ", join(keys, ", "), " change the model that ", path, " describes (config.json vs configured):\n  ",
          join(differences, "\n  "), "\nremove them to train the model the weights belong to");
-  return {args, cat("from ", path)};
+  return {args, resumed ? resumed->flavor : cat("from ", path)};
 }
 
 }  // namespace
 
-DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family) {
-  return checked(unchecked_job_model(loaded, family), loaded);
+DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family,
+                          const protocols::ResumedModel* resumed) {
+  return checked(unchecked_job_model(loaded, family, resumed), loaded);
 }
 
 }  // namespace titan::models

@@ -7,6 +7,7 @@
 
 #include "titan/config/loader.h"
 #include "titan/models/common/decoder_args.h"
+#include "titan/protocols/model_spec.h"
 
 namespace titan::models {
 
@@ -28,7 +29,9 @@ struct DecoderJobModel {
 // together or disagree with the Hugging Face weights the job loads. max_seq_len is model.max_seq_len when set
 // (at least training.seq_len), else training.seq_len, as torchtitan sets it; a shape taken from config.json keeps
 // its max_position_embeddings when that is longer.
-DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family);
+// `resumed`: what the checkpoint the job resumes from records (protocols::ModelSpec::resumed_job_model).
+DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family,
+                          const protocols::ResumedModel* resumed = nullptr);
 
 // The flavor with the [model] shape keys that are set applied (no Hugging Face config, max_seq_len as above).
 DecoderArgs apply_shape_keys(DecoderArgs base, const config::LoadedConfig& loaded);

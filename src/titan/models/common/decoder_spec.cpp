@@ -55,6 +55,12 @@ protocols::ModelSpec decoder_spec(const DecoderFamilySpec& f) {
     DecoderJobModel job = job_model(loaded, family);
     return protocols::JobModel{std::make_shared<DecoderArgs>(job.args), job.name};
   };
+  s.resumed_job_model = [family, counts = f.counts_tied_output](const config::LoadedConfig& loaded,
+                                                                 const protocols::ResumedModel& resumed) {
+    DecoderJobModel job = job_model(loaded, family, &resumed);
+    job.args.counts_tied_output = counts;
+    return protocols::JobModel{std::make_shared<DecoderArgs>(job.args), job.name};
+  };
   s.args_from_json = [name = f.name, counts = f.counts_tied_output](const nlohmann::json& j, const std::string& where)
       -> std::shared_ptr<const protocols::ModelArgs> {
     auto args = std::make_shared<DecoderArgs>(decoder_args_from_json(j, where, name));
