@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from titan_testing import SOURCE_DIR, binary, read_checkpoint, run
+from titan_testing import SOURCE_DIR, binary, read_checkpoint, run, shared
 
 # An odd shape no flavor has: GQA 6/2 heads of 16, feed-forward 200 wide, RoPE base 10000 without scaling, eps 1e-6.
 ODD = dict(hidden_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, intermediate_size=200,
@@ -157,3 +157,28 @@ def test_bad_shape_keys_name_the_key(tmp_path):
     result = train(tmp_path / "run2", ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf",
                                        "--model.flavor", "hf", "--model.rope_theta", "500000"])
     assert result.returncode == 2 and "rope_theta: 10000 vs 500000" in result.stderr, result.stderr[-2000:]
+
+
+def test_files_of_older_and_tied_exports_train_as_transformers_reads_them(tmp_path):
+    """What transformers ignores titan ignores too, saying so: RoPE frequencies older versions saved
+    (rotary_emb.inv_freq) and an lm_head.weight beside tied embeddings. The folder's own tokenizer is the default, and
+    training past max_position_embeddings is said."""
+    hf = tmp_path / "hf"
+    hf_model(hf, tie_word_embeddings=True)
+    weights = load_file(str(hf / "model.safetensors"))
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = shared("tokenizers", "torchtitan_test")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (hf / name).write_bytes((tokenizer / name).read_bytes())
+    result = run([binary("titan"), "train", "--job.dump_folder", str(tmp_path / "run"), "--training.dataset", "fortunes",
+                  "--training.seq_len", "256", "--training.local_batch_size", "1", "--training.steps", "1",
+                  "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "--model.flavor", "hf",
+                  "--metrics.disable_color_printing"], env={"OMP_NUM_THREADS": "2"})
+    for needle in ['skipped 1 tensor(s) of RoPE frequencies older transformers versions saved',
+                   '"lm_head.weight" is not read: the model\'s output uses the embedding\'s table',
+                   f'Tokenizer from "{hf}", the folder the weights come from',
+                   'training.seq_len = 256 is longer than the 128 positions of']:
+        assert needle in result.stdout + result.stderr, (needle, result.stdout[-3000:])
+    assert "step:  1" in result.stdout

@@ -188,7 +188,8 @@ def test_training_from_a_qwen3_directory_takes_the_family_from_config_json(tmp_p
 def test_a_run_from_hugging_face_weights_resumes_with_the_model_its_checkpoint_records(tmp_path):
     """A run that took its shape from a Hugging Face folder (model.flavor "hf") resumes from its own checkpoint with
     the shape that checkpoint records: the folder may be gone, or its config.json edited, by then (a requeued job
-    whose model cache was cleared), and the resumed steps equal the uninterrupted run's."""
+    whose model cache was cleared), and the resumed steps equal the uninterrupted run's. A run that starts from the
+    folder converted to a titan checkpoint trains the same model without naming it."""
     import re
     import shutil
 
@@ -217,6 +218,15 @@ def test_a_run_from_hugging_face_weights_resumes_with_the_model_its_checkpoint_r
             (source / "config.json").write_text(json.dumps(config))
         resumed = train(tmp_path / change, 4, source)
         assert {**first, **resumed} == straight, (change, first, resumed, straight)
+    # The same weights converted to a titan checkpoint start the same run, with no flavor or family named: the
+    # checkpoint records its model.
+    run([binary("titan"), "convert", "--from", str(hf_dir), "--to", str(tmp_path / "start")])
+    result = run([binary("titan"), "train", "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
+                  "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "4", "--debug.seed", "0",
+                  "--checkpoint.initial_load_path", str(tmp_path / "start"), "--metrics.disable_color_printing",
+                  "--job.dump_folder", str(tmp_path / "from_titan")])
+    assert "Model qwen3" in result.stdout and "the checkpoint the run starts from (model.flavor is not set)" in result.stdout
+    assert {int(m.group(1)): m.group(2) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", result.stdout)} == straight
 
 
 @pytest.mark.parametrize("name", ["tied_wide_heads", "untied_gqa"])

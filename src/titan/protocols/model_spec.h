@@ -30,8 +30,8 @@ struct JobModel {
   std::string name;
 };
 
-// What the checkpoint a job resumes from records of its model (metadata.json's "model" and "flavor").
-struct ResumedModel {
+// What a titan checkpoint records of its model (metadata.json's "model" and "flavor").
+struct RecordedModel {
   nlohmann::json model;
   std::string flavor;
   std::string where;  // the metadata file, for errors
@@ -46,10 +46,11 @@ struct ModelSpec {
   // The job's model: model.flavor ("hf": config.json's shape), the [model] shape keys, checked against the HF
   // weights the job starts from.
   std::function<JobModel(const config::LoadedConfig& loaded)> job_model;
-  // The same when the job resumes from a checkpoint that records its model: a job that started from Hugging Face
-  // weights with their config.json's shape takes the shape from the checkpoint instead (the folder it started from
-  // may have changed or gone since), and one with a named flavor is not compared with that folder again.
-  std::function<JobModel(const config::LoadedConfig& loaded, const ResumedModel& resumed)> resumed_job_model;
+  // The same where a checkpoint's record decides the model: a job that started from Hugging Face weights and resumes
+  // takes config.json's part from its checkpoint instead (the folder it started from may have changed or gone
+  // since; with a named flavor it is not compared with that folder again), and a job that starts from a titan
+  // checkpoint with no flavor named trains the model that checkpoint holds.
+  std::function<JobModel(const config::LoadedConfig& loaded, const RecordedModel& resumed)> recorded_job_model;
   // Arguments from checkpoint metadata (ModelArgs::to_json); `where` names the source in errors.
   std::function<std::shared_ptr<const ModelArgs>(const nlohmann::json& j, const std::string& where)> args_from_json;
   // The arguments a Hugging Face config.json describes (UserError naming the file and field otherwise).

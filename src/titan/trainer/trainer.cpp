@@ -60,29 +60,39 @@ distributed::ParallelDims Trainer::check_job() {
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
               "OMP_THREAD_LIMIT limit the threads");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
-  // A run that started from Hugging Face weights and has saved since resumes with the family and model its
-  // checkpoint records: checkpoint.initial_load_path matters only while the folder holds no checkpoint (it may have
-  // changed or gone since).
-  const std::optional<protocols::ResumedModel> resumed = [&]() -> std::optional<protocols::ResumedModel> {
-    if (!c.checkpoint.initial_load_in_hf || !c.checkpoint.initial_load_path) return std::nullopt;
-    const auto directory = checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder);
-    if (!directory || !std::filesystem::exists(std::filesystem::path(*directory) / "metadata.json")) return std::nullopt;
-    const checkpoint::Reader reader(*directory);
+  // The model a checkpoint records, where it decides the job's model: a run that started from Hugging Face weights
+  // and has saved since resumes with the family and model its checkpoint records (checkpoint.initial_load_path
+  // matters only while the folder holds no checkpoint; it may have changed or gone since), and a run that starts
+  // from a titan checkpoint without naming a flavor trains the model that checkpoint holds.
+  auto recorded_in = [](const std::string& directory) -> std::optional<protocols::RecordedModel> {
+    if (!std::filesystem::exists(std::filesystem::path(directory) / "metadata.json")) return std::nullopt;
+    const checkpoint::Reader reader(directory);
     const nlohmann::json& meta = reader.metadata();
     if (!meta.contains("model") || !meta.at("model").is_object()) return std::nullopt;
-    return protocols::ResumedModel{meta.at("model"), meta.value("flavor", "custom"),
-                                   (std::filesystem::path(*directory) / "metadata.json").string()};
-  }();
+    return protocols::RecordedModel{meta.at("model"), meta.value("flavor", "custom"),
+                                   (std::filesystem::path(directory) / "metadata.json").string()};
+  };
+  const auto resume_directory = checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder);
+  std::optional<protocols::RecordedModel> resumed;
+  if (c.checkpoint.initial_load_path && c.checkpoint.initial_load_in_hf && resume_directory) {
+    resumed = recorded_in(*resume_directory);
+    if (resumed)
+      log::info("Resuming from ", *resume_directory, ": the model is the one it records (checkpoint.initial_load_path ",
+                quote(*c.checkpoint.initial_load_path), " is not read)");
+  } else if (c.checkpoint.initial_load_path && !c.checkpoint.initial_load_in_hf && !resume_directory &&
+             !loaded_.origins.count("model.flavor")) {
+    resumed = recorded_in(*c.checkpoint.initial_load_path);
+    if (resumed)
+      log::info("Model from ", *c.checkpoint.initial_load_path, ", the checkpoint the run starts from (model.flavor is not set)");
+  }
   if (resumed) {
     const nlohmann::json& family = resumed->model.contains("family") ? resumed->model.at("family") : nlohmann::json();
     spec_ = &models::model_spec(loaded_.origins.count("model.name") || !family.is_string() ? c.model.name
                                                                                         : family.get<std::string>());
-    log::info("Resuming from ", std::filesystem::path(resumed->where).parent_path().string(), ": the model's shape is the one it "
-              "records (checkpoint.initial_load_path ", quote(*c.checkpoint.initial_load_path), " is not read)");
   } else {
     spec_ = &models::job_spec(loaded_);
   }
-  const protocols::JobModel job_model = resumed ? spec_->resumed_job_model(loaded_, *resumed) : spec_->job_model(loaded_);
+  const protocols::JobModel job_model = resumed ? spec_->recorded_job_model(loaded_, *resumed) : spec_->job_model(loaded_);
   model_args_ = job_model.args;
   model_name_ = job_model.name;
   if (models::take_flavor_mask(loaded_, *model_args_))
@@ -148,6 +158,17 @@ void Trainer::build_tokenizer() {
   const config::JobConfig& c = loaded_.config;
   const int64_t vocab = model_args_->vocabulary();
   std::string tokenizer_path = c.model.hf_assets_path;
+  if (c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path && !loaded_.origins.count("model.hf_assets_path") &&
+      !loaded_.origins.count("model.tokenizer_path")) {
+    // Weights from a Hugging Face folder come with their tokenizer: it is the default over torchtitan's path.
+    const std::filesystem::path folder = *c.checkpoint.initial_load_path;
+    for (const char* file : {"tokenizer.json", "tokenizer.model"})
+      if (std::filesystem::exists(folder / file)) {
+        tokenizer_path = folder.string();
+        log::info("Tokenizer from ", quote(folder.string()), ", the folder the weights come from (model.hf_assets_path is not set)");
+        break;
+      }
+  }
   if (tokenizer_path == data::kBuiltinTokenizer) {
     // Rank 0 learns it; the others reuse its file, or learn the same one where the dump folder is not shared.
     if (launch_.rank == 0) data::ensure_builtin_tokenizer(c.job.dump_folder, vocab);

@@ -226,8 +226,15 @@ HfReader::HfReader(const std::string& directory, const protocols::ModelArgs& arg
   // said once, as transformers says of unused weights.
   {
     std::vector<std::string> unused;
-    for (const auto& [name, where] : impl_->where)
-      if (!known.count(name)) unused.push_back(where.second);
+    for (const auto& [name, where] : impl_->where) {
+      if (known.count(name)) continue;
+      if (name == "output.weight") {  // the model has no output matrix of its own: it reads the embedding's
+        log::warn(quote(directory), ": ", quote(where.second), " is not read: the model's output uses the embedding's table "
+                  "(tie_word_embeddings), as transformers does with such a file");
+        continue;
+      }
+      unused.push_back(where.second);
+    }
     for (const auto& [name, list] : impl_->slices)
       if (!known.count(name) && !list.empty()) unused.push_back(list.front().second);
     if (!unused.empty())

@@ -97,7 +97,10 @@ void ModelWeights::load_state_dict(protocols::StateSource& source) {
     }
     if (missing > 0)
       log::info(source.name(), " has no ", missing == static_cast<int64_t>(buffers_->size()) ? "" : cat(missing, " of the "),
-                "MoE balancing biases (", buffers_->front().name, ", ...); they start at zero");
+                "MoE balancing biases (", buffers_->front().name, ", ...); they start at zero, and balancing ",
+                "(model.moe_load_balance_coeff) moves them as the run trains. A Hugging Face export of a format with no "
+                "place for them (Qwen3-MoE's) leaves them out and then routes differently; set "
+                "model.moe_load_balance_coeff = 0 to train a model that exports exactly");
   }
   if (meta.contains("model")) {
     // Same shapes can still compute differently (RoPE base and scaling, norm epsilon): say so, as long-context

@@ -3,6 +3,7 @@
 #include <regex>
 
 #include "titan/common/error.h"
+#include "titan/common/strings.h"
 
 namespace titan::models {
 namespace {
@@ -99,6 +100,9 @@ std::optional<std::string> from_hf_name(const std::string& name, const DecoderAr
 }
 
 std::optional<std::string> skipped_hf_tensor(const std::string& name, const DecoderArgs& args) {
+  if (ends_with(name, ".rotary_emb.inv_freq"))
+    return "RoPE frequencies older transformers versions saved (computed from config.json's RoPE settings instead, as "
+           "transformers does)";
   if (!args.mla) return std::nullopt;
   static const std::regex layer(R"(model\.layers\.(\d+)\..+)");
   std::smatch m;

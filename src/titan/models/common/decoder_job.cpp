@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "titan/common/error.h"
+#include "titan/common/logging.h"
 #include "titan/common/strings.h"
 
 namespace titan::models {
@@ -127,7 +128,7 @@ DecoderJobModel checked(DecoderJobModel model, const config::LoadedConfig& loade
 }
 
 DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const DecoderFamily& family,
-                                    const protocols::ResumedModel* resumed) {
+                                    const protocols::RecordedModel* recorded) {
   const config::JobConfig& c = loaded.config;
   const auto keys = set_shape_keys(loaded);
   const bool from_hf = c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path;
@@ -136,10 +137,11 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
     fail("model.flavor = \"hf\" ", loaded.where("model.flavor"),
          " takes the model's shape from the Hugging Face weights the job starts from; set checkpoint.initial_load_path "
          "to their folder and checkpoint.initial_load_in_hf = true, or name a flavor");
-  if (!from_hf || (is_set(loaded, "model.flavor") && !hf_flavor)) {
+  // `recorded` without Hugging Face weights: the titan checkpoint the job starts from, no flavor named.
+  if ((!from_hf && !recorded) || (is_set(loaded, "model.flavor") && !hf_flavor)) {
     DecoderJobModel out{apply_shape_keys(family.flavor(c.model.flavor), loaded), c.model.flavor};
     if (!keys.empty()) out.name = cat(c.model.flavor, " with ", join(keys, ", "), " set");
-    if (from_hf && !resumed) {
+    if (from_hf && !recorded) {
       // The configured model must compute what the Hugging Face weights were trained to compute (a resumed run is
       // checked against its checkpoint when that loads).
       const std::string path = (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
@@ -151,27 +153,32 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
     }
     return out;
   }
-  // No flavor named: the Hugging Face config.json is the shape, or once the run has saved, the shape its checkpoint
-  // recorded; shape keys set in the config must agree with it.
-  const std::string path = resumed ? resumed->where : (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
-  const DecoderArgs hf = resumed ? decoder_args_from_json(resumed->model, resumed->where + ": model", c.model.name)
+  // No flavor named: the Hugging Face config.json is the shape, or the shape a checkpoint recorded (the run's own
+  // once it has saved, or the titan checkpoint it starts from); shape keys set in the config must agree with it.
+  const std::string path =
+      recorded ? recorded->where : (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
+  const DecoderArgs hf = recorded ? decoder_args_from_json(recorded->model, recorded->where + ": model", c.model.name)
                                  : family.read_hf_config(path);
   DecoderArgs args = apply_shape_keys(hf, loaded);
   // The model keeps the context it was made for (max_position_embeddings) unless model.max_seq_len says otherwise,
   // so that its Hugging Face export still advertises it.
   if (!c.model.max_seq_len) args.max_seq_len = std::max(hf.max_seq_len, c.training.seq_len);
+  if (!recorded && c.training.seq_len > hf.max_seq_len)
+    log::warn("training.seq_len = ", c.training.seq_len, " is longer than the ", hf.max_seq_len, " positions of ", path,
+              " (max_position_embeddings): RoPE goes on past them with the same frequencies, untrained in these weights, and "
+              "the model's context (and an export's max_position_embeddings) becomes ", args.max_seq_len);
   const auto differences = hf.computation_differences(args);
   if (!differences.empty())
     fail("[model] keys ", join(keys, ", "), " change the model that ", path, " describes (config.json vs configured):\n  ",
          join(differences, "\n  "), "\nremove them to train the model the weights belong to");
-  return {args, resumed ? resumed->flavor : cat("from ", path)};
+  return {args, recorded ? recorded->flavor : cat("from ", path)};
 }
 
 }  // namespace
 
 DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family,
-                          const protocols::ResumedModel* resumed) {
-  return checked(unchecked_job_model(loaded, family, resumed), loaded);
+                          const protocols::RecordedModel* recorded) {
+  return checked(unchecked_job_model(loaded, family, recorded), loaded);
 }
 
 }  // namespace titan::models

@@ -29,9 +29,9 @@ struct DecoderJobModel {
 // together or disagree with the Hugging Face weights the job loads. max_seq_len is model.max_seq_len when set
 // (at least training.seq_len), else training.seq_len, as torchtitan sets it; a shape taken from config.json keeps
 // its max_position_embeddings when that is longer.
-// `resumed`: what the checkpoint the job resumes from records (protocols::ModelSpec::resumed_job_model).
+// `recorded`: what the checkpoint that decides the model records (protocols::ModelSpec::recorded_job_model).
 DecoderJobModel job_model(const config::LoadedConfig& loaded, const DecoderFamily& family,
-                          const protocols::ResumedModel* resumed = nullptr);
+                          const protocols::RecordedModel* recorded = nullptr);
 
 // The flavor with the [model] shape keys that are set applied (no Hugging Face config, max_seq_len as above).
 DecoderArgs apply_shape_keys(DecoderArgs base, const config::LoadedConfig& loaded);

@@ -55,9 +55,9 @@ protocols::ModelSpec decoder_spec(const DecoderFamilySpec& f) {
     DecoderJobModel job = job_model(loaded, family);
     return protocols::JobModel{std::make_shared<DecoderArgs>(job.args), job.name};
   };
-  s.resumed_job_model = [family, counts = f.counts_tied_output](const config::LoadedConfig& loaded,
-                                                                 const protocols::ResumedModel& resumed) {
-    DecoderJobModel job = job_model(loaded, family, &resumed);
+  s.recorded_job_model = [family, counts = f.counts_tied_output](const config::LoadedConfig& loaded,
+                                                                 const protocols::RecordedModel& recorded) {
+    DecoderJobModel job = job_model(loaded, family, &recorded);
     job.args.counts_tied_output = counts;
     return protocols::JobModel{std::make_shared<DecoderArgs>(job.args), job.name};
   };
