@@ -230,6 +230,13 @@ def test_every_builtin_profile_plans_and_pipelines_report_a_bubble():
         assert [ranks[k]["pipeline_rank"] for k in ("first", "middle", "last")] == [0, 2, 3]
         assert max(r["allocated_bytes"] for r in ranks.values()) <= p["memory"]["allocated_bytes"] * 1.0001
         assert ranks["first"]["allocated_bytes"] > ranks["middle"]["allocated_bytes"]
+    # In a V (ZBVZeroBubble, DualPipeV) rank 0 holds the first stage and the last, with the logits.
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        p = plan_json(["--cluster", "h100-sxm", "--model.flavor", "70B", "--training.seq_len", "8192", "--training.local_batch_size", "8",
+                       "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "8",
+                       "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", schedule])
+        ranks = {r["kind"]: r["pipeline_rank"] for r in p["memory"]["pipeline_ranks"]}
+        assert ranks == {"first_and_last": 0, "middle": 3}, (schedule, ranks)
 
 
 def test_cluster_profiles_from_toml_and_their_errors(tmp_path):

@@ -74,7 +74,8 @@ void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
             << strprintf("  %-18s %9.2f GiB of %.2f GiB (%s): %s\n", "with context", gib(p.device_bytes), gib(cluster.memory_bytes),
                          cluster.name.c_str(), p.fits ? "fits" : "DOES NOT FIT");
   for (const auto& r : p.pipeline_ranks)
-    std::cout << strprintf("  %-18s %9.2f GiB allocated (pipeline rank %lld)\n", (r.kind + " stage").c_str(), gib(r.memory.total()),
+    std::cout << strprintf("  %-18s %9.2f GiB allocated (pipeline rank %lld)\n",
+                           r.kind == "first_and_last" ? "first+last stages" : (r.kind + " stage").c_str(), gib(r.memory.total()),
                            static_cast<long long>(r.rank));
   std::cout << strprintf("time per step: %.3f s\n", p.time.step_seconds);
   for (const auto& t : p.time.terms) {

@@ -274,7 +274,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
                  "layers fewer on the last stage (it holds the output)"), 0);
   at_least(b.add("pipeline_parallel_layers_per_stage", &c.parallelism.pipeline_parallel_layers_per_stage,
                  "layers per virtual pipeline stage"), 1);
-  b.add("pipeline_parallel_schedule", &c.parallelism.pipeline_parallel_schedule, "pipeline schedule (1F1B, Interleaved1F1B, GPipe, ...)");
+  b.add("pipeline_parallel_schedule", &c.parallelism.pipeline_parallel_schedule,
+        "pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV");
   b.add("pipeline_parallel_schedule_csv", &c.parallelism.pipeline_parallel_schedule_csv, "CSV file describing a custom pipeline schedule");
   at_least(b.add("pipeline_parallel_microbatch_size", &c.parallelism.pipeline_parallel_microbatch_size,
                  "sequences per pipeline micro-batch"), 1);

@@ -68,9 +68,15 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
   plan.device_bytes = plan.reserved_bytes + kContextBytes;
   plan.fits = plan.device_bytes <= cluster.memory_bytes;
   if (dims.pp > 1 && per_pipeline_rank) {
-    std::vector<std::pair<const char*, int64_t>> kinds = {{"first", 0}};
-    if (dims.pp > 2) kinds.push_back({"middle", dims.pp / 2});
-    kinds.push_back({"last", dims.pp - 1});
+    std::vector<std::pair<const char*, int64_t>> kinds;
+    if (distributed::pipeline::schedule_traits(config.parallelism.pipeline_parallel_schedule).v_shape) {
+      // The V: rank 0 holds the first stage and the last, rank p - 1 the two in the middle.
+      kinds = {{"first_and_last", 0}, {"middle", dims.pp - 1}};
+    } else {
+      kinds = {{"first", 0}};
+      if (dims.pp > 2) kinds.push_back({"middle", dims.pp / 2});
+      kinds.push_back({"last", dims.pp - 1});
+    }
     for (const auto& [kind, rank] : kinds)
       plan.pipeline_ranks.push_back(
           {kind, rank, spec.estimate_memory(args, config, dims, autocast, 0, execution, rank, protocols::FusedKernels::none)});

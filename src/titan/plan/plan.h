@@ -21,9 +21,10 @@ struct Plan {
   double device_bytes = 0;      // reserved + the CUDA/HIP context and communicator buffers outside it
   bool fits = false;
   // Under pipeline parallelism, each kind of pipeline rank: the first (embedding), a middle one and the last
-  // (output, logits), with its own layers and micro-batches in flight. `memory` above bounds them all.
+  // (output, logits), with its own layers and micro-batches in flight; under the V schedules (ZBVZeroBubble,
+  // DualPipeV) rank 0, which holds the first and the last stage, and rank p - 1. `memory` above bounds them all.
   struct PipelineRank {
-    std::string kind;  // "first", "middle", "last"
+    std::string kind;  // "first", "middle", "last"; "first_and_last" and "middle" in a V
     int64_t rank = 0;
     protocols::MemoryEstimate memory;
   };

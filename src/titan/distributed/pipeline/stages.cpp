@@ -50,7 +50,9 @@ StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobC
   const int64_t n = n_layers, input_weight = p.pipeline_parallel_first_stage_less_layers,
                 output_weight = p.pipeline_parallel_last_stage_less_layers;
   int64_t stages = 0;
-  const std::string per_rank_rule = traits.single_stage ? "exactly 1 stage per rank" : "at least 2 stages per rank";
+  const std::string per_rank_rule = traits.single_stage ? "exactly 1 stage per rank"
+                                    : traits.v_shape    ? "exactly 2 stages per rank (a V)"
+                                                        : "at least 2 stages per rank";
   if (p.module_fqns_per_model_part) {
     stages = static_cast<int64_t>(p.module_fqns_per_model_part->size());
     for (const auto& names : *p.module_fqns_per_model_part) plan.names.push_back(names);
@@ -64,10 +66,12 @@ StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobC
                                  ? std::string("parallelism.module_fqns_per_model_part")
                                  : cat("parallelism.pipeline_parallel_layers_per_stage = ", p.pipeline_parallel_layers_per_stage.value_or(0));
   if (stages % pp != 0)
-    fail(origin, " gives ", stages, " pipeline stages (", n, " layers + ", input_weight, " + ", output_weight,
-         " for embedding and output), which do not divide over pipeline_parallel_degree = ", pp);
+    fail(origin, " gives ", stages, " pipeline stages",
+         p.module_fqns_per_model_part ? std::string()
+                                      : cat(" (", n, " layers + ", input_weight, " + ", output_weight, " for embedding and output)"),
+         ", which do not divide over pipeline_parallel_degree = ", pp);
   plan.stages_per_rank = stages / pp;
-  if (traits.single_stage ? plan.stages_per_rank != 1 : plan.stages_per_rank < 2)
+  if (traits.single_stage ? plan.stages_per_rank != 1 : traits.v_shape ? plan.stages_per_rank != 2 : plan.stages_per_rank < 2)
     fail("parallelism.pipeline_parallel_schedule = ", quote(traits.name), " runs ", per_rank_rule, "; ", origin, " gives ", stages,
          " stages over ", pp, " ranks (", plan.stages_per_rank, " per rank)");
   if (plan.names.empty()) plan.names = split_module_names(stages, n, input_weight, output_weight);
@@ -105,8 +109,11 @@ StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobC
   if (next != static_cast<int64_t>(order.size()))
     fail("parallelism.module_fqns_per_model_part leaves out ", quote(order[static_cast<size_t>(next)]), " and what follows it; every module must be in a stage");
   if (tied_embeddings && stage_of.at("tok_embeddings") != stage_of.at("output"))
-    fail("model.flavor ", quote(config.model.flavor), " ties the output to the embedding, which then must share a pipeline stage; "
-         "they are in stages ", stage_of.at("tok_embeddings"), " and ", stage_of.at("output"));
+    fail("the model ties the output to the embedding (model.flavor ", quote(config.model.flavor),
+         config.model.tie_word_embeddings ? " with model.tie_word_embeddings" : "", "), which then must share a pipeline stage; "
+         "they are in stages ", stage_of.at("tok_embeddings"), " and ", stage_of.at("output"),
+         ". titan's pipeline stages do not share parameters: untie the model or list both in one stage of "
+         "parallelism.module_fqns_per_model_part");
 
   const int64_t mb = p.pipeline_parallel_microbatch_size, batch = config.training.local_batch_size;
   if (batch % mb != 0)
@@ -204,7 +211,11 @@ std::vector<std::string> Pipeline::describe() const {
   out.push_back(cat("Pipeline parallelism over ", s.pp(), " ranks: schedule ", s.name(), ", ", s.stages(), " stages (",
                     plan_.stages_per_rank, " per rank), ", s.microbatches(), " micro-batches of ", microbatch_size_,
                     " per local batch; simulated bubble ", strprintf("%.1f%%", 100.0 * s.simulate().bubble),
-                    plan_.split_backward ? "; backward split into input and weight steps" : ""));
+                    plan_.split_backward ? "; backward split into input and weight steps" : "",
+                    s.name() == "DualPipeV"
+                        ? "; each forward/backward pair runs one after the other (no expert-parallel overlap), so the "
+                          "bubble is ZBVZeroBubble's with up to one more micro-batch in flight"
+                        : ""));
   for (size_t k = 0; k < stage_of_part_.size(); ++k) {
     const auto& names = plan_.names[static_cast<size_t>(stage_of_part_[k])];
     out.push_back(cat("  stage ", stage_of_part_[k], " on this rank: ", names.front(), names.size() > 1 ? " .. " + names.back() : "",
