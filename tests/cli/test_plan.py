@@ -92,21 +92,6 @@ def test_predictions_of_the_published_runs_with_the_constants_fitted_on_them_and
     assert abs(p["tokens_per_second_per_device"] / high - result["built_in_band"]["p10"]) < 1e-9
 
 
-def test_calibration_plans_each_run_as_titan_plan_does(tmp_path):
-    """A run in --calibrate is predicted exactly as `titan plan` predicts the same arguments (with the same flavor
-    defaults, such as DeepSeek-V3 16B's block-causal mask)."""
-    args = [["--cluster", "h100-sxm", "--model.name", "deepseek_v3", "--model.flavor", "16B", "--training.seq_len", "4096",
-             "--parallelism.data_parallel_shard_degree", "8", "--parallelism.expert_parallel_degree", "8"],
-            ["--cluster", "h100-sxm", "--model.flavor", "8B", "--parallelism.data_parallel_shard_degree", "8"]]
-    runs = tmp_path / "runs.jsonl"
-    runs.write_text("".join(json.dumps({"args": a, "tokens_per_second_per_device": 1000.0, "memory_gib": 50.0, "group": str(i)}) + "\n"
-                            for i, a in enumerate(args)))
-    result = json.loads(run([binary("titan"), "plan", "--calibrate", str(runs), "--json"]).stdout)
-    for a, row in zip(args, result["rows"]):
-        planned = plan_json(a)
-        assert abs(row["profile_constants"]["speed"] * 1000.0 / planned["tokens_per_second_per_device"] - 1) < 1e-9, (a, row, planned)
-
-
 def test_calibration_input_errors_name_the_line(tmp_path):
     row = {"args": ["--cluster", "h100-sxm", "--model.flavor", "8B", "--parallelism.data_parallel_shard_degree", "8"],
            "tokens_per_second_per_device": 5000, "group": "a"}

@@ -269,7 +269,6 @@ int run_calibrate(const Request& request) {
     run.group = j.value("group", run.name);
     try {
       run.loaded = config::load_job_config(row.args);
-      models::take_flavor_mask(run.loaded, *models::job_spec(run.loaded).job_model(run.loaded).args);  // as a plan does
       run.cluster = plan::load_cluster_profile(row.cluster_spec);
     } catch (const UserError& e) {
       fail(where, ": ", e.what());
