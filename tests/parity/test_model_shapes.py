@@ -162,7 +162,8 @@ def test_bad_shape_keys_name_the_key(tmp_path):
 def test_files_of_older_and_tied_exports_train_as_transformers_reads_them(tmp_path):
     """What transformers ignores titan ignores too, saying so: RoPE frequencies older versions saved
     (rotary_emb.inv_freq) and an lm_head.weight beside tied embeddings. The folder's own tokenizer is the default, and
-    training past max_position_embeddings is said."""
+    training past max_position_embeddings is said. The run keeps its own copy of that tokenizer: it resumes with the
+    folder gone."""
     hf = tmp_path / "hf"
     hf_model(hf, tie_word_embeddings=True)
     weights = load_file(str(hf / "model.safetensors"))
@@ -172,13 +173,22 @@ def test_files_of_older_and_tied_exports_train_as_transformers_reads_them(tmp_pa
     tokenizer = shared("tokenizers", "torchtitan_test")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (hf / name).write_bytes((tokenizer / name).read_bytes())
-    result = run([binary("titan"), "train", "--job.dump_folder", str(tmp_path / "run"), "--training.dataset", "fortunes",
-                  "--training.seq_len", "256", "--training.local_batch_size", "1", "--training.steps", "1",
-                  "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "--model.flavor", "hf",
-                  "--metrics.disable_color_printing"], env={"OMP_NUM_THREADS": "2"})
+    def train(steps):
+        return run([binary("titan"), "train", "--job.dump_folder", str(tmp_path / "run"), "--training.dataset", "fortunes",
+                    "--training.seq_len", "256", "--training.local_batch_size", "1", "--training.steps", str(steps),
+                    "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "--model.flavor", "hf",
+                    "--checkpoint.enable", "--checkpoint.last_save_model_only", "false", "--metrics.disable_color_printing"],
+                   env={"OMP_NUM_THREADS": "2"})
+    result = train(1)
     for needle in ['skipped 1 tensor(s) of RoPE frequencies older transformers versions saved',
                    '"lm_head.weight" is not read: the model\'s output uses the embedding\'s table',
-                   f'Tokenizer from "{hf}", the folder the weights come from',
+                   f'Tokenizer of "{hf}", the folder the weights come from',
                    'training.seq_len = 256 is longer than the 128 positions of']:
         assert needle in result.stdout + result.stderr, (needle, result.stdout[-3000:])
     assert "step:  1" in result.stdout
+    for path in hf.iterdir():
+        path.unlink()
+    hf.rmdir()
+    resumed = train(2)
+    assert "the model is the one it records" in resumed.stdout and "Training completed: 2 steps" in resumed.stdout, resumed.stdout[-3000:]
+    assert str(tmp_path / "run" / "hf_tokenizer" / "tokenizer.json") in resumed.stdout

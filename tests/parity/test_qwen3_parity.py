@@ -218,15 +218,29 @@ def test_a_run_from_hugging_face_weights_resumes_with_the_model_its_checkpoint_r
             (source / "config.json").write_text(json.dumps(config))
         resumed = train(tmp_path / change, 4, source)
         assert {**first, **resumed} == straight, (change, first, resumed, straight)
+    # A family named against the checkpoint's record is refused by name.
+    wrong = run([binary("titan"), "train", "--model.name", "llama3", "--model.hf_assets_path", "builtin", "--training.dataset",
+                 "fortunes", "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "6",
+                 "--checkpoint.initial_load_path", str(tmp_path / "hf_removed"), "--checkpoint.initial_load_in_hf",
+                 "--checkpoint.enable", "--job.dump_folder", str(tmp_path / "removed")], check=False)
+    assert wrong.returncode != 0 and 'model.name = "llama3"' in wrong.stderr and "records a qwen3 model" in wrong.stderr, wrong.stderr
     # The same weights converted to a titan checkpoint start the same run, with no flavor or family named: the
-    # checkpoint records its model.
+    # checkpoint records its model; and that run resumes from its own checkpoints with it.
     run([binary("titan"), "convert", "--from", str(hf_dir), "--to", str(tmp_path / "start")])
-    result = run([binary("titan"), "train", "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
-                  "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "4", "--debug.seed", "0",
-                  "--checkpoint.initial_load_path", str(tmp_path / "start"), "--metrics.disable_color_printing",
-                  "--job.dump_folder", str(tmp_path / "from_titan")])
-    assert "Model qwen3" in result.stdout and "the checkpoint the run starts from (model.flavor is not set)" in result.stdout
-    assert {int(m.group(1)): m.group(2) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", result.stdout)} == straight
+
+    def from_titan(steps):
+        result = run([binary("titan"), "train", "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
+                      "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(steps),
+                      "--debug.seed", "0", "--checkpoint.initial_load_path", str(tmp_path / "start"), "--checkpoint.enable",
+                      "--checkpoint.interval", "2", "--checkpoint.last_save_model_only", "false",
+                      "--metrics.disable_color_printing", "--job.dump_folder", str(tmp_path / "from_titan")])
+        assert "Model qwen3" in result.stdout, result.stdout
+        return result.stdout, {int(m.group(1)): m.group(2) for m in re.finditer(r"step: +(\d+)  loss: +([\d.]+)", result.stdout)}
+    started, first = from_titan(2)
+    assert "the checkpoint the run starts from (model.flavor is not set)" in started
+    resumed_log, resumed = from_titan(4)
+    assert "the model is the one it records" in resumed_log
+    assert {**first, **resumed} == straight
 
 
 @pytest.mark.parametrize("name", ["tied_wide_heads", "untied_gqa"])

@@ -9,6 +9,7 @@
 #include "titan/config/dtypes.h"
 #include "titan/config/loader.h"
 #include "titan/models/registry.h"
+#include "titan/trainer/job_model.h"
 
 namespace titan::cli {
 
@@ -26,8 +27,9 @@ int run_estimate(const std::vector<std::string>& raw_args) {
     return 0;
   }
   const auto& c = loaded.config;
-  const protocols::ModelSpec& spec = models::job_spec(loaded);
-  const protocols::JobModel job = spec.job_model(loaded);
+  const JobChoice choice = choose_job_model(loaded);
+  const protocols::ModelSpec& spec = *choice.spec;
+  const protocols::JobModel& job = choice.model;
   const protocols::ModelArgs& args_model = *job.args;
   // As torchtitan reports them (for tied Qwen3 flavors its count leaves the embedding out).
   const int64_t params = args_model.reported_parameters();

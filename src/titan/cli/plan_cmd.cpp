@@ -13,6 +13,7 @@
 #include "titan/config/loader.h"
 #include "titan/distributed/pipeline/stages.h"
 #include "titan/models/registry.h"
+#include "titan/trainer/job_model.h"
 #include "titan/plan/plan.h"
 
 namespace titan::cli {
@@ -138,8 +139,9 @@ std::string known_profiles() {
 plan::Plan plan_layout(const config::LoadedConfig& loaded, const plan::ClusterProfile& cluster, int64_t gpus,
                        protocols::Execution execution, bool per_pipeline_rank) {
   const auto& c = loaded.config;
-  const protocols::ModelSpec& spec = models::job_spec(loaded);
-  const protocols::JobModel job = spec.job_model(loaded);
+  const JobChoice choice = choose_job_model(loaded);
+  const protocols::ModelSpec& spec = *choice.spec;
+  const protocols::JobModel& job = choice.model;
   const auto& model = *job.args;
   int64_t world = gpus;
   const auto& par = c.parallelism;
@@ -381,8 +383,9 @@ int run_plan(const std::vector<std::string>& raw_args) {
     fail("titan plan needs --cluster: a built-in profile (", known_profiles(), ") or a TOML file (docs/plan.md)");
   const auto cluster = plan::load_cluster_profile(cluster_spec);
   const auto& c = loaded.config;
-  const protocols::ModelSpec& spec = models::job_spec(loaded);
-  const protocols::JobModel job = spec.job_model(loaded);
+  const JobChoice choice = choose_job_model(loaded);
+  const protocols::ModelSpec& spec = *choice.spec;
+  const protocols::JobModel& job = choice.model;
   models::take_flavor_mask(loaded, *job.args);  // the flavor's attention mask unless the job sets one
   const auto& model = *job.args;
   const std::string header = cat("titan plan: ", spec.name, " ", job.name, ", seq_len ", c.training.seq_len, ", on ",

@@ -16,7 +16,6 @@
 #include "titan/common/files.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
-#include "titan/components/checkpoint/formats/dcp.h"
 #include "titan/components/data/builtin.h"
 #include "titan/components/metrics/cuda_device.h"
 #include "titan/components/quantization/float8.h"
@@ -60,39 +59,11 @@ distributed::ParallelDims Trainer::check_job() {
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
               "OMP_THREAD_LIMIT limit the threads");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
-  // The model a checkpoint records, where it decides the job's model: a run that started from Hugging Face weights
-  // and has saved since resumes with the family and model its checkpoint records (checkpoint.initial_load_path
-  // matters only while the folder holds no checkpoint; it may have changed or gone since), and a run that starts
-  // from a titan checkpoint without naming a flavor trains the model that checkpoint holds.
-  auto recorded_in = [](const std::string& directory) -> std::optional<protocols::RecordedModel> {
-    if (!std::filesystem::exists(std::filesystem::path(directory) / "metadata.json")) return std::nullopt;
-    const checkpoint::Reader reader(directory);
-    const nlohmann::json& meta = reader.metadata();
-    if (!meta.contains("model") || !meta.at("model").is_object()) return std::nullopt;
-    return protocols::RecordedModel{meta.at("model"), meta.value("flavor", "custom"),
-                                   (std::filesystem::path(directory) / "metadata.json").string()};
-  };
-  const auto resume_directory = checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder);
-  std::optional<protocols::RecordedModel> resumed;
-  if (c.checkpoint.initial_load_path && c.checkpoint.initial_load_in_hf && resume_directory) {
-    resumed = recorded_in(*resume_directory);
-    if (resumed)
-      log::info("Resuming from ", *resume_directory, ": the model is the one it records (checkpoint.initial_load_path ",
-                quote(*c.checkpoint.initial_load_path), " is not read)");
-  } else if (c.checkpoint.initial_load_path && !c.checkpoint.initial_load_in_hf && !resume_directory &&
-             !loaded_.origins.count("model.flavor")) {
-    resumed = recorded_in(*c.checkpoint.initial_load_path);
-    if (resumed)
-      log::info("Model from ", *c.checkpoint.initial_load_path, ", the checkpoint the run starts from (model.flavor is not set)");
-  }
-  if (resumed) {
-    const nlohmann::json& family = resumed->model.contains("family") ? resumed->model.at("family") : nlohmann::json();
-    spec_ = &models::model_spec(loaded_.origins.count("model.name") || !family.is_string() ? c.model.name
-                                                                                        : family.get<std::string>());
-  } else {
-    spec_ = &models::job_spec(loaded_);
-  }
-  const protocols::JobModel job_model = resumed ? spec_->recorded_job_model(loaded_, *resumed) : spec_->job_model(loaded_);
+  const JobChoice choice = choose_job_model(loaded_);
+  if (!choice.source.empty()) log::info(choice.source);
+  spec_ = choice.spec;
+  const protocols::JobModel& job_model = choice.model;
+  checkpoint_flavor_ = choice.checkpoint_flavor;
   model_args_ = job_model.args;
   model_name_ = job_model.name;
   if (models::take_flavor_mask(loaded_, *model_args_))
@@ -160,14 +131,35 @@ void Trainer::build_tokenizer() {
   std::string tokenizer_path = c.model.hf_assets_path;
   if (c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path && !loaded_.origins.count("model.hf_assets_path") &&
       !loaded_.origins.count("model.tokenizer_path")) {
-    // Weights from a Hugging Face folder come with their tokenizer: it is the default over torchtitan's path.
-    const std::filesystem::path folder = *c.checkpoint.initial_load_path;
-    for (const char* file : {"tokenizer.json", "tokenizer.model"})
-      if (std::filesystem::exists(folder / file)) {
-        tokenizer_path = folder.string();
-        log::info("Tokenizer from ", quote(folder.string()), ", the folder the weights come from (model.hf_assets_path is not set)");
-        break;
-      }
+    // Weights from a Hugging Face folder come with their tokenizer: it is the default over torchtitan's path. Copied
+    // into the dump folder at the first start, so that a resumed run reads the same one though the folder changed or
+    // went; each rank copies what it does not see (a dump folder need not be shared).
+    namespace fs = std::filesystem;
+    const fs::path folder = *c.checkpoint.initial_load_path, copy = fs::path(c.job.dump_folder) / "hf_tokenizer";
+    const std::vector<std::string> files = {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"};
+    auto make_copy = [&] {
+      if (fs::exists(copy) || (!fs::exists(folder / files[0]) && !fs::exists(folder / files[1]))) return;
+      const fs::path partial = cat(copy.string(), ".partial-", launch_.rank);
+      fs::remove_all(partial);
+      fs::create_directories(partial);
+      for (const auto& file : files)
+        if (fs::exists(folder / file)) copy_file_as_own((folder / file).string(), (partial / file).string());
+      std::error_code ec;
+      fs::rename(partial, copy, ec);  // fails where another rank's copy came first: that one is the same
+      if (ec) fs::remove_all(partial);
+    };
+    if (launch_.rank == 0) {
+      // A fresh start takes the folder's tokenizer as it is now (the dump folder may hold an earlier run's copy).
+      if (!checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder)) fs::remove_all(copy);
+      make_copy();
+    }
+    mesh_->world()->barrier();
+    make_copy();
+    if (fs::exists(copy)) {
+      tokenizer_path = copy.string();
+      log::info("Tokenizer of ", quote(folder.string()), ", the folder the weights come from (model.hf_assets_path is not set), "
+                "as copied to ", copy.string(), " at the run's first start");
+    }
   }
   if (tokenizer_path == data::kBuiltinTokenizer) {
     // Rank 0 learns it; the others reuse its file, or learn the same one where the dump folder is not shared.
@@ -293,7 +285,7 @@ void Trainer::build_training(const distributed::ParallelDims& dims) {
     checkpointer_ = std::make_unique<checkpoint::Checkpointer>(c.checkpoint, c.job.dump_folder,
                                                                static_cast<double>(c.comm.train_timeout_seconds) + 600.0, *mesh_);
     model_weights_ = std::make_unique<checkpoint::ModelWeights>(
-        parameters_, *model_args_, c.model.flavor, std::filesystem::absolute(tokenizer_->source_path()).string(), &buffers_);
+        parameters_, *model_args_, checkpoint_flavor_, std::filesystem::absolute(tokenizer_->source_path()).string(), &buffers_);
     optimizer_state_ = std::make_unique<OptimizerState>(*optimizer_, parameters_, c.optimizer);
     // One data-parallel rank's stream is read by every rank of its TP/CP/PP group; the first of them saves it.
     const bool saves_data = mesh_->coordinate("tp") == 0 && mesh_->coordinate("cp") == 0 && mesh_->coordinate("pp") == 0;

@@ -26,6 +26,7 @@
 #include "titan/nn/model.h"
 #include "titan/protocols/model_spec.h"
 #include "titan/trainer/control.h"
+#include "titan/trainer/job_model.h"
 #include "titan/trainer/metrics_processor.h"
 #include "titan/trainer/step_schedule.h"
 #include "titan/trainer/train_state.h"
@@ -126,6 +127,7 @@ class Trainer {
   const protocols::ModelSpec* spec_ = nullptr;  // the family (models/registry.h)
   std::shared_ptr<const protocols::ModelArgs> model_args_;
   std::string model_name_;                      // for logs: the flavor, or what set the shape
+  std::string checkpoint_flavor_;                // the flavor name checkpoints record (job_model.h)
   std::unique_ptr<protocols::StateDictAdapter> hf_adapter_;
   std::shared_ptr<nn::Model> model_;
   std::unique_ptr<StepSchedule> schedule_;      // this rank's model parts and how a step runs through them

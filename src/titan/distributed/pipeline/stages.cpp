@@ -112,8 +112,7 @@ StagePlan plan_stages(int64_t n_layers, bool tied_embeddings, const config::JobC
     fail("the model ties the output to the embedding (model.flavor ", quote(config.model.flavor),
          config.model.tie_word_embeddings ? " with model.tie_word_embeddings" : "", "), which then must share a pipeline stage; "
          "they are in stages ", stage_of.at("tok_embeddings"), " and ", stage_of.at("output"),
-         ". titan's pipeline stages do not share parameters: untie the model or list both in one stage of "
-         "parallelism.module_fqns_per_model_part");
+         ". titan's pipeline stages do not share parameters: train an untied model under pipeline parallelism");
 
   const int64_t mb = p.pipeline_parallel_microbatch_size, batch = config.training.local_batch_size;
   if (batch % mb != 0)
@@ -214,7 +213,7 @@ std::vector<std::string> Pipeline::describe() const {
                     plan_.split_backward ? "; backward split into input and weight steps" : "",
                     s.name() == "DualPipeV"
                         ? "; each forward/backward pair runs one after the other (no expert-parallel overlap), so the "
-                          "bubble is ZBVZeroBubble's with up to one more micro-batch in flight"
+                          "bubble is ZBVZeroBubble's with one micro-batch more in flight"
                         : ""));
   for (size_t k = 0; k < stage_of_part_.size(); ++k) {
     const auto& names = plan_.names[static_cast<size_t>(stage_of_part_[k])];

@@ -193,7 +193,8 @@ json DecoderArgs::to_json() const {
             {"qk_norm", qk_norm},
             {"max_seq_len", max_seq_len},
             {"tie_word_embeddings", tie_word_embeddings},
-            {"depth_init", depth_init}};
+            {"depth_init", depth_init},
+            {"attn_mask", attn_mask}};  // the flavor's default mask: a run that takes its model from here keeps it
   j["rope_scaling"] = rope_scaling_json(rope_scaling);
   if (moe) {
     json m = {{"num_experts", moe->num_experts},
@@ -252,6 +253,10 @@ DecoderArgs decoder_args_from_json(const json& j, const std::string& where, cons
   a.tie_word_embeddings = f.boolean("tie_word_embeddings", false);
   a.depth_init = f.boolean("depth_init", true);
   a.qk_norm = f.boolean("qk_norm", false);
+  if (const json* mask = f.find("attn_mask")) {
+    if (*mask != "causal" && *mask != "block_causal") fail(where, ": attn_mask must be \"causal\" or \"block_causal\", got ", mask->dump());
+    a.attn_mask = mask->get<std::string>();
+  }
   if (const json* layout = f.find("rope_layout")) {
     if (*layout == "interleaved") a.rope_layout = RopeLayout::interleaved;
     else if (*layout == "half_split") a.rope_layout = RopeLayout::half_split;

@@ -169,7 +169,8 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
               "the model's context (and an export's max_position_embeddings) becomes ", args.max_seq_len);
   const auto differences = hf.computation_differences(args);
   if (!differences.empty())
-    fail("[model] keys ", join(keys, ", "), " change the model that ", path, " describes (config.json vs configured):\n  ",
+    fail("[model] keys ", join(keys, ", "), " change the model that ", path, " describes (",
+         recorded ? "recorded" : "config.json", " vs configured):\n  ",
          join(differences, "\n  "), "\nremove them to train the model the weights belong to");
   return {args, recorded ? recorded->flavor : cat("from ", path)};
 }
