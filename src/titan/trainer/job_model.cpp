@@ -42,7 +42,8 @@ JobChoice choose_job_model(const config::LoadedConfig& loaded) {
     } else if (!resume && !c.checkpoint.initial_load_in_hf && !flavor_named) {
       recorded = recorded_in(*c.checkpoint.initial_load_path);
       if (recorded)
-        out.source = cat("Model from ", *c.checkpoint.initial_load_path, ", the checkpoint the run starts from (model.flavor is not set)");
+        out.source = cat("Model from ", *c.checkpoint.initial_load_path, ", the checkpoint the run starts from (model.flavor ",
+                         c.model.flavor == models::kHfFlavor ? "= \"hf\"" : "is not set", ")");
     }
   }
   if (!recorded) {

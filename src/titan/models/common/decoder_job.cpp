@@ -133,10 +133,10 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
   const auto keys = set_shape_keys(loaded);
   const bool from_hf = c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path;
   const bool hf_flavor = c.model.flavor == kHfFlavor;
-  if (hf_flavor && !from_hf)
+  if (hf_flavor && !from_hf && !recorded)
     fail("model.flavor = \"hf\" ", loaded.where("model.flavor"),
-         " takes the model's shape from the Hugging Face weights the job starts from; set checkpoint.initial_load_path "
-         "to their folder and checkpoint.initial_load_in_hf = true, or name a flavor");
+         " takes the model's shape from the weights the job starts from; set checkpoint.initial_load_path to a Hugging "
+         "Face folder with checkpoint.initial_load_in_hf = true, or to a titan checkpoint, or name a flavor");
   // `recorded` without Hugging Face weights: the titan checkpoint the job starts from, no flavor named.
   if ((!from_hf && !recorded) || (is_set(loaded, "model.flavor") && !hf_flavor)) {
     DecoderJobModel out{apply_shape_keys(family.flavor(c.model.flavor), loaded), c.model.flavor};
