@@ -70,6 +70,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--local-batch", type=int, default=8, help="micro-batches of 1 per step")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated, from: " + ", ".join(SCHEDULES))
     args = parser.parse_args()
     base = run(args)
     print(f"debugmodel, seq_len {args.seq_len}, {args.local_batch} micro-batches of 1 per step, float32, {os.cpu_count()} cores")
@@ -77,7 +78,10 @@ def main():
           f"{'MB sent':>9}{'analytic':>9}")
     print(f"{f'one process x {os.cpu_count()} threads':<28}{base['step']:>8.3f}{base['tokens_per_s']:>9.0f}{1.0:>10.2f}")
     for pp in (2, 4):
-        for schedule, local in SCHEDULES.items():
+        for schedule in args.schedules.split(","):
+            if schedule not in SCHEDULES:
+                sys.exit(f"--schedules: unknown schedule {schedule!r}; expected some of {', '.join(SCHEDULES)}")
+            local = SCHEDULES[schedule]
             r = run(args, pp, schedule)
             args.v = schedule in ("ZBVZeroBubble", "DualPipeV")
             analytic = f"{100 * (pp - 1) / (args.local_batch + pp - 1):.1f}%" if local == 1 else "-"
