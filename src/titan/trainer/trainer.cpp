@@ -67,7 +67,7 @@ distributed::ParallelDims Trainer::check_job() {
   model_args_ = job_model.args;
   model_name_ = job_model.name;
   if (models::take_flavor_mask(loaded_, *model_args_))
-    log::info("Attention mask: ", c.model.attn_mask_type, " (model.flavor ", quote(c.model.flavor),
+    log::info("Attention mask: ", c.model.attn_mask_type, " (flavor ", quote(model_name_),
               "'s, as torchtitan defines it; set model.attn_mask_type to choose another)");
   spec_->check_parallelism(*model_args_, dims, c);
   // The stage split and schedule are checked before any communication.
