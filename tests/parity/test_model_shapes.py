@@ -163,7 +163,7 @@ def test_files_of_older_and_tied_exports_train_as_transformers_reads_them(tmp_pa
     """What transformers ignores titan ignores too, saying so: RoPE frequencies older versions saved
     (rotary_emb.inv_freq) and an lm_head.weight beside tied embeddings. The folder's own tokenizer is the default, and
     training past max_position_embeddings is said. The run keeps its own copy of that tokenizer: it resumes with the
-    folder gone."""
+    folder's tokenizer changed, and with the folder gone."""
     hf = tmp_path / "hf"
     hf_model(hf, tie_word_embeddings=True)
     weights = load_file(str(hf / "model.safetensors"))
@@ -186,9 +186,37 @@ def test_files_of_older_and_tied_exports_train_as_transformers_reads_them(tmp_pa
                    'training.seq_len = 256 is longer than the 128 positions of']:
         assert needle in result.stdout + result.stderr, (needle, result.stdout[-3000:])
     assert "step:  1" in result.stdout
-    for path in hf.iterdir():
-        path.unlink()
-    hf.rmdir()
-    resumed = train(2)
-    assert "the model is the one it records" in resumed.stdout and "Training completed: 2 steps" in resumed.stdout, resumed.stdout[-3000:]
-    assert str(tmp_path / "run" / "hf_tokenizer" / "tokenizer.json") in resumed.stdout
+    (hf / "tokenizer.json").write_text("{}")  # no longer a tokenizer
+    for steps in (2, 3):
+        resumed = train(steps)
+        assert "the model is the one it records" in resumed.stdout, resumed.stdout[-3000:]
+        assert f"Training completed: {steps} steps" in resumed.stdout, resumed.stdout[-3000:]
+        assert f"Tokenizer: the copy {tmp_path / 'run' / 'hf_tokenizer'}" in resumed.stdout, resumed.stdout[-3000:]
+        if hf.exists():  # and then no folder at all
+            for path in hf.iterdir():
+                path.unlink()
+            hf.rmdir()
+
+
+def test_a_titan_checkpoint_gives_its_model_mask_included_to_train_plan_and_estimate(tmp_path):
+    """A run that starts from a titan checkpoint and names no flavor (or flavor "hf") trains the model the checkpoint
+    records, with its flavor's attention mask (block-causal here); titan estimate and titan plan take the same one."""
+    def train_plain(dump, extra):  # no TOML: it would name a flavor
+        return run([binary("titan"), "train", "--job.dump_folder", str(dump), "--model.hf_assets_path", "builtin",
+                    "--training.dataset", "fortunes", "--training.seq_len", "32", "--training.local_batch_size", "2",
+                    "--training.steps", "1", "--metrics.disable_color_printing", *extra], env={"OMP_NUM_THREADS": "2"})
+    train_plain(tmp_path / "first", ["--model.flavor", "debugmodel_flex_attn", "--model.n_layers", "2", "--checkpoint.enable"])
+    start = tmp_path / "first" / "checkpoint" / "step-1"
+    meta, _ = read_checkpoint(start)
+    for flavor in ([], ["--model.flavor", "hf"]):
+        result = train_plain(tmp_path / f"from{len(flavor)}", ["--checkpoint.initial_load_path", str(start), *flavor])
+        assert "the checkpoint the run starts from" in result.stdout and "Attention mask: block_causal" in result.stdout, result.stdout
+        assert "Model llama3 debugmodel_flex_attn size: " in result.stdout, result.stdout
+    explicit = ["--model.flavor", "debugmodel_flex_attn", "--model.n_layers", "2"]
+    for command in (["estimate", "--json"], ["plan", "--json", "--cluster", "h100-sxm", "--gpus", "1"]):
+        mine = json.loads(run([binary("titan"), *command, "--checkpoint.initial_load_path", str(start)]).stdout)
+        named = json.loads(run([binary("titan"), *command, *explicit]).stdout)
+        for key in ("flavor", "model"):  # labels
+            mine.pop(key, None), named.pop(key, None)
+        assert mine == named, (command, mine, named)
+    assert meta["model"]["n_layers"] == 2 and meta["model"]["attn_mask"] == "block_causal"

@@ -14,6 +14,7 @@
 #include "titan/components/checkpoint/hf.h"
 #include "titan/config/loader.h"
 #include "titan/models/registry.h"
+#include "titan/trainer/job_model.h"
 
 namespace titan::cli {
 namespace {
@@ -368,8 +369,10 @@ ModelChoice model_choice(const std::string& family, const std::string& flavor, c
     named.insert(named.end(), {"--model.name", family});
     loaded = config::load_job_config(named);
   }
-  const auto& spec = models::model_spec(loaded.config.model.name);
-  const auto model = spec.job_model(loaded);
+  // As titan train decides it (a checkpoint's record where that decides the model).
+  const JobChoice job_choice = choose_job_model(loaded);
+  const auto& spec = *job_choice.spec;
+  const auto& model = job_choice.model;
   choice.family = spec.name;
   choice.args = model.args;
   choice.flavor = model.name;

@@ -36,7 +36,8 @@ JobChoice choose_job_model(const config::LoadedConfig& loaded) {
     const auto resume = checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder);
     if (resume && (c.checkpoint.initial_load_in_hf || !flavor_named)) {
       recorded = recorded_in(*resume);
-      if (recorded)
+      // With a flavor named, the record only spares the folder's config.json a second comparison.
+      if (recorded && !flavor_named)
         out.source = cat("Resuming from ", *resume, ": the model is the one it records (checkpoint.initial_load_path ",
                          quote(*c.checkpoint.initial_load_path), " is not read for it)");
     } else if (!resume && !c.checkpoint.initial_load_in_hf && !flavor_named) {
@@ -60,7 +61,7 @@ JobChoice choose_job_model(const config::LoadedConfig& loaded) {
          " model; leave model.name out or set it to ", quote(name));
   out.spec = &models::model_spec(name);
   out.model = out.spec->recorded_job_model(loaded, *recorded);
-  out.checkpoint_flavor = recorded->flavor;
+  out.checkpoint_flavor = loaded.origins.count("model.flavor") && c.model.flavor != models::kHfFlavor ? c.model.flavor : recorded->flavor;
   return out;
 }
 

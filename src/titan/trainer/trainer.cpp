@@ -11,11 +11,13 @@
 #include <fstream>
 #include <random>
 
+#include "titan/common/checksum.h"
 #include "titan/common/clock.h"
 #include "titan/common/error.h"
 #include "titan/common/files.h"
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
+#include "titan/components/checkpoint/formats/dcp.h"
 #include "titan/components/data/builtin.h"
 #include "titan/components/metrics/cuda_device.h"
 #include "titan/components/quantization/float8.h"
@@ -125,42 +127,67 @@ void Trainer::start_process(const distributed::ParallelDims& dims) {
   log::info("Seed ", seed_, c.debug.seed ? " (debug.seed)" : " (random; set --debug.seed to reproduce)");
 }
 
+std::string Trainer::hf_folder_tokenizer(const std::string& folder) {
+  // Weights from a Hugging Face folder come with their tokenizer: it is the default over torchtitan's path. The run
+  // reads a copy in the dump folder named by its content, hf_tokenizer/<CRC-32>, which nothing replaces or removes:
+  // its checkpoints record that copy, and a resume reads it again though the folder changed or went since.
+  namespace fs = std::filesystem;
+  const config::JobConfig& c = loaded_.config;
+  const std::vector<std::string> names = {"tokenizer.json", "tokenizer.model", "tokenizer.meta.json", "tokenizer_config.json",
+                                          "special_tokens_map.json"};
+  if (const auto resume = checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder);
+      resume && fs::exists(fs::path(*resume) / "metadata.json")) {
+    const checkpoint::Reader reader(*resume);
+    const std::string recorded = reader.metadata().value("tokenizer", "");
+    const fs::path copies = fs::absolute(fs::path(c.job.dump_folder) / "hf_tokenizer").lexically_normal();
+    if (!recorded.empty() && fs::exists(recorded) &&
+        fs::absolute(recorded).lexically_normal().parent_path().parent_path() == copies) {
+      log::info("Tokenizer: the copy ", recorded, " the run has trained with (of the folder its weights came from)");
+      mesh_->world()->barrier();  // every rank passes one barrier here, whichever way it decides
+      return fs::path(recorded).parent_path().string();
+    }
+  }
+  std::vector<std::string> present;
+  for (const auto& name : names)
+    if (fs::exists(fs::path(folder) / name)) present.push_back(name);
+  if (std::find(present.begin(), present.end(), names[0]) == present.end() &&
+      std::find(present.begin(), present.end(), names[1]) == present.end()) {
+    mesh_->world()->barrier();
+    return c.model.hf_assets_path;  // no tokenizer there: torchtitan's default path, which names itself if missing
+  }
+  uint32_t crc = 0;
+  for (const auto& name : present) {
+    std::ifstream in(fs::path(folder) / name, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    crc = crc32_update(crc32_update(crc, name.data(), name.size() + 1), bytes.data(), bytes.size());
+  }
+  const fs::path copy = fs::path(c.job.dump_folder) / "hf_tokenizer" / strprintf("%08x", crc);
+  // Each rank copies what it does not see (a dump folder need not be shared); the same bytes under the same name.
+  auto make_copy = [&] {
+    if (fs::exists(copy)) return;
+    const fs::path partial = cat(copy.string(), ".partial-", launch_.rank);
+    fs::remove_all(partial);
+    fs::create_directories(partial);
+    for (const auto& name : present) copy_file_as_own((fs::path(folder) / name).string(), (partial / name).string());
+    std::error_code ec;
+    fs::rename(partial, copy, ec);  // fails where another rank's copy came first: that one is the same
+    if (ec) fs::remove_all(partial);
+  };
+  if (launch_.rank == 0) make_copy();
+  mesh_->world()->barrier();
+  make_copy();
+  log::info("Tokenizer of ", quote(folder), ", the folder the weights come from (model.hf_assets_path is not set), read from "
+            "its copy ", copy.string());
+  return copy.string();
+}
+
 void Trainer::build_tokenizer() {
   const config::JobConfig& c = loaded_.config;
   const int64_t vocab = model_args_->vocabulary();
   std::string tokenizer_path = c.model.hf_assets_path;
   if (c.checkpoint.initial_load_in_hf && c.checkpoint.initial_load_path && !loaded_.origins.count("model.hf_assets_path") &&
-      !loaded_.origins.count("model.tokenizer_path")) {
-    // Weights from a Hugging Face folder come with their tokenizer: it is the default over torchtitan's path. Copied
-    // into the dump folder at the first start, so that a resumed run reads the same one though the folder changed or
-    // went; each rank copies what it does not see (a dump folder need not be shared).
-    namespace fs = std::filesystem;
-    const fs::path folder = *c.checkpoint.initial_load_path, copy = fs::path(c.job.dump_folder) / "hf_tokenizer";
-    const std::vector<std::string> files = {"tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"};
-    auto make_copy = [&] {
-      if (fs::exists(copy) || (!fs::exists(folder / files[0]) && !fs::exists(folder / files[1]))) return;
-      const fs::path partial = cat(copy.string(), ".partial-", launch_.rank);
-      fs::remove_all(partial);
-      fs::create_directories(partial);
-      for (const auto& file : files)
-        if (fs::exists(folder / file)) copy_file_as_own((folder / file).string(), (partial / file).string());
-      std::error_code ec;
-      fs::rename(partial, copy, ec);  // fails where another rank's copy came first: that one is the same
-      if (ec) fs::remove_all(partial);
-    };
-    if (launch_.rank == 0) {
-      // A fresh start takes the folder's tokenizer as it is now (the dump folder may hold an earlier run's copy).
-      if (!checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder)) fs::remove_all(copy);
-      make_copy();
-    }
-    mesh_->world()->barrier();
-    make_copy();
-    if (fs::exists(copy)) {
-      tokenizer_path = copy.string();
-      log::info("Tokenizer of ", quote(folder.string()), ", the folder the weights come from (model.hf_assets_path is not set), "
-                "as copied to ", copy.string(), " at the run's first start");
-    }
-  }
+      !loaded_.origins.count("model.tokenizer_path"))
+    tokenizer_path = hf_folder_tokenizer(*c.checkpoint.initial_load_path);
   if (tokenizer_path == data::kBuiltinTokenizer) {
     // Rank 0 learns it; the others reuse its file, or learn the same one where the dump folder is not shared.
     if (launch_.rank == 0) data::ensure_builtin_tokenizer(c.job.dump_folder, vocab);

@@ -79,6 +79,9 @@ class Trainer {
   distributed::ParallelDims check_job();            // the configuration against the model, before any communication
   void start_process(const distributed::ParallelDims& dims);  // world, device, mesh, seed
   void build_tokenizer();
+  // The tokenizer of the Hugging Face folder the weights come from, as the run's own copy (the default where
+  // model.hf_assets_path is not set); model.hf_assets_path where the folder has none.
+  std::string hf_folder_tokenizer(const std::string& folder);
   void build_model(const distributed::ParallelDims& dims);   // model, its parts and step schedule, initial weights
   void build_training(const distributed::ParallelDims& dims);  // optimizer, LR schedule, batch sizes, data, checkpoint
 

@@ -157,8 +157,15 @@ DecoderJobModel unchecked_job_model(const config::LoadedConfig& loaded, const De
   // once it has saved, or the titan checkpoint it starts from); shape keys set in the config must agree with it.
   const std::string path =
       recorded ? recorded->where : (std::filesystem::path(*c.checkpoint.initial_load_path) / "config.json").string();
-  const DecoderArgs hf = recorded ? decoder_args_from_json(recorded->model, recorded->where + ": model", c.model.name)
-                                 : family.read_hf_config(path);
+  DecoderArgs hf = recorded ? decoder_args_from_json(recorded->model, recorded->where + ": model", c.model.name)
+                           : family.read_hf_config(path);
+  if (recorded && !recorded->model.contains("attn_mask")) {
+    // Recorded before the mask was: the recorded flavor's, where it is one of the family's.
+    try {
+      hf.attn_mask = family.flavor(recorded->flavor).attn_mask;
+    } catch (const UserError&) {
+    }
+  }
   DecoderArgs args = apply_shape_keys(hf, loaded);
   // The model keeps the context it was made for (max_position_embeddings) unless model.max_seq_len says otherwise,
   // so that its Hugging Face export still advertises it.
