@@ -218,6 +218,12 @@ def test_a_run_from_hugging_face_weights_resumes_with_the_model_its_checkpoint_r
             (source / "config.json").write_text(json.dumps(config))
         resumed = train(tmp_path / change, 4, source)
         assert {**first, **resumed} == straight, (change, first, resumed, straight)
+    # A checkpoint.load_step with no checkpoint is named as such, not as the folder that is gone.
+    missing = run([binary("titan"), "train", "--model.hf_assets_path", "builtin", "--training.dataset", "fortunes",
+                   "--checkpoint.initial_load_path", str(tmp_path / "hf_removed"), "--checkpoint.initial_load_in_hf",
+                   "--model.flavor", "hf", "--checkpoint.enable", "--checkpoint.load_step", "7",
+                   "--job.dump_folder", str(tmp_path / "removed")], check=False)
+    assert missing.returncode != 0 and "checkpoint.load_step = 7" in missing.stderr and "step-7" in missing.stderr, missing.stderr
     # A family named against the checkpoint's record is refused by name.
     wrong = run([binary("titan"), "train", "--model.name", "llama3", "--model.hf_assets_path", "builtin", "--training.dataset",
                  "fortunes", "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "6",

@@ -61,6 +61,11 @@ distributed::ParallelDims Trainer::check_job() {
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
               "OMP_THREAD_LIMIT limit the threads");
   auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
+  if ((c.checkpoint.enable || c.checkpoint.initial_load_path) && c.checkpoint.load_step >= 0 &&
+      !checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder))
+    // Said before the model is decided: a run from a Hugging Face folder would otherwise name that folder first.
+    fail("checkpoint.load_step = ", c.checkpoint.load_step, " ", loaded_.where("checkpoint.load_step"), ": no complete checkpoint ",
+         (std::filesystem::path(c.job.dump_folder) / c.checkpoint.folder / cat("step-", c.checkpoint.load_step)).string());
   const JobChoice choice = choose_job_model(loaded_);
   if (!choice.source.empty()) log::info(choice.source);
   spec_ = choice.spec;
