@@ -31,8 +31,8 @@ JobChoice choose_job_model(const config::LoadedConfig& loaded) {
   const config::JobConfig& c = loaded.config;
   JobChoice out;
   std::optional<protocols::RecordedModel> recorded;
+  const bool flavor_named = loaded.origins.count("model.flavor") && c.model.flavor != models::kHfFlavor;
   if (c.checkpoint.initial_load_path) {
-    const bool flavor_named = loaded.origins.count("model.flavor") && c.model.flavor != models::kHfFlavor;
     const auto resume = checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder);
     if (resume && (c.checkpoint.initial_load_in_hf || !flavor_named)) {
       recorded = recorded_in(*resume);
@@ -61,7 +61,7 @@ JobChoice choose_job_model(const config::LoadedConfig& loaded) {
          " model; leave model.name out or set it to ", quote(name));
   out.spec = &models::model_spec(name);
   out.model = out.spec->recorded_job_model(loaded, *recorded);
-  out.checkpoint_flavor = loaded.origins.count("model.flavor") && c.model.flavor != models::kHfFlavor ? c.model.flavor : recorded->flavor;
+  out.checkpoint_flavor = flavor_named ? c.model.flavor : recorded->flavor;
   return out;
 }
 

@@ -149,18 +149,16 @@ std::vector<Action> zbv(int rank, int p, int m) {
 // steps ran.
 std::vector<Action> dual_pipe_v(int rank, int p, int m) {
   const int c0 = rank, c1 = 2 * p - 1 - rank;
-  std::vector<Action> a;
-  std::map<int, int> forwards, backwards;  // per stage: the next micro-batch
-  std::deque<std::pair<int, int>> weights; // input steps whose weight step is still to come, oldest first
-  auto forward = [&](int stage) { a.push_back(Action{stage, Op::Forward, forwards[stage]++}); };
+  Order o;
+  std::deque<Action> weights;  // weight steps of input steps already run, oldest first
+  auto forward = [&](int stage) { o.add(stage, Op::Forward); };
   auto backward = [&](int stage, bool split) {
-    const int mb = backwards[stage]++;
-    a.push_back(Action{stage, split ? Op::BackwardInput : Op::Backward, mb});
-    if (split) weights.emplace_back(stage, mb);
+    o.add(stage, split ? Op::BackwardInput : Op::Backward);
+    if (split) weights.push_back(Action{stage, Op::BackwardWeight, o.actions.back().microbatch});
   };
-  auto weight = [&] {
+  auto weight = [&] {  // numbered by the queue: a stage's full backwards leave gaps in its weight steps' micro-batches
     if (weights.empty()) return;
-    a.push_back(Action{weights.front().first, Op::BackwardWeight, weights.front().second});
+    o.actions.push_back(weights.front());
     weights.pop_front();
   };
   const int after = p - rank - 1;  // ranks after this one
@@ -182,7 +180,7 @@ std::vector<Action> dual_pipe_v(int rank, int p, int m) {
   }
   for (int i = 0; i < after; ++i) weight(), backward(c0, split);
   while (!weights.empty()) weight();
-  return a;
+  return o.actions;
 }
 
 bool is_backward(Op op) { return op == Op::Backward || op == Op::BackwardInput; }
