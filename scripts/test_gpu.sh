@@ -4,9 +4,13 @@
 #
 # Usage, from the repository root:
 #   scripts/test_gpu.sh                build into build-gpu/ (TITAN_GPU_BUILD), run every check, print the summary
-#   scripts/test_gpu.sh --build-only   stage 1: configure and build only (about 5 minutes on 16 cores)
+#   scripts/test_gpu.sh --build-only   stage 1: configure and build only (about 5 minutes on 16 cores); needs no GPU,
+#                                      so it also builds the binaries --prebuilt carries (see below)
 #   scripts/test_gpu.sh --skip-build   stage 2: run every check from build-gpu/ as it is (the next call on a machine
 #                                      that is still warm); each stage fits one 10-minute command
+#   scripts/test_gpu.sh --prebuilt     every check from binaries built on another machine against the same LibTorch
+#                                      (build-gpu/bin carried there; see "Prebuilt binaries" below); builds here
+#                                      only when they do not load
 #   scripts/test_gpu.sh --sanitize-only   only titan's CUDA kernel tests under compute-sanitizer (memcheck), from
 #                                      build-gpu/; stage 2 runs them last when its time budget allows
 #   scripts/test_gpu.sh --fetch-debs   on a Debian bookworm machine with network: download the Debian packages a GPU
@@ -29,6 +33,12 @@
 #   The script unpacks only the packages of the dependencies it finds missing, with dpkg-deb -x (or ar and tar),
 #   into build-gpu/deps/ -- never into / -- and points CMake, pkg-config and the linker there (titan gets an rpath
 #   to it, so nothing else on the machine sees those libraries).
+#
+# Prebuilt binaries: a lease is short, and the build takes minutes of it. On a machine with the CUDA toolkit and no
+# GPU, build with TITAN_GPU_PYTHON naming a python3 that holds the PyPI torch wheel of the GPU machine's version
+# (--build-only; docs/gpu.md gives the commands) and carry build-gpu/bin with .debs. --prebuilt then finds
+# LibTorch and the CUDA libraries in this machine's wheel, unpacks the carried Debian packages of libraries the
+# loader lacks into build-gpu/deps/, and checks that every binary loads; if one does not, it builds here as usual.
 #
 # Checks: titan_gpu_tests (tests/gpu: the model on CUDA against the CPU in float32, titan's CUDA kernels against
 # ATen in float64, NCCL collectives on one rank,
@@ -64,6 +74,7 @@ DEPS="$BUILD/deps"
 LIBDIR="$DEPS/usr/lib/x86_64-linux-gnu"
 LIBPATH="$LIBDIR:$DEPS/lib/x86_64-linux-gnu"  # bookworm puts a few runtime libraries (zlib) under /lib
 RUN_ENV=()  # the environment titan's processes need when libraries were unpacked into $DEPS (set after the build)
+EXTRA_LIBPATH=""  # for prebuilt binaries: this machine's LibTorch and CUDA wheel libraries
 START=$(date +%s)
 
 # The Debian bookworm packages behind each dependency (-dev packages and the runtime libraries they link).
@@ -78,8 +89,10 @@ declare -A GROUP_DEBS=(
   [nlohmann-json]="nlohmann-json3-dev"
   [GoogleTest]="libgtest-dev"
   [libudev]="libudev1"
+  [ICU]="libicu72"      # run time only, for binaries built elsewhere (--prebuilt); a build here finds ICU or goes without
+  [libgomp]="libgomp1"  # likewise
 )
-GROUPS_IN_ORDER=(pkg-config OpenMPI toml++ PCRE2 zstd zlib sentencepiece nlohmann-json GoogleTest libudev)
+GROUPS_IN_ORDER=(pkg-config OpenMPI toml++ PCRE2 zstd zlib sentencepiece nlohmann-json GoogleTest libudev ICU libgomp)
 
 say() { printf '[test_gpu %4ds] %s\n' $(( $(date +%s) - START )) "$*"; }
 die() { local code=$1; shift; printf 'test_gpu: %s\n' "$*" >&2; exit "$code"; }
@@ -110,12 +123,14 @@ fetch_debs() {
 }
 
 skip_build=0
+prebuilt=0
 build_only=0
 sanitize_only=0
 for arg in "$@"; do
   case "$arg" in
     --fetch-debs) fetch_debs ;;
     --skip-build) skip_build=1 ;;
+    --prebuilt) prebuilt=1 ;;
     --build-only) build_only=1 ;;
     --sanitize-only) sanitize_only=1; skip_build=1 ;;
     -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -123,11 +138,12 @@ for arg in "$@"; do
   esac
 done
 ((build_only && skip_build)) && die 2 "--build-only and --skip-build/--sanitize-only exclude each other"
+((prebuilt && (build_only || skip_build))) && die 2 "--prebuilt excludes --build-only, --skip-build and --sanitize-only"
 run_checks=1
 ((build_only || sanitize_only)) && run_checks=0
 
 # --- Is there a GPU? ------------------------------------------------------------------------------------------------
-if [[ "$DRY_RUN" != 1 ]]; then
+if [[ "$DRY_RUN" != 1 && "$build_only" != 1 ]]; then  # building needs no GPU
   if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
     echo "test_gpu: no NVIDIA GPU on this machine (nvidia-smi is missing or lists no GPU): nothing to check here."
     echo "test_gpu: run it on a machine with an NVIDIA GPU (exit code 77 means skipped)."
@@ -192,7 +208,7 @@ TORCH_CMAKE=$(info cmake)
 SITE=$(info site)
 if [[ "$DRY_RUN" != 1 ]]; then
   [[ "$(info cuda)" != none ]] || die 2 "PyTorch $(info version) in $PYTHON is a CPU-only build; a CUDA build is needed"
-  [[ "$(info available)" == 1 ]] ||
+  [[ "$(info available)" == 1 || "$build_only" == 1 ]] ||
     die 2 "nvidia-smi lists a GPU but torch.cuda.is_available() is false (driver too old for CUDA $(info cuda)?)"
 fi
 say "PyTorch $(info version) (CUDA $(info cuda), NCCL $(info nccl)) from $SITE; device: $(info device)"
@@ -326,7 +342,63 @@ check_tools() {
 
 set_run_env() {
   RUN_ENV=()
-  if [[ -d "$DEPS/usr" ]]; then RUN_ENV=(env "LD_LIBRARY_PATH=$LIBPATH${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"); fi
+  local path=""
+  [[ -d "$DEPS/usr" ]] && path=$LIBPATH
+  [[ -n "$EXTRA_LIBPATH" ]] && path="${path:+$path:}$EXTRA_LIBPATH"
+  if [[ -n "$path" ]]; then RUN_ENV=(env "LD_LIBRARY_PATH=$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"); fi
+}
+
+unresolved_libraries() {  # unresolved_libraries binary...: the sonames the loader does not find, one per line
+  "${RUN_ENV[@]}" ldd "$@" 2>&1 | awk '/not found/ { print $1 }' | sort -u
+}
+
+use_prebuilt() {  # true when titan, titan_gpu_tests and titan_bench_kernels in $BIN load here (after help)
+  local binaries=("$BIN/titan" "$BIN/titan_gpu_tests" "$BIN/titan_bench_kernels") missing groups=() soname group
+  local b
+  for b in "${binaries[@]}"; do [[ -x "$b" ]] || { say "prebuilt: no $b; building here"; return 1; }; done
+  set_run_env
+  missing=$(unresolved_libraries "${binaries[@]}")
+  if [[ -n "$missing" ]]; then
+    # The rpath names the build machine's wheel: point the loader at this machine's LibTorch and CUDA libraries.
+    EXTRA_LIBPATH="$SITE/torch/lib"
+    for b in "$SITE"/nvidia/*/lib; do [[ -d "$b" ]] && EXTRA_LIBPATH+=":$b"; done
+    set_run_env
+    missing=$(unresolved_libraries "${binaries[@]}")
+  fi
+  if [[ -n "$missing" ]]; then
+    for soname in $missing; do
+      case "$soname" in
+        libmpi*|libopen-*|libhwloc*|libevent*) group=OpenMPI ;;
+        libudev*) group=libudev ;;
+        libtomlplusplus*) group=toml++ ;;
+        libpcre2*) group=PCRE2 ;;
+        libzstd*) group=zstd ;;
+        libz.*) group=zlib ;;
+        libsentencepiece*) group=sentencepiece ;;
+        libicu*) group=ICU ;;
+        libgomp*) group=libgomp ;;
+        *) group="" ;;
+      esac
+      [[ -n "$group" && " ${groups[*]} " != *" $group "* ]] && groups+=("$group")
+    done
+    [[ " ${groups[*]} " == *" OpenMPI "* ]] && ! ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' && groups+=(libudev)
+    if ((${#groups[@]})); then
+      say "prebuilt: the loader lacks $(echo $missing); unpacking ${groups[*]} from $DEBS"
+      unpack_groups "${groups[@]}" >/dev/null
+      set_run_env
+      missing=$(unresolved_libraries "${binaries[@]}")
+    fi
+  fi
+  if [[ -n "$missing" ]]; then
+    say "prebuilt: still not found: $(echo $missing); building here"
+    return 1
+  fi
+  # Loads, and runs: the command line answers.
+  if ! "${RUN_ENV[@]}" "$BIN/titan" --help >"$LOGS/prebuilt.log" 2>&1; then
+    say "prebuilt: titan --help failed ($(tail -1 "$LOGS/prebuilt.log")); building here"
+    return 1
+  fi
+  record PASS build.prebuilt "binaries built elsewhere load and run here${EXTRA_LIBPATH:+ (LibTorch from $SITE/torch/lib)}"
 }
 
 build() {
@@ -381,12 +453,19 @@ Bring them as .deb files: 'scripts/test_gpu.sh --fetch-debs' on a Debian bookwor
   figure time.build_s "$((SECONDS - t0))"
 }
 
-if [[ "$DRY_RUN" == 1 || "$skip_build" == 1 ]]; then
+if [[ ("$DRY_RUN" == 1 && "$prebuilt" == 0) || "$skip_build" == 1 ]]; then
   [[ -x "$BIN/titan" && -x "$BIN/titan_gpu_tests" ]] || die 2 "no binaries in $BIN to reuse (build first, or set TITAN_GPU_BUILD)"
   say "reusing the binaries in $BIN"
   set_run_env
-elif ! build; then
-  say "the build failed; logs in $LOGS"
+elif ((prebuilt)) && use_prebuilt; then
+  say "using the prebuilt binaries in $BIN"
+else
+  if ((prebuilt)); then  # set aside, so that nothing below runs a binary of the other machine
+    figure build.prebuilt "not usable here (see the lines above); built here instead"
+    EXTRA_LIBPATH=""
+    rm -rf "$BUILD/bin.prebuilt" && mv "$BIN" "$BUILD/bin.prebuilt" 2>/dev/null
+  fi
+  build || say "the build failed; logs in $LOGS"
 fi
 
 # --- titan_gpu_tests: one process per test suite, and per test where a suite crashes -------------------------------
@@ -502,6 +581,15 @@ run_cli() {
   if within_budget cli.bf16_params 30 && train bf16_params "${debug[@]}" --training.steps 30 --training.dtype bfloat16; then
     checker loss-falls "$LOGS/train-bf16_params.log" --name cli.bf16_params.loss_falls --min-drop 0.5
   fi
+  # Mixture-of-Experts families (bf16 autocast): Qwen3-MoE (64 experts, top 8) and DeepSeek-V3 (MLA attention,
+  # shared expert); the experts' grouped products go through at::_grouped_mm on compute capability 9.0+.
+  local family name flavor
+  for family in "qwen3 debugmodel_moe" "deepseek_v3 debugmodel"; do
+    read -r name flavor <<<"$family"
+    if within_budget "cli.$name" 40 && train "$name" "${debug[@]}" --model.name "$name" --model.flavor "$flavor" --training.steps 30; then
+      checker loss-falls "$LOGS/train-$name.log" --name "cli.$name.loss_falls" --min-drop 0.3
+    fi
+  done
   # Float8 linears (torchao's tensorwise recipe, the output projection in bf16): the loss falls. at::_scaled_mm needs
   # compute capability 8.9 or newer; older GPUs and the dry run emulate.
   local float8=(--model.converters float8 --quantize.linear.float8.filter_fqns output)
