@@ -50,6 +50,8 @@
 # the tokenizer is learned from it by `titan tokenizer train`. Two-rank NCCL runs need two GPUs and are not made.
 # Settings: TITAN_GPU_BUILD, TITAN_GPU_PYTHON (python3), TITAN_GPU_DEBS (.debs), TITAN_GPU_JOBS (all cores),
 # TITAN_GPU_GTEST_FILTER (a GoogleTest filter for titan_gpu_tests, '*'; '-*' runs none), TITAN_GPU_SKIP_CLI=1,
+# TITAN_GPU_PROFILE (1: one profiled step of the 8B 4-layer benchmark in bf16 and float8, GPU time per kernel in
+# profile_bf16.txt and profile_float8.txt; 0: none),
 # TITAN_GPU_BENCH_FLAVOR (1B), _BENCH_BATCH (4), _BENCH_SEQ (2048), _BENCH_STEPS (20) for the first benchmark (the
 # second is always 4 layers of 8B at 8,192 tokens), TITAN_GPU_SANITIZE_FILTER (GpuKernels.*), TITAN_GPU_TIME_BUDGET
 # (seconds; a phase that would end later is reported as not run; 580 when OUT is set, else none).
@@ -173,7 +175,7 @@ checker() {
   local rc=$?
   printf '%s\n' "$out"
   grep '^\[figure\]' <<<"$out" >>"$FIGURES"
-  grep -E '^(PASS|FAIL|SKIP) ' <<<"$out" >>"$RESULTS"
+  grep -E '^(PASS|FAIL|SKIP|N/A) ' <<<"$out" >>"$RESULTS"
   if [[ $rc -gt 1 ]]; then record FAIL "checker $1" "check_train_log.py failed: $(tail -1 <<<"$out")"; fi
   return 0
 }
@@ -639,6 +641,29 @@ run_cli() {
   run_bench bench_8B_4_layers_float8 1 "selective AC, float8 tensorwise" --model.flavor 8B --model.n_layers 4 "${data[@]}" \
     --training.seq_len 8192 --training.steps 15 --metrics.log_freq 5 --activation_checkpoint.mode selective --optimizer.lr 3e-4 \
     --lr_scheduler.warmup_steps 5 "${float8[@]}"
+  [[ "${TITAN_GPU_PROFILE:-1}" == 1 ]] && run_profiles
+}
+
+run_profiles() {  # one profiled step of the 8B 4-layer benchmark in bf16 and in float8: GPU time per kernel, as text
+  local variant args trace
+  for variant in bf16 float8; do
+    within_budget "profile.$variant" 45 || return
+    args=(--model.flavor 8B --model.n_layers 4 "${data[@]}" --training.seq_len 8192 --training.local_batch_size 1
+          --training.steps 10 --metrics.log_freq 5 --activation_checkpoint.mode selective --optimizer.lr 3e-4
+          --lr_scheduler.warmup_steps 5 --profiling.enable_profiling --profiling.profile_freq 10
+          --profiling.profiler_warmup 3 --profiling.profiler_active 1)
+    [[ "$variant" == float8 ]] && args+=("${float8[@]}")
+    RECORD_TRAIN_FAILURE=0
+    train "profile_$variant" "${args[@]}" || { RECORD_TRAIN_FAILURE=1; record FAIL "profile.$variant" "the profiled run did not finish"; continue; }
+    RECORD_TRAIN_FAILURE=1
+    trace=$(find "$RUNS/profile_$variant" -name 'rank0_trace.json' | sort | tail -1)
+    if [[ -z "$trace" ]] || ! "$PYTHON" "$ROOT/bench/trace_kernels.py" "$trace" --label "8B x 4 layers, $variant, one step" \
+        >"$REPORT_DIR/profile_$variant.txt" 2>&1; then
+      record FAIL "profile.$variant" "no kernel summary: $(tail -1 "$REPORT_DIR/profile_$variant.txt" 2>/dev/null)"
+      continue
+    fi
+    figure "profile.$variant" "$(head -1 "$REPORT_DIR/profile_$variant.txt")"
+  done
 }
 
 run_generate() {
@@ -790,14 +815,17 @@ SUMMARY="$REPORT_DIR/gpu_summary.txt"
   failed=$(grep -c '^FAIL' "$RESULTS")
   not_run=$(grep -c '^SKIP' "$RESULTS")
   passed=$(grep -c '^PASS' "$RESULTS")
+  inapplicable=$(grep -c '^N/A' "$RESULTS")
+  counts="$passed passed"
+  ((inapplicable)) && counts+=", $inapplicable not applicable to this GPU"
   if ((failed)); then
-    echo "VERDICT: FAIL -- $failed failed: $(grep '^FAIL' "$RESULTS" | cut -d: -f1 | cut -c6- | tr '\n' ' ')($passed passed, $not_run not run)"
+    echo "VERDICT: FAIL -- $failed failed: $(grep '^FAIL' "$RESULTS" | cut -d: -f1 | cut -c6- | tr '\n' ' ')($counts, $not_run not run)"
   elif ((not_run)); then
-    echo "VERDICT: INCOMPLETE -- $not_run not run: $(grep '^SKIP' "$RESULTS" | cut -d: -f1 | cut -c6- | tr '\n' ' ')($passed passed)"
+    echo "VERDICT: INCOMPLETE -- $not_run not run: $(grep '^SKIP' "$RESULTS" | cut -d: -f1 | cut -c6- | tr '\n' ' ')($counts)"
   elif ((passed == 0)); then
     echo "VERDICT: FAIL -- no check ran"
   else
-    echo "VERDICT: PASS -- all $passed checks passed"
+    echo "VERDICT: PASS -- all $passed checks passed$( ((inapplicable)) && echo " ($inapplicable not applicable to this GPU)")"
   fi
   echo "total time: $(( $(date +%s) - START ))s; logs: $LOGS"
   if ((${#RUN_ENV[@]})); then echo "titan's libraries were unpacked into $DEPS: run its binaries with ${RUN_ENV[*]:1}"; fi

@@ -127,11 +127,21 @@ at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool
     return at::mm(a.data.to(at::kFloat) / a.scale, b.data.to(at::kFloat) / b.scale).to(out_dtype);
   }
   // at::_scaled_mm: a row-major, b column-major, and the reciprocal scales.
-  const at::Tensor a_data = a.data.is_contiguous() ? a.data : a.data.contiguous();
-  const at::Tensor b_data = b.data.t().is_contiguous() ? b.data : b.data.t().contiguous().t();
+  at::Tensor a_data = a.data.is_contiguous() ? a.data : a.data.contiguous();
+  at::Tensor b_data = b.data.t().is_contiguous() ? b.data : b.data.t().contiguous().t();
   const at::Tensor a_scale = matching_scale(a.scale, b.scale, a_data.size(0), true).reciprocal();
-  const at::Tensor b_scale = matching_scale(b.scale, a.scale, b_data.size(1), false).reciprocal();
-  return at::_scaled_mm(a_data, b_data, a_scale, b_scale, std::nullopt, std::nullopt, out_dtype, fast_accumulation);
+  at::Tensor b_scale = matching_scale(b.scale, a.scale, b_data.size(1), false).reciprocal();
+  // The GPU kernels need the contraction (K) and the output's columns (N) in multiples of 16: a token count such as
+  // a weight gradient's 999 is padded with zeros, which add nothing, and the padded columns are dropped. The padding
+  // is done on the bytes (a float8 zero is all zero bits).
+  const int64_t k = a_data.size(1), n = b_data.size(1), k16 = (k + 15) / 16 * 16, n16 = (n + 15) / 16 * 16;
+  if (k16 != k || n16 != n) {
+    a_data = at::constant_pad_nd(a_data.view(at::kByte), {0, k16 - k}).view(a_data.scalar_type());
+    b_data = at::constant_pad_nd(b_data.t().view(at::kByte), {0, k16 - k, 0, n16 - n}).view(b_data.scalar_type()).t();
+    if (b_scale.dim() == 2 && n16 != n) b_scale = at::constant_pad_nd(b_scale, {0, n16 - n}, 1.0);
+  }
+  const at::Tensor out = at::_scaled_mm(a_data, b_data, a_scale, b_scale, std::nullopt, std::nullopt, out_dtype, fast_accumulation);
+  return n16 != n ? out.narrow(1, 0, n) : out;
 }
 
 namespace {

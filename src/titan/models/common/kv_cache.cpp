@@ -73,7 +73,8 @@ KvCache::KvCache(Decoder& model, const at::Tensor& padding, int64_t capacity) : 
 void KvCache::advance_to(int64_t start) { state_->start = start; }
 
 at::Tensor KvCache::positions(int64_t start, int64_t count) const {
-  const at::Tensor index = at::arange(start, start + count, at::TensorOptions().dtype(at::kLong)).view({1, count});
+  // On the padding's device (the model's): a host index beside a GPU padding tensor would not subtract.
+  const at::Tensor index = at::arange(start, start + count, state_->padding.options()).view({1, count});
   return at::clamp_min(index - state_->padding.view({-1, 1}), 0);
 }
 
