@@ -565,7 +565,7 @@ train() {  # train name args...: one `titan train` run, its log in $LOGS/train-n
 }
 
 run_cli() {
-  mkdir -p "$RUNS"
+  rm -rf "$RUNS" && mkdir -p "$RUNS"  # a run folder left by an earlier call would be resumed from
   if ! make_corpus; then record FAIL cli.corpus "could not build the corpus or tokenizer: $(tail -2 "$LOGS/tokenizer.log" 2>/dev/null)"; return; fi
   local device_flag=() small=()
   [[ "$DRY_RUN" == 1 ]] && device_flag=(--cpu) && small=(--training.seq_len 128 --training.local_batch_size 4)

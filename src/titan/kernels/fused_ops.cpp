@@ -594,6 +594,14 @@ void set_cuda_checks_strict(bool strict) {
 #endif
 }
 
+bool cuda_checks_strict() {
+#ifdef TITAN_WITH_CUDA
+  return g_strict.load();
+#else
+  return false;
+#endif
+}
+
 double difference_in_tolerances(const at::Tensor& actual, const at::Tensor& expected) {
   return tolerance_units(actual, expected, rtol_for(actual.scalar_type()));
 }

@@ -46,6 +46,7 @@ double difference_in_tolerances(const at::Tensor& actual, const at::Tensor& expe
 // Strict checks (the GPU tests): a CUDA kernel that disagrees with ATen on its first call raises an error instead
 // of giving way to the ATen composition, so that tests measure the kernel itself.
 void set_cuda_checks_strict(bool strict);
+bool cuda_checks_strict();
 
 // Whether this build has titan's CUDA kernels (LibTorch with CUDA; not ROCm).
 bool cuda_kernels_built();

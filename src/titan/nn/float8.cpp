@@ -7,14 +7,21 @@
 
 #ifdef TITAN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "titan/kernels/cuda/kernels.h"
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <mutex>
 
 #include "titan/common/error.h"
+#include "titan/common/logging.h"
 #include "titan/common/strings.h"
+#include "titan/kernels/fused_ops.h"
 #include "titan/nn/autocast.h"
 #include "titan/nn/matmul.h"
 
@@ -94,12 +101,14 @@ AmaxReductionScope::~AmaxReductionScope() { current_reduction = outer_; }
 c10::intrusive_ptr<AmaxReduction> AmaxReductionScope::current() { return current_reduction; }
 
 Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction,
-             bool contraction_split) {
+             bool contraction_split, bool column_major) {
   if (c.scaling == Scaling::high_precision) return {x, at::Tensor()};
   NoAutocast no_autocast;
   at::NoGradGuard no_grad;
-  const at::Tensor magnitude = x.abs();
-  at::Tensor amax = c.scaling == Scaling::tensorwise ? magnitude.max() : magnitude.amax({dim}, /*keepdim=*/true);
+  // The largest magnitude in one reduction (the infinity norm), without a tensor of absolute values.
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  at::Tensor amax = c.scaling == Scaling::tensorwise ? at::linalg_vector_norm(x, kInf)
+                                                     : at::linalg_vector_norm(x, kInf, at::IntArrayRef{dim}, /*keepdim=*/true);
   if (reduction && (c.scaling == Scaling::tensorwise || contraction_split)) {
     // Every rank's amax of the same rows (or of the whole tensor): the maximum is exact in any dtype.
     at::Tensor whole = amax.to(at::kFloat).contiguous();
@@ -107,15 +116,113 @@ Operand cast(const at::Tensor& x, const Cast& c, int64_t dim, bool power_of_two_
     amax = whole.to(amax.scalar_type());
   }
   const at::Tensor scale = amax_to_scale(amax, c.dtype, power_of_two_scales);
-  return {scaled_cast(x, scale, c.dtype), scale};
+  return {scaled_cast(x, scale, c.dtype, column_major), scale};
 }
 
-at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype) {
-  NoAutocast no_autocast;
-  at::NoGradGuard no_grad;
+namespace {
+
+at::Tensor aten_scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype) {
   const double limit = format_max(dtype);
   // Saturating: values beyond the format's largest finite one become it.
   return (x.to(at::kFloat) * scale).clamp(-limit, limit).to(dtype);
+}
+
+#ifdef TITAN_WITH_CUDA
+// The fused cast's first-call checks, per input dtype (float32, bf16), format (E4M3, E5M2) and layout (as read,
+// transposed): the kernel's bytes against the ATen composition's on that call's whole tensor, NaN equal to NaN.
+enum FusedCastState : int { kUnchecked = 0, kChecking = 1, kAgreed = 2, kDisagreed = 3 };
+std::atomic<int> g_fused_cast[2][2][2];
+std::mutex g_fused_cast_lines_mutex;
+std::vector<std::string> g_fused_cast_lines;  // guarded by the mutex
+
+// One pass over a float32 or bf16 matrix on an NVIDIA GPU (kernels/cuda), the scale read on the device; undefined
+// where the kernel does not take these tensors (then the ATen composition runs).
+at::Tensor fused_scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype, bool column_major) {
+  if (!x.is_cuda() || x.dim() != 2 || !kernels::fused_kernels_enabled()) return {};
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) return {};
+  if (!scale.defined() || scale.scalar_type() != at::kFloat || scale.device() != x.device() || scale.dim() > 2) return {};
+  const int64_t rows = x.size(0), cols = x.size(1);
+  // The scale's steps along x's rows and columns: one per tensor, per row (rows x 1) or per column (1 x cols).
+  int64_t row_step = 0, col_step = 0;
+  if (scale.numel() != 1) {
+    if (scale.dim() != 2 || !scale.is_contiguous()) return {};
+    if (scale.size(0) == rows && scale.size(1) == 1) row_step = 1;
+    else if (scale.size(0) == 1 && scale.size(1) == cols) col_step = 1;
+    else return {};
+  }
+  // The kernel reads a row-major matrix: x itself, or the contiguous matrix x is the transpose of.
+  const bool flip = !x.is_contiguous();
+  if (flip && !x.t().is_contiguous()) return {};
+  const at::Tensor base = flip ? x.t() : x;
+  kernels::cuda::Float8Cast c;
+  c.rows = base.size(0);
+  c.cols = base.size(1);
+  c.scale_row_stride = flip ? col_step : row_step;
+  c.scale_col_stride = flip ? row_step : col_step;
+  c.e4m3 = dtype == at::kFloat8_e4m3fn;
+  // Physically row-major in x's shape when !column_major, else in its transpose's.
+  c.transpose = flip != column_major;
+  std::atomic<int>& state = g_fused_cast[x.scalar_type() == at::kBFloat16][c.e4m3][c.transpose];
+  int now = state.load();
+  if (now == kDisagreed || now == kChecking) return {};
+  if (now == kUnchecked && !state.compare_exchange_strong(now, kChecking)) return {};
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty(c.transpose ? std::vector<int64_t>{c.cols, c.rows} : std::vector<int64_t>{c.rows, c.cols},
+                             x.options().dtype(dtype));
+  const float* scale_ptr = scale.data_ptr<float>();
+  auto* out_ptr = static_cast<uint8_t*>(out.data_ptr());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t error =
+      x.scalar_type() == at::kFloat
+          ? kernels::cuda::scaled_cast_float8(c, base.data_ptr<float>(), scale_ptr, out_ptr, stream)
+          : kernels::cuda::scaled_cast_float8(c, reinterpret_cast<const uint16_t*>(base.data_ptr()), scale_ptr, out_ptr, stream);
+  TORCH_CHECK(error == cudaSuccess, "titan's CUDA kernel for the float8 cast failed to launch: ", cudaGetErrorString(error));
+  // In x's shape: the output is x-shaped as laid out exactly when it was not transposed relative to x's own rows.
+  if (c.transpose != flip) out = out.t();
+  if (now == kUnchecked) {
+    const at::Tensor expected = aten_scaled_cast(x, scale, dtype);
+    const bool agreed = at::allclose(out.to(at::kFloat), expected.to(at::kFloat), 0.0, 0.0, /*equal_nan=*/true);
+    const std::string line = cat("CUDA kernel float8 cast (", x.scalar_type() == at::kBFloat16 ? "bf16" : "float32", " to ",
+                                 c.e4m3 ? "E4M3" : "E5M2", c.transpose ? ", transposed" : "", "): ",
+                                 agreed ? "equals" : "DIFFERS from", " the ATen composition bit for bit on its first call");
+    {
+      const std::lock_guard lock(g_fused_cast_lines_mutex);
+      g_fused_cast_lines.push_back(line);
+    }
+    state = agreed ? kAgreed : kDisagreed;
+    if (agreed) {
+      log::info(line);
+    } else {
+      TORCH_CHECK(!kernels::cuda_checks_strict(), line, " (strict checks: no fallback)");
+      log::warn(line, "; titan casts through ATen instead for the rest of this run. Please report this with the GPU and ",
+                "the CUDA version.");
+      return expected;
+    }
+  }
+  return out;
+}
+#endif
+
+}  // namespace
+
+std::vector<std::string> fused_cast_checks() {
+#ifdef TITAN_WITH_CUDA
+  const std::lock_guard lock(g_fused_cast_lines_mutex);
+  return g_fused_cast_lines;
+#else
+  return {};
+#endif
+}
+
+at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype, bool column_major) {
+  NoAutocast no_autocast;
+  at::NoGradGuard no_grad;
+#ifdef TITAN_WITH_CUDA
+  if (at::Tensor fused = fused_scaled_cast(x, scale, dtype, column_major); fused.defined()) return fused;
+#endif
+  at::Tensor out = aten_scaled_cast(x, scale, dtype);
+  if (column_major && out.dim() == 2 && !out.t().is_contiguous()) out = out.t().contiguous().t();
+  return out;
 }
 
 at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool emulate, bool fast_accumulation) {
@@ -208,7 +315,8 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const bool k_split = reduction && reduction->sharded_weight_dim == 1;
     const Operand xq = precast_input ? Operand{precast_input->input.data.reshape({-1, k}), precast_input->input.scale}
                                      : cast(x2, r->input, 1, r->power_of_two_scales, reduction.get(), k_split);
-    const Operand wq = use_precast ? precast->weight.t() : cast(weight.t(), r->weight, 0, r->power_of_two_scales, reduction.get(), k_split);
+    const Operand wq = use_precast ? precast->weight.t()
+                                   : cast(weight.t(), r->weight, 0, r->power_of_two_scales, reduction.get(), k_split, /*column_major=*/true);
     auto out_shape = x.sizes().vec();
     out_shape.back() = weight.size(0);
     return mm(xq, wq, x.scalar_type(), emulate, /*fast_accumulation=*/true).reshape(out_shape);
@@ -231,6 +339,7 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const int64_t n = weight.size(0), k = weight.size(1);
     const at::Tensor g = grads[0].reshape({-1, n});
     at::Tensor dx, dw;
+    Operand g_for_dx;
     if (ctx->needs_input_grad(0)) {
       // dx = g W: contraction over N, g per row, W (kept as W^T, cast per row of W^T) per column. N is split over the
       // ranks of a column-parallel linear.
@@ -247,15 +356,29 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
         wq = cast(weight.t(), r.weight_for_grad_input, 1, r.power_of_two_scales, reduce, n_split).t();
       }
       dx = mm(gq, wq, grads[0].scalar_type(), emulate, false).reshape(x_sizes);
+      g_for_dx = gq;
     }
     if (ctx->needs_input_grad(1)) {
       // dW = g^T x: contraction over the tokens, g and x per column. Every rank holds all the tokens (sequence
       // parallelism gathers them before the matmuls), so no per-column amax is reduced.
-      const Operand gq = (g_pre ? Operand{g_pre->data.reshape({-1, n}), g_pre->scale}
-                                : cast(g, r.grad_output_for_grad_weight, 0, r.power_of_two_scales, reduce)).t();
+      // Both operands column-major as cast (g^T then reads row-major): at::_scaled_mm takes them without a copy. A
+      // per-tensor cast of g that equals the one dx's matmul made reuses its scale (one amax, two layouts).
+      const Cast& gc = r.grad_output_for_grad_weight;
+      const bool same_g_cast = g_for_dx.quantized() && gc.scaling == Scaling::tensorwise &&
+                               r.grad_output.scaling == gc.scaling && r.grad_output.dtype == gc.dtype;
+      Operand gq;
+      if (g_pre) {
+        gq = Operand{g_pre->data.reshape({-1, n}), g_pre->scale};
+      } else if (same_g_cast) {
+        gq = Operand{scaled_cast(g, g_for_dx.scale, gc.dtype, /*column_major=*/true), g_for_dx.scale};
+      } else {
+        gq = cast(g, gc, 0, r.power_of_two_scales, reduce, false, /*column_major=*/true);
+      }
+      gq = gq.t();
       const Operand xq = ctx->saved_data.count("x8")
                              ? Operand{ctx->saved_data["x8"].toTensor().reshape({-1, k}), ctx->saved_data["x8_scale"].toTensor()}
-                             : cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduce);
+                             : cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduce, false,
+                                    /*column_major=*/true);
       dw = mm(gq, xq, grads[0].scalar_type(), emulate, false).to(weight.scalar_type());
     }
     return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

@@ -50,7 +50,12 @@ struct Operand {
 };
 
 // `x` times `scale`, saturated to the format's largest finite value and cast to `dtype` (a float8 format).
-at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
+// With `column_major` a 2-D result is laid out column-major (its transpose contiguous), as at::_scaled_mm wants its
+// second operand. On NVIDIA GPUs one fused kernel does the cast (checked bit for bit against the ATen composition on
+// its first call per input dtype, format and layout; training.fused_kernels = false turns it off).
+at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype, bool column_major = false);
+// The fused cast's first-call checks so far in this process, one line each; empty on the CPU.
+std::vector<std::string> fused_cast_checks();
 // Tensor parallelism: a linear whose weight and activations are split over ranks takes each per-tensor scale from
 // the amax of the whole tensor, and each per-row scale from the amax of the whole row, as torchao's casts of DTensors
 // do; `all_reduce_max` reduces a rank's amax over the ranks. A row is split only along the weight's split dimension
@@ -80,7 +85,7 @@ class AmaxReductionScope {
 // matmul the operand is for). A per-tensor amax goes through `reduction` when given, a per-row one when
 // `contraction_split` too (dimension `dim` is split over the reduction's ranks).
 Operand cast(const at::Tensor& x, const Cast& cast, int64_t dim, bool power_of_two_scales, const AmaxReduction* reduction = nullptr,
-             bool contraction_split = false);
+             bool contraction_split = false, bool column_major = false);
 // The scale of a tensor whose absolute maximum (per tensor, or keepdim along a dimension) is `amax`.
 at::Tensor amax_to_scale(const at::Tensor& amax, at::ScalarType float8_dtype, bool power_of_two);
 

@@ -1,9 +1,10 @@
-// CUDA kernels for titan's fused SwiGLU, RoPE and cross-entropy rows (declared, with their contracts, in
+// CUDA kernels for titan's fused SwiGLU, RoPE, cross-entropy rows and float8 casts (declared, with their contracts, in
 // kernels.h). Elementwise work runs as grid-stride loops over 64-bit indices; each cross-entropy row is reduced by
 // one block (an online maximum and sum of exponentials per thread, combined across warps).
 #include "titan/kernels/cuda/kernels.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -176,6 +177,63 @@ cudaError_t grad_impl(int64_t rows, int64_t vocab, T* logits, const int64_t* loc
   return cudaGetLastError();
 }
 
+// Float8: the nearest value, ties to even, saturated at the largest finite one (as clamping first and then
+// converting does); NaN stays NaN.
+__device__ inline uint8_t to_float8(float v, bool e4m3) {
+  return e4m3 ? __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3) : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+}
+
+template <typename T>
+__global__ void float8_cast_kernel(Float8Cast c, const T* in, const float* scale, uint8_t* out) {
+  const int64_t n = c.rows * c.cols;
+  const bool one_scale = c.scale_row_stride == 0 && c.scale_col_stride == 0;
+  const float whole = one_scale ? *scale : 0.0f;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    float s = whole;
+    if (!one_scale) {
+      const int64_t r = i / c.cols, col = i - r * c.cols;
+      s = scale[r * c.scale_row_stride + col * c.scale_col_stride];
+    }
+    out[i] = to_float8(load(in + i) * s, c.e4m3);
+  }
+}
+
+// One block per 32 x 32 tile (looping over the tile rows past the grid's y limit): read along the input's rows,
+// written along the output's, through shared memory.
+constexpr int kTile = 32;
+template <typename T>
+__global__ void float8_cast_transpose_kernel(Float8Cast c, const T* in, const float* scale, uint8_t* out) {
+  __shared__ uint8_t tile[kTile][kTile + 1];
+  const int64_t tiles_r = (c.rows + kTile - 1) / kTile, c0 = int64_t{blockIdx.x} * kTile;
+  for (int64_t tr = blockIdx.y; tr < tiles_r; tr += gridDim.y) {
+    const int64_t r0 = tr * kTile;
+    for (int j = threadIdx.y; j < kTile; j += blockDim.y) {
+      const int64_t r = r0 + j, col = c0 + threadIdx.x;
+      if (r < c.rows && col < c.cols)
+        tile[j][threadIdx.x] = to_float8(load(in + r * c.cols + col) * scale[r * c.scale_row_stride + col * c.scale_col_stride], c.e4m3);
+    }
+    __syncthreads();
+    for (int j = threadIdx.y; j < kTile; j += blockDim.y) {
+      const int64_t out_row = c0 + j, out_col = r0 + threadIdx.x;  // the input's column and row
+      if (out_row < c.cols && out_col < c.rows) out[out_row * c.rows + out_col] = tile[threadIdx.x][j];
+    }
+    __syncthreads();
+  }
+}
+
+template <typename T>
+cudaError_t float8_cast_impl(const Float8Cast& c, const T* in, const float* scale, uint8_t* out, cudaStream_t stream) {
+  if (c.rows == 0 || c.cols == 0) return cudaSuccess;
+  if (!c.transpose) {
+    float8_cast_kernel<<<blocks_for(c.rows * c.cols), kThreads, 0, stream>>>(c, in, scale, out);
+  } else {
+    const int64_t tiles_r = (c.rows + kTile - 1) / kTile, tiles_c = (c.cols + kTile - 1) / kTile;
+    const dim3 grid(static_cast<unsigned>(tiles_c), static_cast<unsigned>(std::min<int64_t>(tiles_r, 65535)));
+    float8_cast_transpose_kernel<<<grid, dim3(kTile, 8), 0, stream>>>(c, in, scale, out);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t swiglu_forward(const float* gate, const float* up, float* out, int64_t n, cudaStream_t stream) {
@@ -215,6 +273,13 @@ cudaError_t cross_entropy_grad(int64_t rows, int64_t vocab, float* logits, const
 cudaError_t cross_entropy_grad(int64_t rows, int64_t vocab, uint16_t* logits, const int64_t* local_label,
                                const float* row_lse, const float* row_scale, cudaStream_t stream) {
   return grad_impl(rows, vocab, logits, local_label, row_lse, row_scale, stream);
+}
+
+cudaError_t scaled_cast_float8(const Float8Cast& c, const float* in, const float* scale, uint8_t* out, cudaStream_t stream) {
+  return float8_cast_impl(c, in, scale, out, stream);
+}
+cudaError_t scaled_cast_float8(const Float8Cast& c, const uint16_t* in, const float* scale, uint8_t* out, cudaStream_t stream) {
+  return float8_cast_impl(c, in, scale, out, stream);
 }
 
 }  // namespace titan::kernels::cuda

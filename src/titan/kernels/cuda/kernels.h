@@ -1,9 +1,9 @@
-// The raw CUDA kernels behind titan's fused SwiGLU, RoPE and cross-entropy rows on NVIDIA GPUs, where LibTorch has
-// no fused operation of its own (RMSNorm uses LibTorch's fused CUDA kernel, attention its flash/cuDNN kernels). Like
-// the CPU kernels (kernels/isa) they see plain pointers, sizes and strides, no LibTorch types, so that nvcc compiles
-// them without LibTorch's headers. bf16 values travel as uint16_t bit patterns; arithmetic is float32 and each
-// result is rounded once. Every launcher returns the launch's error (cudaSuccess when it was queued) and runs on
-// `stream`, on the current device.
+// The raw CUDA kernels behind titan's fused SwiGLU, RoPE and cross-entropy rows and its float8 casts on NVIDIA
+// GPUs, where LibTorch has no fused operation of its own (RMSNorm uses LibTorch's fused CUDA kernel, attention its
+// flash/cuDNN kernels). Like the CPU kernels (kernels/isa) they see plain pointers, sizes and strides, no LibTorch
+// types, so that nvcc compiles them without LibTorch's headers. bf16 values travel as uint16_t bit patterns;
+// arithmetic is float32 and each result is rounded once. Every launcher returns the launch's error (cudaSuccess
+// when it was queued) and runs on `stream`, on the current device.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -37,5 +37,18 @@ cudaError_t cross_entropy_grad(int64_t rows, int64_t vocab, float* logits, const
                                const float* row_lse, const float* row_scale, cudaStream_t stream);
 cudaError_t cross_entropy_grad(int64_t rows, int64_t vocab, uint16_t* logits, const int64_t* local_label,
                                const float* row_lse, const float* row_scale, cudaStream_t stream);
+
+// Float8 casts for the float8 linears: out = the float8 value nearest float(in) * scale (ties to even), saturated at
+// the format's largest finite value (NaN stays NaN), in E4M3 ("fn", e4m3 = true) or E5M2 bit patterns. The input is
+// rows x cols row-major; the scale is read at scale[r * scale_row_stride + c * scale_col_stride] (0 and 0 for one
+// scale per tensor, 1 and 0 per row, 0 and 1 per column). Without `transpose` out is rows x cols row-major; with it,
+// cols x rows row-major (the cast of the input's transpose, staged through shared-memory tiles so that both the
+// reads and the writes are coalesced).
+struct Float8Cast {
+  int64_t rows = 0, cols = 0, scale_row_stride = 0, scale_col_stride = 0;
+  bool e4m3 = true, transpose = false;
+};
+cudaError_t scaled_cast_float8(const Float8Cast& c, const float* in, const float* scale, uint8_t* out, cudaStream_t stream);
+cudaError_t scaled_cast_float8(const Float8Cast& c, const uint16_t* in, const float* scale, uint8_t* out, cudaStream_t stream);
 
 }  // namespace titan::kernels::cuda
