@@ -254,13 +254,14 @@ def test_float8_under_tensor_parallelism(tmp_path):
     # (backward) move E4M3 / E5M2 instead of float32: 4 per block of 8 x 16 x 64 elements on each rank, 3 bytes
     # saved per element. The scales' amax all-reduces (4 bytes each on 2 ranks) add, per block, 2 + 2 for those
     # casts and, for the linears, the weight of each of the 7 in forward and backward, wo's and w2's inputs in both,
-    # and wq/wk/wv/w1/w3's output gradient for each of their two backward matmuls: 32.
+    # and wq/wk/wv/w1/w3's output gradient once (its per-tensor cast serves both backward matmuls, as torchao casts
+    # it once): 27.
     cmd = ["mpirun" if not os.environ.get("TITAN_MPIRUN") else os.environ["TITAN_MPIRUN"], "--oversubscribe", "--allow-run-as-root",
            "--bind-to", "none", "-np", "2", binary("titan_train_probe"), "--probe.out", str(tmp_path / "tp2_plain"),
            "--job.dump_folder", str(tmp_path / "tp2_plain" / "dump"), *without_float8(COMMON), *TP2]
     run(cmd, env={"OMP_NUM_THREADS": "1"}, timeout=900)
     plain_tp = json.loads((tmp_path / "tp2_plain" / "metrics.json").read_text())["steps"]
-    saved, amax = 2 * 4 * (8 * 16 * 64) * (4 - 1), 2 * 32 * 4
+    saved, amax = 2 * 4 * (8 * 16 * 64) * (4 - 1), 2 * 27 * 4
     for a, b in zip(plain_tp, tp):
         assert a["tensor_parallel_bytes"] - b["tensor_parallel_bytes"] == saved - amax, (a, b)
     print(f"TP bytes per step on each rank: {plain_tp[0]['tensor_parallel_bytes']:,} in float32, {tp[0]['tensor_parallel_bytes']:,} "

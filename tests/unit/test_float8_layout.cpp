@@ -1,7 +1,8 @@
-// nn/float8.h: the layout of MX block exponents that LibTorch's blockwise-scaled matmul reads (cuBLAS's block
-// scaling factors for 1 x 32 blocks), checked element by element against the layout's definition: 128 x 4 tiles of
-// exponents stored one after the other along the rows of tiles, (i, j) of a tile at i % 32 * 16 + i / 32 * 4 + j,
-// the padding zero. (The matmul itself runs on sm_100 GPUs only: tests/gpu/test_gpu_kernels.cpp.)
+// nn/float8.h's layouts: the float8 cast's column-major result, and the layout of MX block exponents that LibTorch's
+// blockwise-scaled matmul reads (cuBLAS's block scaling factors for 1 x 32 blocks), checked element by element against
+// the layout's definition: 128 x 4 tiles of exponents stored one after the other along the rows of tiles, (i, j) of a
+// tile at i % 32 * 16 + i / 32 * 4 + j, the padding zero. (The matmul itself runs on sm_100 GPUs only:
+// tests/gpu/test_gpu_kernels.cpp.)
 #include <gtest/gtest.h>
 
 #include "titan/nn/float8.h"
@@ -30,6 +31,28 @@ TEST(MxBlockedScales, EveryExponentLandsWhereTheTiledLayoutPutsIt) {
       }
     for (size_t at = 0; at < filled.size(); ++at)
       if (!filled[at]) ASSERT_EQ(got[at], 0) << "padding at " << at;
+  }
+}
+
+
+// scaled_cast's column-major result (as at::_scaled_mm takes its second operand): the same values as the row-major
+// cast, laid out with the transpose contiguous, from row- and column-major inputs, per tensor, row and column.
+TEST(Float8Cast, ColumnMajorResultHasTheRowMajorValues) {
+  at::manual_seed(5);
+  for (const bool column_major_input : {false, true}) {
+    for (int kind = 0; kind < 3; ++kind) {
+      at::Tensor x = at::randn({37, 45}) * 100;
+      if (column_major_input) x = x.t().contiguous().t();
+      const at::Tensor scale = kind == 0   ? at::scalar_tensor(0.5)
+                               : kind == 1 ? at::rand({37, 1}) + 0.5
+                                           : at::rand({1, 45}) + 0.5;
+      for (const auto format : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+        const at::Tensor row = titan::nn::float8::scaled_cast(x, scale, format);
+        const at::Tensor column = titan::nn::float8::scaled_cast(x, scale, format, /*column_major=*/true);
+        EXPECT_TRUE(column.t().is_contiguous());
+        EXPECT_TRUE(at::equal(row.view(at::kByte), column.view(at::kByte)));
+      }
+    }
   }
 }
 
