@@ -350,8 +350,9 @@ set_run_env() {
   if [[ -n "$path" ]]; then RUN_ENV=(env "LD_LIBRARY_PATH=$path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"); fi
 }
 
-unresolved_libraries() {  # unresolved_libraries binary...: the sonames the loader does not find, one per line
-  "${RUN_ENV[@]}" ldd "$@" 2>&1 | awk '/not found/ { print $1 }' | sort -u
+unresolved_libraries() {  # unresolved_libraries binary...: the sonames (or symbol versions) the loader lacks, one per line
+  "${RUN_ENV[@]}" ldd "$@" 2>&1 |
+    sed -n -E 's/^[[:space:]]*([^[:space:]]+) => not found.*/\1/p; s/.*version .([^ ]+). not found.*/version:\1/p' | sort -u
 }
 
 use_prebuilt() {  # true when titan, titan_gpu_tests and titan_bench_kernels in $BIN load here (after help)
@@ -383,7 +384,7 @@ use_prebuilt() {  # true when titan, titan_gpu_tests and titan_bench_kernels in 
       esac
       [[ -n "$group" && " ${groups[*]} " != *" $group "* ]] && groups+=("$group")
     done
-    [[ " ${groups[*]} " == *" OpenMPI "* ]] && ! ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' && groups+=(libudev)
+    [[ " ${groups[*]} " == *" OpenMPI "* ]] && ! grep -q 'libudev.so.1 ' < <(ldconfig -p 2>/dev/null) && groups+=(libudev)
     if ((${#groups[@]})); then
       say "prebuilt: the loader lacks $(echo $missing); unpacking ${groups[*]} from $DEBS"
       unpack_groups "${groups[@]}" >/dev/null
@@ -411,7 +412,7 @@ build() {
   [[ " ${missing[*]} " == *" probe-failed "* ]] && die 2 "the dependency probe did not run; see $LOGS/probe.log"
   if ((${#missing[@]})); then
     say "missing here: ${missing[*]}; unpacking the carried packages from $DEBS"
-    [[ " ${missing[*]} " == *" OpenMPI "* ]] && ! ldconfig -p 2>/dev/null | grep -q 'libudev.so.1 ' && missing+=(libudev)
+    [[ " ${missing[*]} " == *" OpenMPI "* ]] && ! grep -q 'libudev.so.1 ' < <(ldconfig -p 2>/dev/null) && missing+=(libudev)
     local absent
     absent=$(unpack_groups "${missing[@]}")
     deps_cmake_args
@@ -462,10 +463,11 @@ if [[ ("$DRY_RUN" == 1 && "$prebuilt" == 0) || "$skip_build" == 1 ]]; then
 elif ((prebuilt)) && use_prebuilt; then
   say "using the prebuilt binaries in $BIN"
 else
-  if ((prebuilt)); then  # set aside, so that nothing below runs a binary of the other machine
+  if ((prebuilt)); then
     figure build.prebuilt "not usable here (see the lines above); built here instead"
     EXTRA_LIBPATH=""
-    rm -rf "$BUILD/bin.prebuilt" && mv "$BIN" "$BUILD/bin.prebuilt" 2>/dev/null
+    # Kept aside too (the build replaces what it builds; a target that fails is recorded, and nothing runs it).
+    rm -rf "$BUILD/bin.prebuilt" && cp -a "$BIN" "$BUILD/bin.prebuilt" 2>/dev/null
   fi
   build || say "the build failed; logs in $LOGS"
 fi

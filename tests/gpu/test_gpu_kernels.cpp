@@ -263,9 +263,10 @@ TEST(GpuKernels, Float8CastEqualsAtenBitForBit) {
               EXPECT_TRUE(at::equal(got.cpu().view(at::kByte), expected.view(at::kByte)));
               ++cases;
             }
-  // Every combination the kernel has (input dtype x format x layout) ran and passed its own first-call check.
+  // Every combination the kernel's first-call checks tell apart (input dtype x format x layout x per-tensor, per-row
+  // or per-column scale) ran and passed its check.
   const auto checks = titan::nn::float8::fused_cast_checks();
-  EXPECT_EQ(checks.size(), 8u);
+  EXPECT_EQ(checks.size(), 24u);
   for (const auto& line : checks) {
     std::cout << "first-call check: " << line << "\n";
     EXPECT_NE(line.find(" equals "), std::string::npos) << line;

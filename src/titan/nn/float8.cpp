@@ -128,18 +128,20 @@ at::Tensor aten_scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::Sc
 }
 
 #ifdef TITAN_WITH_CUDA
-// The fused cast's first-call checks, per input dtype (float32, bf16), format (E4M3, E5M2) and layout (as read,
-// transposed): the kernel's bytes against the ATen composition's on that call's whole tensor, NaN equal to NaN.
+// The fused cast's first-call checks, per input dtype (float32, bf16), format (E4M3, E5M2), layout (as read,
+// transposed) and scale (per tensor, per row, per column of the matrix the kernel reads): the kernel's bytes against
+// the ATen composition's on that call's whole tensor.
 enum FusedCastState : int { kUnchecked = 0, kChecking = 1, kAgreed = 2, kDisagreed = 3 };
-std::atomic<int> g_fused_cast[2][2][2];
+std::atomic<int> g_fused_cast[2][2][2][3];
 std::mutex g_fused_cast_lines_mutex;
 std::vector<std::string> g_fused_cast_lines;  // guarded by the mutex
 
 // One pass over a float32 or bf16 matrix on an NVIDIA GPU (kernels/cuda), the scale read on the device; undefined
 // where the kernel does not take these tensors (then the ATen composition runs).
 at::Tensor fused_scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype, bool column_major) {
-  if (!x.is_cuda() || x.dim() != 2 || !kernels::fused_kernels_enabled()) return {};
+  if (!x.is_cuda() || x.dim() != 2 || x.numel() == 0 || !kernels::fused_kernels_enabled()) return {};
   if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) return {};
+  if (dtype != at::kFloat8_e4m3fn && dtype != at::kFloat8_e5m2) return {};
   if (!scale.defined() || scale.scalar_type() != at::kFloat || scale.device() != x.device() || scale.dim() > 2) return {};
   const int64_t rows = x.size(0), cols = x.size(1);
   // The scale's steps along x's rows and columns: one per tensor, per row (rows x 1) or per column (1 x cols).
@@ -162,10 +164,19 @@ at::Tensor fused_scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::S
   c.e4m3 = dtype == at::kFloat8_e4m3fn;
   // Physically row-major in x's shape when !column_major, else in its transpose's.
   c.transpose = flip != column_major;
-  std::atomic<int>& state = g_fused_cast[x.scalar_type() == at::kBFloat16][c.e4m3][c.transpose];
+  const int scale_kind = c.scale_row_stride ? 1 : c.scale_col_stride ? 2 : 0;
+  std::atomic<int>& state = g_fused_cast[x.scalar_type() == at::kBFloat16][c.e4m3][c.transpose][scale_kind];
   int now = state.load();
   if (now == kDisagreed || now == kChecking) return {};
   if (now == kUnchecked && !state.compare_exchange_strong(now, kChecking)) return {};
+  // A check cut short by an error (out of memory, a failed launch) is taken again by a later call.
+  struct Unclaim {
+    std::atomic<int>& state;
+    bool armed;
+    ~Unclaim() {
+      if (armed) state = kUnchecked;
+    }
+  } unclaim{state, now == kUnchecked};
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty(c.transpose ? std::vector<int64_t>{c.cols, c.rows} : std::vector<int64_t>{c.rows, c.cols},
                              x.options().dtype(dtype));
@@ -180,22 +191,25 @@ at::Tensor fused_scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::S
   // In x's shape: the output is x-shaped as laid out exactly when it was not transposed relative to x's own rows.
   if (c.transpose != flip) out = out.t();
   if (now == kUnchecked) {
-    const at::Tensor expected = aten_scaled_cast(x, scale, dtype);
-    const bool agreed = at::allclose(out.to(at::kFloat), expected.to(at::kFloat), 0.0, 0.0, /*equal_nan=*/true);
+    at::Tensor expected = aten_scaled_cast(x, scale, dtype);
+    const bool agreed = at::equal(out.view(at::kByte), expected.view(at::kByte));
+    const char* scale_name[] = {"", ", per-row scales", ", per-column scales"};
     const std::string line = cat("CUDA kernel float8 cast (", x.scalar_type() == at::kBFloat16 ? "bf16" : "float32", " to ",
-                                 c.e4m3 ? "E4M3" : "E5M2", c.transpose ? ", transposed" : "", "): ",
+                                 c.e4m3 ? "E4M3" : "E5M2", c.transpose ? ", transposed" : "", scale_name[scale_kind], "): ",
                                  agreed ? "equals" : "DIFFERS from", " the ATen composition bit for bit on its first call");
     {
       const std::lock_guard lock(g_fused_cast_lines_mutex);
       g_fused_cast_lines.push_back(line);
     }
     state = agreed ? kAgreed : kDisagreed;
+    unclaim.armed = false;
     if (agreed) {
       log::info(line);
     } else {
       TORCH_CHECK(!kernels::cuda_checks_strict(), line, " (strict checks: no fallback)");
       log::warn(line, "; titan casts through ATen instead for the rest of this run. Please report this with the GPU and ",
                 "the CUDA version.");
+      if (column_major && !expected.t().is_contiguous()) expected = expected.t().contiguous().t();
       return expected;
     }
   }
@@ -248,7 +262,7 @@ at::Tensor mm(const Operand& a, const Operand& b, at::ScalarType out_dtype, bool
     if (b_scale.dim() == 2 && n16 != n) b_scale = at::constant_pad_nd(b_scale, {0, n16 - n}, 1.0);
   }
   const at::Tensor out = at::_scaled_mm(a_data, b_data, a_scale, b_scale, std::nullopt, std::nullopt, out_dtype, fast_accumulation);
-  return n16 != n ? out.narrow(1, 0, n) : out;
+  return n16 != n ? out.narrow(1, 0, n).contiguous() : out;
 }
 
 namespace {

@@ -52,7 +52,7 @@ struct Operand {
 // `x` times `scale`, saturated to the format's largest finite value and cast to `dtype` (a float8 format).
 // With `column_major` a 2-D result is laid out column-major (its transpose contiguous), as at::_scaled_mm wants its
 // second operand. On NVIDIA GPUs one fused kernel does the cast (checked bit for bit against the ATen composition on
-// its first call per input dtype, format and layout; training.fused_kernels = false turns it off).
+// its first call per input dtype, format, layout and kind of scale; training.fused_kernels = false turns it off).
 at::Tensor scaled_cast(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype, bool column_major = false);
 // The fused cast's first-call checks so far in this process, one line each; empty on the CPU.
 std::vector<std::string> fused_cast_checks();
