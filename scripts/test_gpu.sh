@@ -51,7 +51,7 @@
 # Settings: TITAN_GPU_BUILD, TITAN_GPU_PYTHON (python3), TITAN_GPU_DEBS (.debs), TITAN_GPU_JOBS (all cores),
 # TITAN_GPU_GTEST_FILTER (a GoogleTest filter for titan_gpu_tests, '*'; '-*' runs none), TITAN_GPU_SKIP_CLI=1,
 # TITAN_GPU_PROFILE (1: one profiled step of the 8B 4-layer benchmark in bf16 and float8, GPU time per kernel in
-# profile_bf16.txt and profile_float8.txt; 0: none),
+# profile_bf16.txt and profile_float8.txt, and a memory snapshot of the bf16 one summarised in memory_peak.txt; 0: none),
 # TITAN_GPU_BENCH_FLAVOR (1B), _BENCH_BATCH (4), _BENCH_SEQ (2048), _BENCH_STEPS (20) for the first benchmark (the
 # second is always 4 layers of 8B at 8,192 tokens), TITAN_GPU_SANITIZE_FILTER (GpuKernels.*), TITAN_GPU_TIME_BUDGET
 # (seconds; a phase that would end later is reported as not run; 580 when OUT is set, else none).
@@ -553,7 +553,7 @@ train() {  # train name args...: one `titan train` run, its log in $LOGS/train-n
   local name=$1 rc t0=$SECONDS
   shift
   say "titan train: $name"
-  (cd "$RUNS" && timeout 300 "${RUN_ENV[@]}" "$BIN/titan" train "$@" --job.dump_folder "$RUNS/$name") >"$LOGS/train-$name.log" 2>&1
+  (cd "$RUNS" && timeout "${TRAIN_TIMEOUT:-300}" "${RUN_ENV[@]}" "$BIN/titan" train "$@" --job.dump_folder "$RUNS/$name") >"$LOGS/train-$name.log" 2>&1
   rc=$?
   grep -E 'step: *[0-9]+ ' "$LOGS/train-$name.log" | tail -3 | sed 's/^.* - INFO - /    /'
   figure "time.train_${name}_s" "$((SECONDS - t0))"
@@ -666,6 +666,31 @@ run_profiles() {  # one profiled step of the 8B 4-layer benchmark in bf16 and in
     fi
     figure "profile.$variant" "$(head -1 "$REPORT_DIR/profile_$variant.txt")"
   done
+  # The bf16 step's memory, for the start-up estimate (docs/plan.md): the caching allocator's history over 5 steps
+  # (profiling.enable_memory_snapshot), its peak and the blocks live then (memory_peak.txt); the snapshot itself,
+  # compressed, travels in gpu_logs.tar.gz.
+  within_budget profile.memory 60 || return
+  args=(--model.flavor 8B --model.n_layers 4 "${data[@]}" --training.seq_len 8192 --training.local_batch_size 1
+        --training.steps 5 --metrics.log_freq 1 --activation_checkpoint.mode selective --optimizer.lr 3e-4
+        --lr_scheduler.warmup_steps 5 --profiling.enable_memory_snapshot --profiling.profile_freq 5)
+  # At most 2 minutes: the snapshot's C++ stacks are symbolised when it is written, which can be slow.
+  RECORD_TRAIN_FAILURE=0
+  if ! TRAIN_TIMEOUT=120 train profile_memory "${args[@]}"; then
+    RECORD_TRAIN_FAILURE=1
+    record FAIL profile.memory "the run with a memory snapshot did not finish within 120 s (see train-profile_memory.log)"
+    return
+  fi
+  RECORD_TRAIN_FAILURE=1
+  local snapshot
+  snapshot=$(find "$RUNS/profile_memory" -name 'rank0_memory_snapshot.pickle' | sort | tail -1)
+  if [[ -z "$snapshot" ]]; then record FAIL profile.memory "no memory snapshot written"; return; fi
+  record PASS profile.memory "a memory snapshot written ($(du -h "$snapshot" | cut -f1))"
+  gzip -c "$snapshot" >"$LOGS/memory_snapshot_8B_4_layers_bf16.pickle.gz"
+  if "$PYTHON" "$ROOT/bench/memory_snapshot_peak.py" "$snapshot" >"$REPORT_DIR/memory_peak.txt" 2>&1; then
+    figure profile.memory "$(head -1 "$REPORT_DIR/memory_peak.txt")"
+  else
+    figure profile.memory "not summarised: $(tail -1 "$REPORT_DIR/memory_peak.txt")"
+  fi
 }
 
 run_generate() {
