@@ -274,14 +274,14 @@ __global__ void float8_cast_vector_kernel(const T* in, const float* scale, bool 
   using Bytes = typename std::conditional<kVec == 8, uint2, uint32_t>::type;
   const float s = *scale;
   for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < vectors; v += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 raw = reinterpret_cast<const uint4*>(in)[v];
-    const T* values = reinterpret_cast<const T*>(&raw);
+    Vector16<T> x;
+    x.raw = reinterpret_cast<const uint4*>(in)[v];
     union {
       Bytes packed;
       uint8_t byte[kVec];
     } result;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) result.byte[j] = to_float8(load(values + j) * s, e4m3);
+    for (int j = 0; j < kVec; ++j) result.byte[j] = to_float8(load(x.value + j) * s, e4m3);
     reinterpret_cast<Bytes*>(out)[v] = result.packed;
   }
 }
@@ -316,9 +316,8 @@ cudaError_t float8_cast_impl(const Float8Cast& c, const T* in, const float* scal
     constexpr int64_t kVec = 16 / sizeof(T);
     const int64_t n = c.rows * c.cols;
     const bool one_scale = c.scale_row_stride == 0 && c.scale_col_stride == 0;
-    const bool aligned = reinterpret_cast<uintptr_t>(in) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
     int64_t done = 0;
-    if (one_scale && aligned && n >= kVec) {
+    if (one_scale && n >= kVec && aligned16({in, out})) {
       const int64_t vectors = n / kVec;
       float8_cast_vector_kernel<<<blocks_for(vectors), kThreads, 0, stream>>>(in, scale, c.e4m3, out, vectors);
       done = vectors * kVec;
