@@ -14,6 +14,7 @@ STEP = re.compile(
     r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>\S+)\s+grad_norm:\s*(?P<grad_norm>\S+)\s+"
     r"memory:\s*(?P<mem_gib>[\d.]+)GiB\((?P<mem_pct>[\d.]+)%\)\s+tps:\s*(?P<tps>[\d,]+)\s+"
     r"tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?P<mfu>[\d.]+)%")
+ESTIMATE = re.compile(r"Memory estimate for this rank: .*: (?P<value>[\d.]+) (?P<unit>GiB|MiB) of [\d.]+ GiB available")
 CAPACITY = re.compile(r"(?:CUDA capacity: (?P<name>.*) with|CPU memory:) (?P<gib>[\d.]+)GiB")
 START = re.compile(r"Training starts at step (\d+)")
 
@@ -87,6 +88,12 @@ def check_memory(args):
            + (f"; out of range at steps {[s['step'] for s in bad]}" if bad else ""))
     figure(f"{args.name}.peak_gib", peak)
     figure(f"{args.name}.capacity_gib", capacity)
+    # The trainer's start-up estimate against the allocator's reserved peak (docs/plan.md, "Validation against titan
+    # itself"): a figure, not a check.
+    estimate = ESTIMATE.search(text_of(args.log))
+    if estimate:
+        gib = float(estimate.group("value")) / (1024 if estimate.group("unit") == "MiB" else 1)
+        figure(f"{args.name}.startup_estimate_gib", f"{gib:.2f} ({gib / peak:.2f}x the peak)")
 
 
 def check_resume(args):

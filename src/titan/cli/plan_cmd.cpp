@@ -34,13 +34,28 @@ const char* kPlanUsage =
 
 double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
 
+const char* phase_name(protocols::Phase phase) {
+  switch (phase) {
+    case protocols::Phase::loss: return "loss";
+    case protocols::Phase::blocks_backward: return "blocks_backward";
+    case protocols::Phase::activations: return "activations";
+    case protocols::Phase::gradients: return "gradients";
+    case protocols::Phase::head_gradients: return "head_gradients";
+    case protocols::Phase::last_gradients: return "last_gradients";
+    case protocols::Phase::step: break;
+  }
+  return "step";
+}
+
 nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   nlohmann::ordered_json memory = nlohmann::ordered_json::object();
   for (const auto& t : p.memory.terms) memory[t.name] = t.bytes;
-  // Terms of the loss and of the blocks' backward are not held at once: allocated_bytes counts the larger group.
-  nlohmann::ordered_json apart = {{"loss", nlohmann::ordered_json::array()}, {"blocks_backward", nlohmann::ordered_json::array()}};
+  // Terms not held through the whole step, by when they are (protocols::Phase; allocated_bytes says how they combine).
+  nlohmann::ordered_json apart = {{"loss", nlohmann::ordered_json::array()}, {"blocks_backward", nlohmann::ordered_json::array()},
+                                  {"activations", nlohmann::ordered_json::array()}, {"gradients", nlohmann::ordered_json::array()},
+                                  {"head_gradients", nlohmann::ordered_json::array()}, {"last_gradients", nlohmann::ordered_json::array()}};
   for (const auto& t : p.memory.terms)
-    if (t.phase != protocols::Phase::step && t.bytes > 0) apart[t.phase == protocols::Phase::loss ? "loss" : "blocks_backward"].push_back(t.name);
+    if (t.phase != protocols::Phase::step && t.bytes > 0) apart[phase_name(t.phase)].push_back(t.name);
   nlohmann::ordered_json time = nlohmann::ordered_json::object();
   for (const auto& t : p.time.terms) time[t.name] = {{"seconds", t.seconds}, {"total_seconds", t.total}, {"detail", t.detail}};
   nlohmann::ordered_json stages = nlohmann::ordered_json::array();
@@ -62,14 +77,28 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
 void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   std::cout << "layout: " << p.layout << " (" << p.dims.world_size << " ranks)\n"
             << "memory per rank" << (p.dims.pp > 1 ? " (the busiest pipeline stage)" : "") << ":\n";
-  bool apart = false;
+  bool apart = false, made = false;
   for (const auto& t : p.memory.terms) {
     if (t.bytes <= 0) continue;
-    const char* when = t.phase == protocols::Phase::loss ? " (loss)" : t.phase == protocols::Phase::blocks_backward ? " (backward)" : "";
+    using protocols::Phase;
+    const char* when = t.phase == Phase::loss              ? " (loss)"
+                       : t.phase == Phase::blocks_backward ? " (backward)"
+                       : t.phase == Phase::activations     ? " (freed in backward)"
+                       : t.phase == Phase::gradients       ? " (made in backward)"
+                       : t.phase == Phase::head_gradients  ? " (made by the loss's backward)"
+                       : t.phase == Phase::last_gradients  ? " (made after the blocks')"
+                                                           : "";
     apart = apart || *when;
+    made = made || t.phase == Phase::activations || t.phase == Phase::gradients || t.phase == Phase::head_gradients ||
+           t.phase == Phase::last_gradients;
     std::cout << strprintf("  %-18s %9.2f GiB%s\n", t.name.c_str(), gib(t.bytes), when);
   }
-  if (apart) std::cout << "  (the loss's and the backward's terms are not held at once: allocated counts the larger)\n";
+  if (made)
+    std::cout << "  (allocated counts the largest of three moments: the forward's end with the loss's terms; the blocks'\n"
+                 "   backward, where the gradients are made as the activations are freed, with the backward's terms; and\n"
+                 "   the embedding's backward, with every gradient)\n";
+  else if (apart)
+    std::cout << "  (the loss's and the backward's terms are not held at once: allocated counts the larger)\n";
   std::cout << strprintf("  %-18s %9.2f GiB\n", "allocated", gib(p.memory.total()))
             << strprintf("  %-18s %9.2f GiB (allocator blocks and rounding)\n", "reserved", gib(p.reserved_bytes))
             << strprintf("  %-18s %9.2f GiB of %.2f GiB (%s): %s\n", "with context", gib(p.device_bytes), gib(cluster.memory_bytes),

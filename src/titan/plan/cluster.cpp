@@ -33,6 +33,7 @@ ClusterProfile profile(std::string name, std::string description, double bf16_tf
   p.multiprocessors = multiprocessors;
   p.gemm_launch_seconds = launch_us * 1e-6;
   p.source = std::move(source);
+  p.vendor = p.name.rfind("mi", 0) == 0 ? "amd" : "nvidia";
   return p;
 }
 
@@ -121,6 +122,10 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
       auto s = node.value<std::string>();
       if (!s) fail(spec, ":", line, ": ", k, " must be a string");
       (k == "name" ? p.name : k == "description" ? p.description : p.source) = *s;
+    } else if (k == "vendor") {
+      auto s = node.value<std::string>();
+      if (!s || (*s != "nvidia" && *s != "amd")) fail(spec, ":", line, ": vendor must be \"nvidia\" or \"amd\"");
+      p.vendor = *s;
     } else if (k == "gpus_per_node" || k == "multiprocessors") {
       auto v = node.value<int64_t>();
       // multiprocessors may be 0: matmul shapes not modelled (every matmul at matmul_efficiency).
@@ -137,7 +142,7 @@ ClusterProfile load_cluster_profile(const std::string& spec) {
       *it->second.target = *v * it->second.scale;
       present.push_back(k);
     } else {
-      std::vector<std::string> keys = {"base", "name", "description", "source", "gpus_per_node", "multiprocessors"};
+      std::vector<std::string> keys = {"base", "name", "description", "source", "vendor", "gpus_per_node", "multiprocessors"};
       for (const auto& [n, _] : numbers) keys.push_back(n);
       fail(spec, ":", line, ": unknown key ", quote(k), "; known keys: ", join(keys, ", "));
     }

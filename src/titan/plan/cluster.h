@@ -33,6 +33,9 @@ struct ClusterProfile {
   // The fixed time one matmul launch takes beyond its tiles' work (launch, prologue and epilogue, the pipeline's
   // fill and drain), which small products feel most: chosen per architecture on the same published GEMM table.
   double gemm_launch_seconds = 0;
+  // "nvidia" or "amd": which of titan's kernels the trainer runs there (its CUDA kernels are NVIDIA's only), for the
+  // memory its fused kernels save.
+  std::string vendor = "nvidia";
   std::string source;               // where the figures come from
   Calibration calibration;
 };

@@ -63,7 +63,10 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
   plan.dims = dims;
   plan.layout = layout_of(dims, config);
   const bool autocast = protocols::computes_under_autocast(config, dims);
-  plan.memory = spec.estimate_memory(args, config, dims, autocast, 0, execution, -1, protocols::FusedKernels::none);
+  // On NVIDIA GPUs titan runs its CUDA kernels (SwiGLU, RoPE, the loss's row passes), which save less for backward.
+  const protocols::FusedKernels kernels = cluster.vendor == "nvidia" ? protocols::FusedKernels::cuda : protocols::FusedKernels::none;
+  const auto allocator = protocols::Allocator::device_caching;
+  plan.memory = spec.estimate_memory(args, config, dims, autocast, 0, execution, -1, kernels, allocator);
   plan.reserved_bytes = plan.memory.total() * (1 + cluster.calibration.allocator_overhead);
   plan.device_bytes = plan.reserved_bytes + kContextBytes;
   plan.fits = plan.device_bytes <= cluster.memory_bytes;
@@ -79,7 +82,7 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
     }
     for (const auto& [kind, rank] : kinds)
       plan.pipeline_ranks.push_back(
-          {kind, rank, spec.estimate_memory(args, config, dims, autocast, 0, execution, rank, protocols::FusedKernels::none)});
+          {kind, rank, spec.estimate_memory(args, config, dims, autocast, 0, execution, rank, kernels, allocator)});
   }
   plan.time = estimate_step_time(models::as_decoder(args, "titan plan's step-time model"), config, dims, cluster, execution);
   const Speedups s = speedups_of(config);

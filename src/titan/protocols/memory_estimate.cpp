@@ -1,6 +1,7 @@
 #include "titan/protocols/memory_estimate.h"
 
 #include <algorithm>
+#include <map>
 
 #include "titan/common/error.h"
 #include "titan/config/dtypes.h"
@@ -28,23 +29,48 @@ double compute_dtype_bytes(const config::JobConfig& config, const distributed::P
   return computes_under_autocast(config, dims) ? 2.0 : titan::config::dtype_bytes(training.dtype);
 }
 
-double MemoryEstimate::total() const {
-  double step = 0, loss = 0, backward = 0;
+double MemoryEstimate::bytes(Phase phase) const {
+  double sum = 0;
   for (const auto& term : terms)
-    (term.phase == Phase::loss ? loss : term.phase == Phase::blocks_backward ? backward : step) += term.bytes;
-  return step + std::max(loss, backward);
+    if (term.phase == phase) sum += term.bytes;
+  return sum;
+}
+
+double MemoryEstimate::total() const {
+  const double activations = bytes(Phase::activations), gradients = bytes(Phase::gradients);
+  const double head = bytes(Phase::head_gradients);
+  return bytes(Phase::step) + std::max({activations + bytes(Phase::loss),
+                                        std::max(activations, gradients) + bytes(Phase::blocks_backward) + head,
+                                        gradients + head + bytes(Phase::last_gradients)});
 }
 
 std::string MemoryEstimate::describe() const {
-  std::string out, loss, backward;
+  std::map<Phase, std::string> lists;
   for (const auto& term : terms) {
     if (term.bytes <= 0) continue;
-    std::string& list = term.phase == Phase::loss ? loss : term.phase == Phase::blocks_backward ? backward : out;
+    std::string& list = lists[term.phase];
     list += cat(list.empty() ? "" : ", ", term.name, " ", human(term.bytes));
   }
-  if (!loss.empty() && !backward.empty()) out += cat(", and the larger of the loss's (", loss, ") and the backward's (", backward, ")");
-  else if (!loss.empty() || !backward.empty()) out += cat(", ", loss, backward);
-  return out + cat(": ", human(total()));
+  const auto joined = [](std::initializer_list<std::string> parts) {
+    std::string out;
+    for (const auto& part : parts)
+      if (!part.empty()) out += cat(out.empty() ? "" : ", ", part);
+    return out;
+  };
+  const std::string &activations = lists[Phase::activations], &loss = lists[Phase::loss], &backward = lists[Phase::blocks_backward],
+                    &gradients = lists[Phase::gradients], &head = lists[Phase::head_gradients], &last = lists[Phase::last_gradients];
+  std::string held;
+  if (activations.empty() && gradients.empty() && head.empty() && last.empty()) {
+    held = !loss.empty() && !backward.empty() ? cat("and the larger of the loss's (", loss, ") and the backward's (", backward, ")")
+                                              : joined({loss, backward});
+  } else {
+    // Gradients are made as the activations are freed: three moments, the largest counts.
+    const std::string larger = activations.empty() || gradients.empty() ? joined({activations, gradients})
+                                                                        : cat("the larger of ", activations, " and ", gradients);
+    held = cat("and the largest of the forward's end (", joined({activations, loss}), "), the blocks' backward (",
+               joined({larger, backward, head}), ") and the embedding's (", joined({gradients, head, last}), ")");
+  }
+  return joined({lists[Phase::step], held}) + cat(": ", human(total()));
 }
 
 }  // namespace titan::protocols

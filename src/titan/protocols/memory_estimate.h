@@ -9,10 +9,27 @@
 
 namespace titan::protocols {
 
-// When a term is held: through the whole step, or only while the loss runs (the unfused logits), or only while the
-// blocks run backward (a recomputed block, the gradients flowing through a block). The loss is done and its logits
-// freed before the blocks' backward starts, so the peak holds the larger of the last two, not both.
-enum class Phase { step, loss, blocks_backward };
+// When a term is held:
+//   step             through the whole step
+//   loss             only while the loss runs (the unfused logits; the fused loss's chunk and what it keeps for its
+//                    backward)
+//   blocks_backward  only while the blocks run backward (a recomputed block, the gradients flowing through a block)
+// and, where the trainer frees the gradients before each forward and backward makes them (one micro-batch per step
+// on an allocator that hands freed memory to requests of any size: protocols::Allocator):
+//   activations      from the forward until the blocks' backward frees them, block by block
+//   gradients        the blocks' gradients, made block by block as their activations are freed
+//   head_gradients   made by the loss's backward, before the blocks' (the output's weight and the final norm's)
+//   last_gradients   made once the blocks' backward is done (the embedding's, when the output has its own weight)
+// The loss is done and its logits freed before the blocks' backward starts, so the peak holds the whole step's
+// terms and the largest of
+//   activations + loss                                           (the forward's end and the loss)
+//   the larger of activations and gradients + blocks_backward + head_gradients
+//                                     (the blocks' backward: as a block's activations are freed its gradients are
+//                                      made, so what is held moves from the first to the second)
+//   gradients + head_gradients + last_gradients                  (the embedding's backward)
+// Without the last four (torchtitan's execution, pipelines, accumulation, CPUs) that is the larger of the loss's and
+// the backward's on top of the whole step's.
+enum class Phase { step, loss, blocks_backward, activations, gradients, head_gradients, last_gradients };
 
 struct MemoryTerm {
   std::string name;  // "parameters", "activations", ...
@@ -22,7 +39,8 @@ struct MemoryTerm {
 
 struct MemoryEstimate {
   std::vector<MemoryTerm> terms;  // this rank's peak, term by term (the rank with the most layers under PP)
-  double total() const;           // the whole-step terms plus the larger of the loss's and the blocks' backward's
+  double total() const;           // the whole-step terms plus the larger of the two moments above
+  double bytes(Phase phase) const;  // the sum of one phase's terms
   std::string describe() const;   // "parameters 24.7 MiB, ..., runtime ..., and the larger of ...: 1.23 GiB"
 };
 
@@ -42,5 +60,12 @@ double compute_dtype_bytes(const config::JobConfig& config, const distributed::P
 // CPU's (attention, RMSNorm, SwiGLU, RoPE, the loss's row passes), the CUDA ones (SwiGLU, RoPE, the loss's row
 // passes), or none (the ATen compositions).
 enum class FusedKernels { none, cpu, cuda };
+
+// Which allocator holds the memory. titan's host block cache (CPUs: components/metrics/host_block_cache.h) gives a
+// freed block only to a request of its own size class, so the gradients backward makes take new blocks beside the
+// activations' freed ones: the peak holds both (measured within 10% on CPUs). A GPU's caching allocator splits its
+// freed segments for requests of any size, so the gradients reuse the activations' memory as backward frees it: the
+// peak holds the larger (Phase::activations and Phase::gradients; measured on an H200, docs/plan.md).
+enum class Allocator { host_cache, device_caching };
 
 }  // namespace titan::protocols

@@ -74,7 +74,7 @@ struct ModelSpec {
   // Bytes one rank needs to train (docs/metrics.md): see models/common/decoder_memory.h for the arguments.
   std::function<MemoryEstimate(const ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
                                bool autocast, double runtime_bytes, Execution execution, int64_t pipeline_rank,
-                               FusedKernels kernels)>
+                               FusedKernels kernels, Allocator allocator)>
       estimate_memory;
   std::function<std::unique_ptr<StateDictAdapter>(const ModelArgs& args)> state_dict_adapter;
 };

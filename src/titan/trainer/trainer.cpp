@@ -517,8 +517,9 @@ void Trainer::check_memory(const distributed::ParallelDims& dims) {
   const FusedKernels fused = device_.is_cpu()                                   ? FusedKernels::cpu
                              : device_.is_cuda() && kernels::cuda_kernels_built() ? FusedKernels::cuda
                                                                                  : FusedKernels::none;
+  const auto allocator = device_.is_cpu() ? protocols::Allocator::host_cache : protocols::Allocator::device_caching;
   auto estimate = spec_->estimate_memory(*model_args_, c, dims, autocast, runtime, protocols::Execution::titan,
-                                         mesh_->coordinate("pp"), fused);
+                                         mesh_->coordinate("pp"), fused, allocator);
   // Asynchronous checkpoints keep a host copy of the rank's whole state (its parameters and AdamW moments) for their
   // saves, made after the first step (Checkpointer::prepare_staging) and kept: on a CPU that is this device's memory.
   if (device_.is_cpu() && saves_checkpoints() && c.checkpoint.async_mode != "disabled") {

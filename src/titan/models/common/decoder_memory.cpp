@@ -195,7 +195,8 @@ double gradient_bytes(const config::JobConfig& config, const distributed::Parall
 
 MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
-                                        Execution execution, int64_t pipeline_rank, FusedKernels kernels) {
+                                        Execution execution, int64_t pipeline_rank, FusedKernels kernels,
+                                        Allocator allocator) {
   if (execution != Execution::titan || !config.training.fused_kernels) kernels = FusedKernels::none;
   const auto& training = config.training;
   const auto& parallelism = config.parallelism;
@@ -265,7 +266,28 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // A unit's local share: a block's parameters over TP and the data-parallel shards (under EP its experts' shards,
   // over efsdp, hold the same share of them), or the embedding's.
   const double unit_local = std::max({dense_block.params, moe_block.params, embed}) / tp / shards;
-  e.terms.push_back({"gradients", gradient_bytes(config, dims, local, unit_local) * p_bytes});
+  // The trainer frees the gradients before each step's forward (Adam::zero_grad), and backward makes them as it goes:
+  // with one micro-batch per step they do not exist while the forward runs. The output's (and the final norm's) are
+  // made by the loss's backward, before the first block's; the blocks' and the embedding's as the blocks' activations
+  // are freed, whose memory a GPU's caching allocator gives them (protocols::Allocator; titan's host cache does not,
+  // so on CPUs the peak holds both). Accumulating over micro-batches, a pipeline's later micro-batches and steps in
+  // backward keep them through the step. (torchtitan's execution keeps the sum its published figures were compared
+  // with.)
+  const int64_t per_step = training.local_batch_size * dims.dp_degree();
+  const bool accumulates = training.global_batch_size > 0 && training.global_batch_size > per_step;
+  const bool made_in_backward = allocator == Allocator::device_caching && execution == Execution::titan && !pipelined &&
+                                !accumulates && !config.optimizer.early_step_in_backward;
+  const double gradients = gradient_bytes(config, dims, local, unit_local) * p_bytes;
+  if (made_in_backward) {
+    // Tied or not, the output's weight gradient comes first; an embedding of its own gets its gradient last.
+    const double head = std::min(gradients, (vocab * d + d) / tp / shards * p_bytes);
+    const double last = std::min(gradients - head, output > 0 ? embed / tp / shards * p_bytes : 0.0);
+    e.terms.push_back({"gradients", gradients - head - last, Phase::gradients});
+    e.terms.push_back({"the output's gradients", head, Phase::head_gradients});
+    e.terms.push_back({"the embedding's gradients", last, Phase::last_gradients});
+  } else {
+    e.terms.push_back({"gradients", gradients});
+  }
   e.terms.push_back({"optimizer", 2 * local * p_bytes});
   // Weights in the compute dtype: autocast's per-step cache of every weight; FSDP's gathered units (the current one
   // and the prefetched next, or all of them when they stay gathered between forward and backward).
@@ -357,7 +379,8 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   const bool all_forwards_first = pipelined && (schedule.name == "GPipe" || schedule.name == "LoopedBFS");
   const bool phased = execution == Execution::titan && !all_forwards_first;
   const Phase backward_phase = phased ? Phase::blocks_backward : Phase::step;
-  e.terms.push_back({"activations", tokens * per_token * static_cast<double>(in_flight) * stage_share});
+  e.terms.push_back({"activations", tokens * per_token * static_cast<double>(in_flight) * stage_share,
+                     made_in_backward ? Phase::activations : Phase::step});
   e.terms.push_back({"recomputed block", layers_here > 0 ? tokens * recompute : 0, backward_phase});
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).
@@ -372,16 +395,25 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   const double vocab_here = parallelism.disable_loss_parallel ? vocab : vocab / tp;
   const bool loss_in_forward = execution == Execution::titan && training.fused_kernels && (dims.tp == 1 || !parallelism.disable_loss_parallel);
   if (holds_last && loss_in_forward) {
-    // The fused projection and loss: one chunk's logits in the compute dtype, the weight-gradient product of a
-    // chunk before it is added in float32 (bf16 only), and, kept from forward to backward, d loss / d x and the
-    // float32 weight gradient, which backward casts to the compute dtype.
+    // The fused projection and loss (distributed/loss_parallel.cpp): one chunk's logits in the compute dtype, and,
+    // kept from forward to backward, d loss / d x and the float32 weight gradient; beside that one weight-sized
+    // tensor in the compute dtype (bf16 only), in forward a chunk's weight-gradient product before it is added, in
+    // backward the weight gradient's cast (never both at once; float32 adds in place and needs no cast).
     const double chunk = static_cast<double>(
         distributed::linear_cross_entropy_chunk(static_cast<int64_t>(tokens), static_cast<int64_t>(vocab_here)));
     // Without titan's kernels (devices that have none, or kernels that do not apply) the two passes are ATen ops
     // with a float32 temporary of the chunk.
     const double aten_temporary = kernels != FusedKernels::none ? 0 : chunk * vocab_here * 4;
-    e.terms.push_back({"logits (fused loss, chunked)", chunk * vocab_here * c + aten_temporary + vocab_here * d * (c == 4 ? 0 : c) +
-                                                           tokens * d * c + vocab_here * d * (4 + c)});
+    const double input_gradient = tokens * d * c;
+    const double fused = chunk * vocab_here * c + aten_temporary + vocab_here * d * (4 + (c == 4 ? 0 : c));
+    if (made_in_backward) {
+      // Its backward runs before the first block's: what it kept is freed then, but for d loss / d x, which flows
+      // into the blocks (its weight gradient becomes the output's gradient, counted above).
+      e.terms.push_back({"logits (fused loss, chunked)", fused, Phase::loss});
+      e.terms.push_back({"the loss's input gradient", input_gradient, Phase::blocks_backward});
+    } else {
+      e.terms.push_back({"logits (fused loss, chunked)", fused + input_gradient});
+    }
   } else if (holds_last) {
     e.terms.push_back({"logits", tokens * vocab_here * (execution == Execution::torchtitan ? 12 : 2 * c + 12),
                        phased ? Phase::loss : Phase::step});

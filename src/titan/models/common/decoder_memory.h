@@ -15,6 +15,7 @@
 
 namespace titan::models {
 
+using protocols::Allocator;
 using protocols::Execution;
 using protocols::FusedKernels;
 using protocols::MemoryEstimate;
@@ -39,11 +40,13 @@ std::vector<BlockLinear> block_linears(const DecoderArgs& args, bool moe_block);
 // (its stages' layers, the embedding on the first, the output and logits on the last); -1: the busiest rank.
 // `kernels`: which of titan's fused kernels run (kernels/fused_ops.h, with training.fused_kernels), which save
 // less for backward: the CPU's (attention, RMSNorm, SwiGLU, RoPE, the loss's row passes) or the CUDA ones (SwiGLU,
-// RoPE, the loss's row passes), or none (the ATen compositions). `titan plan` counts none: the CUDA kernels' saving
-// is not measured on a GPU yet, and AMD GPUs run without them.
+// RoPE, the loss's row passes), or none (the ATen compositions). `titan plan` counts the CUDA ones on NVIDIA GPUs and
+// none on AMD's. `allocator`: whether the gradients made in backward can reuse the activations' freed memory
+// (protocols::Allocator).
 MemoryEstimate estimate_training_memory(const DecoderArgs& args, const config::JobConfig& config,
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
                                         Execution execution = Execution::titan, int64_t pipeline_rank = -1,
-                                        FusedKernels kernels = FusedKernels::none);
+                                        FusedKernels kernels = FusedKernels::none,
+                                        Allocator allocator = Allocator::host_cache);
 
 }  // namespace titan::models

@@ -86,9 +86,9 @@ protocols::ModelSpec decoder_spec(const DecoderFamilySpec& f) {
   s.tied_embeddings = [](const protocols::ModelArgs& args) { return as_decoder(args, "pipeline stages").tie_word_embeddings; };
   s.estimate_memory = [](const protocols::ModelArgs& args, const config::JobConfig& config, const distributed::ParallelDims& dims,
                          bool autocast, double runtime_bytes, protocols::Execution execution, int64_t pipeline_rank,
-                         protocols::FusedKernels kernels) {
+                         protocols::FusedKernels kernels, protocols::Allocator allocator) {
     return estimate_training_memory(as_decoder(args, "the memory estimate"), config, dims, autocast, runtime_bytes, execution,
-                                    pipeline_rank, kernels);
+                                    pipeline_rank, kernels, allocator);
   };
   auto to_hf_config = f.to_hf_config;
   s.state_dict_adapter = [family, to_hf_config](const protocols::ModelArgs& args) -> std::unique_ptr<protocols::StateDictAdapter> {
