@@ -27,7 +27,7 @@ namespace titan::protocols {
 //                                     (the blocks' backward: as a block's activations are freed its gradients are
 //                                      made, so what is held moves from the first to the second)
 //   gradients + head_gradients + last_gradients                  (the embedding's backward)
-// Without the last four (torchtitan's execution, pipelines, accumulation, CPUs) that is the larger of the loss's and
+// Without the last four (pipelines, accumulation, steps in backward, CPUs) that is the larger of the loss's and
 // the backward's on top of the whole step's.
 enum class Phase { step, loss, blocks_backward, activations, gradients, head_gradients, last_gradients };
 
