@@ -203,10 +203,11 @@ def test_on_a_gpu_the_gradients_take_the_freed_activations_memory(name):
     memory = plan["memory"]
     terms, apart = memory["terms"], memory["held_apart"]
     held = {phase: sum(terms[t] for t in names) for phase, names in apart.items()}
-    assert apart["activations"] == ["activations"] and apart["gradients"] == ["gradients"], apart
+    assert apart["activations"] == ["activations", "the loss's input gradient"] and apart["gradients"] == ["gradients"], apart
     assert apart["head_gradients"] == ["the output's gradients"], apart
-    # The 1B flavor's output reads the embedding's table: one gradient, made by the loss's backward.
-    assert apart["last_gradients"] == ([] if name.startswith("1B") else ["the embedding's gradients"]), apart
+    # The 1B flavor's output reads the embedding's table: one gradient, made by the loss's backward, to which the
+    # embedding's backward adds a table-sized one of its own.
+    assert apart["last_gradients"] == (["the embedding's backward"] if name.startswith("1B") else ["the embedding's gradients"]), apart
     whole_step = sum(terms.values()) - sum(held.values())
     expected = whole_step + max(held["activations"] + held["loss"],
                                 max(held["activations"], held["gradients"]) + held["blocks_backward"] + held["head_gradients"],
@@ -220,6 +221,17 @@ def test_on_a_gpu_the_gradients_take_the_freed_activations_memory(name):
     accumulating = plan_json(["--cluster", "h200", "--gpus", "1", *options, "--training.global_batch_size", str(2 * batch)])["memory"]
     assert all(accumulating["held_apart"][phase] == [] for phase in ("activations", "gradients", "head_gradients", "last_gradients"))
     assert accumulating["allocated_bytes"] > memory["allocated_bytes"]
+
+
+def test_torchtitans_data_parallelism_keeps_its_gradient_buckets():
+    """`--as torchtitan`: FSDP2 makes each unit's gradient shards in backward, as titan does; PyTorch's DDP keeps its
+    gradient buckets from step to step, so under pure data parallelism the gradients are held through the step."""
+    common = ["--as", "torchtitan", "--cluster", "h100-sxm", "--gpus", "8", "--model.flavor", "1B", "--training.seq_len", "2048",
+              "--training.local_batch_size", "1"]
+    fsdp = plan_json([*common, "--parallelism.data_parallel_shard_degree", "8"])["memory"]["held_apart"]
+    ddp = plan_json([*common, "--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "8"])
+    assert fsdp["gradients"] == ["gradients"], fsdp
+    assert ddp["memory"]["held_apart"]["gradients"] == [] and ddp["memory"]["terms"]["gradients"] > 0, ddp["memory"]
 
 
 def test_the_human_report_names_every_term_and_the_bound():
@@ -308,6 +320,10 @@ def test_cluster_profiles_from_toml_and_their_errors(tmp_path):
     activations = {cluster: plan_json(["--cluster", cluster, *one_gpu])["memory"]["terms"]["activations"]
                    for cluster in ("h100-sxm", str(amd), "mi300x")}
     assert activations[str(amd)] == activations["mi300x"] > 1.15 * activations["h100-sxm"], activations
+    # And back: an AMD base profile named NVIDIA's.
+    nvidia = tmp_path / "nvidia.toml"
+    nvidia.write_text('base = "mi300x"\nvendor = "nvidia"\n')
+    assert plan_json(["--cluster", str(nvidia), *one_gpu])["memory"]["terms"]["activations"] == activations["h100-sxm"]
     # The calibrated constants, set by a profile, change what they govern: the allocator's reserve here.
     tuned = tmp_path / "tuned.toml"
     tuned.write_text('base = "h100-sxm"\nallocator_overhead = 0.10\n')

@@ -359,14 +359,17 @@ void Fsdp::accumulate(size_t count) {
     pending.work->wait();
     wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (auto& p : units_[pending.unit].params) {
-      at::Tensor slice = pending.reduced.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes()).to(p.shard.scalar_type());
+      at::Tensor view = pending.reduced.narrow(0, p.offset, p.shard_numel()).view(p.shard.sizes());
+      at::Tensor slice = view.to(p.shard.scalar_type());
       if (p.shard.grad().defined()) p.shard.mutable_grad().add_(slice);
-      else p.shard.mutable_grad() = slice.clone();
+      else p.shard.mutable_grad() = slice.is_same(view) ? slice.clone() : slice;  // a converted slice is already a copy
     }
+    // The unit's reduced buffer is done with: freed now, not when every unit's is, so that the gradients are not held
+    // twice at the end of backward (the shards' and the buffers').
+    pending.reduced = at::Tensor();
     if (pending.final) {
       std::vector<at::Tensor> shards;
       for (auto& p : units_[pending.unit].params) shards.push_back(p.shard);
-      pending.reduced = at::Tensor();
       listener_(shards);
     }
   }

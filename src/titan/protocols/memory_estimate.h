@@ -19,7 +19,8 @@ namespace titan::protocols {
 //   activations      from the forward until the blocks' backward frees them, block by block
 //   gradients        the blocks' gradients, made block by block as their activations are freed
 //   head_gradients   made by the loss's backward, before the blocks' (the output's weight and the final norm's)
-//   last_gradients   made once the blocks' backward is done (the embedding's, when the output has its own weight)
+//   last_gradients   made once the blocks' backward is done (the embedding's, when the output has its own weight,
+//                    and the table-sized gradient its backward makes before it lands)
 // The loss is done and its logits freed before the blocks' backward starts, so the peak holds the whole step's
 // terms and the largest of
 //   activations + loss                                           (the forward's end and the loss)
@@ -39,7 +40,7 @@ struct MemoryTerm {
 
 struct MemoryEstimate {
   std::vector<MemoryTerm> terms;  // this rank's peak, term by term (the rank with the most layers under PP)
-  double total() const;           // the whole-step terms plus the larger of the two moments above
+  double total() const;           // the whole-step terms plus the largest of the moments above
   double bytes(Phase phase) const;  // the sum of one phase's terms
   std::string describe() const;   // "parameters 24.7 MiB, ..., runtime ..., and the larger of ...: 1.23 GiB"
 };

@@ -272,11 +272,13 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // are freed, whose memory a GPU's caching allocator gives them (protocols::Allocator; titan's host cache does not,
   // so on CPUs the peak holds both). Accumulating over micro-batches, a pipeline's later micro-batches and steps in
   // backward keep them through the step. torchtitan's training loop does the same (zero_grad with set_to_none; FSDP2
-  // makes each unit's gradient shards at its reduce-scatter): its published 8B peaks came 4-5% closer this way.
+  // makes each unit's gradient shards at its reduce-scatter): its published 8B peaks came 4-5% closer this way. Not
+  // its pure data parallelism: PyTorch's DDP keeps its gradient buckets from step to step.
   const int64_t per_step = training.local_batch_size * dims.dp_degree();
   const bool accumulates = training.global_batch_size > 0 && training.global_batch_size > per_step;
   const bool made_in_backward = allocator == Allocator::device_caching && !pipelined && !accumulates &&
-                                !config.optimizer.early_step_in_backward;
+                                !config.optimizer.early_step_in_backward &&
+                                !(execution == Execution::torchtitan && dims.ddp_enabled());
   const double gradients = gradient_bytes(config, dims, local, unit_local) * p_bytes;
   if (made_in_backward) {
     // Tied or not, the output's weight gradient comes first; an embedding of its own gets its gradient last.
@@ -285,6 +287,11 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     e.terms.push_back({"gradients", gradients - head - last, Phase::gradients});
     e.terms.push_back({"the output's gradients", head, Phase::head_gradients});
     e.terms.push_back({"the embedding's gradients", last, Phase::last_gradients});
+    // The embedding's backward makes a whole table-sized gradient before it lands: under FSDP unsharded in the
+    // compute dtype until its reduce-scatter; with the output's weight tied, beside the output's gradient it is then
+    // added to.
+    const double table = fsdp && shards > 1 ? embed / tp * c : a.tie_word_embeddings ? embed / tp * p_bytes : 0.0;
+    e.terms.push_back({"the embedding's backward", table, Phase::last_gradients});
   } else {
     e.terms.push_back({"gradients", gradients});
   }
@@ -407,10 +414,11 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     const double input_gradient = tokens * d * c;
     const double fused = chunk * vocab_here * c + aten_temporary + vocab_here * d * (4 + (c == 4 ? 0 : c));
     if (made_in_backward) {
-      // Its backward runs before the first block's: what it kept is freed then, but for d loss / d x, which flows
-      // into the blocks (its weight gradient becomes the output's gradient, counted above).
+      // Its backward runs before the first block's: what it kept is freed then, but for d loss / d x, made in its
+      // forward, which flows into the blocks and dies with their activations (its weight gradient becomes the output's
+      // gradient, counted above).
       e.terms.push_back({"logits (fused loss, chunked)", fused, Phase::loss});
-      e.terms.push_back({"the loss's input gradient", input_gradient, Phase::blocks_backward});
+      e.terms.push_back({"the loss's input gradient", input_gradient, Phase::activations});
     } else {
       e.terms.push_back({"logits (fused loss, chunked)", fused + input_gradient});
     }
