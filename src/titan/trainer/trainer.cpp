@@ -440,9 +440,11 @@ void Trainer::update(DeviceStep& step, const at::Tensor& nonfinite) {
   } else {
     ++reads_at_once_;
     step.settled = settle(step);
-    if (step.settled->skipped) optimizer_->zero_grad();  // no update from this step; the schedule still advances
-    else optimizer_->step();
+    if (!step.settled->skipped) optimizer_->step();  // a skipped step: no update; the schedule still advances
   }
+  // The gradients are spent: freed now rather than at the next step's start, so that validation, checkpoint saves and
+  // exports between the steps do not run beside them (the memory estimate's last moment is the end of backward).
+  optimizer_->zero_grad();
   for (auto& part : model_parts()) part.data_parallel->after_optimizer_step();
   lr_scheduler_->step();
   optimizer_->set_lr(lr_scheduler_->current_lr());
