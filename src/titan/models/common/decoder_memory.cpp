@@ -178,16 +178,19 @@ RankBlocks rank_blocks(const DecoderArgs& a, const config::JobConfig& config, co
   return out;
 }
 
+// Whether a step runs several micro-batches per data-parallel rank, adding their gradients up.
+bool accumulates_gradients(const config::JobConfig& config, const distributed::ParallelDims& dims) {
+  const auto& training = config.training;
+  return training.global_batch_size > 0 && training.global_batch_size > training.local_batch_size * dims.dp_degree();
+}
+
 // Gradient elements held at once. optimizer.early_step_in_backward without gradient accumulation steps and frees
 // each gradient once it is final: at most a unit's shards under FSDP (`unit`), three buckets under DDP (one filling,
 // one reducing, one being stepped), a block's gradients on one data-parallel rank (`unit`). Otherwise (and under
 // pipeline parallelism, which the trainer refuses with it) every local gradient.
 double gradient_bytes(const config::JobConfig& config, const distributed::ParallelDims& dims, double local, double unit) {
-  const auto& training = config.training;
-  const int64_t per_step = training.local_batch_size * dims.dp_degree();
-  const bool accumulates = training.global_batch_size > 0 && training.global_batch_size > per_step;
-  if (!config.optimizer.early_step_in_backward || accumulates || dims.pp > 1) return local;
-  if (dims.ddp_enabled()) return std::min(local, 3.0 * (25 << 20) / titan::config::dtype_bytes(training.dtype));
+  if (!config.optimizer.early_step_in_backward || accumulates_gradients(config, dims) || dims.pp > 1) return local;
+  if (dims.ddp_enabled()) return std::min(local, 3.0 * (25 << 20) / titan::config::dtype_bytes(config.training.dtype));
   return std::min(local, unit);
 }
 
@@ -274,9 +277,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // backward keep them through the step. torchtitan's training loop does the same (zero_grad with set_to_none; FSDP2
   // makes each unit's gradient shards at its reduce-scatter): its published 8B peaks came 4-5% closer this way. Not
   // its pure data parallelism: PyTorch's DDP keeps its gradient buckets from step to step.
-  const int64_t per_step = training.local_batch_size * dims.dp_degree();
-  const bool accumulates = training.global_batch_size > 0 && training.global_batch_size > per_step;
-  const bool made_in_backward = allocator == Allocator::device_caching && !pipelined && !accumulates &&
+  const bool made_in_backward = allocator == Allocator::device_caching && !pipelined && !accumulates_gradients(config, dims) &&
                                 !config.optimizer.early_step_in_backward &&
                                 !(execution == Execution::torchtitan && dims.ddp_enabled());
   const double gradients = gradient_bytes(config, dims, local, unit_local) * p_bytes;
