@@ -30,7 +30,10 @@ const char* kPlanUsage =
     "       titan plan --calibrate RUNS.jsonl [--folds K] [--json]\n"
     "Fits the calibrated constants to measured runs (one JSON object per line: \"args\", the plan's arguments with\n"
     "--cluster; \"tokens_per_second_per_device\"; optionally \"memory_gib\" and \"group\") and reports how well\n"
-    "constants fitted on the other folds predict each fold's runs (K folds of whole groups; default: one per group).\n";
+    "constants fitted on the other folds predict each fold's runs (K folds of whole groups; default: one per group).\n"
+    "       titan plan --evaluate RUNS.jsonl [--json]\n"
+    "Predicts the runs of such a file with their profiles' constants, fitting nothing, and reports each run's\n"
+    "predicted / measured ratio, how many are within 15% (10% on memory) and how many inside the printed band.\n";
 
 double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
 
@@ -123,7 +126,7 @@ void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
 
 struct Request {
   bool as_json = false, search = false;
-  std::string cluster_spec, calibrate;
+  std::string cluster_spec, calibrate, evaluate;
   int64_t gpus = 0, top = 5, folds = 0;
   protocols::Execution execution = protocols::Execution::titan;
   std::vector<std::string> args;  // the job's configuration
@@ -131,7 +134,7 @@ struct Request {
 
 Request parse_request(const std::vector<std::string>& raw_args) {
   Request r;
-  auto& [as_json, search, cluster_spec, calibrate, gpus, top, folds, execution, args] = r;
+  auto& [as_json, search, cluster_spec, calibrate, evaluate, gpus, top, folds, execution, args] = r;
   for (size_t i = 0; i < raw_args.size(); ++i) {
     const std::string& a = raw_args[i];
     auto value = [&](const std::string& flag) -> std::string {
@@ -146,6 +149,7 @@ Request parse_request(const std::vector<std::string>& raw_args) {
     else if (is("--gpus")) gpus = positive_integer_argument("--gpus", value("--gpus"));
     else if (is("--top")) top = positive_integer_argument("--top", value("--top"));
     else if (is("--calibrate")) calibrate = value("--calibrate");
+    else if (is("--evaluate")) evaluate = value("--evaluate");
     else if (is("--folds")) folds = positive_integer_argument("--folds", value("--folds"));
     else if (is("--as")) {
       const std::string v = value("--as");
@@ -262,6 +266,13 @@ nlohmann::ordered_json calibration_json(const plan::Calibration& c) {
           {"allocator_overhead", c.allocator_overhead}};
 }
 
+// A prediction "hits" a measured run within 15% on tokens/s and, where the run's memory is known, 10% on memory.
+bool hit(const Ratios& r) { return std::abs(r.speed - 1) <= 0.15 && (r.memory == 0 || std::abs(r.memory - 1) <= 0.10); }
+
+int64_t hits(const std::vector<Ratios>& ratios) {
+  return std::count_if(ratios.begin(), ratios.end(), hit);
+}
+
 double quantile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   const double at = q * static_cast<double>(v.size() - 1);
@@ -269,14 +280,15 @@ double quantile(std::vector<double> v, double q) {
   return i + 1 < v.size() ? v[i] + (v[i + 1] - v[i]) * (at - static_cast<double>(i)) : v.back();
 }
 
-int run_calibrate(const Request& request) {
-  std::ifstream in(request.calibrate);
-  if (!in) fail("--calibrate ", quote(request.calibrate), ": cannot open the file");
+// The measured runs of a --calibrate or --evaluate file, each checked to plan; errors name the file and line.
+std::vector<Run> read_runs(const std::string& flag, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(flag, " ", quote(path), ": cannot open the file");
   std::vector<Run> runs;
   std::string line;
   for (int number = 1; std::getline(in, line); ++number) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = cat(request.calibrate, ":", number);
+    const std::string where = cat(path, ":", number);
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(line);
@@ -294,7 +306,8 @@ int run_calibrate(const Request& request) {
     }
     Request row = parse_request(args);
     if (row.cluster_spec.empty()) fail(where, ": the run's \"args\" need --cluster (", known_profiles(), " or a TOML file)");
-    if (row.search || !row.calibrate.empty()) fail(where, ": a run is one layout (no --search or --calibrate in its \"args\")");
+    if (row.search || !row.calibrate.empty() || !row.evaluate.empty())
+      fail(where, ": a run is one layout (no --search, --calibrate or --evaluate in its \"args\")");
     Run run;
     run.name = j.value("name", cat("line ", number));
     run.group = j.value("group", run.name);
@@ -318,6 +331,12 @@ int run_calibrate(const Request& request) {
     }
     runs.push_back(std::move(run));
   }
+  if (runs.empty()) fail(flag, " ", quote(path), ": no runs in the file");
+  return runs;
+}
+
+int run_calibrate(const Request& request) {
+  const std::vector<Run> runs = read_runs("--calibrate", request.calibrate);
   if (runs.size() < 2) fail("--calibrate ", quote(request.calibrate), ": needs at least two runs");
   // Folds of whole groups, dealt in order of first appearance.
   std::vector<std::string> groups;
@@ -346,11 +365,6 @@ int run_calibrate(const Request& request) {
     in_sample[i] = predict(runs[i], fitted);
     defaults[i] = predict(runs[i], runs[i].cluster.calibration);
   }
-  auto hits = [&](const std::vector<Ratios>& r) {
-    int64_t n = 0;
-    for (const Ratios& x : r) n += std::abs(x.speed - 1) <= 0.15 && (x.memory == 0 || std::abs(x.memory - 1) <= 0.10);
-    return n;
-  };
   std::vector<double> speed_ratios;
   for (const Ratios& r : held_out) speed_ratios.push_back(r.speed);
   // The band a prediction P carries: the measured value lay within [P / high, P / low] for 80% of held-out runs.
@@ -397,12 +411,56 @@ int run_calibrate(const Request& request) {
   return 0;
 }
 
+// --evaluate: measured runs predicted with their profiles' constants, nothing fitted: how well the plan does on
+// runs no constant was chosen on, and how many fall inside the band every prediction prints.
+int run_evaluate(const Request& request) {
+  const std::vector<Run> runs = read_runs("--evaluate", request.evaluate);
+  std::vector<Ratios> ratios;
+  std::vector<double> speed;
+  for (const Run& run : runs) {
+    ratios.push_back(predict(run, run.cluster.calibration));
+    speed.push_back(ratios.back().speed);
+  }
+  // Inside the printed band: measured within [P / p90, P / p10], that is predicted / measured within [p10, p90].
+  auto in_band = [](const Ratios& r) { return r.speed >= plan::kHeldOutSpeedRatioP10 && r.speed <= plan::kHeldOutSpeedRatioP90; };
+  const int64_t inside = std::count_if(ratios.begin(), ratios.end(), in_band);
+  const double low = quantile(speed, 0.1), median = quantile(speed, 0.5), high = quantile(speed, 0.9);
+  if (request.as_json) {
+    nlohmann::ordered_json out;
+    out["runs"] = runs.size();
+    out["hits"] = hits(ratios);
+    out["inside_band"] = inside;
+    out["speed_ratio"] = {{"p10", low}, {"median", median}, {"p90", high}};
+    out["built_in_band"] = {{"p10", plan::kHeldOutSpeedRatioP10}, {"p90", plan::kHeldOutSpeedRatioP90}};
+    out["rows"] = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < runs.size(); ++i)
+      out["rows"].push_back({{"name", runs[i].name}, {"group", runs[i].group}, {"speed", ratios[i].speed},
+                             {"memory", ratios[i].memory > 0 ? nlohmann::ordered_json(ratios[i].memory) : nlohmann::ordered_json(nullptr)},
+                             {"hit", hit(ratios[i])}, {"inside_band", in_band(ratios[i])}});
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "titan plan --evaluate: " << runs.size() << " runs predicted with their profiles' constants (nothing fitted)\n"
+            << strprintf("%-56s %22s\n", "run", "predicted / measured");
+  for (size_t i = 0; i < runs.size(); ++i)
+    std::cout << strprintf("%-56s %6.2fx", runs[i].name.substr(0, 56).c_str(), ratios[i].speed)
+              << (ratios[i].memory > 0 ? strprintf(" mem %4.2fx", ratios[i].memory) : std::string(10, ' '))
+              << (hit(ratios[i]) ? "  within" : "") << "\n";
+  std::cout << strprintf("within 15%% on tokens/s (10%% on memory): %lld of %zu; inside the printed band (%.2f to %.2f): %lld\n",
+                         static_cast<long long>(hits(ratios)), runs.size(), plan::kHeldOutSpeedRatioP10,
+                         plan::kHeldOutSpeedRatioP90, static_cast<long long>(inside))
+            << strprintf("predicted/measured tokens/s: 10th percentile %.2f, median %.2f, 90th %.2f\n", low, median, high);
+  return 0;
+}
+
 }  // namespace
 
 int run_plan(const std::vector<std::string>& raw_args) {
   const Request request = parse_request(raw_args);
-  const auto& [as_json, search, cluster_spec, calibrate, gpus, top, folds, execution, args] = request;
+  const auto& [as_json, search, cluster_spec, calibrate, evaluate, gpus, top, folds, execution, args] = request;
+  if (!calibrate.empty() && !evaluate.empty()) fail("titan plan: --calibrate and --evaluate are two commands; give one");
   if (!calibrate.empty()) return run_calibrate(request);
+  if (!evaluate.empty()) return run_evaluate(request);
   auto loaded = config::load_job_config(args);
   if (loaded.help_requested) {
     std::cout << strprintf(kPlanUsage, known_profiles().c_str());
