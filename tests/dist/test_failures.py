@@ -217,3 +217,33 @@ def test_a_resumed_run_also_switches_to_the_training_timeout(tmp_path):
     text, seconds = stop_rank_1_of(proc, lines)
     assert proc.returncode != 0 and "did not complete within 8 s" in text, text[-3000:]
     assert seconds < 8 + 60
+
+
+def test_an_error_every_rank_meets_is_printed_once_and_one_rank_s_own_error_names_the_rank(tmp_path):
+    """Three ranks given the same bad option all fail at start-up: rank 0 prints the error and the job ends before
+    the others (which wait 5 s) print theirs. Then only rank 1 is given the bad option (mpirun's MPMD form): rank 0
+    starts and waits for it, so after its wait rank 1 prints its error with its rank, once, and the job fails."""
+    config = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--job.dump_folder", str(tmp_path),
+              "--training.steps", "2", "--metrics.disable_color_printing"]
+    bad = ["--training.seq_len", "-3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.time()
+    every = subprocess.run(mpirun(3) + [binary("titan"), "train", *config, *bad], capture_output=True, text=True, env=env)
+    seconds = time.time() - start
+    text = every.stdout + every.stderr
+    assert every.returncode != 0
+    assert text.count("training.seq_len must be at least 1, got -3") == 1, text
+    assert "error: command line (--training.seq_len)" in text and "(rank " not in text, text
+    print(f"same error on 3 ranks: printed once, job ended in {seconds:.1f} s")
+
+    launch = mpirun(1)
+    titan = [binary("titan"), "train", *config, "--parallelism.data_parallel_shard_degree", "2"]
+    start = time.time()
+    one = subprocess.run(launch + titan + [":", "-np", "1"] + titan + bad, capture_output=True, text=True, env=env, timeout=300)
+    seconds = time.time() - start
+    text = one.stdout + one.stderr
+    assert one.returncode != 0
+    assert text.count("training.seq_len must be at least 1, got -3") == 1, text
+    assert "error (rank 1 of 2): command line (--training.seq_len)" in text, text
+    assert seconds >= 5, seconds
+    print(f"rank 1's own error: printed once with its rank after the wait, job ended in {seconds:.1f} s")

@@ -1,16 +1,20 @@
 // titan: the command-line entry point. Bad input surfaces as UserError with a message naming what was wrong.
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <thread>
 
 #include "titan/cli/commands.h"
 #include "titan/common/error.h"
 #include "titan/common/process_exit.h"
 #include "titan/common/strings.h"
+#include "titan/distributed/communicator.h"
 #include "titan/distributed/mpi_runtime.h"
 #include "titan/models/registry.h"
+#include "titan/trainer/control.h"
 
 namespace {
 
@@ -32,6 +36,29 @@ std::string usage() {
     "\n"
     "model families (model.name): " +
          titan::join(titan::models::model_names(), ", ") + "\n";
+}
+
+// How long a rank that does not log waits before reporting its error (below).
+constexpr auto kErrorReportDelay = std::chrono::seconds(5);
+
+// Prints an error that ends the command. Under a launcher every rank usually meets the same error at the same point
+// (a mistyped key, a missing file, the memory check), and printing it once per rank buries it. The ranks that log
+// (rank 0 unless LOG_RANK says otherwise) print at once and exit; another rank waits a few seconds first. When rank
+// 0 met the error too, the launcher ends the job in that time (mpirun and torchrun stop the other ranks when one
+// exits with an error), so the error appears once. A rank still running after the wait has an error rank 0 did not
+// have and prints it, naming its rank. The exit code is the same either way.
+void report_error(const char* message) {
+  titan::distributed::LaunchInfo launch;
+  try {
+    launch = titan::distributed::detect_launch();
+  } catch (const std::exception&) {
+  }
+  if (launch.world_size > 1 && !titan::rank_logs(launch.rank)) {
+    std::this_thread::sleep_for(kErrorReportDelay);
+    std::fprintf(stderr, "error (rank %d of %d): %s\n", launch.rank, launch.world_size, message);
+    return;
+  }
+  std::fprintf(stderr, "error: %s\n", message);
 }
 
 }  // namespace
@@ -69,17 +96,17 @@ static int run(int argc, char** argv) {
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), usage().c_str());
     return 2;
   } catch (const titan::UserError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_error(e.what());
     return 2;
   } catch (const std::filesystem::filesystem_error& e) {
     // A path the user gave that cannot be made or read (permissions, a missing parent, a read-only file system).
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_error(e.what());
     return 2;
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "error: %s\n", e.what_without_backtrace());
+    report_error(e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
+    report_error(e.what());
     return 1;
   }
 }
