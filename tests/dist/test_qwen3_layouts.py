@@ -268,5 +268,5 @@ def test_a_collapsed_router_trains_on_ep2_or_stops_every_rank_by_name(tmp_path):
     assert limited.returncode != 0, message
     needle = ("expert parallelism: layers.0.moe.experts: the tokens routed to the experts of expert-parallel rank 0 "
               "(experts 0 to 3) would need about")
-    assert message.count(needle) == 2, message  # both ranks
+    assert message.count(needle) == 1, message  # both ranks stop on it; rank 0 prints it, and the job ends (cli/main.cpp)
     assert "256 token rows (from each rank: 128, 128; per expert: 128, 128, 0, 0)" in message, message

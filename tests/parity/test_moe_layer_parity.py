@@ -363,8 +363,9 @@ def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, f
     assert worst < 1e-4
 
 
-@pytest.mark.parametrize("case", ["dense", "qwen3_softmax_top2", "sigmoid_groups_shared_scores_first"])
-def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, monkeypatch, case):
+@pytest.mark.parametrize("case,float8", [("dense", None), ("qwen3_softmax_top2", None), ("sigmoid_groups_shared_scores_first", None),
+                                        ("dense", "tensorwise"), ("sigmoid_groups_shared_scores_first", "rowwise")])
+def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, monkeypatch, case, float8):
     """Op-level selective activation checkpointing (selective_ac_option = "op") against torchtitan's own policy on
     its own Qwen3 model (dense, and MoE without and with a shared expert), each block checkpointed as torchtitan's
     apply_ac does it: every tensor titan's blocks keep from the forward, in order, against every output torchtitan's
@@ -375,7 +376,13 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
     (torch._grouped_mm, which its policy does not save; they compute in bf16, so the gradients are compared with
     the float32 for-loop experts of the same model instead) with the CPU version of its token permutation; the CPU's
     flash attention op added to its save list (the list names the GPU's attention ops only); torch.histc as in the
-    other tests."""
+    other tests.
+
+    With float8 (torchao's Float8Linear, emulated, on every linear but the output and the router, as the float8
+    converter makes them): torchao's linears call torch.mm on float8 tensors, which the policy counts and keeps as
+    it does a bf16 product's, so titan's float8 linears keep the same outputs (the loss and gradients of that case
+    are compared with torchao's model in test_whole_qwen3_moe_model_matches_torchtitan). The policy also keeps each
+    tensorwise cast's absolute maximum (aten.max, a scalar), which titan's casts recompute; those are left out."""
     import functools
 
     import torch.utils.checkpoint as checkpoint
@@ -397,7 +404,9 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
         def logged(ctx, func, *a, **kw):
             decision = policy(ctx, func, *a, **kw)
             if not ctx.is_recompute and decision == checkpoint.CheckpointPolicy.MUST_SAVE:
-                if func == torch.ops.aten.mm.default:
+                if func == torch.ops.aten.max.default and float8:
+                    pass  # a float8 cast's amax (a scalar)
+                elif func == torch.ops.aten.mm.default:
                     saved[-1].append([a[0].shape[0], a[1].shape[1]])
                 else:  # attention: its output and log-sum-exp
                     assert "scaled_dot_product" in str(func), func
@@ -411,6 +420,16 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
     model, _ = torchtitan_qwen3(routing, grouped=True)
     state = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
     buffers = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+    if float8:
+        from torchao import float8 as torchao_float8
+        from torchao.float8.float8_linear import Float8Linear
+        from torchtitan.components.quantization.utils import module_filter_fn
+
+        config8 = dataclasses.replace(torchao_float8.Float8LinearConfig.from_recipe_name(float8), emulate=True)
+        torchao_float8.convert_to_float8_training(
+            model, config=config8, module_filter_fn=lambda mod, fqn: module_filter_fn(mod, fqn, ["output"]))
+        converted = [fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)]
+        assert converted and not any("router" in f or f == "output" for f in converted), converted
     save_list = set(_op_sac_save_list) | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
     config = ActivationCheckpoint(mode="selective", selective_ac_option="op")
     for name, block in list(model.layers.named_children()):
@@ -426,8 +445,15 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
     (tmp_path / "args.json").write_text(json.dumps(titan_qwen3_args(routing)))
     run([binary("titan_model_probe"), "--args-json", str(tmp_path / "args.json"), "--titan-weights", str(weights),
          "--batch", str(batch), "--out", str(out), "--ac-mode", "selective", "--ac-option", "op",
-         "--kept-shapes", str(kept)])
+         "--kept-shapes", str(kept), *(["--float8", float8] if float8 else [])])
     got = load_file(str(out))
+    if float8:
+        titan_kept = json.loads(kept.read_text())
+        numel = lambda blocks: [[int(torch.Size(s).numel()) for s in b] for b in blocks]
+        print(f"{case}, float8 {float8}: torchtitan keeps {saved}; titan {titan_kept}")
+        assert len(saved) == 2 and all(saved), saved
+        assert numel(titan_kept) == numel(saved)
+        return
 
     logits = model(inputs)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()

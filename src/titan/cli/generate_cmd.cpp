@@ -167,7 +167,7 @@ void on_every_rank(distributed::Communicator* control, const std::string& what, 
   std::vector<int64_t> ranks;
   for (int64_t r = 0; r < failed.size(0); ++r)
     if (failed[r].item<int64_t>() != 0) ranks.push_back(r);
-  if (!ranks.empty()) fail(what, " failed on rank(s) ", join_ints(ranks), " (the error is theirs, above); this rank stops too");
+  if (!ranks.empty()) fail_after_peer(what, " failed on rank(s) ", join_ints(ranks), " (the error is theirs); this rank stops too");
 }
 
 // Rank 0's host tensor on every rank of `group` (collective), through the group's own device.

@@ -38,23 +38,27 @@ std::string usage() {
          titan::join(titan::models::model_names(), ", ") + "\n";
 }
 
-// How long a rank that does not log waits before reporting its error (below).
+// How long a rank that does not log waits before reporting its error, and how long any rank waits before reporting
+// that it stops because another rank failed (below): longer, so that the failing rank's own report comes first.
 constexpr auto kErrorReportDelay = std::chrono::seconds(5);
+constexpr auto kPeerFailureReportDelay = std::chrono::seconds(10);
 
 // Prints an error that ends the command. Under a launcher every rank usually meets the same error at the same point
 // (a mistyped key, a missing file, the memory check), and printing it once per rank buries it. The ranks that log
 // (rank 0 unless LOG_RANK says otherwise) print at once and exit; another rank waits a few seconds first. When rank
 // 0 met the error too, the launcher ends the job in that time (mpirun and torchrun stop the other ranks when one
 // exits with an error), so the error appears once. A rank still running after the wait has an error rank 0 did not
-// have and prints it, naming its rank. The exit code is the same either way.
-void report_error(const char* message) {
+// have and prints it, naming its rank. A rank that stops only because another failed (titan::PeerFailure) waits
+// longer, whether it logs or not: the failing rank reports first and its exit ends the job, so the cause is what
+// appears. The exit code is the same either way.
+void report_error(const char* message, bool peer_failure = false) {
   titan::distributed::LaunchInfo launch;
   try {
     launch = titan::distributed::detect_launch();
   } catch (const std::exception&) {
   }
-  if (launch.world_size > 1 && !titan::rank_logs(launch.rank)) {
-    std::this_thread::sleep_for(kErrorReportDelay);
+  if (launch.world_size > 1 && (peer_failure || !titan::rank_logs(launch.rank))) {
+    std::this_thread::sleep_for(peer_failure ? kPeerFailureReportDelay : kErrorReportDelay);
     std::fprintf(stderr, "error (rank %d of %d): %s\n", launch.rank, launch.world_size, message);
     return;
   }
@@ -94,6 +98,9 @@ static int run(int argc, char** argv) {
       return code;
     }
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), usage().c_str());
+    return 2;
+  } catch (const titan::PeerFailure& e) {
+    report_error(e.what(), /*peer_failure=*/true);
     return 2;
   } catch (const titan::UserError& e) {
     report_error(e.what());

@@ -24,4 +24,16 @@ template <typename... Args>
   throw UserError(cat(args...));
 }
 
+// The error of a rank that stops because another rank failed (a collective told it so): that rank's own error says
+// why. The command reports this one only if that rank's report has not ended the job first (cli/main.cpp).
+class PeerFailure : public UserError {
+ public:
+  explicit PeerFailure(const std::string& message) : UserError(message) {}
+};
+
+template <typename... Args>
+[[noreturn]] void fail_after_peer(const Args&... args) {
+  throw PeerFailure(cat(args...));
+}
+
 }  // namespace titan

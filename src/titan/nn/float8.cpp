@@ -305,9 +305,11 @@ struct PrecastInput : torch::CustomClassHolder {
 };
 
 struct Float8Linear : torch::autograd::Function<Float8Linear> {
+  // `kept`: the output op-level checkpointing kept from the forward (nn/kept_ops.h), returned instead of computed, with
+  // backward as for a computed one; empty otherwise.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe,
                             bool emulate, const c10::intrusive_ptr<PrecastWeight>& precast,
-                            const c10::intrusive_ptr<PrecastInput>& precast_input) {
+                            const c10::intrusive_ptr<PrecastInput>& precast_input, const at::Tensor& kept) {
     const bool use_precast = precast && precast->weight.data.defined();
     // With the input cast before its all-gather, backward reads that cast, not the high-precision input.
     ctx->save_for_backward({precast_input ? at::Tensor() : x, weight});
@@ -321,6 +323,7 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     if (use_precast) ctx->saved_data["precast"] = at::IValue::make_capsule(precast);
     const auto reduction = AmaxReductionScope::current();
     if (reduction) ctx->saved_data["amax_reduction"] = at::IValue::make_capsule(reduction);
+    if (kept.numel() > 0) return kept;
     const Recipe* r = &recipe;
     const int64_t k = x.size(-1);
     const at::Tensor x2 = x.reshape({-1, k});
@@ -395,14 +398,14 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
                                     /*column_major=*/true);
       dw = mm(gq, xq, grads[0].scalar_type(), emulate, false).to(weight.scalar_type());
     }
-    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate,
-                  const c10::intrusive_ptr<PrecastWeight>& precast) {
+                  const c10::intrusive_ptr<PrecastWeight>& precast, const at::Tensor& kept) {
   if (precast && precast->weight.data.defined() && recipe.name != "tensorwise")
     fail("float8: a weight cast before its linear (FSDP's float8 all-gather) needs recipe \"tensorwise\", not ", quote(recipe.name));
   // Under autocast the input is first cast to the autocast dtype, as torchao's Float8Linear does; the weight is
@@ -414,9 +417,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& r
       precast_input->input = *found;
     }
   const auto device = x.device().type();
+  const at::Tensor none = kept.defined() ? kept : at::empty({0}, x.options());
   if (at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type()))
-    return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate, precast, precast_input);
-  return Float8Linear::apply(x, weight, recipe, emulate, precast, precast_input);
+    return Float8Linear::apply(x.to(at::autocast::get_autocast_dtype(device)), weight, recipe, emulate, precast, precast_input, none);
+  return Float8Linear::apply(x, weight, recipe, emulate, precast, precast_input, none);
 }
 
 const std::vector<std::string>& mx_recipe_names() {
@@ -508,10 +512,13 @@ at::Tensor mx_mm_nt(const MxOperand& a, const MxOperand& b, at::ScalarType dtype
 }
 
 struct MxLinear : torch::autograd::Function<MxLinear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, int64_t rounding, bool emulate) {
+  // `kept`: as Float8Linear's.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, int64_t rounding, bool emulate,
+                            const at::Tensor& kept) {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["rounding"] = rounding;
     ctx->saved_data["emulate"] = emulate;
+    if (kept.numel() > 0) return kept;
     const auto r = static_cast<MxScaleRounding>(rounding);
     const int64_t k = x.size(-1);
     auto out_shape = x.sizes().vec();
@@ -540,7 +547,7 @@ struct MxLinear : torch::autograd::Function<MxLinear> {
       dw = mx_mm_nt(mx_cast(g.t().contiguous(), r), mx_cast(x2.t().contiguous(), r), g.scalar_type(), emulate)
                .to(weight.scalar_type());
     }
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -647,14 +654,14 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
   return LowPrecisionGroupedLinear::apply(x, w.to(x.scalar_type()), c, static_cast<int64_t>(cast));
 }
 
-at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate) {
+at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate, const at::Tensor& kept) {
   // Under autocast the input is cast to the autocast dtype first; the weight's values are cast to the input's dtype
   // after dequantising (exactly: E4M3 values times powers of two fit bf16).
   const auto device = x.device().type();
   const at::Tensor input = at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type())
                                ? x.to(at::autocast::get_autocast_dtype(device))
                                : x;
-  return MxLinear::apply(input, weight, static_cast<int64_t>(rounding), emulate);
+  return MxLinear::apply(input, weight, static_cast<int64_t>(rounding), emulate, kept.defined() ? kept : at::empty({0}, x.options()));
 }
 
 bool has_mx_matmul(const at::Device& device, std::string* why) {

@@ -113,8 +113,10 @@ std::optional<Operand> find_precast(const at::Tensor& hp, bool remove);
 // When `precast` holds a weight (recipe tensorwise only), the forward and the input gradient use it instead of
 // casting `weight`, whose values are then never read (FSDP leaves it without storage): backward reads `precast`
 // again, which FSDP has re-gathered by then.
+// `kept`: under op-level activation checkpointing, the output the forward kept (nn/kept_ops.h), returned by the
+// recomputation instead of computed again; its backward is the same.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const Recipe& recipe, bool emulate,
-                  const c10::intrusive_ptr<PrecastWeight>& precast = {});
+                  const c10::intrusive_ptr<PrecastWeight>& precast = {}, const at::Tensor& kept = {});
 
 // MXFP8 (the OCP microscaling format torchao's MX linears use): blocks of 32 consecutive elements along a row, each
 // with a power-of-two scale kept as its biased 8-bit exponent (E8M0), the elements in E4M3.
@@ -145,7 +147,8 @@ at::Tensor mx_blocked_scales(const at::Tensor& exponent);
 // dimension (K, N, and the tokens: their count must be a multiple of 32). Emulated (`emulate`, or a device without
 // an MX matmul): dequantised and multiplied in the operands' dtype (torchao's emulated MX matmul); else through
 // at::_scaled_mm with E8M0 block scales (accumulated in float32). Differentiable in x and weight.
-at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate = true);
+at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate = true,
+                     const at::Tensor& kept = {});  // `kept` as linear's
 
 // How a grouped product casts its operands (torchao's MoE training configurations).
 enum class GroupedCast {

@@ -2,9 +2,11 @@
 // checkpointed unit, but its forward keeps the outputs of attention and of every other matrix product (the 1st,
 // 3rd, 5th ... linear in forward order), and the recomputation in backward reuses those instead of computing them
 // again; everything else (norms, the other products, RoPE, the gating, the routed experts' grouped products, the
-// expert all-to-alls, TP's and CP's communication) is recomputed. Float8 linears are not counted and always
-// recomputed (torchtitan's policy counts aten.mm, which float8's scaled products are not), nor are linears marked
-// `recompute_under_op_checkpointing` (the MoE router's gate: per_op_sac_force_recompute_mm_shapes_by_fqns).
+// expert all-to-alls, TP's and CP's communication) is recomputed. Float8 and MXFP8 linears count as the others do
+// (torchtitan's policy counts aten.mm, and torchao's float8 and MX linears call torch.mm on their float8 tensors,
+// which the policy sees as aten.mm; components/quantization/float8.cpp). Linears marked
+// `recompute_under_op_checkpointing` (the MoE router's gate: per_op_sac_force_recompute_mm_shapes_by_fqns) are not
+// counted and always recomputed.
 //
 // Units meet the region through nn::Context::kept_ops, which only the block's checkpoint
 // (distributed/activation_checkpoint.h) sets.

@@ -10,7 +10,7 @@ namespace titan::plan {
 // constants"): the speed of what titan has not run on GPUs itself and the allocator's reserve. A profile may set its
 // own, for example those `titan plan --calibrate` fits to runs measured on that cluster.
 struct Calibration {
-  double compile_memory_share = 0.4;                // torch.compile: the memory-bound kernels' bytes shrink to this share
+  double compile_memory_share = 0.5;                // torch.compile: the memory-bound kernels' bytes shrink to this share
   double float8_relative_efficiency = 0.8;          // float8 GEMMs' share of their peak against bf16 GEMMs' share of theirs
   double ring_attention_overhead_per_rank = 0.09;   // ring attention's loss of efficiency per further CP rank
   double allocator_overhead = 0.02;                 // the caching allocator's reserve above the allocated bytes

@@ -189,7 +189,7 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
   // Recomputation in backward, as a share of the layers' forward: full AC recomputes every block; selective layer
   // AC every N-th; op-level AC (torchtitan's policy, titan's too: nn/kept_ops.h) every block but attention and
   // every other linear (wq, wv, w1, w2 kept; wk, wo, w3 and the router recomputed, and the routed experts' grouped
-  // products; with float8 every float8 linear, which the policy does not count).
+  // products; float8 and MX linears count as the others).
   double recompute_layers = 0;
   if (ac.mode == "full") recompute_layers = 1;
   else if (ac.mode == "selective" && ac.selective_ac_option != "op")
@@ -208,7 +208,6 @@ StepTime estimate_step_time(const models::DecoderArgs& a, const config::JobConfi
     const double router = a.moe ? moe_share * d * static_cast<double>(a.moe->num_experts) : 0;
     op_recomputed_params = (dense_count > 0 ? dense_count * recomputed(false) : 0.0) + (moe_count > 0 ? moe_count * recomputed(true) : 0.0);
     op_recomputed_params = op_recomputed_params / n_blocks + router;
-    if (speed.float8) op_recomputed_params = std::max(op_recomputed_params, float8_params);
   }
 
   const double peak = cluster.peak_bf16_flops * cluster.matmul_efficiency;

@@ -742,8 +742,8 @@ int Trainer::train() {
     if (control.save_failed) {
       checkpointer_->abandon_background();
       if (save_failed_here) checkpointer_->wait();  // throws with the cause
-      fail("stopping after step ", train_state_.step, ": another rank's asynchronous checkpoint write failed (its error says "
-           "why); the previous complete checkpoint is untouched");
+      fail_after_peer("stopping after step ", train_state_.step, ": another rank's asynchronous checkpoint write failed (its "
+                      "error says why); the previous complete checkpoint is untouched");
     }
     if (control.signal) {
       exit_code = stop_for_signal(control.signal, first_step, std::move(position_before));
@@ -800,8 +800,8 @@ void Trainer::check_last_save() {
   }
   if (exchange_control(false, 0, 0, failure != nullptr).save_failed) {
     if (failure) std::rethrow_exception(failure);  // as the loop's check throws it: the write's own error
-    fail("step ", train_state_.step, ": another rank's asynchronous checkpoint write failed (its error says why); the "
-         "previous complete checkpoint is untouched");
+    fail_after_peer("step ", train_state_.step, ": another rank's asynchronous checkpoint write failed (its error says why); "
+                    "the previous complete checkpoint is untouched");
   }
 }
 

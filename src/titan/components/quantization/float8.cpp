@@ -9,11 +9,23 @@
 #include "titan/common/logging.h"
 #include "titan/common/strings.h"
 #include "titan/nn/float8.h"
+#include "titan/nn/kept_ops.h"
 #include "titan/nn/unit.h"
 
 namespace titan::quantization {
 
 namespace {
+
+// A converted linear's wrapper. Under op-level selective checkpointing it counts among the block's products as a
+// plain linear does: torchtitan's policy counts aten.mm, and torchao's float8 and MX linears call torch.mm on their
+// float8 tensors, which is what the policy's dispatch mode sees. So every other product's output is kept from the
+// forward and the recomputation returns it instead of casting and multiplying again (nn/kept_ops.h).
+nn::Unit::Wrapper converted_linear(nn::Linear* linear, std::function<at::Tensor(const at::Tensor& x, const at::Tensor& kept)> run) {
+  return [linear, run = std::move(run)](const nn::Unit::Inputs& inputs, const nn::Context& context, const nn::Unit::Next&) {
+    if (!context.kept_ops || linear->recompute_under_op_checkpointing) return run(inputs[0], at::Tensor());
+    return context.kept_ops->product([&](const at::Tensor& kept) { return run(inputs[0], kept); });
+  };
+}
 
 constexpr const char* kAutoFilter = "auto_filter_small_kn";
 
@@ -214,14 +226,14 @@ std::vector<std::string> convert_grouped(torch::nn::Module& model, const config:
         }
         nn::Unit::Wrapper wrapper;
         if (mx) {
-          wrapper = [linear](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
-            return nn::float8::mx_linear(inputs[0], linear->weight, nn::float8::MxScaleRounding::rceil, /*emulate=*/true);
-          };
+          wrapper = converted_linear(linear, [linear](const at::Tensor& x, const at::Tensor& kept) {
+            return nn::float8::mx_linear(x, linear->weight, nn::float8::MxScaleRounding::rceil, /*emulate=*/true, kept);
+          });
         } else {
           auto recipe = std::make_shared<const nn::float8::Recipe>(nn::float8::recipe("rowwise"));
-          wrapper = [linear, recipe](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
-            return nn::float8::linear(inputs[0], linear->weight, *recipe, /*emulate=*/true);
-          };
+          wrapper = converted_linear(linear, [linear, recipe](const at::Tensor& x, const at::Tensor& kept) {
+            return nn::float8::linear(x, linear->weight, *recipe, /*emulate=*/true, {}, kept);
+          });
         }
         linear->add_innermost_wrapper(nn::float8::kWrapperName, wrapper);
         linears.push_back(fqn);
@@ -293,9 +305,9 @@ Float8Conversion convert_to_float8(nn::Model& model, const config::JobConfig& co
       precast = c10::make_intrusive<nn::float8::PrecastWeight>();
       result.fsdp_float8->weights[linear->weight.unsafeGetTensorImpl()] = precast;
     }
-    return [linear, recipe, emulate, precast](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
-      return nn::float8::linear(inputs[0], linear->weight, *recipe, emulate, precast);
-    };
+    return converted_linear(linear, [linear, recipe, emulate, precast](const at::Tensor& x, const at::Tensor& kept) {
+      return nn::float8::linear(x, linear->weight, *recipe, emulate, precast, kept);
+    });
   });
   if (result.converted.empty())
     log::warn("model.converters asks for float8 linears, but none of the model's ", result.kept.size(),
@@ -316,9 +328,9 @@ Float8Conversion convert_to_mx(nn::Model& model, const config::JobConfig& config
   convert_linears(model, result, [&](const std::string& fqn, const nn::Linear& linear) {
     return mx_converts(fqn, linear.weight.size(0), linear.weight.size(1), settings);
   }, [rounding, emulate](nn::Linear* linear) -> nn::Unit::Wrapper {
-    return [linear, rounding, emulate](const nn::Unit::Inputs& inputs, const nn::Context&, const nn::Unit::Next&) {
-      return nn::float8::mx_linear(inputs[0], linear->weight, rounding, emulate);
-    };
+    return converted_linear(linear, [linear, rounding, emulate](const at::Tensor& x, const at::Tensor& kept) {
+      return nn::float8::mx_linear(x, linear->weight, rounding, emulate, kept);
+    });
   });
   if (result.converted.empty())
     log::warn("model.converters asks for MXFP8 linears, but none of the model's ", result.kept.size(),

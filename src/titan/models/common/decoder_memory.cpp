@@ -132,18 +132,16 @@ namespace {
 
 // What op-level selective checkpointing keeps of a block per token (nn/kept_ops.h, torchtitan's policy): the
 // block's input, attention's output and float32 log-sum-exp, and the outputs of every other linear in forward
-// order (the 1st, 3rd, ...), counted without the router's gate and without float8 linears (here: all of a block's
-// when float8 is on). Under TP a column-parallel output is split; a row-parallel one (wo, w2) is each rank's whole
-// partial sum before its reduce-scatter, and latent attention's wq_a and wkv_a run whole. torchtitan keeps the
+// order (the 1st, 3rd, ...), counted without the router's gate (float8 and MX linears count as the others). Under
+// TP a column-parallel output is split; a row-parallel one (wo, w2) is each rank's whole partial sum before its
+// reduce-scatter, and latent attention's wq_a and wkv_a run whole. torchtitan keeps the
 // reduce-scatters' outputs too.
-double op_kept_per_token(const DecoderArgs& a, bool moe_block, double r, double c, int64_t tp, bool float8, Execution execution) {
+double op_kept_per_token(const DecoderArgs& a, bool moe_block, double r, double c, int64_t tp, Execution execution) {
   const double d = static_cast<double>(a.dim), t = static_cast<double>(tp), heads = static_cast<double>(a.n_heads);
   // The attention core's output: the query width (latent attention's values are padded to it).
   double kept = d * r / t + static_cast<double>(a.n_heads * a.head_dim()) / t * c + heads / t * 4;
   const auto linears = block_linears(a, moe_block);
-  if (!float8)
-    for (size_t i = 0; i < linears.size(); i += 2)
-      kept += linears[i].out / (linears[i].split == BlockLinear::Split::column ? t : 1.0) * c;
+  for (size_t i = 0; i < linears.size(); i += 2) kept += linears[i].out / (linears[i].split == BlockLinear::Split::column ? t : 1.0) * c;
   if (execution == Execution::torchtitan && tp > 1) kept += 2 * d / t * c;
   return kept;
 }
@@ -349,7 +347,6 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // computes it in the gathered weights' dtype.
   const double r = fsdp && execution == Execution::torchtitan ? c : p_bytes;
   const auto& ac = config.activation_checkpoint;
-  const bool float8 = !config.model.converters.empty();
   // Per token: what the rank's blocks keep through the step, and the most one block holds while it runs backward
   // (recomputed, and its gradients' buffers).
   double per_token = 0, recompute = 0, backward_buffers = 0;
@@ -363,7 +360,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
       per_token += n * block.input_only;
       recompute = std::max(recompute, block.full);
     } else if (ac.mode == "selective" && ac.selective_ac_option == "op") {
-      const double kept = op_kept_per_token(a, moe_kind, r, c, dims.tp, float8, execution);
+      const double kept = op_kept_per_token(a, moe_kind, r, c, dims.tp, execution);
       per_token += n * kept;
       // The recomputed block reuses what was kept rather than holding a second copy.
       recompute = std::max(recompute, std::max(block.input_only, block.full - (kept - block.input_only)));
