@@ -272,11 +272,12 @@ def titan_qwen3_args(routing):
 
 @pytest.mark.parametrize("case,float8,ac", [(case, None, None) for case in MODEL_CASES] +
                          [("qwen3_softmax_top2", "tensorwise", None), ("sigmoid_groups_shared_scores_first", "rowwise", None),
-                          # titan under op-level checkpointing: float8 linears recomputed, attention and the shared
-                          # experts' kept outputs reused
-                          ("sigmoid_groups_shared_scores_first", "rowwise", "op"),
+                          # titan under op-level checkpointing: the kept outputs of attention and of every other
+                          # linear, float8 or MX ones included, reused by the recomputation
+                          ("sigmoid_groups_shared_scores_first", "rowwise", "op"), ("qwen3_softmax_top2", "tensorwise", "op"),
                           # MXFP8 (torchao's MXFP8Linear, FLOOR scales: titan's mxfp8_cublas)
-                          ("sigmoid_groups_shared_scores_first", "mxfp8_cublas", None)])
+                          ("sigmoid_groups_shared_scores_first", "mxfp8_cublas", None),
+                          ("sigmoid_groups_shared_scores_first", "mxfp8_cublas", "op")])
 def test_whole_qwen3_moe_model_matches_torchtitan(tmp_path, monkeypatch, case, float8, ac):
     """Loss, logits and every gradient of torchtitan's Qwen3 MoE model against titan's (float32, 2 x 40 tokens, two
     blocks), with non-zero balancing biases so that they steer the choice of experts in both. With float8, both
@@ -380,8 +381,9 @@ def test_op_level_checkpointing_keeps_what_torchtitans_policy_keeps(tmp_path, mo
 
     With float8 (torchao's Float8Linear, emulated, on every linear but the output and the router, as the float8
     converter makes them): torchao's linears call torch.mm on float8 tensors, which the policy counts and keeps as
-    it does a bf16 product's, so titan's float8 linears keep the same outputs (the loss and gradients of that case
-    are compared with torchao's model in test_whole_qwen3_moe_model_matches_torchtitan). The policy also keeps each
+    it does a bf16 product's, so titan's float8 linears keep the same outputs (the loss and gradients of titan's
+    float8 and MX linears under op-level checkpointing, which go through the kept outputs, are compared with torchao's
+    in test_whole_qwen3_moe_model_matches_torchtitan). The policy also keeps each
     tensorwise cast's absolute maximum (aten.max, a scalar), which titan's casts recompute; those are left out."""
     import functools
 

@@ -38,27 +38,28 @@ std::string usage() {
          titan::join(titan::models::model_names(), ", ") + "\n";
 }
 
-// How long a rank that does not log waits before reporting its error, and how long any rank waits before reporting
-// that it stops because another rank failed (below): longer, so that the failing rank's own report comes first.
+// How long a rank that does not log waits before reporting an error in what the user gave (below).
 constexpr auto kErrorReportDelay = std::chrono::seconds(5);
-constexpr auto kPeerFailureReportDelay = std::chrono::seconds(10);
 
-// Prints an error that ends the command. Under a launcher every rank usually meets the same error at the same point
-// (a mistyped key, a missing file, the memory check), and printing it once per rank buries it. The ranks that log
-// (rank 0 unless LOG_RANK says otherwise) print at once and exit; another rank waits a few seconds first. When rank
-// 0 met the error too, the launcher ends the job in that time (mpirun and torchrun stop the other ranks when one
-// exits with an error), so the error appears once. A rank still running after the wait has an error rank 0 did not
-// have and prints it, naming its rank. A rank that stops only because another failed (titan::PeerFailure) waits
-// longer, whether it logs or not: the failing rank reports first and its exit ends the job, so the cause is what
-// appears. The exit code is the same either way.
-void report_error(const char* message, bool peer_failure = false) {
+// Prints an error that ends the command. Under a launcher every rank usually meets an error in what the user gave
+// (UserError: a mistyped key, a missing file, the memory check) at the same point, and printing it once per rank
+// buries it. For those, the ranks that log (rank 0 unless LOG_RANK says otherwise) print at once and exit; another
+// rank waits a few seconds first. When rank 0 met the error too, the launcher ends the job in that time (mpirun and
+// torchrun stop the other ranks when one exits with an error), so the error appears once. A rank still running after
+// the wait has an error rank 0 did not have and prints it, naming its rank. Other errors (CUDA's, LibTorch's) are
+// printed at once by every rank. A rank that has learnt that another rank failed (titan::peer_failure_noted: a
+// PeerFailure, NCCL's report of a peer's abort) waits longer, logging or not, whatever its error: the failing rank
+// reports first and its exit ends the job, so the cause is what appears. The exit code is the same either way.
+void report_error(const char* message, bool user_error) {
   titan::distributed::LaunchInfo launch;
   try {
     launch = titan::distributed::detect_launch();
   } catch (const std::exception&) {
   }
-  if (launch.world_size > 1 && (peer_failure || !titan::rank_logs(launch.rank))) {
-    std::this_thread::sleep_for(peer_failure ? kPeerFailureReportDelay : kErrorReportDelay);
+  const bool peer = titan::peer_failure_noted();
+  if (launch.world_size > 1 && (peer || (user_error && !titan::rank_logs(launch.rank)))) {
+    if (peer) std::this_thread::sleep_for(titan::kPeerFailureReportDelay);
+    else std::this_thread::sleep_for(kErrorReportDelay);
     std::fprintf(stderr, "error (rank %d of %d): %s\n", launch.rank, launch.world_size, message);
     return;
   }
@@ -99,21 +100,18 @@ static int run(int argc, char** argv) {
     }
     std::fprintf(stderr, "error: unknown command \"%s\"\n\n%s", command.c_str(), usage().c_str());
     return 2;
-  } catch (const titan::PeerFailure& e) {
-    report_error(e.what(), /*peer_failure=*/true);
-    return 2;
   } catch (const titan::UserError& e) {
-    report_error(e.what());
+    report_error(e.what(), /*user_error=*/true);
     return 2;
   } catch (const std::filesystem::filesystem_error& e) {
     // A path the user gave that cannot be made or read (permissions, a missing parent, a read-only file system).
-    report_error(e.what());
+    report_error(e.what(), /*user_error=*/true);
     return 2;
   } catch (const c10::Error& e) {
-    report_error(e.what_without_backtrace());
+    report_error(e.what_without_backtrace(), /*user_error=*/false);
     return 1;
   } catch (const std::exception& e) {
-    report_error(e.what());
+    report_error(e.what(), /*user_error=*/false);
     return 1;
   }
 }

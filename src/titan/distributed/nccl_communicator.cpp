@@ -387,8 +387,10 @@ class NcclCommunicator final : public Communicator {
         } else {
           ncclResult_t async_error = ncclSuccess;
           ncclCommGetAsyncError(comm_, &async_error);
-          if (async_error != ncclSuccess && async_error != ncclInProgress)
+          if (async_error != ncclSuccess && async_error != ncclInProgress) {
             failure = cat("NCCL reported ", describe(async_error, comm_), " on ", name_);
+            if (async_error == ncclRemoteError) note_peer_failure();  // a peer aborted: its own error says why
+          }
           for (auto it = pending_.begin(); it != pending_.end();) {
             if ((*it)->completed()) {
               it = pending_.erase(it);
@@ -402,6 +404,8 @@ class NcclCommunicator final : public Communicator {
         }
       }
       if (!failure.empty()) {
+        // After a peer's abort, that peer reports first (common/error.h); its exit usually ends the job meanwhile.
+        if (peer_failure_noted()) std::this_thread::sleep_for(kPeerFailureReportDelay);
         std::fprintf(stderr, "error: [rank %d] %s; aborting the job.\n", rank_, failure.c_str());
         std::fflush(stderr);
         std::_Exit(3);
