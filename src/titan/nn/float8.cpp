@@ -300,16 +300,6 @@ std::optional<Operand> find_precast(const at::Tensor& hp, bool remove) {
 
 namespace {
 
-// An output op-level checkpointing kept (nn/kept_ops.h) must be this product's: the input's leading shape, the
-// weight's rows, the input's dtype (a mismatch means the forward and the recomputation ran different products).
-const at::Tensor& check_kept(const at::Tensor& kept, const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(kept.dim() == x.dim() && kept.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
-                  kept.size(-1) == weight.size(0) && kept.scalar_type() == x.scalar_type(),
-              "float8 linear: the kept output ", kept.sizes(), " (", kept.scalar_type(), ") does not belong to input ",
-              x.sizes(), " (", x.scalar_type(), ") and weight ", weight.sizes());
-  return kept;
-}
-
 struct PrecastInput : torch::CustomClassHolder {
   Operand input;
 };
@@ -333,7 +323,10 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     if (use_precast) ctx->saved_data["precast"] = at::IValue::make_capsule(precast);
     const auto reduction = AmaxReductionScope::current();
     if (reduction) ctx->saved_data["amax_reduction"] = at::IValue::make_capsule(reduction);
-    if (kept.numel() > 0) return check_kept(kept, x, weight);
+    if (kept.numel() > 0) {
+      check_kept_output("float8 linear", kept, x, weight.size(0), x.scalar_type());
+      return kept;
+    }
     const Recipe* r = &recipe;
     const int64_t k = x.size(-1);
     const at::Tensor x2 = x.reshape({-1, k});
@@ -528,7 +521,10 @@ struct MxLinear : torch::autograd::Function<MxLinear> {
     ctx->save_for_backward({x, weight});
     ctx->saved_data["rounding"] = rounding;
     ctx->saved_data["emulate"] = emulate;
-    if (kept.numel() > 0) return check_kept(kept, x, weight);
+    if (kept.numel() > 0) {
+      check_kept_output("MXFP8 linear", kept, x, weight.size(0), x.scalar_type());
+      return kept;
+    }
     const auto r = static_cast<MxScaleRounding>(rounding);
     const int64_t k = x.size(-1);
     auto out_shape = x.sizes().vec();

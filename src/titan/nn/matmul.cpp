@@ -131,12 +131,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight) {
   return Bf16LinearInFloat::apply(xb, wb);
 }
 
+void check_kept_output(const char* what, const at::Tensor& kept, const at::Tensor& x, int64_t out_features, at::ScalarType dtype) {
+  TORCH_CHECK(kept.dim() == x.dim() && kept.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
+                  kept.size(-1) == out_features && kept.scalar_type() == dtype,
+              what, ": the kept output ", kept.sizes(), " (", kept.scalar_type(), ") does not belong to input ", x.sizes(),
+              " and ", out_features, " output features (", dtype, ")");
+}
+
 at::Tensor linear_with_output(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y) {
   const at::Tensor xc = autocast_operand(x), wc = autocast_operand(weight);
-  TORCH_CHECK(y.dim() == x.dim() && y.sizes().slice(0, x.dim() - 1) == x.sizes().slice(0, x.dim() - 1) &&
-                  y.size(-1) == weight.size(0) && y.scalar_type() == wc.scalar_type(),
-              "linear: the kept output ", y.sizes(), " (", y.scalar_type(), ") does not belong to input ", x.sizes(),
-              " and weight ", weight.sizes(), " (", wc.scalar_type(), ")");
+  check_kept_output("linear", y, x, weight.size(0), wc.scalar_type());
   return LinearWithOutput::apply(xc, wc, y);
 }
 

@@ -34,4 +34,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight);
 // returns y, differentiable as linear's result (under autocast through the same casts), computing no product.
 at::Tensor linear_with_output(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& y);
 
+// Refuses an output op-level checkpointing kept (nn/kept_ops.h) that is not this product's: `x`'s leading shape,
+// `out_features` columns, `dtype` (a mismatch means the forward and the recomputation ran different products).
+// `what` names the product in the message.
+void check_kept_output(const char* what, const at::Tensor& kept, const at::Tensor& x, int64_t out_features, at::ScalarType dtype);
+
 }  // namespace titan::nn
