@@ -145,6 +145,11 @@ def test_mxfp8_layouts_match_one_process(tmp_path):
         assert worst <= 1e-5
 
 
+# EP borrowing the TP ranks (expert_tensor_parallel_degree 1): each rank's experts whole, the routed rows split over TP.
+TP2_EP2_ETP1 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                "--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "1",
+                "--training.local_batch_size", "8"]
+
 GROUPED = {
     # converter: (log line, the layouts: name, ranks, options, bound on the relative loss and gradient-norm differences)
     "mx": ("MXFP8 grouped matmuls (quantize.grouped_mm.mx, rceil scales", [
@@ -154,11 +159,16 @@ GROUPED = {
         # differences to neighbouring values: 1.7e-5 (loss) and 6.0e-5 (gradient norm) over 10 steps, 2026-11-30.
         ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                     "--training.local_batch_size", "8"], 1e-4),
+        ("tp2ep2", 2, TP2_EP2_ETP1, 5e-7),  # measured 1.8e-7 (loss), 1.1e-7 (gradient norm), 2026-12-01
         # Measured on 2026-11-30: 1.9e-5 (loss) and 4.3e-5 (gradient norm); the first step's loss is one process's.
         ("fsdp2", 2, FSDP2, 1e-4)]),
     "float8": ("float8 (rowwise) grouped matmuls (quantize.grouped_mm.float8, power-of-two scales per row", [
         ("ep2", 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
                     "--training.local_batch_size", "4"], 5e-7),  # measured 2.4e-7, 2026-11-30
+        # As MXFP8's (measured 1.7e-5 and 6.0e-5, 2026-12-01): the per-row scales are the whole rows', all-reduced.
+        ("tp2", 2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                    "--training.local_batch_size", "8"], 1e-4),
+        ("tp2ep2", 2, TP2_EP2_ETP1, 3e-7),  # measured 6.0e-8 (loss), 0 (gradient norm), 2026-12-01
         ("fsdp2", 2, FSDP2, 1e-4)]),  # measured 1.9e-5 and 4.3e-5, 2026-11-30
 }
 
@@ -168,9 +178,11 @@ def test_low_precision_grouped_experts_on_expert_and_data_parallel_layouts(tmp_p
     """quantize.grouped_mm.mx / .float8 on a small Qwen3-MoE (8 experts of 64 hidden units, top 2, balancing on), 10
     float32 steps against one process. The experts' products cast per token row and per weight row, and the weight
     gradient per expert along its tokens (MXFP8 in blocks of 32, float8 with one scale per row over them). Under EP
-    each expert receives the whole batch's tokens in one process's order, so its casts are one process's. Under TP
-    (MXFP8) each rank's 32 hidden units are one block, so the first step is one process's and later ones drift by
-    MXFP8 roundings of float32 rounding differences. Under FSDP 2 each rank's experts see only that rank's tokens, so
+    (also EP 2 on the TP 2 ranks with ETP 1, the routed rows split over TP) each expert receives the whole batch's
+    tokens in one process's order, so its casts are one process's. Under TP each rank holds 32 of every expert's 64
+    hidden units: one MX block, and float8 takes each per-row scale over both ranks' pieces (checked bitwise where it
+    matters by tests/dist/test_float8_tensor_parallel.cpp), so the first step is one process's and later ones drift
+    by low-precision roundings of TP's float32 partial-sum differences. Under FSDP 2 each rank's experts see only that rank's tokens, so
     their weight-gradient casts are taken over other tokens (as in torchtitan): the first step's loss is one process's,
     the gradients differ by low-precision roundings."""
     from test_qwen3_layouts import COMMON as QWEN3_COMMON, MOE
@@ -188,13 +200,6 @@ def test_low_precision_grouped_experts_on_expert_and_data_parallel_layouts(tmp_p
         assert converted == (name != "plain") and (not converted or "2 MoE expert unit(s) converted" in result.stdout)
         return json.loads((out / "metrics.json").read_text())["steps"]
 
-    if converter == "float8":  # per-row scales of TP's pieces of a row would not be one process's: refused
-        mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2"]
-        refused = run(mpirun + [binary("titan"), "train", "--job.dump_folder", str(tmp_path / "tp"), *QWEN3_COMMON, *MOE,
-                                "--training.steps", "1", "--parallelism.tensor_parallel_degree", "2", "--model.converters",
-                                "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"],
-                      env={"OMP_NUM_THREADS": "1"}, check=False)
-        assert refused.returncode != 0 and "float8 grouped matmuls under tensor parallelism are not supported yet" in refused.stderr
     one = steps("one", 1, ["--training.local_batch_size", "8"])
     plain = steps("plain", 1, ["--training.local_batch_size", "8", "--model.converters", ""])
     assert relative(plain, one, "loss") > 1e-6  # the conversion changes the run

@@ -8,6 +8,10 @@
 // second half of every row is 2^-17 times smaller than the first, so with the whole row's power-of-two scale those
 // elements fall into E4M3's subnormals or flush to zero, while the ranks holding only them would keep them if each
 // took its own amax.
+//
+// The same for the MoE experts' float8 grouped products (quantize.grouped_mm.float8) with their hidden dimension
+// split as torchtitan's MoE plan splits it: the down product's input rows (forward) and the gate/up products' output
+// gradient rows (backward) take their scales over every rank's piece.
 #include <gtest/gtest.h>
 
 #include "titan/distributed/communicator.h"
@@ -92,4 +96,47 @@ void check(const std::string& recipe_name) {
 TEST(Float8TensorParallel, RowwiseScalesSpanRowsSplitOverRanks) {
   check("rowwise");
   check("rowwise_with_gw_hp");
+}
+
+namespace {
+
+// Expert weights [2, k, k], each expert's matrix the identity.
+at::Tensor identity_experts(int64_t k) { return at::eye(k).unsqueeze(0).repeat({2, 1, 1}).contiguous(); }
+
+}  // namespace
+
+TEST(Float8TensorParallel, GroupedProductScalesSpanHiddenUnitsSplitOverRanks) {
+  auto world = distributed::world(distributed::detect_launch());
+  const int n = world->size(), r = world->rank();
+  const int64_t k = 16 * n, local = k / n;
+  const auto cast = nn::float8::GroupedCast::float8_rowwise;
+  const at::Tensor counts = at::tensor(std::vector<int64_t>{3, 5}, at::kLong);  // 8 tokens: 3 to expert 0, 5 to 1
+  const at::Tensor w = identity_experts(k);
+  std::vector<distributed::ShardedParameter> params;
+  distributed::TensorParallel tp(world, params);
+
+  // The down product (w2, split along its input: the hidden units): each rank's partial output, summed.
+  const at::Tensor x = rows(k, 3);
+  at::Tensor out = nn::float8::grouped_linear(x.narrow(1, r * local, local).contiguous(),
+                                              w.narrow(2, r * local, local).contiguous(), counts, cast, tp.amax_reduction(1));
+  out = out.detach().clone();
+  world->all_reduce(out, distributed::ReduceOp::Sum);
+  const at::Tensor one_out = nn::float8::grouped_linear(x, w, counts, cast).detach();
+  EXPECT_TRUE(at::equal(out, one_out)) << "the down product's output differs from one process's by "
+                                       << (out - one_out).abs().max().item<double>();
+  EXPECT_GT(one_out.narrow(1, k / 2, k / 2).ne(x.narrow(1, k / 2, k / 2)).sum().item<int64_t>(), 8 * k / 4);
+
+  // The gate/up products (w1, w3, split along their output: the hidden units): the input gradient from each rank's
+  // part of the output gradient, summed.
+  const at::Tensor xs = at::randn({8, k}).requires_grad_();
+  const at::Tensor g = rows(k, 4);
+  nn::float8::grouped_linear(xs, w.narrow(1, r * local, local).contiguous(), counts, cast, tp.amax_reduction(0))
+      .backward(g.narrow(1, r * local, local).contiguous());
+  at::Tensor dx = xs.grad().clone();
+  world->all_reduce(dx, distributed::ReduceOp::Sum);
+  const at::Tensor xo = xs.detach().clone().requires_grad_();
+  nn::float8::grouped_linear(xo, w, counts, cast).backward(g);
+  EXPECT_TRUE(at::equal(dx, xo.grad())) << "the gate/up products' input gradient differs from one process's by "
+                                        << (dx - xo.grad()).abs().max().item<double>();
+  EXPECT_GT(xo.grad().narrow(1, k / 2, k / 2).ne(g.narrow(1, k / 2, k / 2)).sum().item<int64_t>(), 8 * k / 4);
 }

@@ -140,6 +140,11 @@ void TensorParallel::float8_scales_over_group(nn::Unit& linear, int64_t sharded_
   });
 }
 
+c10::intrusive_ptr<nn::float8::AmaxReduction> TensorParallel::amax_reduction(int64_t sharded_dim) const {
+  if (sharded_dim != 0 && sharded_dim != 1) fail("internal: a weight is split along dimension 0 or 1, not ", sharded_dim);
+  return sharded_dim == 0 ? colwise_amax_ : rowwise_amax_;
+}
+
 void TensorParallel::sequence_parallel(nn::Unit& module, at::Tensor& weight) {
   // The weight's gradient on each rank covers its own sequence shard: reduce_replicated_gradients sums them.
   replicate(weight);

@@ -59,6 +59,9 @@ class TensorParallel {
   // A float8 linear inside a partial region whose weight split() placed along `sharded_dim` takes each scale over the
   // whole tensor or row, as colwise() (dimension 0) and rowwise() (dimension 1) do: its amax all-reduced over the group.
   void float8_scales_over_group(nn::Unit& linear, int64_t sharded_dim);
+  // The reduction those linears use for a weight split along `sharded_dim` (0 or 1), for products that are not linear
+  // units (the routed experts' low-precision grouped matmuls, nn/float8.h's GroupedMatmuls).
+  c10::intrusive_ptr<nn::float8::AmaxReduction> amax_reduction(int64_t sharded_dim) const;
   // `weight` split along `dim` (Shard(dim)@tp) inside a partial region, with no communication of its own.
   void split(at::Tensor& weight, int64_t dim) { shard(weight, dim); }
 

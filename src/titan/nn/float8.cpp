@@ -565,9 +565,12 @@ namespace {
 at::Tensor mx_values(const at::Tensor& x, MxScaleRounding r, at::ScalarType dtype) { return mx_dequantize(mx_cast(x, r), dtype); }
 
 // `x` [rows, cols] cast along its rows as `cast` says (in blocks of 32, or one scale per row), dequantised into `dtype`.
-at::Tensor cast_values(const at::Tensor& x, GroupedCast cast, at::ScalarType dtype) {
+// `row_split`: float8's rows are pieces of rows split over `reduction`'s ranks (each scale from the whole row's amax).
+at::Tensor cast_values(const at::Tensor& x, GroupedCast cast, at::ScalarType dtype, const AmaxReduction* reduction = nullptr,
+                       bool row_split = false) {
   if (cast == GroupedCast::float8_rowwise) {
-    const Operand o = float8::cast(x, Cast{Scaling::axiswise, at::kFloat8_e4m3fn}, 1, /*power_of_two_scales=*/true);
+    const Operand o = float8::cast(x, Cast{Scaling::axiswise, at::kFloat8_e4m3fn}, 1, /*power_of_two_scales=*/true,
+                                   row_split ? reduction : nullptr, row_split);
     return (o.data.to(at::kFloat) / o.scale).to(dtype);  // a power-of-two scale: exact
   }
   return mx_values(x, cast == GroupedCast::mx_rceil ? MxScaleRounding::rceil : MxScaleRounding::floor, dtype);
@@ -600,15 +603,18 @@ void per_expert_nt(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, co
 }
 
 struct LowPrecisionGroupedLinear : torch::autograd::Function<LowPrecisionGroupedLinear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t cast_id) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, int64_t cast_id,
+                            const c10::intrusive_ptr<AmaxReduction>& reduction) {
     ctx->save_for_backward({x, w, counts});
     ctx->saved_data["cast"] = cast_id;
+    if (reduction) ctx->saved_data["amax_reduction"] = at::IValue::make_capsule(reduction);
     NoAutocast no_autocast;
     const auto cast = static_cast<GroupedCast>(cast_id);
     const auto dtype = product_dtype(cast, x.scalar_type());
     const int64_t experts = w.size(0), n = w.size(1), k = w.size(2);
-    const at::Tensor xq = cast_values(x, cast, dtype);                                              // along K
-    const at::Tensor wq = cast_values(w.reshape({experts * n, k}), cast, dtype).view({experts, n, k});  // along K
+    const bool k_split = reduction && reduction->sharded_weight_dim == 1;
+    const at::Tensor xq = cast_values(x, cast, dtype, reduction.get(), k_split);  // along K
+    const at::Tensor wq = cast_values(w.reshape({experts * n, k}), cast, dtype, reduction.get(), k_split).view({experts, n, k});
     at::Tensor out = at::empty({x.size(0), n}, x.options());
     per_expert_nt(out, xq, wq, counts.data_ptr<int64_t>(), experts);
     return out;
@@ -618,6 +624,9 @@ struct LowPrecisionGroupedLinear : torch::autograd::Function<LowPrecisionGrouped
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w = saved[1], &counts = saved[2];
     const auto cast = static_cast<GroupedCast>(ctx->saved_data["cast"].toInt());
+    c10::intrusive_ptr<AmaxReduction> reduction;
+    if (ctx->saved_data.count("amax_reduction"))
+      reduction = c10::static_intrusive_pointer_cast<AmaxReduction>(ctx->saved_data["amax_reduction"].toCapsule());
     NoAutocast no_autocast;
     const int64_t experts = w.size(0), n = w.size(1), k = w.size(2);
     const at::Tensor g = grads[0].contiguous();
@@ -625,8 +634,10 @@ struct LowPrecisionGroupedLinear : torch::autograd::Function<LowPrecisionGrouped
     const int64_t* count = counts.data_ptr<int64_t>();
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) {  // dx = g W[e]: g along N, W[e] along N (its columns)
-      const at::Tensor gq = cast_values(g, cast, dtype);
-      const at::Tensor wq = cast_values(w.transpose(1, 2).contiguous().view({experts * k, n}), cast, dtype).view({experts, k, n});
+      const bool n_split = reduction && reduction->sharded_weight_dim == 0;
+      const at::Tensor gq = cast_values(g, cast, dtype, reduction.get(), n_split);
+      const at::Tensor wq = cast_values(w.transpose(1, 2).contiguous().view({experts * k, n}), cast, dtype, reduction.get(), n_split)
+                                .view({experts, k, n});
       dx = at::empty({g.size(0), k}, g.options());
       per_expert_nt(dx, gq, wq, count, experts);
       dx = dx.to(x.scalar_type());
@@ -640,13 +651,14 @@ struct LowPrecisionGroupedLinear : torch::autograd::Function<LowPrecisionGrouped
       }
       dw = dw.to(w.scalar_type());
     }
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, GroupedCast cast) {
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, GroupedCast cast,
+                          const c10::intrusive_ptr<AmaxReduction>& reduction) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), "grouped_linear: expected x [tokens, K] and w [experts, N, K], got ",
               x.sizes(), " and ", w.sizes());
   const bool mx = cast != GroupedCast::float8_rowwise;
@@ -657,7 +669,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Te
          mx ? "mx" : "float8", ".fqns or choose widths that divide by ", unit);
   const at::Tensor c = counts.to(at::kCPU).to(at::kLong).contiguous();
   TORCH_CHECK(c.numel() == w.size(0), "grouped_linear: ", c.numel(), " token counts for ", w.size(0), " experts");
-  return LowPrecisionGroupedLinear::apply(x, w.to(x.scalar_type()), c, static_cast<int64_t>(cast));
+  return LowPrecisionGroupedLinear::apply(x, w.to(x.scalar_type()), c, static_cast<int64_t>(cast), reduction);
 }
 
 at::Tensor mx_linear(const at::Tensor& x, const at::Tensor& weight, MxScaleRounding rounding, bool emulate, const at::Tensor& kept) {

@@ -169,7 +169,13 @@ enum class GroupedCast {
 //   N and K must divide by 16.
 // Emulated on every device. W is cast to x's dtype first; the gradients come in x's and W's dtypes. A UserError
 // names widths that do not divide.
-at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, GroupedCast cast);
+// `reduction` (tensor parallelism, W's expert matrices split along `reduction->sharded_weight_dim` of [N, K]): the
+// float8 casts whose rows run along the split dimension take each per-row scale over the whole row, their amax
+// all-reduced: the output's (x and W along K) when K is split, the input gradient's (the output gradient and W along
+// N) when N is. Every rank holds the same tokens, so the weight gradient's casts are local. MXFP8 ignores it: its
+// blocks of 32 lie within a rank's piece.
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts, GroupedCast cast,
+                          const c10::intrusive_ptr<AmaxReduction>& reduction = {});
 
 // A unit whose experts run grouped matmuls (models/common/moe.h's GroupedExperts): the grouped-matmul converters
 // (quantize.grouped_mm.mx / .float8) set how they run.
@@ -177,6 +183,9 @@ class GroupedMatmuls {
  public:
   virtual ~GroupedMatmuls() = default;
   std::optional<GroupedCast> low_precision;  // set: low-precision grouped matmuls (grouped_linear)
+  // Tensor parallelism over the experts' hidden dimension: the amax reductions of the gate and up products (their
+  // weights split along N) and of the down product (split along K), handed to grouped_linear. Null without it.
+  c10::intrusive_ptr<AmaxReduction> gate_up_amax, down_amax;
 };
 
 // Whether `device` has the blockwise-scaled MX matmul titan uses (CUDA compute capability 10.0 or newer); when not,

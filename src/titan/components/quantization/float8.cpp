@@ -124,11 +124,6 @@ std::vector<std::string> float8_config_errors(const config::LoadedConfig& loaded
                            " but quantize.grouped_mm.", key, ".fqns is empty, so no MoE layer would be converted; name them, "
                            "for example fqns = [\"experts\"] (a substring of each layer's name, as torchtitan matches them)"));
   }
-  if (grouped_float8_count > 0 && c.parallelism.tensor_parallel_degree > 1)
-    errors.push_back(cat("model.converters lists \"quantize.grouped_mm.float8\" ", loaded.where("model.converters"),
-                         " with parallelism.tensor_parallel_degree = ", c.parallelism.tensor_parallel_degree,
-                         ": float8 grouped matmuls under tensor parallelism are not supported yet (their per-row scales "
-                         "would be taken per rank's piece of each row); quantize.grouped_mm.mx runs under TP"));
   if (float8_count > 1 || mx_count > 1)
     errors.push_back(cat("model.converters ", loaded.where("model.converters"), " lists the ", float8_count > 1 ? "float8" : "MX",
                          " converter twice"));

@@ -260,6 +260,9 @@ void apply_tensor_parallel(Decoder& model, const ModuleRange& part, distributed:
         tp.split(moe.experts->w1, 1);
         tp.split(moe.experts->w3, 1);
         tp.split(moe.experts->w2, 2);
+        // Low-precision grouped products take float8's per-row scales over the whole hidden dimension.
+        moe.experts->gate_up_amax = tp.amax_reduction(0);
+        moe.experts->down_amax = tp.amax_reduction(1);
       }
       if (moe.shared_experts) {
         tp.split(moe.shared_experts->w1->weight, 0);

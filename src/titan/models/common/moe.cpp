@@ -304,9 +304,9 @@ at::Tensor GroupedExperts::forward(const Inputs& inputs, const nn::Context&) {
     NoAutocast no_autocast;
     const at::Tensor sorted = gather ? x.index_select(0, inputs[2]) : x;
     const auto cast = *low_precision;
-    const at::Tensor h = at::silu(nn::float8::grouped_linear(sorted.to(at::kBFloat16), w1, counts, cast)) *
-                         nn::float8::grouped_linear(sorted.to(at::kBFloat16), w3, counts, cast);
-    return nn::float8::grouped_linear(h, w2, counts, cast).to(x.scalar_type());
+    const at::Tensor h = at::silu(nn::float8::grouped_linear(sorted.to(at::kBFloat16), w1, counts, cast, gate_up_amax)) *
+                         nn::float8::grouped_linear(sorted.to(at::kBFloat16), w3, counts, cast, gate_up_amax);
+    return nn::float8::grouped_linear(h, w2, counts, cast, down_amax).to(x.scalar_type());
   }
   if (gather) {
     NoAutocast no_autocast;
