@@ -51,6 +51,10 @@ LAYOUTS = {
     # 0.95 and 0.92).
     "100M (8 blocks) FSDP 2, 2 x 512, optimizer steps in backward": (2, UNFUSED + model_100m(8, 2, 512) + [
         "--parallelism.data_parallel_shard_degree", "2", "--optimizer.early_step_in_backward"]),
+    # The foreach AdamW's denominators, one tensor per parameter, after backward: few tokens, so that they make the
+    # peak (2026-12-01, Zen 4: the 100M flavor's 16 blocks at 1 x 64 measured 2.56 GiB against fused AdamW's 2.20; the
+    # estimate left them out, 0.82x, before it counted them).
+    "100M foreach AdamW, 1 x 64": (1, UNFUSED + model_100m(16, 1, 64) + ["--optimizer.implementation", "foreach"]),
     # Qwen3's debug flavor: queries four times as wide as the residual stream (16 heads of 128), per-head q/k norms.
     "qwen3 debug, no AC, 2 x 512": (1, UNFUSED + QWEN3_DEBUG),
     # Measured 0.85-0.94 until MPI's reduce-scatter became titan's ring (2026-11-29): Open MPI's temporaries of each

@@ -43,7 +43,7 @@ TEST(MemoryEstimate, GradientsMadeInBackwardTakeTheLargestOfThreeMoments) {
              {"gradients", 30, Phase::gradients},
              {"the output's gradients", 3, Phase::head_gradients},
              {"the embedding's gradients", 3, Phase::last_gradients},
-             {"the embedding's backward", 3, Phase::last_gradients}};
+             {"the embedding's backward", 3, Phase::embedding_backward}};
   // The forward's end 40 + 6 = 46; the blocks' backward max(40, 30) + 5 + 3 = 48; the embedding's 30 + 3 + 6 = 39.
   EXPECT_DOUBLE_EQ(e.total(), 10 + 48);
   const std::string text = e.describe();
@@ -55,6 +55,53 @@ TEST(MemoryEstimate, GradientsMadeInBackwardTakeTheLargestOfThreeMoments) {
   e.terms[3].bytes = 6;
   e.terms[5].bytes = 70;  // the backward: 70 + 5 + 3 = 78; the embedding's: 70 + 3 + 6 = 79
   EXPECT_DOUBLE_EQ(e.total(), 10 + 79);
+  // The foreach optimizer's temporaries come after the embedding's backward: every gradient (70 + 3 + 3), not its
+  // table (3), and the temporaries.
+  e.terms.push_back({"foreach optimizer temporaries", 2, Phase::optimizer_step});
+  EXPECT_DOUBLE_EQ(e.total(), 10 + 79);  // 76 + 2 = 78 < 79
+  e.terms.back().bytes = 10;             // 76 + 10 = 86
+  EXPECT_DOUBLE_EQ(e.total(), 10 + 86);
+  EXPECT_NE(e.describe().find("and the optimizer step's (gradients 0.0 MiB, the output's gradients 0.0 MiB, "
+                              "the embedding's gradients 0.0 MiB, foreach"),
+            std::string::npos)
+      << e.describe();
+}
+
+TEST(MemoryEstimate, TheForeachOptimizersTemporariesAreCountedWhereTheyAreMade) {
+  titan::models::DecoderArgs a = titan::llama3::flavor("8B");
+  a.n_layers = 2;
+  titan::config::JobConfig config;
+  config.training.local_batch_size = 1;
+  config.training.seq_len = 64;
+  config.activation_checkpoint.mode = "none";
+  titan::distributed::ParallelDims dims;
+  const auto estimate = [&](Allocator allocator) {
+    return titan::models::estimate_training_memory(a, config, dims, /*autocast=*/true, 0, Execution::titan, -1,
+                                                   FusedKernels::cuda, allocator);
+  };
+  const MemoryEstimate fused = estimate(Allocator::host_cache);
+  EXPECT_DOUBLE_EQ(bytes_named(fused, "foreach optimizer temporaries"), 0);
+  config.optimizer.implementation = "foreach";
+  // One float32 tensor per parameter (the denominator): the parameters' size, after backward, on either allocator.
+  for (Allocator allocator : {Allocator::host_cache, Allocator::device_caching}) {
+    const MemoryEstimate foreach = estimate(allocator);
+    EXPECT_DOUBLE_EQ(bytes_named(foreach, "foreach optimizer temporaries"), bytes_named(foreach, "parameters"));
+    for (const auto& t : foreach.terms)
+      if (t.name == "foreach optimizer temporaries") EXPECT_EQ(t.phase, Phase::optimizer_step);
+  }
+  // Few tokens: the step's temporaries are the peak's last moment, one parameter-sized tensor more than fused.
+  ASSERT_GT(bytes_named(fused, "parameters"), std::max(fused.bytes(Phase::loss), fused.bytes(Phase::blocks_backward)));
+  EXPECT_DOUBLE_EQ(estimate(Allocator::host_cache).total() - fused.total(),
+                   bytes_named(fused, "parameters") - std::max(fused.bytes(Phase::loss), fused.bytes(Phase::blocks_backward)));
+  // Adam with L2 weight decay adds the decayed gradients beside them.
+  config.optimizer.name = "Adam";
+  config.optimizer.weight_decay = 0.1;
+  EXPECT_DOUBLE_EQ(bytes_named(estimate(Allocator::host_cache), "foreach optimizer temporaries"), 2 * bytes_named(fused, "parameters"));
+  // Steps in backward: each unit's temporaries while the blocks run backward.
+  config.optimizer.name = "AdamW";
+  config.optimizer.early_step_in_backward = true;
+  for (const auto& t : estimate(Allocator::host_cache).terms)
+    if (t.name == "foreach optimizer temporaries") EXPECT_EQ(t.phase, Phase::blocks_backward);
 }
 
 TEST(MemoryEstimate, OnAGpuTheGradientsReuseTheActivationsMemory) {

@@ -45,6 +45,8 @@ const char* phase_name(protocols::Phase phase) {
     case protocols::Phase::gradients: return "gradients";
     case protocols::Phase::head_gradients: return "head_gradients";
     case protocols::Phase::last_gradients: return "last_gradients";
+    case protocols::Phase::embedding_backward: return "embedding_backward";
+    case protocols::Phase::optimizer_step: return "optimizer_step";
     case protocols::Phase::step: break;
   }
   return "step";
@@ -56,7 +58,8 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
   // Terms not held through the whole step, by when they are (protocols::Phase; allocated_bytes says how they combine).
   nlohmann::ordered_json apart = {{"loss", nlohmann::ordered_json::array()}, {"blocks_backward", nlohmann::ordered_json::array()},
                                   {"activations", nlohmann::ordered_json::array()}, {"gradients", nlohmann::ordered_json::array()},
-                                  {"head_gradients", nlohmann::ordered_json::array()}, {"last_gradients", nlohmann::ordered_json::array()}};
+                                  {"optimizer_step", nlohmann::ordered_json::array()}, {"head_gradients", nlohmann::ordered_json::array()},
+                                  {"last_gradients", nlohmann::ordered_json::array()}, {"embedding_backward", nlohmann::ordered_json::array()}};
   for (const auto& t : p.memory.terms)
     if (t.phase != protocols::Phase::step && t.bytes > 0) apart[phase_name(t.phase)].push_back(t.name);
   nlohmann::ordered_json time = nlohmann::ordered_json::object();
@@ -80,7 +83,7 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
 void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   std::cout << "layout: " << p.layout << " (" << p.dims.world_size << " ranks)\n"
             << "memory per rank" << (p.dims.pp > 1 ? " (the busiest pipeline stage)" : "") << ":\n";
-  bool apart = false, made = false;
+  bool apart = false, made = false, optimizer = false;
   for (const auto& t : p.memory.terms) {
     if (t.bytes <= 0) continue;
     using protocols::Phase;
@@ -90,18 +93,24 @@ void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
                        : t.phase == Phase::gradients       ? " (made in backward)"
                        : t.phase == Phase::head_gradients  ? " (made by the loss's backward)"
                        : t.phase == Phase::last_gradients  ? " (made after the blocks')"
+                       : t.phase == Phase::embedding_backward ? " (the embedding's backward)"
+                       : t.phase == Phase::optimizer_step  ? " (optimizer step)"
                                                            : "";
     apart = apart || *when;
+    optimizer = optimizer || t.phase == Phase::optimizer_step;
     made = made || t.phase == Phase::activations || t.phase == Phase::gradients || t.phase == Phase::head_gradients ||
-           t.phase == Phase::last_gradients;
+           t.phase == Phase::last_gradients || t.phase == Phase::embedding_backward;
     std::cout << strprintf("  %-18s %9.2f GiB%s\n", t.name.c_str(), gib(t.bytes), when);
   }
   if (made)
-    std::cout << "  (allocated counts the largest of three moments: the forward's end with the loss's terms; the blocks'\n"
-                 "   backward, where the gradients are made as the activations are freed, with the backward's terms; and\n"
-                 "   the embedding's backward, with every gradient)\n";
+    std::cout << "  (allocated counts the largest of " << (optimizer ? "four" : "three")
+              << " moments: the forward's end with the loss's terms; the blocks'\n"
+                 "   backward, where the gradients are made as the activations are freed, with the backward's terms; "
+              << (optimizer ? "the\n   embedding's backward, with every gradient; and the optimizer's step, with every gradient)\n"
+                            : "and\n   the embedding's backward, with every gradient)\n");
   else if (apart)
-    std::cout << "  (the loss's and the backward's terms are not held at once: allocated counts the larger)\n";
+    std::cout << (optimizer ? "  (the loss's, the backward's and the optimizer step's terms are not held at once: allocated counts the largest)\n"
+                            : "  (the loss's and the backward's terms are not held at once: allocated counts the larger)\n");
   std::cout << strprintf("  %-18s %9.2f GiB\n", "allocated", gib(p.memory.total()))
             << strprintf("  %-18s %9.2f GiB (allocator blocks and rounding)\n", "reserved", gib(p.reserved_bytes))
             << strprintf("  %-18s %9.2f GiB of %.2f GiB (%s): %s\n", "with context", gib(p.device_bytes), gib(cluster.memory_bytes),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <vector>
 
 #include "titan/common/error.h"
 #include "titan/config/dtypes.h"
@@ -38,10 +39,10 @@ double MemoryEstimate::bytes(Phase phase) const {
 
 double MemoryEstimate::total() const {
   const double activations = bytes(Phase::activations), gradients = bytes(Phase::gradients);
-  const double head = bytes(Phase::head_gradients);
+  const double made = gradients + bytes(Phase::head_gradients) + bytes(Phase::last_gradients);
   return bytes(Phase::step) + std::max({activations + bytes(Phase::loss),
-                                        std::max(activations, gradients) + bytes(Phase::blocks_backward) + head,
-                                        gradients + head + bytes(Phase::last_gradients)});
+                                        std::max(activations, gradients) + bytes(Phase::blocks_backward) + bytes(Phase::head_gradients),
+                                        made + bytes(Phase::embedding_backward), made + bytes(Phase::optimizer_step)});
 }
 
 std::string MemoryEstimate::describe() const {
@@ -58,17 +59,31 @@ std::string MemoryEstimate::describe() const {
     return out;
   };
   const std::string &activations = lists[Phase::activations], &loss = lists[Phase::loss], &backward = lists[Phase::blocks_backward],
-                    &gradients = lists[Phase::gradients], &head = lists[Phase::head_gradients], &last = lists[Phase::last_gradients];
+                    &optimizer = lists[Phase::optimizer_step], &gradients = lists[Phase::gradients],
+                    &head = lists[Phase::head_gradients], &last = lists[Phase::last_gradients],
+                    &embedding = lists[Phase::embedding_backward];
   std::string held;
-  if (activations.empty() && gradients.empty() && head.empty() && last.empty()) {
-    held = !loss.empty() && !backward.empty() ? cat("and the larger of the loss's (", loss, ") and the backward's (", backward, ")")
-                                              : joined({loss, backward});
+  if (activations.empty() && gradients.empty() && head.empty() && last.empty() && embedding.empty()) {
+    // The moments that hold something: the larger (or largest) counts.
+    std::vector<std::string> moments;
+    if (!loss.empty()) moments.push_back(cat("the loss's (", loss, ")"));
+    if (!backward.empty()) moments.push_back(cat("the backward's (", backward, ")"));
+    if (!optimizer.empty()) moments.push_back(cat("the optimizer step's (", optimizer, ")"));
+    if (moments.size() == 1) {
+      held = joined({loss, backward, optimizer});
+    } else if (moments.size() > 1) {
+      held = cat(moments.size() == 2 ? "and the larger of " : "and the largest of ", moments[0]);
+      for (size_t i = 1; i < moments.size(); ++i) held += cat(i + 1 == moments.size() ? " and " : ", ", moments[i]);
+    }
   } else {
-    // Gradients are made as the activations are freed: three moments, the largest counts.
+    // Gradients are made as the activations are freed: three moments (four with the optimizer's temporaries), the
+    // largest counts.
     const std::string larger = activations.empty() || gradients.empty() ? joined({activations, gradients})
                                                                         : cat("the larger of ", activations, " and ", gradients);
     held = cat("and the largest of the forward's end (", joined({activations, loss}), "), the blocks' backward (",
-               joined({larger, backward, head}), ") and the embedding's (", joined({gradients, head, last}), ")");
+               joined({larger, backward, head}), ")", optimizer.empty() ? " and" : ",", " the embedding's (",
+               joined({gradients, head, last, embedding}), ")",
+               optimizer.empty() ? std::string() : cat(" and the optimizer step's (", joined({gradients, head, last, optimizer}), ")"));
   }
   return joined({lists[Phase::step], held}) + cat(": ", human(total()));
 }

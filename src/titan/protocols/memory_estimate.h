@@ -14,23 +14,25 @@ namespace titan::protocols {
 //   loss             only while the loss runs (the unfused logits; the fused loss's chunk and what it keeps for its
 //                    backward)
 //   blocks_backward  only while the blocks run backward (a recomputed block, the gradients flowing through a block)
+//   optimizer_step   only while the optimizer steps, after backward (the foreach implementation's temporaries)
 // and, where the trainer frees the gradients before each forward and backward makes them (one micro-batch per step
 // on an allocator that hands freed memory to requests of any size: protocols::Allocator):
 //   activations      from the forward until the blocks' backward frees them, block by block
 //   gradients        the blocks' gradients, made block by block as their activations are freed
 //   head_gradients   made by the loss's backward, before the blocks' (the output's weight and the final norm's)
-//   last_gradients   made once the blocks' backward is done (the embedding's, when the output has its own weight,
-//                    and the table-sized gradient its backward makes before it lands)
+//   last_gradients   made once the blocks' backward is done (the embedding's, when the output has its own weight)
+//   embedding_backward  only while the embedding runs backward: the table-sized gradient it makes before it lands
 // The loss is done and its logits freed before the blocks' backward starts, so the peak holds the whole step's
 // terms and the largest of
 //   activations + loss                                           (the forward's end and the loss)
 //   the larger of activations and gradients + blocks_backward + head_gradients
 //                                     (the blocks' backward: as a block's activations are freed its gradients are
 //                                      made, so what is held moves from the first to the second)
-//   gradients + head_gradients + last_gradients                  (the embedding's backward)
-// Without the last four (pipelines, accumulation, steps in backward, CPUs) that is the larger of the loss's and
-// the backward's on top of the whole step's.
-enum class Phase { step, loss, blocks_backward, activations, gradients, head_gradients, last_gradients };
+//   gradients + head_gradients + last_gradients + embedding_backward  (the embedding's backward)
+//   gradients + head_gradients + last_gradients + optimizer_step      (the optimizer's step)
+// Without the gradient phases (pipelines, accumulation, steps in backward, CPUs) that is the largest of the loss's,
+// the backward's and the optimizer step's on top of the whole step's.
+enum class Phase { step, loss, blocks_backward, optimizer_step, activations, gradients, head_gradients, last_gradients, embedding_backward };
 
 struct MemoryTerm {
   std::string name;  // "parameters", "activations", ...
