@@ -86,8 +86,9 @@ TEST(MemoryEstimate, TheForeachOptimizersTemporariesAreCountedWhereTheyAreMade) 
   for (Allocator allocator : {Allocator::host_cache, Allocator::device_caching}) {
     const MemoryEstimate foreach = estimate(allocator);
     EXPECT_DOUBLE_EQ(bytes_named(foreach, "foreach optimizer temporaries"), bytes_named(foreach, "parameters"));
-    for (const auto& t : foreach.terms)
-      if (t.name == "foreach optimizer temporaries") EXPECT_EQ(t.phase, Phase::optimizer_step);
+    for (const auto& t : foreach.terms) {
+      if (t.name == "foreach optimizer temporaries") { EXPECT_EQ(t.phase, Phase::optimizer_step); }
+    }
   }
   // Few tokens: the step's temporaries are the peak's last moment, one parameter-sized tensor more than fused.
   ASSERT_GT(bytes_named(fused, "parameters"), std::max(fused.bytes(Phase::loss), fused.bytes(Phase::blocks_backward)));
@@ -100,8 +101,9 @@ TEST(MemoryEstimate, TheForeachOptimizersTemporariesAreCountedWhereTheyAreMade) 
   // Steps in backward: each unit's temporaries while the blocks run backward.
   config.optimizer.name = "AdamW";
   config.optimizer.early_step_in_backward = true;
-  for (const auto& t : estimate(Allocator::host_cache).terms)
-    if (t.name == "foreach optimizer temporaries") EXPECT_EQ(t.phase, Phase::blocks_backward);
+  for (const auto& t : estimate(Allocator::host_cache).terms) {
+    if (t.name == "foreach optimizer temporaries") { EXPECT_EQ(t.phase, Phase::blocks_backward); }
+  }
 }
 
 TEST(MemoryEstimate, OnAGpuTheGradientsReuseTheActivationsMemory) {

@@ -368,7 +368,8 @@ std::vector<KeySpec> describe(JobConfig& c) {
                                                            "stuck collective itself, comm.train_timeout_seconds)"), 0);
   b.add("save_traces_folder", &c.comm.save_traces_folder, "flight-recorder dump folder (no effect here, as trace_buf_size)");
   b.add("save_traces_file_prefix", &c.comm.save_traces_file_prefix, "flight-recorder file prefix (no effect here, as trace_buf_size)");
-  choices(b.add("mode", &c.comm.mode, "communication mode: default, fake_backend or local_tensor"),
+  choices(b.add("mode", &c.comm.mode, "communication mode: default; fake_backend (a dry run: one process plays rank RANK of NGPU, no communication); "
+                                         "local_tensor (not supported yet)"),
           {"default", "fake_backend", "local_tensor"});
 
   b.in("memory_estimation");

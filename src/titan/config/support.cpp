@@ -45,10 +45,21 @@ SupportReport check_supported(const LoadedConfig& loaded) {
                              loaded.where("training.dataloader.num_workers"),
                              ": titan.cpp prepares batches on one background thread per rank (training.prefetch_batches "
                              "ahead), which outpaces training; no worker processes are started"));
-  if (c.comm.mode != "default")
+  if (c.comm.mode == "fake_backend") {
+    // torchtitan's dry run: one process plays one rank of the job (distributed/communicator.h, make_fake_world).
+    if (p.pipeline_parallel_degree > 1)
+      r.errors.push_back(cat("comm.mode = \"fake_backend\" ", loaded.where("comm.mode"), " with parallelism.pipeline_parallel_degree = ",
+                             p.pipeline_parallel_degree, ": a pipeline stage receives what its neighbours compute, which one "
+                             "process cannot stand in for (not supported yet); `titan plan` predicts a pipeline's memory per stage"));
+    r.warnings.push_back(cat("comm.mode = \"fake_backend\" ", loaded.where("comm.mode"),
+                             ": a dry run of one rank; its collectives communicate with no one and return what they would if every "
+                             "rank were a copy of this one, so the shapes, memory and code paths are this rank's in the full job but "
+                             "the loss and gradient norm are not the job's"
+                             + std::string(c.checkpoint.enable ? "; checkpoints are neither loaded nor saved" : "")));
+  } else if (c.comm.mode != "default") {
     not_yet("comm.mode", quote(c.comm.mode),
-            "a simulated communication mode (to check a layout without its GPUs: `titan plan` predicts its memory and speed, "
-            "and memory_estimation.enable = true reports each rank's memory on the ranks at hand)");
+            "a simulated communication mode other than \"fake_backend\" (one process simulating every rank in turn)");
+  }
   if (c.activation_checkpoint.mode == "memory_budget")
     r.errors.push_back(cat("activation_checkpoint.mode = \"memory_budget\" ", loaded.where("activation_checkpoint.mode"),
                            ": needs a graph compiler (torch.compile), which titan.cpp does not have; use full or selective"));

@@ -162,10 +162,10 @@ class CheckingCommunicator final : public Communicator {
       return completed_work();
     });
   }
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name, int size = 0) override {
     std::shared_ptr<Communicator> child;
     collective(Op::Split, at::Tensor(), 0, ReduceOp::Sum, -1, false, [&] {
-      child = inner_->split(color, key, name);
+      child = inner_->split(color, key, name, size);
       return completed_work();
     });
     return child ? std::make_shared<CheckingCommunicator>(child) : nullptr;

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "titan/common/error.h"
+#include "titan/common/strings.h"
 #include "titan/distributed/checking_communicator.h"
 #include "titan/distributed/mpi_runtime.h"
 
@@ -76,8 +77,9 @@ class LocalCommunicator final : public Communicator {
     return completed_work();
   }
   void barrier() override {}
-  std::shared_ptr<Communicator> split(int color, int, const std::string& name) override {
+  std::shared_ptr<Communicator> split(int color, int, const std::string& name, int size = 0) override {
     if (color < 0) return nullptr;
+    if (size > 1) fail("internal: split ", quote(name), " of a single-process job expects ", size, " ranks");
     return std::make_shared<LocalCommunicator>(device_, name);
   }
 
@@ -134,6 +136,10 @@ LaunchInfo detect_launch() {
 std::shared_ptr<Communicator> world(const LaunchInfo& launch) {
   std::lock_guard<std::mutex> lock(g_world_mutex);
   if (g_world) return g_world;
+  if (launch.launcher == "fake_backend") {
+    g_world = make_fake_world(launch.rank, launch.world_size);  // nothing to check: no other rank takes part
+    return g_world;
+  }
   if (launch.world_size == 1) {
     g_world = make_local_communicator();
   } else if (launch.launcher == "mpirun" || launch.launcher == "srun") {

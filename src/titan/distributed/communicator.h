@@ -70,8 +70,10 @@ class Communicator {
   virtual void barrier() = 0;
 
   // Collective over this communicator: ranks with the same color form a new communicator, ordered by key. A rank
-  // passing a negative color joins none and gets nullptr.
-  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+  // passing a negative color joins none and gets nullptr. `size`, when given (> 0), is the number of ranks the caller
+  // expects in its new communicator: checked by the MPI backend, and what the fake backend (which has no other ranks
+  // to ask) makes it.
+  virtual std::shared_ptr<Communicator> split(int color, int key, const std::string& name, int size = 0) = 0;
 
   // Operations not done within this many seconds abort the job with an error naming the operation (a peer died
   // or hangs). torchtitan's comm.init_timeout_seconds until the first step ends, comm.train_timeout_seconds after.
@@ -104,6 +106,10 @@ struct LaunchInfo {
   std::string launcher = "single process";  // "mpirun", "srun", "torchrun", "single process"
 };
 LaunchInfo detect_launch();
+// comm.mode = "fake_backend" (torchtitan's dry run): one process playing rank RANK (default 0) of NGPU, as torchtitan
+// reads them; launcher "fake_backend". A UserError names a variable that is missing, not a number or out of range,
+// and a launcher that started more than one process.
+LaunchInfo fake_launch();
 
 // The world communicator for this process: MPI when launched by mpirun/srun with more than one rank, a
 // single-process communicator otherwise. Created once; later calls return the same object.
@@ -113,6 +119,15 @@ std::shared_ptr<Communicator> world(const LaunchInfo& launch);
 // tensor_device() is `device` (the trainer's: a one-GPU job keeps its values on the GPU).
 std::shared_ptr<Communicator> make_local_communicator(at::Device device = at::Device(at::kCPU), const std::string& name = "world");
 std::shared_ptr<Communicator> make_mpi_world();
+// The fake backend (comm.mode = "fake_backend"): one process plays rank `rank` of `size` and communicates with no one.
+// Every operation returns what it would if every rank were a copy of this one, with the same data and the same
+// routing: an all-gather repeats this rank's input, a sum is size() times it, an average, maximum or minimum it, a
+// reduce-scatter this rank's block so reduced, an all-to-all this rank's block to itself from every rank (an uneven
+// one where a block's length differs, as on expert parallelism's way back, those rows repeated or cut to fit), a ring
+// shift what it sends. So shapes, memory and every code path but the transport are this rank's own in
+// the full job; values are not the job's. A point-to-point receive has no such answer and fails. Splits make fake
+// communicators of the size the caller gives (its rank in them is the key).
+std::shared_ptr<Communicator> make_fake_world(int rank, int size, at::Device device = at::Device(at::kCPU));
 // NCCL over CUDA tensors, bootstrapped through `bootstrap` (any communicator spanning the same ranks) or, when
 // null, through a TCP store at MASTER_ADDR:MASTER_PORT. Start-up ends within `init_timeout` with an error naming
 // the ranks that did not arrive, or saying that NCCL's own set-up hangs. Throws UserError when titan was built

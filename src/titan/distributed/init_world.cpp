@@ -56,6 +56,11 @@ ProcessWorld init_world(const LaunchInfo& launch, std::chrono::seconds init_time
   out.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
   // Every allocation that names no index (parameters built without storage, then allocated) lands on this GPU.
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+  if (launch.launcher == "fake_backend") {
+    out.comm = make_fake_world(launch.rank, launch.world_size, out.device);
+    out.control = make_fake_world(launch.rank, launch.world_size);
+    return out;
+  }
   std::shared_ptr<Communicator> bootstrap;
   if (launch.world_size > 1 && launch.launcher != "torchrun") {
     bootstrap = world(launch);

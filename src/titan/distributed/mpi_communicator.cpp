@@ -447,12 +447,14 @@ class MpiCommunicator final : public Communicator, public std::enable_shared_fro
     run("barrier", [comm = comm_] { check(MPI_Barrier(comm), "MPI_Barrier"); }, false);
   }
 
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name, int size = 0) override {
     MPI_Comm out = MPI_COMM_NULL;
     const int mpi_color = color < 0 ? MPI_UNDEFINED : color;
     run(cat("split(", name, ")"), [&] { check(MPI_Comm_split(comm_, mpi_color, key, &out), "MPI_Comm_split"); }, false);
     if (out == MPI_COMM_NULL) return nullptr;
     auto child = std::make_shared<MpiCommunicator>(out, name);
+    if (size > 0 && child->size() != size)
+      fail("internal: split ", quote(name), " made a communicator of ", child->size(), " ranks where ", size, " were expected");
     child->set_timeout(timeout_);
     return child;
   }

@@ -317,7 +317,7 @@ class NcclCommunicator final : public Communicator {
     all_reduce(one, ReduceOp::Sum, false);
     at::cuda::getCurrentCUDAStream(device_).synchronize();
   }
-  std::shared_ptr<Communicator> split(int color, int key, const std::string& name) override {
+  std::shared_ptr<Communicator> split(int color, int key, const std::string& name, int /*size*/ = 0) override {
     c10::cuda::CUDAGuard guard(device_);
     ncclConfig_t config = non_blocking_config();
     ncclComm_t child = nullptr;

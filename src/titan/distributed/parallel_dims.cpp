@@ -67,7 +67,8 @@ DeviceMesh::DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> w
         color = color * degree + coords_[dim];
       }
     }
-    groups_[name] = size == 1 ? make_local_communicator(world_->tensor_device(), name) : world_->split(static_cast<int>(color), static_cast<int>(key), name);
+    groups_[name] = size == 1 ? make_local_communicator(world_->tensor_device(), name)
+                              : world_->split(static_cast<int>(color), static_cast<int>(key), name, static_cast<int>(size));
   };
   // Every rank creates the same groups in the same order (splits are collective over the world).
   make_group("pp", {"pp"});
@@ -92,7 +93,7 @@ DeviceMesh::DeviceMesh(const ParallelDims& dims, std::shared_ptr<Communicator> w
     coords_["efsdp"] = borrowed / ep;
     auto split = [&](const std::string& name, int64_t color, int64_t key, int64_t size) {
       groups_[name] = size == 1 ? make_local_communicator(world_->tensor_device(), name)
-                                : world_->split(static_cast<int>(color), static_cast<int>(key), name);
+                                : world_->split(static_cast<int>(color), static_cast<int>(key), name, static_cast<int>(size));
     };
     split("ep", fixed * efsdp + coords_["efsdp"], coords_["ep"], ep);
     split("efsdp", fixed * ep + coords_["ep"], coords_["efsdp"], efsdp);

@@ -48,12 +48,21 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
 
 distributed::ParallelDims Trainer::check_job() {
   const config::JobConfig& c = loaded_.config;
-  launch_ = distributed::detect_launch();
-  log::set_enabled(rank_logs(launch_.rank));  // before the configuration's warnings: once, not once per rank
+  // comm.mode = "fake_backend": this process plays one rank of the job (NGPU, RANK) and communicates with no one.
+  launch_ = c.comm.mode == "fake_backend" ? distributed::fake_launch() : distributed::detect_launch();
+  log::set_enabled(rank_logs(launch_.rank) || launch_.launcher == "fake_backend");  // before the configuration's warnings: once, not once per rank
   // Open MPI hands each rank a pseudo-terminal whether or not mpirun's own output is one, so a rank cannot tell a
   // pipe from a terminal there: no colors under mpirun (metrics.disable_color_printing aside).
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO) && launch_.launcher != "mpirun");
   config::require_supported(loaded_);
+  if (launch_.launcher == "fake_backend") {
+    // A checkpoint holds every rank's pieces; one rank's, saved or loaded alone, would be a wrong or partial one.
+    loaded_.config.checkpoint.enable = false;
+    loaded_.config.checkpoint.initial_load_path.reset();
+    loaded_.config.checkpoint.create_seed_checkpoint = false;
+    log::info("comm.mode = \"fake_backend\": this process plays rank ", launch_.rank, " of ", launch_.world_size,
+              " (RANK, NGPU), with no communication");
+  }
   kernels::set_fused_kernels_enabled(c.training.fused_kernels);
   weight_casts_per_step_ = c.training.autocast_weight_casts == "step";
   if (const int used = c.training.fused_kernels ? kernels::kernel_threads() : 0; used > 0 && used < at::get_num_threads())
@@ -98,7 +107,7 @@ void Trainer::start_process(const distributed::ParallelDims& dims) {
   device_ = process.device;
   control_ = process.control;
   std::shared_ptr<distributed::Communicator> comm = process.comm;  // groups created from it inherit its timeout
-  if (device_.is_cuda()) {
+  if (device_.is_cuda() && launch_.launcher != "fake_backend") {
     const auto devices = distributed::report_devices(*control_, device_);
     constexpr size_t kListed = 16;
     for (size_t r = 0; r < std::min(devices.ranks.size(), kListed); ++r) log::info("Device of ", devices.ranks[r]);

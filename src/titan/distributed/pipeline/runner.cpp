@@ -70,7 +70,8 @@ PipelineRunner::PipelineRunner(Schedule schedule, std::vector<Stage> stages, std
       const int sender = forward ? low : high;
       auto comm = group_->split(member ? 0 : -1, me == sender ? 0 : 1,
                                 cat("pp ", forward ? "activations" : "gradients", " of stages ", b, "/", b + 1, " (pipeline ranks ",
-                                    sender, " -> ", forward ? high : low, ")"));
+                                    sender, " -> ", forward ? high : low, ")"),
+                                member ? 2 : 0);
       if (!member) continue;
       Channel& c = forward ? activations_[static_cast<size_t>(b)] : gradients_[static_cast<size_t>(b)];
       c.comm = std::move(comm);

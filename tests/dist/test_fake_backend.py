@@ -1,0 +1,94 @@
+"""comm.mode = "fake_backend", torchtitan's dry run: one process plays rank RANK of NGPU without communicating, its
+collectives answering as if every rank were a copy of it. What it is for, checking a job's layout, shapes and memory
+without its GPUs, is checked against the same rank of the real job on MPI ranks; every parallelism but the pipeline
+runs through it; bad launches and settings are refused with the variable or key named."""
+import os
+import re
+
+from titan_testing import SOURCE_DIR, binary, run
+
+CONFIG = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"), "--metrics.log_freq", "1",
+          "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "256"]
+ESTIMATE = re.compile(r"Memory estimate for this rank: (.*): [\d.]+ (?:GiB|MiB) of")
+PARAMETERS = re.compile(r"Parameters on this rank: ([\d.]+) MB")
+ELEMENTS = re.compile(r"([\d,]+) parameter elements on this rank")
+STEP = re.compile(r"step: +(\d+) +loss: +([\d.]+).*?memory: +([\d.]+)GiB")
+
+
+def fake(tmp_path, ngpu, rank, *options, check=True):
+    env = {"NGPU": str(ngpu), "RANK": str(rank), "TITAN_PEAK_FLOPS": "1e11"}
+    return run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--comm.mode", "fake_backend", *options],
+               env=env, check=check)
+
+
+def terms(line):
+    """The estimate's terms but the process's own footprint (`runtime`, which differs between any two processes)."""
+    return [t for t in line.split(", ") if not t.startswith("runtime")]
+
+
+def test_one_rank_of_fsdp_and_tp_is_that_rank_of_the_real_job(tmp_path):
+    """Rank 5 of FSDP 4 x TP 2 (8 ranks): the fake run holds the real rank 5's pieces (the same parameter bytes and
+    FSDP elements), estimates the same memory term by term, and trains; its peak is printed beside the real one's."""
+    layout = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"]
+    mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "8"]
+    real = run(mpirun + [binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path / "real"), *layout],
+               env={"LOG_RANK": "5", "OMP_NUM_THREADS": "1", "TITAN_PEAK_FLOPS": "1e11"}).stdout
+    dry = fake(tmp_path / "fake", 8, 5, *layout)
+    out = dry.stdout
+    assert "this process plays rank 5 of 8" in out and "fake (no communication) communication" in out, out[-3000:]
+    assert "a dry run of one rank" in dry.stdout + dry.stderr
+    for pattern in (PARAMETERS, ELEMENTS):
+        assert pattern.search(out).group(1) == pattern.search(real).group(1), (pattern.pattern, out[-3000:], real[-3000:])
+    assert terms(ESTIMATE.search(out).group(1)) == terms(ESTIMATE.search(real).group(1)), (out[-3000:], real[-3000:])
+    steps = STEP.findall(out)
+    assert [int(s[0]) for s in steps] == [1, 2] and all(0 < float(s[1]) < 20 for s in steps), out[-3000:]
+    real_peak = max(float(s[2]) for s in STEP.findall(real))
+    print(f"rank 5 of FSDP 4 x TP 2: peak {float(steps[-1][2]):.2f} GiB alone (fake_backend), {real_peak:.2f} GiB in the real job")
+
+
+def test_every_parallelism_but_the_pipeline_runs_on_one_process(tmp_path):
+    """HSDP, context parallelism (its ring's shifts), and expert parallelism on a MoE model (its uneven all-to-alls,
+    whose counts come through the same backend) each run two steps as a middle rank of 4."""
+    layouts = {
+        "HSDP 2 x 2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+        "FSDP 2 x CP 2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"],
+        "MoE, EP 2 x efsdp 2": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.n_layers", "2",
+                                "--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"],
+    }
+    for name, options in layouts.items():
+        out = fake(tmp_path / name.replace(" ", "_"), 4, 2, *options).stdout
+        steps = STEP.findall(out)
+        assert [int(s[0]) for s in steps] == [1, 2] and all(0 < float(s[1]) < 20 for s in steps), (name, out[-3000:])
+        print(f"{name}, rank 2 of 4: losses {[float(s[1]) for s in steps]}, peak {float(steps[-1][2]):.2f} GiB")
+
+
+def test_checkpoints_are_neither_saved_nor_loaded(tmp_path):
+    """One rank's pieces are not a checkpoint: checkpoint.enable is set aside with a warning, and nothing is written."""
+    result = fake(tmp_path, 2, 1, "--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "1")
+    assert "checkpoints are neither loaded nor saved" in result.stdout + result.stderr
+    assert not (tmp_path / "checkpoint").exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_bad_launches_and_settings_are_refused(tmp_path):
+    layout = ["--parallelism.data_parallel_shard_degree", "2"]
+    cases = [
+        ({"NGPU": ""}, [], "comm.mode = \"fake_backend\" needs NGPU (the number of ranks to simulate)"),
+        ({"NGPU": "eight"}, [], "NGPU=eight is not a whole number"),
+        ({"NGPU": "2", "RANK": "2"}, [], "RANK=2 is not a rank of NGPU=2 (0 to 1)"),
+        ({"NGPU": "4", "RANK": "0"}, ["--parallelism.pipeline_parallel_degree", "2"],
+         "with parallelism.pipeline_parallel_degree = 2: a pipeline stage receives what its neighbours compute"),
+    ]
+    for env, extra, message in cases:
+        result = run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--comm.mode", "fake_backend", *layout,
+                      *extra], env={"RANK": "", **env}, check=False)
+        assert result.returncode == 2 and message in result.stderr, (env, extra, result.returncode, result.stderr[-2000:])
+    # One process stands in for the job: a launcher's several are refused, each naming what to run instead.
+    mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "2"]
+    result = run(mpirun + ["-x", "NGPU=2", binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--comm.mode",
+                           "fake_backend", *layout], env={"OMP_NUM_THREADS": "1"}, check=False)
+    assert result.returncode != 0 and "runs one process standing in for one rank of NGPU; mpirun started 2" in result.stderr, \
+        result.stderr[-2000:]
+    # torchtitan's other simulated mode, every rank in turn in one process, is not there yet.
+    result = run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--comm.mode", "local_tensor"], check=False)
+    assert result.returncode == 2 and "comm.mode = \"local_tensor\"" in result.stderr and "not supported yet" in result.stderr, \
+        result.stderr[-2000:]
