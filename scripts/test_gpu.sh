@@ -594,6 +594,19 @@ run_cli() {
       checker loss-falls "$LOGS/train-$name.log" --name "cli.$name.loss_falls" --min-drop 0.3
     fi
   done
+  # comm.mode = "fake_backend", torchtitan's dry run: rank 13 of Llama 3 8B on 64 GPUs (FSDP 8 x TP 8, 8,192 tokens)
+  # alone on this GPU, with that rank's shards and memory and no communication (docs/distributed.md). The dry run of
+  # this script plays rank 5 of the debug model on FSDP 4 x TP 2.
+  local fake=(--model.flavor 8B --parallelism.data_parallel_shard_degree 8 --parallelism.tensor_parallel_degree 8
+              --training.seq_len 8192 --training.local_batch_size 1) fake_env=(NGPU=64 RANK=13)
+  [[ "$DRY_RUN" == 1 ]] && fake=(--parallelism.data_parallel_shard_degree 4 --parallelism.tensor_parallel_degree 2) && fake_env=(NGPU=8 RANK=5)
+  if within_budget cli.fake_backend 60 && (export "${fake_env[@]}"; train fake_backend "${debug[@]}" --comm.mode fake_backend \
+       --training.steps 3 "${fake[@]}"); then
+    checker memory "$LOGS/train-fake_backend.log" --name cli.fake_backend.memory_field
+    figure cli.fake_backend.rank "$(grep -m1 -o 'this process plays rank [0-9]* of [0-9]*' "$LOGS/train-fake_backend.log")"
+    figure cli.fake_backend.estimate "$(grep -m1 -o 'Memory estimate for this rank: .*' "$LOGS/train-fake_backend.log" | cut -c1-400)"
+    figure cli.fake_backend.last_step "$(grep -E 'step: *3 ' "$LOGS/train-fake_backend.log" | sed 's/^.* - INFO - //')"
+  fi
   # Float8 linears (torchao's tensorwise recipe, the output projection in bf16): the loss falls. at::_scaled_mm needs
   # compute capability 8.9 or newer; older GPUs and the dry run emulate.
   local float8=(--model.converters float8 --quantize.linear.float8.filter_fqns output)
