@@ -58,25 +58,36 @@ def flavor_args(flavor):
     return ["--model.flavor", name, *(["--model.n_layers", layers] if layers else [])]
 
 
-def train(dump, flavor, steps, ranks, extra=()):
+def train(dump, flavor, steps, ranks, extra=(), may_not_fit=False):
+    """titan's output; None when `may_not_fit` and its start-up memory check refused the job."""
+    # The plain loss (training.fused_kernels = false): the fused one keeps a float32 gradient of the whole output
+    # weight from forward to backward (1 GB for the 1B shapes' 128,256 x 2,048), where 32 tokens' logits take 66 MB,
+    # so that the 1B shapes' synchronous saves fit 4 ranks on a 24 GB machine. The state saved is the same.
     cmd = [str(BIN / "titan"), "train", "--job.config_file", str(ROOT / "configs" / "debug_model.toml"),
-           "--job.dump_folder", str(dump), *flavor_args(flavor), "--training.seq_len", "32",
+           "--job.dump_folder", str(dump), *flavor_args(flavor), "--training.seq_len", "32", "--training.fused_kernels", "false",
            "--training.local_batch_size", "1", "--training.steps", str(steps), "--checkpoint.enable",
            "--checkpoint.interval", str(SAVE_EVERY), "--checkpoint.no_last_save_model_only", "--checkpoint.keep_latest_k", "0",
            "--metrics.disable_color_printing", "--activation_checkpoint.mode", "none", *extra]
     if ranks > 1:
         cmd = [*MPIRUN, "-np", str(ranks), *cmd, "--parallelism.data_parallel_shard_degree", str(ranks)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1" if ranks > 1 else "2"))
+    if may_not_fit and out.returncode == 2 and "this rank needs about" in out.stderr:
+        print(f"{flavor} on {ranks} rank(s), {' '.join(extra)}: does not fit this machine ({out.stderr.strip().splitlines()[0][:160]})",
+              flush=True)
+        return None
     if out.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return out.stdout
 
 
 def titan_figures(base, flavor, ranks, mode):
-    """Save MB and seconds, load seconds and blocked seconds (first save, later saves) of titan's checkpoint in `mode`."""
+    """Save MB and seconds, load seconds and blocked seconds (first save, later saves) of titan's checkpoint in `mode`;
+    None when an asynchronous save's staging copy does not fit this machine beside the job."""
     dump = base / f"titan_{flavor.replace(':', '_')}_{ranks}_{mode}"
     shutil.rmtree(dump, ignore_errors=True)
-    out = train(dump, flavor, 2 * SAVE_EVERY, ranks, ["--checkpoint.async_mode", mode])
+    out = train(dump, flavor, 2 * SAVE_EVERY, ranks, ["--checkpoint.async_mode", mode], may_not_fit=mode != "disabled")
+    if out is None:
+        return None
     saves = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(r"Saved checkpoint .*?: ([\d.]+) MB in ([\d.]+) s", out)]
     blocked = [float(x) for x in re.findall(r"training blocked ([\d.]+) s", out)]
     mb, seconds = saves[-1]
@@ -200,19 +211,23 @@ def main():
         for ranks in (int(r) for r in args.ranks.split(",")):
             sync = titan_figures(base, flavor, ranks, "disabled")
             asyn = titan_figures(base, flavor, ranks, "async")
-            shutil.rmtree(asyn["folder"].parent.parent, ignore_errors=True)
+            if asyn:
+                shutil.rmtree(asyn["folder"].parent.parent, ignore_errors=True)
             peer = dcp_figures(base, flavor, ranks, sync["folder"])
             shutil.rmtree(sync["folder"].parent.parent, ignore_errors=True)
             for name, figures in (("titan", sync), ("torch DCP", peer)):
                 mine = name == "titan"
                 blocked = asyn if mine else peer
                 save_rate, load_rate = figures["mb"] / figures["save_s"], figures["mb"] / figures["load_s"]
+                if blocked:
+                    blocking = (f"{blocked['blocked_first_s']:11.3f} {(peer['blocked_first_s'] / blocked['blocked_first_s'] if mine else 1):6.2f} "
+                                f"{blocked['blocked_later_s']:7.3f} {(peer['blocked_later_s'] / blocked['blocked_later_s'] if mine else 1):6.2f}")
+                else:
+                    blocking = f"{'(async does not fit)':>32}"
                 print(f"{flavor:11} {ranks:5d} {name:10} {figures['mb']:8.1f} {figures['save_s']:7.2f} {save_rate:9.0f} "
                       f"{save_rate / raw:6.2f} {(save_rate / (peer['mb'] / peer['save_s']) if mine else 1):6.2f} "
                       f"{figures['load_s']:7.2f} {load_rate:9.0f} {(load_rate / (peer['mb'] / peer['load_s']) if mine else 1):6.2f} "
-                      f"{blocked['blocked_first_s']:11.3f} {(peer['blocked_first_s'] / blocked['blocked_first_s'] if mine else 1):6.2f} "
-                      f"{blocked['blocked_later_s']:7.3f} {(peer['blocked_later_s'] / blocked['blocked_later_s'] if mine else 1):6.2f}",
-                      flush=True)
+                      f"{blocking}", flush=True)
             print(f"{'':11} {'':5} {'':10} (DCP's async saves finished writing after at most {peer['async_s']:.2f} s)", flush=True)
     if not args.dump:
         shutil.rmtree(base, ignore_errors=True)
