@@ -15,8 +15,8 @@ ELEMENTS = re.compile(r"([\d,]+) parameter elements on this rank")
 STEP = re.compile(r"step: +(\d+) +loss: +([\d.]+).*?memory: +([\d.]+)GiB")
 
 
-def fake(tmp_path, ngpu, rank, *options, check=True):
-    env = {"NGPU": str(ngpu), "RANK": str(rank), "TITAN_PEAK_FLOPS": "1e11"}
+def fake(tmp_path, ngpu, rank, *options, check=True, env=None):
+    env = {"NGPU": str(ngpu), "RANK": str(rank), "TITAN_PEAK_FLOPS": "1e11", **(env or {})}
     return run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--comm.mode", "fake_backend", *options],
                env=env, check=check)
 
@@ -28,12 +28,14 @@ def terms(line):
 
 def test_one_rank_of_fsdp_and_tp_is_that_rank_of_the_real_job(tmp_path):
     """Rank 5 of FSDP 4 x TP 2 (8 ranks): the fake run holds the real rank 5's pieces (the same parameter bytes and
-    FSDP elements), estimates the same memory term by term, and trains; its peak is printed beside the real one's."""
+    FSDP elements), estimates the same memory term by term, and trains; its peak is printed beside the real one's.
+    It runs inside a SLURM allocation's shell too (SLURM_NTASKS without a job step), and its memory estimation
+    reports the one rank it plays."""
     layout = ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "2"]
     mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "8"]
     real = run(mpirun + [binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path / "real"), *layout],
                env={"LOG_RANK": "5", "OMP_NUM_THREADS": "1", "TITAN_PEAK_FLOPS": "1e11"}).stdout
-    dry = fake(tmp_path / "fake", 8, 5, *layout)
+    dry = fake(tmp_path / "fake", 8, 5, *layout, env={"SLURM_NTASKS": "8", "SLURM_PROCID": "0"})
     out = dry.stdout
     assert "this process plays rank 5 of 8" in out and "fake (no communication) communication" in out, out[-3000:]
     assert "a dry run of one rank" in dry.stdout + dry.stderr
@@ -44,14 +46,17 @@ def test_one_rank_of_fsdp_and_tp_is_that_rank_of_the_real_job(tmp_path):
     assert [int(s[0]) for s in steps] == [1, 2] and all(0 < float(s[1]) < 20 for s in steps), out[-3000:]
     real_peak = max(float(s[2]) for s in STEP.findall(real))
     print(f"rank 5 of FSDP 4 x TP 2: peak {float(steps[-1][2]):.2f} GiB alone (fake_backend), {real_peak:.2f} GiB in the real job")
+    report = fake(tmp_path / "estimate", 8, 5, *layout, "--memory_estimation.enable").stdout
+    assert "this rank fits:\n  rank 5: estimated" in report and "rank 0:" not in report, report[-2000:]
 
 
 def test_every_parallelism_but_the_pipeline_runs_on_one_process(tmp_path):
-    """HSDP, context parallelism (its ring's shifts), and expert parallelism on a MoE model (its uneven all-to-alls,
-    whose counts come through the same backend) each run two steps as a middle rank of 4."""
+    """HSDP, context parallelism (its ring's shifts: the all-to-all rotation), and expert parallelism on a MoE model
+    (its uneven all-to-alls, whose counts come through the same backend) each run two steps as a middle rank of 4."""
     layouts = {
         "HSDP 2 x 2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
-        "FSDP 2 x CP 2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"],
+        "FSDP 2 x CP 2": ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2",
+                          "--parallelism.context_parallel_rotate_method", "alltoall"],
         "MoE, EP 2 x efsdp 2": ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.n_layers", "2",
                                 "--parallelism.data_parallel_shard_degree", "4", "--parallelism.expert_parallel_degree", "2"],
     }
@@ -74,6 +79,8 @@ def test_bad_launches_and_settings_are_refused(tmp_path):
     cases = [
         ({"NGPU": ""}, [], "comm.mode = \"fake_backend\" needs NGPU (the number of ranks to simulate)"),
         ({"NGPU": "eight"}, [], "NGPU=eight is not a whole number"),
+        ({"NGPU": "4"}, [], "x pipeline_parallel_degree (1) = 2 must equal NGPU (4, the ranks comm.mode = \"fake_backend\" simulates)"),
+        ({"NGPU": "2", "SLURM_STEP_NUM_TASKS": "2"}, [], "srun started 2 (SLURM_STEP_NUM_TASKS): run titan alone"),
         ({"NGPU": "2", "RANK": "2"}, [], "RANK=2 is not a rank of NGPU=2 (0 to 1)"),
         ({"NGPU": "4", "RANK": "0"}, ["--parallelism.pipeline_parallel_degree", "2"],
          "with parallelism.pipeline_parallel_degree = 2: a pipeline stage receives what its neighbours compute"),

@@ -55,7 +55,10 @@ SupportReport check_supported(const LoadedConfig& loaded) {
                              ": a dry run of one rank; its collectives communicate with no one and return what they would if every "
                              "rank were a copy of this one, so the shapes, memory and code paths are this rank's in the full job but "
                              "the loss and gradient norm are not the job's"
-                             + std::string(c.checkpoint.enable ? "; checkpoints are neither loaded nor saved" : "")));
+                             + std::string(c.checkpoint.enable || c.checkpoint.initial_load_path
+                                               ? "; checkpoints are neither loaded nor saved (a starting checkpoint or Hugging Face "
+                                                 "folder still gives the model's shape and tokenizer)"
+                                               : "")));
   } else if (c.comm.mode != "default") {
     not_yet("comm.mode", quote(c.comm.mode),
             "a simulated communication mode other than \"fake_backend\" (one process simulating every rank in turn)");

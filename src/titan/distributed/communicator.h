@@ -1,5 +1,6 @@
 // Communicator: titan's small collective-communication interface over real engines (OpenMPI for CPU tensors,
-// NCCL for CUDA tensors, a trivial one for a single process). Every operation can run asynchronously and returns a
+// NCCL for CUDA tensors, a trivial one for a single process, and a fake one for a dry run of one rank of a larger
+// job). Every operation can run asynchronously and returns a
 // Work handle; operations on one communicator complete in the order they were issued on every rank.
 #pragma once
 #include <ATen/record_function.h>
@@ -103,7 +104,7 @@ struct LaunchInfo {
   int world_size = 1;
   int local_rank = 0;
   int local_world_size = 1;
-  std::string launcher = "single process";  // "mpirun", "srun", "torchrun", "single process"
+  std::string launcher = "single process";  // "mpirun", "srun", "torchrun", "single process", "fake_backend"
 };
 LaunchInfo detect_launch();
 // comm.mode = "fake_backend" (torchtitan's dry run): one process playing rank RANK (default 0) of NGPU, as torchtitan
@@ -111,8 +112,8 @@ LaunchInfo detect_launch();
 // and a launcher that started more than one process.
 LaunchInfo fake_launch();
 
-// The world communicator for this process: MPI when launched by mpirun/srun with more than one rank, a
-// single-process communicator otherwise. Created once; later calls return the same object.
+// The world communicator for this process: MPI when launched by mpirun/srun with more than one rank, the fake one
+// for fake_launch()'s, a single-process communicator otherwise. Created once; later calls return the same object.
 std::shared_ptr<Communicator> world(const LaunchInfo& launch);
 
 // Local and multi-process implementations, exposed for tests and backends. The single-process communicator's

@@ -82,8 +82,9 @@ class FakeCommunicator final : public Communicator {
           block.narrow(0, at, n).copy_(own.narrow(0, 0, n));
         }
       }
-      if (i != rank_) bytes_ += length * static_cast<int64_t>(input.element_size());
     }
+    for (int j = 0; j < size_; ++j)  // what goes to other ranks
+      if (j != rank_) bytes_ += input_splits[static_cast<size_t>(j)] * static_cast<int64_t>(input.element_size());
     return completed_work();
   }
   std::shared_ptr<Work> broadcast(at::Tensor& tensor, int root, bool) override {
@@ -135,17 +136,22 @@ int positive_env(const char* name, const char* what) {
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
   if (*end != '\0' || x < 0 || x > (1 << 24))
-    fail("comm.mode = \"fake_backend\": ", name, "=", v, " is not a whole number (", what, ")");
+    fail("comm.mode = \"fake_backend\": ", name, "=", v, " is not a whole number from 0 to ", 1 << 24, " (", what, ")");
   return static_cast<int>(x);
 }
 
 }  // namespace
 
 LaunchInfo fake_launch() {
-  const LaunchInfo real = detect_launch();
-  if (real.world_size > 1)
-    fail("comm.mode = \"fake_backend\" runs one process standing in for one rank of NGPU; ", real.launcher, " started ",
-         real.world_size, ": run titan alone (NGPU=", real.world_size, " RANK=r titan train ...)");
+  // A launcher that started several processes (inside a SLURM allocation's shell, SLURM_NTASKS is set without srun:
+  // only a job step's own count counts).
+  for (const auto& [variable, launcher] : {std::pair{"OMPI_COMM_WORLD_SIZE", "mpirun"}, std::pair{"SLURM_STEP_NUM_TASKS", "srun"},
+                                           std::pair{"WORLD_SIZE", "torchrun"}}) {
+    const char* v = std::getenv(variable);
+    if (v && std::atoi(v) > 1)
+      fail("comm.mode = \"fake_backend\" runs one process standing in for one rank of NGPU; ", launcher, " started ", v,
+           " (", variable, "): run titan alone (NGPU=", v, " RANK=r titan train ...)");
+  }
   LaunchInfo info;
   info.launcher = "fake_backend";
   info.world_size = positive_env("NGPU", "the number of ranks to simulate");

@@ -15,7 +15,8 @@ struct ParallelDims {
   int64_t world_size = 1;
 
   // Resolves dp_shard = -1 and checks the product; throws UserError naming the degrees and the world size.
-  static ParallelDims from_config(const config::Parallelism& p, int64_t world_size);
+  // `simulated`: the world is comm.mode = "fake_backend"'s NGPU, not the processes launched.
+  static ParallelDims from_config(const config::Parallelism& p, int64_t world_size, bool simulated = false);
 
   int64_t dp_degree() const { return dp_replicate * dp_shard; }  // ranks that read different data
   bool dp_enabled() const { return dp_degree() > 1; }

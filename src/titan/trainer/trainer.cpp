@@ -40,6 +40,14 @@ Trainer::Trainer(config::LoadedConfig loaded) : loaded_(std::move(loaded)) {
   start_process(dims);
   build_tokenizer();
   check_memory(dims);  // of the job as configured
+  if (launch_.launcher == "fake_backend") {
+    // After the model, its tokenizer and its memory were decided as the job's (a starting checkpoint or Hugging Face
+    // folder may give the model's shape and tokenizer): a checkpoint holds every rank's pieces, and one rank's, saved
+    // or loaded alone, would be a wrong or partial one.
+    loaded_.config.checkpoint.enable = false;
+    loaded_.config.checkpoint.initial_load_path.reset();
+    loaded_.config.checkpoint.create_seed_checkpoint = false;
+  }
   if (loaded_.config.memory_estimation.enable) restrict_to_memory_estimation();
   if (estimate_only()) return;  // the estimate is the result: nothing large is allocated
   build_model(dims);
@@ -55,21 +63,16 @@ distributed::ParallelDims Trainer::check_job() {
   // pipe from a terminal there: no colors under mpirun (metrics.disable_color_printing aside).
   log::set_color(!c.metrics.disable_color_printing && isatty(STDOUT_FILENO) && launch_.launcher != "mpirun");
   config::require_supported(loaded_);
-  if (launch_.launcher == "fake_backend") {
-    // A checkpoint holds every rank's pieces; one rank's, saved or loaded alone, would be a wrong or partial one.
-    loaded_.config.checkpoint.enable = false;
-    loaded_.config.checkpoint.initial_load_path.reset();
-    loaded_.config.checkpoint.create_seed_checkpoint = false;
+  if (launch_.launcher == "fake_backend")
     log::info("comm.mode = \"fake_backend\": this process plays rank ", launch_.rank, " of ", launch_.world_size,
               " (RANK, NGPU), with no communication");
-  }
   kernels::set_fused_kernels_enabled(c.training.fused_kernels);
   weight_casts_per_step_ = c.training.autocast_weight_casts == "step";
   if (const int used = c.training.fused_kernels ? kernels::kernel_threads() : 0; used > 0 && used < at::get_num_threads())
     log::warn("titan's fused CPU kernels split their work over ", used, " of ", at::get_num_threads(),
               " threads: titan was built without OpenMP (not with GCC; see CMakeLists.txt), or OMP_DYNAMIC / ",
               "OMP_THREAD_LIMIT limit the threads");
-  auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size);
+  auto dims = distributed::ParallelDims::from_config(c.parallelism, launch_.world_size, launch_.launcher == "fake_backend");
   if ((c.checkpoint.enable || c.checkpoint.initial_load_path) && c.checkpoint.load_step >= 0 &&
       !checkpoint::Checkpointer::resume_directory(c.checkpoint, c.job.dump_folder))
     // Said before the model is decided: a run from a Hugging Face folder would otherwise name that folder first.
@@ -107,12 +110,14 @@ void Trainer::start_process(const distributed::ParallelDims& dims) {
   device_ = process.device;
   control_ = process.control;
   std::shared_ptr<distributed::Communicator> comm = process.comm;  // groups created from it inherit its timeout
-  if (device_.is_cuda() && launch_.launcher != "fake_backend") {
-    const auto devices = distributed::report_devices(*control_, device_);
-    constexpr size_t kListed = 16;
-    for (size_t r = 0; r < std::min(devices.ranks.size(), kListed); ++r) log::info("Device of ", devices.ranks[r]);
-    if (devices.ranks.size() > kListed) log::info("Devices of ", devices.ranks.size() - kListed, " more ranks not listed");
-    for (const auto& line : devices.shared) log::warn(line, ": NCCL does not support two ranks on one GPU and may hang");
+  if (device_.is_cuda()) {
+    if (launch_.launcher != "fake_backend") {  // a dry run's ranks are all this one
+      const auto devices = distributed::report_devices(*control_, device_);
+      constexpr size_t kListed = 16;
+      for (size_t r = 0; r < std::min(devices.ranks.size(), kListed); ++r) log::info("Device of ", devices.ranks[r]);
+      if (devices.ranks.size() > kListed) log::info("Devices of ", devices.ranks.size() - kListed, " more ranks not listed");
+      for (const auto& line : devices.shared) log::warn(line, ": NCCL does not support two ranks on one GPU and may hang");
+    }
   } else {
     log::info(metrics::keep_freed_host_memory());
   }
@@ -594,8 +599,10 @@ int Trainer::report_memory_estimation(int64_t steps_run) {
   const double* v = all.data_ptr<double>();
   bool fits = true;
   std::string lines;
-  for (int r = 0; r < world->size(); ++r) {
-    const double estimate = v[3 * r], peak = v[3 * r + 1], available = v[3 * r + 2];
+  // A dry run (comm.mode = "fake_backend") knows only the rank it plays: the others' figures would be copies of it.
+  const bool one_rank = launch_.launcher == "fake_backend";
+  for (int r = one_rank ? launch_.rank : 0; r < (one_rank ? launch_.rank + 1 : world->size()); ++r) {
+    const double estimate = v[3 * (one_rank ? 0 : r)], peak = v[3 * (one_rank ? 0 : r) + 1], available = v[3 * (one_rank ? 0 : r) + 2];
     fits = fits && estimate <= available;
     lines += strprintf("\n  rank %d: estimated %.3f GiB", r, estimate);
     if (measured) lines += strprintf(", measured peak %.3f GiB (estimate / measured %.2f)", peak, peak > 0 ? estimate / peak : 0.0);
@@ -603,7 +610,7 @@ int Trainer::report_memory_estimation(int64_t steps_run) {
   }
   log::info("Memory estimation (memory_estimation.enable; ",
             measured ? cat(steps_run, " step(s) run") : estimate_only() ? std::string("nothing allocated") : std::string("no step run"), "), ",
-            fits ? "every rank fits" : "some ranks do not fit", ":", lines);
+            one_rank ? (fits ? "this rank fits" : "this rank does not fit") : fits ? "every rank fits" : "some ranks do not fit", ":", lines);
   return 0;
 }
 
