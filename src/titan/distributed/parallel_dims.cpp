@@ -7,8 +7,7 @@
 namespace titan::distributed {
 
 ParallelDims ParallelDims::from_config(const config::Parallelism& p, int64_t world_size, bool simulated) {
-  const std::string world = simulated ? cat("NGPU (", world_size, ", the ranks comm.mode = \"fake_backend\" simulates)")
-                                      : cat("the number of processes (", world_size, ")");
+  const std::string simulated_world = cat("NGPU (", world_size, ", the ranks comm.mode = \"fake_backend\" simulates)");
   ParallelDims d;
   d.world_size = world_size;
   d.pp = p.pipeline_parallel_degree;
@@ -20,7 +19,7 @@ ParallelDims ParallelDims::from_config(const config::Parallelism& p, int64_t wor
   const int64_t others = d.dp_replicate * d.cp * d.tp * d.pp;
   if (p.data_parallel_shard_degree == -1) {
     if (world_size % others != 0)
-      fail("parallelism: ", world, " is not divisible by data_parallel_replicate_degree x "
+      fail("parallelism: ", simulated ? simulated_world : cat("the world size ", world_size), " is not divisible by data_parallel_replicate_degree x "
            "context_parallel_degree x tensor_parallel_degree x pipeline_parallel_degree = ", others,
            ", so data_parallel_shard_degree = -1 cannot take the rest",
            world_size == 1 && !simulated ? cat("; this is one process: launch ", others, " or a multiple under mpirun -np N, srun or torchrun")
@@ -32,7 +31,8 @@ ParallelDims ParallelDims::from_config(const config::Parallelism& p, int64_t wor
   if (d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp != world_size)
     fail("parallelism: data_parallel_replicate_degree (", d.dp_replicate, ") x data_parallel_shard_degree (", d.dp_shard,
          ") x context_parallel_degree (", d.cp, ") x tensor_parallel_degree (", d.tp, ") x pipeline_parallel_degree (",
-         d.pp, ") = ", d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp, " must equal ", world,
+         d.pp, ") = ", d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp, " must equal ",
+         simulated ? simulated_world : cat("the number of processes (", world_size, ")"),
          world_size == 1 && !simulated ? "; this is one process: launch them under mpirun -np N, srun or torchrun" : "");
   if (d.ep > 1 && d.etp != d.tp && d.etp != 1)
     fail("parallelism: expert_tensor_parallel_degree = ", d.etp, " must be 1 or equal to tensor_parallel_degree (", d.tp, ")");
