@@ -1,5 +1,6 @@
 // The fake backend: one process standing in for rank r of a larger job (communicator.h, make_fake_world).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -23,7 +24,7 @@ class FakeCommunicator final : public Communicator {
   at::Device tensor_device() const override { return device_; }
   bool globally_ordered() const override { return true; }
   void set_timeout(std::chrono::seconds) override {}
-  int64_t bytes_communicated() const override { return bytes_; }
+  int64_t bytes_communicated() const override { return bytes_.load(); }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op, bool) override {
     // size() equal values: their sum is size() times one; a bool sum (logical or), an average, a maximum or a
@@ -126,7 +127,7 @@ class FakeCommunicator final : public Communicator {
 
   int rank_, size_;
   at::Device device_;
-  int64_t bytes_ = 0;
+  std::atomic<int64_t> bytes_{0};  // operations may come from more than one thread
 };
 
 int positive_env(const char* name, const char* what) {
