@@ -22,6 +22,21 @@ double bytes_named(const MemoryEstimate& e, const std::string& name) {
   return 0;
 }
 
+// One sequence of `seq_len` tokens per step, no activation checkpointing.
+titan::config::JobConfig one_sequence(int64_t seq_len) {
+  titan::config::JobConfig config;
+  config.training.local_batch_size = 1;
+  config.training.seq_len = seq_len;
+  config.activation_checkpoint.mode = "none";
+  return config;
+}
+
+// The decoder estimate of one device under bf16 autocast over float32 weights, with the CUDA kernels, on `allocator`.
+MemoryEstimate one_device(const titan::models::DecoderArgs& a, const titan::config::JobConfig& config, Allocator allocator) {
+  return titan::models::estimate_training_memory(a, config, titan::distributed::ParallelDims{}, /*autocast=*/true, 0,
+                                                 Execution::titan, -1, FusedKernels::cuda, allocator);
+}
+
 }  // namespace
 
 TEST(MemoryEstimate, TheLossAndTheBackwardAreHeldApart) {
@@ -70,15 +85,8 @@ TEST(MemoryEstimate, GradientsMadeInBackwardTakeTheLargestOfThreeMoments) {
 TEST(MemoryEstimate, TheForeachOptimizersTemporariesAreCountedWhereTheyAreMade) {
   titan::models::DecoderArgs a = titan::llama3::flavor("8B");
   a.n_layers = 2;
-  titan::config::JobConfig config;
-  config.training.local_batch_size = 1;
-  config.training.seq_len = 64;
-  config.activation_checkpoint.mode = "none";
-  titan::distributed::ParallelDims dims;
-  const auto estimate = [&](Allocator allocator) {
-    return titan::models::estimate_training_memory(a, config, dims, /*autocast=*/true, 0, Execution::titan, -1,
-                                                   FusedKernels::cuda, allocator);
-  };
+  titan::config::JobConfig config = one_sequence(64);
+  const auto estimate = [&](Allocator allocator) { return one_device(a, config, allocator); };
   const MemoryEstimate fused = estimate(Allocator::host_cache);
   EXPECT_DOUBLE_EQ(bytes_named(fused, "foreach optimizer temporaries"), 0);
   config.optimizer.implementation = "foreach";
@@ -113,15 +121,8 @@ TEST(MemoryEstimate, OnAGpuTheGradientsReuseTheActivationsMemory) {
   // the same on both allocators (the gradients split three ways), the total is not.
   titan::models::DecoderArgs a = titan::llama3::flavor("8B");
   a.n_layers = 4;
-  titan::config::JobConfig config;
-  config.training.local_batch_size = 1;
-  config.training.seq_len = 8192;
-  config.activation_checkpoint.mode = "none";
-  titan::distributed::ParallelDims dims;
-  const auto estimate = [&](Allocator allocator) {
-    return titan::models::estimate_training_memory(a, config, dims, /*autocast=*/true, 0, Execution::titan, -1,
-                                                   FusedKernels::cuda, allocator);
-  };
+  titan::config::JobConfig config = one_sequence(8192);
+  const auto estimate = [&](Allocator allocator) { return one_device(a, config, allocator); };
   const MemoryEstimate host = estimate(Allocator::host_cache), device = estimate(Allocator::device_caching);
   const double gradients = bytes_named(host, "gradients");
   EXPECT_NEAR(bytes_named(device, "gradients") + bytes_named(device, "the output's gradients") +
