@@ -607,6 +607,19 @@ run_cli() {
     figure cli.fake_backend.estimate "$(grep -m1 -o 'Memory estimate for this rank: .*' "$LOGS/train-fake_backend.log" | cut -c1-400)"
     figure cli.fake_backend.last_step "$(grep -E 'step: *3 ' "$LOGS/train-fake_backend.log" | sed 's/^.* - INFO - //')"
   fi
+  # A pipeline rank of the same 64 GPUs: rank 0 of PP 4 x FSDP 2 x TP 8 (Interleaved1F1B, stages 0 and 4, 4 micro-batches
+  # of 8,192 tokens), its neighbours' activations stand-ins: the per-rank pipeline memory the plan predicts
+  # (docs/plan.md), measured. The dry run of this script plays rank 0 of the debug model on PP 2 x FSDP 2.
+  local fake_pp=(--model.flavor 8B --parallelism.pipeline_parallel_degree 4 --parallelism.data_parallel_shard_degree 2
+                 --parallelism.tensor_parallel_degree 8 --parallelism.pipeline_parallel_schedule Interleaved1F1B
+                 --training.seq_len 8192 --training.local_batch_size 4) fake_pp_env=(NGPU=64 RANK=0)
+  [[ "$DRY_RUN" == 1 ]] && fake_pp=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2) && fake_pp_env=(NGPU=4 RANK=0)
+  if within_budget cli.fake_backend_pp 60 && (export "${fake_pp_env[@]}"; train fake_backend_pp "${debug[@]}" --comm.mode fake_backend \
+       --training.steps 3 "${fake_pp[@]}"); then
+    checker memory "$LOGS/train-fake_backend_pp.log" --name cli.fake_backend_pp.memory_field
+    figure cli.fake_backend_pp.estimate "$(grep -m1 -o 'Memory estimate for this rank: .*' "$LOGS/train-fake_backend_pp.log" | cut -c1-400)"
+    figure cli.fake_backend_pp.last_step "$(grep -E 'step: *3 ' "$LOGS/train-fake_backend_pp.log" | sed 's/^.* - INFO - //')"
+  fi
   # Float8 linears (torchao's tensorwise recipe, the output projection in bf16): the loss falls. at::_scaled_mm needs
   # compute capability 8.9 or newer; older GPUs and the dry run emulate.
   local float8=(--model.converters float8 --quantize.linear.float8.filter_fqns output)

@@ -1,7 +1,8 @@
 """comm.mode = "fake_backend", torchtitan's dry run: one process plays rank RANK of NGPU without communicating, its
-collectives answering as if every rank were a copy of it. What it is for, checking a job's layout, shapes and memory
-without its GPUs, is checked against the same rank of the real job on MPI ranks; every parallelism but the pipeline
-runs through it; bad launches and settings are refused with the variable or key named."""
+collectives answering as if every rank were a copy of it (a pipeline stage's receives: stand-ins of the shape the stage
+takes). What it is for, checking a job's layout, shapes and memory without its GPUs, is checked against the same rank
+of the real job on MPI ranks; every parallelism runs through it; bad launches and settings are refused with the
+variable or key named."""
 import os
 import re
 
@@ -11,7 +12,7 @@ CONFIG = ["--job.config_file", str(SOURCE_DIR / "configs" / "debug_model.toml"),
           "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "256"]
 ESTIMATE = re.compile(r"Memory estimate for this rank: (.*): [\d.]+ (?:GiB|MiB) of")
 PARAMETERS = re.compile(r"Parameters on this rank: ([\d.]+) MB")
-ELEMENTS = re.compile(r"([\d,]+) parameter elements on this rank")
+ELEMENTS = re.compile(r"([\d,]+) parameter elements on this rank")  # one per model part
 STEP = re.compile(r"step: +(\d+) +loss: +([\d.]+).*?memory: +([\d.]+)GiB")
 
 
@@ -50,7 +51,35 @@ def test_one_rank_of_fsdp_and_tp_is_that_rank_of_the_real_job(tmp_path):
     assert "this rank fits:\n  rank 5: estimated" in report and "rank 0:" not in report, report[-2000:]
 
 
-def test_every_parallelism_but_the_pipeline_runs_on_one_process(tmp_path):
+def test_one_pipeline_rank_is_that_rank_of_the_real_job(tmp_path):
+    """Rank 3 of PP 2 x FSDP 2 under Interleaved1F1B (4 stages, two on each pipeline rank): the fake run holds the real
+    rank 3's stages (1 and 3: the same parameter bytes and FSDP elements per part), estimates the same memory term by
+    term and trains, every activation it receives a stand-in of the shape the real stage 0 and 2 send. Rank 0 (stage 2
+    receives from stage 1) and a V-shaped zero-bubble schedule (ZBVZeroBubble: split backward, stages 0 and 3 on rank
+    0) run too."""
+    layout = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+    mpirun = [os.environ.get("TITAN_MPIRUN", "mpirun"), "--oversubscribe", "--allow-run-as-root", "--bind-to", "none", "-np", "4"]
+    real = run(mpirun + [binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path / "real"), *layout],
+               env={"LOG_RANK": "3", "OMP_NUM_THREADS": "1", "TITAN_PEAK_FLOPS": "1e11"}).stdout
+    out = fake(tmp_path / "fake", 4, 3, *layout).stdout
+    assert "stage 1 on this rank" in out and "stage 3 on this rank" in out, out[-3000:]
+    assert PARAMETERS.search(out).group(1) == PARAMETERS.search(real).group(1), (out[-3000:], real[-3000:])
+    assert ELEMENTS.findall(out) == ELEMENTS.findall(real) and len(ELEMENTS.findall(out)) == 2, (out[-3000:], real[-3000:])
+    assert terms(ESTIMATE.search(out).group(1)) == terms(ESTIMATE.search(real).group(1)), (out[-3000:], real[-3000:])
+    steps = STEP.findall(out)
+    assert [int(s[0]) for s in steps] == [1, 2] and all(0 < float(s[1]) < 40 for s in steps), out[-3000:]
+    real_peak = max(float(s[2]) for s in STEP.findall(real))
+    print(f"rank 3 of PP 2 x FSDP 2: peak {float(steps[-1][2]):.2f} GiB alone (fake_backend), {real_peak:.2f} GiB in the real job")
+    for rank, schedule in ((0, "Interleaved1F1B"), (0, "ZBVZeroBubble")):
+        out = fake(tmp_path / f"{schedule}_{rank}", 4, rank, *layout[:-1], schedule).stdout
+        steps = STEP.findall(out)
+        # Without the last stage a rank computes no loss (the real job's sums the last stage's over the pipeline).
+        assert [int(s[0]) for s in steps] == [1, 2] and "0 activation shape header(s) read back" in out, (schedule, out[-3000:])
+        print(f"{schedule}, rank {rank} of PP 2 x FSDP 2: peak {float(steps[-1][2]):.2f} GiB")
+
+
+def test_every_parallelism_runs_on_one_process(tmp_path):
     """HSDP, context parallelism (its ring's shifts: the all-to-all rotation), and expert parallelism on a MoE model
     (its uneven all-to-alls, whose counts come through the same backend) each run two steps as a middle rank of 4."""
     layouts = {
@@ -82,8 +111,6 @@ def test_bad_launches_and_settings_are_refused(tmp_path):
         ({"NGPU": "4"}, [], "x pipeline_parallel_degree (1) = 2 must equal NGPU (4, the ranks comm.mode = \"fake_backend\" simulates)"),
         ({"NGPU": "2", "SLURM_STEP_NUM_TASKS": "2"}, [], "srun started 2 (SLURM_STEP_NUM_TASKS): run titan alone"),
         ({"NGPU": "2", "RANK": "2"}, [], "RANK=2 is not a rank of NGPU=2 (0 to 1)"),
-        ({"NGPU": "4", "RANK": "0"}, ["--parallelism.pipeline_parallel_degree", "2"],
-         "with parallelism.pipeline_parallel_degree = 2: a pipeline stage receives what its neighbours compute"),
     ]
     for env, extra, message in cases:
         result = run([binary("titan"), "train", *CONFIG, "--job.dump_folder", str(tmp_path), "--comm.mode", "fake_backend", *layout,

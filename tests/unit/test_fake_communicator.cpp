@@ -2,10 +2,13 @@
 // what it would be if every rank were a copy of this one, and its bytes what the real collective would send.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "titan/common/error.h"
 #include "titan/distributed/communicator.h"
 
 using titan::distributed::make_fake_world;
+using titan::distributed::make_local_communicator;
 using titan::distributed::ReduceOp;
 
 namespace {
@@ -74,19 +77,40 @@ TEST(FakeCommunicator, AllToAllHandsBackWhatThisRankSendsItself) {
   EXPECT_TRUE(at::equal(shifted, at::tensor({5, 6}, at::kLong)));
 }
 
-TEST(FakeCommunicator, SplitsTakeTheirSizeAndRefuseWhatHasNoStandIn) {
+TEST(FakeCommunicator, SplitsTakeTheirSize) {
   auto world = make_fake_world(kRank, kSize);
   auto pair = world->split(0, 1, "pair", 2);
   ASSERT_NE(pair, nullptr);
   EXPECT_EQ(pair->rank(), 1);
   EXPECT_EQ(pair->size(), 2);
+  EXPECT_TRUE(pair->simulated());
   EXPECT_EQ(world->split(-1, 0, "none", 2), nullptr);
   EXPECT_THROW(world->split(0, 0, "unsized"), titan::UserError);
-  at::Tensor buffer = at::empty({2});
-  try {
-    world->recv(buffer, 1);
-    FAIL() << "a receive has no stand-in";
-  } catch (const titan::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("point-to-point receive from rank 1"), std::string::npos) << e.what();
-  }
+}
+
+TEST(FakeCommunicator, ReceivesFillTheCallersBufferWithTheSameStandInsEveryRun) {
+  // A pipeline neighbour's message is no copy of this rank's: standard normal values of the caller's shape, from a
+  // fixed seed (so two runs, or two communicators, agree), zeros for integer buffers; the process's generator is
+  // left alone.
+  EXPECT_FALSE(make_local_communicator()->simulated());
+  auto first = make_fake_world(kRank, kSize), second = make_fake_world(kRank, kSize);
+  EXPECT_TRUE(first->simulated());
+  at::manual_seed(7);
+  const at::Tensor expected_draw = at::randn({3});
+  at::manual_seed(7);
+  at::Tensor a = at::full({64, 32}, 5.0, at::kBFloat16), b = at::empty({64, 32}, at::kBFloat16);
+  first->recv(a, 1)->wait();
+  second->recv(b, 2)->wait();
+  EXPECT_TRUE(at::equal(a, b));
+  const double mean = a.to(at::kFloat).mean().item<double>(), std = a.to(at::kFloat).std().item<double>();
+  EXPECT_LT(std::abs(mean), 0.1);
+  EXPECT_NEAR(std, 1.0, 0.1);
+  EXPECT_TRUE(at::equal(at::randn({3}), expected_draw)) << "the receive drew from the process's generator";
+  at::Tensor next = at::empty({64, 32}, at::kBFloat16);
+  first->recv(next, 1);
+  EXPECT_FALSE(at::equal(next, a)) << "each receive draws new values";
+  at::Tensor header = at::full({8}, 3, at::kLong);
+  first->recv(header, 1);
+  EXPECT_EQ(header.abs().sum().item<int64_t>(), 0);
+  EXPECT_THROW(first->recv(header, kSize), titan::UserError);
 }

@@ -47,14 +47,14 @@ SupportReport check_supported(const LoadedConfig& loaded) {
                              "ahead), which outpaces training; no worker processes are started"));
   if (c.comm.mode == "fake_backend") {
     // torchtitan's dry run: one process plays one rank of the job (distributed/communicator.h, make_fake_world).
-    if (p.pipeline_parallel_degree > 1)
-      r.errors.push_back(cat("comm.mode = \"fake_backend\" ", loaded.where("comm.mode"), " with parallelism.pipeline_parallel_degree = ",
-                             p.pipeline_parallel_degree, ": a pipeline stage receives what its neighbours compute, which one "
-                             "process cannot stand in for (not supported yet); `titan plan` predicts a pipeline's memory per stage"));
     r.warnings.push_back(cat("comm.mode = \"fake_backend\" ", loaded.where("comm.mode"),
                              ": a dry run of one rank; its collectives communicate with no one and return what they would if every "
                              "rank were a copy of this one, so the shapes, memory and code paths are this rank's in the full job but "
                              "the loss and gradient norm are not the job's"
+                             + std::string(p.pipeline_parallel_degree > 1
+                                               ? " (what a pipeline stage receives from its neighbours is stand-in values of "
+                                                 "the right shape)"
+                                               : "")
                              + std::string(c.checkpoint.enable || c.checkpoint.initial_load_path
                                                ? "; checkpoints are neither loaded nor saved (a starting checkpoint or Hugging Face "
                                                  "folder still gives the model's shape and tokenizer)"

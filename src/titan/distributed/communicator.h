@@ -88,6 +88,10 @@ class Communicator {
   // caller's stream wait and returns at once, so host time spent in wait() does not measure GPU-side stalls.
   virtual bool waits_block_host() const { return true; }
 
+  // True on the fake backend (comm.mode = "fake_backend"): nothing arrives from other ranks, so a receiver must know
+  // a message's shape without being told it (pipeline activations: PipelineRunner).
+  virtual bool simulated() const { return false; }
+
   // Bytes this rank sends in collectives since construction, counted as ring algorithms move them: all-gather and
   // reduce-scatter (n - 1) x shard, all-reduce 2 (n - 1) / n x tensor, all-to-all (n - 1) / n x tensor, uneven all-to-all what
   // goes to other ranks, broadcast and send the tensor.
@@ -126,7 +130,9 @@ std::shared_ptr<Communicator> make_mpi_world();
 // reduce-scatter this rank's block so reduced, an all-to-all this rank's block to itself from every rank (an uneven
 // one where a block's length differs, as on expert parallelism's way back, those rows repeated or cut to fit), a ring
 // shift what it sends. So shapes, memory and every code path but the transport are this rank's own in
-// the full job; values are not the job's. A point-to-point receive has no such answer and fails. Splits make fake
+// the full job; values are not the job's. A point-to-point receive (a pipeline neighbour's activation or gradient,
+// which is not a copy of anything this rank sends) fills the caller's buffer, whose shape the caller knows, with
+// stand-in values: standard normal from a fixed seed for floating-point tensors, zeros otherwise. Splits make fake
 // communicators of the size the caller gives (its rank in them is the key).
 std::shared_ptr<Communicator> make_fake_world(int rank, int size, at::Device device = at::Device(at::kCPU));
 // NCCL over CUDA tensors, bootstrapped through `bootstrap` (any communicator spanning the same ranks) or, when

@@ -1,7 +1,10 @@
 // The fake backend: one process standing in for rank r of a larger job (communicator.h, make_fake_world).
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "titan/common/error.h"
@@ -98,9 +101,19 @@ class FakeCommunicator final : public Communicator {
     bytes_ += static_cast<int64_t>(tensor.nbytes());
     return completed_work();
   }
-  std::shared_ptr<Work> recv(at::Tensor&, int source, int, bool) override {
-    fail("comm.mode = \"fake_backend\": a point-to-point receive from rank ", source, " of ", quote(name_),
-         " has no stand-in (what another rank sends is not a copy of what this one sends)");
+  bool simulated() const override { return true; }
+  std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int, bool) override {
+    // What a pipeline neighbour sends is computed from what it received, not a copy of anything this rank sends:
+    // stand-in values of the shape the caller expects, the same on every run. Drawn on the CPU from this
+    // communicator's own generator (the process's random streams are left alone) and copied over.
+    check_peer(source, "receive source");
+    if (!at::isFloatingType(tensor.scalar_type())) {
+      tensor.zero_();
+      return completed_work();
+    }
+    std::lock_guard<std::mutex> lock(generator_mutex_);
+    tensor.copy_(at::empty(tensor.sizes(), at::TensorOptions().dtype(at::kFloat)).normal_(0.0, 1.0, generator_));
+    return completed_work();
   }
   std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool) override {
     check_peer(destination, "send_recv destination");
@@ -127,7 +140,9 @@ class FakeCommunicator final : public Communicator {
 
   int rank_, size_;
   at::Device device_;
-  std::atomic<int64_t> bytes_{0};  // operations may come from more than one thread
+  std::atomic<int64_t> bytes_{0};
+  std::mutex generator_mutex_;
+  at::Generator generator_ = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/20261201);  // operations may come from more than one thread
 };
 
 int positive_env(const char* name, const char* what) {

@@ -40,6 +40,10 @@ struct ModelPart {
   // The summed loss of a forward's result: that result under the fused loss, else `loss` of its logits.
   at::Tensor loss_sum(const at::Tensor& output, const at::Tensor& labels) const { return loss_in_forward ? output : loss(output, labels); }
   std::vector<std::string> description;  // one line per parallelism, for the start-up log
+  // A pipeline stage after the first: the dtype and this rank's sizes of the hidden state the part's first module
+  // takes, for `rows` sequences of `seq_len` tokens (the previous stage's output). Every real first message between
+  // stages is checked against it; the fake backend, where nothing arrives, builds its stand-ins from it.
+  std::function<std::pair<at::ScalarType, std::vector<int64_t>>(int64_t rows, int64_t seq_len)> input_shape;
   std::shared_ptr<Communicator> tp_group;  // null without tensor parallelism
   // State that is not trained but checkpointed with the weights (MoE balancing biases): whole on every rank that
   // holds it, replicated over the mesh (the layout says which rank writes it); `local` is the buffer itself.

@@ -32,7 +32,7 @@ struct PipelineRunner::Channel {
   std::deque<at::Tensor> local;        // both stages here: what was sent and not yet received
   // Activations only: the dtype and shape the first message since activation_shapes_may_change() announced in its
   // header. Both ends keep it; later messages carry no header, so the receiver reads nothing back from the device.
-  using Shape = std::pair<at::ScalarType, std::vector<int64_t>>;  // dtype and sizes
+  using Shape = Stage::Shape;  // dtype and sizes
   std::optional<Shape> shape;
 };
 
@@ -189,12 +189,25 @@ at::Tensor PipelineRunner::receive_activation(int stage, int microbatch, double&
     return std::move(s.activation);
   }
   if (!c.shape) {
-    at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions().dtype(at::kLong).device(device_));
-    wait(c.comm->recv(header, c.peer, 0, /*async=*/true), what, waited);
-    const at::Tensor h_cpu = header.cpu();  // the one read back from the device per channel and shape
-    ++header_reads_;
-    const auto* h = h_cpu.data_ptr<int64_t>();
-    c.shape.emplace(static_cast<at::ScalarType>(h[0]), std::vector<int64_t>(h + 2, h + 2 + h[1]));
+    const Stage& receiver = stages_.at(stage);
+    if (c.comm->simulated()) {
+      // The fake backend: no header comes (the neighbour's send went nowhere); the stage says what it takes.
+      if (!receiver.input_shape) fail("internal: stage ", stage, " does not say the shape of its input, which the fake backend needs");
+      c.shape.emplace(receiver.input_shape());
+    } else {
+      at::Tensor header = at::empty({kHeaderLength}, at::TensorOptions().dtype(at::kLong).device(device_));
+      wait(c.comm->recv(header, c.peer, 0, /*async=*/true), what, waited);
+      const at::Tensor h_cpu = header.cpu();  // the one read back from the device per channel and shape
+      ++header_reads_;
+      const auto* h = h_cpu.data_ptr<int64_t>();
+      c.shape.emplace(static_cast<at::ScalarType>(h[0]), std::vector<int64_t>(h + 2, h + 2 + h[1]));
+      // What the stage expects is what the fake backend builds its stand-ins from: held to every real first message.
+      if (receiver.input_shape && receiver.input_shape() != *c.shape) {
+        const Stage::Shape expected = receiver.input_shape();
+        fail("internal: stage ", stage, " expects ", expected.first, " ", at::IntArrayRef(expected.second), " from stage ", stage - 1,
+             ", which sent ", c.shape->first, " ", at::IntArrayRef(c.shape->second));
+      }
+    }
   }
   at::Tensor buffer = at::empty(c.shape->second, at::TensorOptions().dtype(c.shape->first).device(device_));
   wait(c.comm->recv(buffer, c.peer, 0, /*async=*/true), what, waited);

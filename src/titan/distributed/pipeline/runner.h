@@ -23,6 +23,11 @@ struct Stage {
   // Micro-batch `microbatch`'s forward through this stage's modules. `input` is undefined on the first stage (the
   // stage reads its tokens itself) and the previous stage's output otherwise.
   std::function<at::Tensor(const at::Tensor& input, int microbatch)> forward;
+  // Stages after the first: the dtype and sizes of the input the stage takes for the current batch (the previous
+  // stage's output). The first message on each channel, whose header says the shape, is checked against it; on the
+  // fake backend, where nothing arrives, it is the shape. Unset: taken from the header alone.
+  using Shape = std::pair<at::ScalarType, std::vector<int64_t>>;
+  std::function<Shape()> input_shape;
 };
 
 // On the last stage: the loss backward starts from (already scaled for the global batch), from the logits.

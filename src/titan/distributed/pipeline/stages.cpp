@@ -156,6 +156,8 @@ Pipeline::Pipeline(nn::Model& model, int64_t n_layers, bool tied_embeddings, con
                                                              rope_positions_, positions_.empty() ? at::Tensor() : positions_[idx],
                                                              loss_in_forward ? labels_[idx] : at::Tensor());
                              }});
+    if (const size_t k = parts_.size() - 1; parts_[k].input_shape)
+      runner_stages.back().input_shape = [this, k] { return parts_[k].input_shape(microbatch_size_, seq_len_); };
   }
   runner_ = std::make_unique<PipelineRunner>(schedule, std::move(runner_stages), mesh.get("pp"), device_);
 }

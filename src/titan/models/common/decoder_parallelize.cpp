@@ -483,6 +483,14 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     }
   }
   out.description.push_back("Data parallelism: " + out.data_parallel->describe());
+  // Between pipeline stages: the residual stream, each rank's part of every sequence (context parallelism's chunks,
+  // and sequence parallelism's shard of those under TP), in the dtype the embedding computes in (FSDP's gathered
+  // parameters; otherwise the parameters' own, autocast leaving the residual additions in it).
+  const int64_t sequence_shards = dims.cp * dims.tp;
+  const at::ScalarType residual = dims.fsdp_enabled() ? fsdp.param_dtype : fsdp.shard_dtype;
+  out.input_shape = [sequence_shards, residual, dim = model.args().dim](int64_t rows, int64_t seq_len) {
+    return std::pair{residual, std::vector<int64_t>{rows, seq_len / sequence_shards, dim}};
+  };
   return out;
 }
 
