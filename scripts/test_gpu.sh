@@ -609,11 +609,13 @@ run_cli() {
   fi
   # A pipeline rank of the same 64 GPUs: rank 0 of PP 4 x FSDP 2 x TP 8 (Interleaved1F1B, stages 0 and 4, 4 micro-batches
   # of 8,192 tokens), its neighbours' activations stand-ins: the per-rank pipeline memory the plan predicts
-  # (docs/plan.md), measured. The dry run of this script plays rank 0 of the debug model on PP 2 x FSDP 2.
+  # (docs/plan.md), measured. The dry run of this script plays rank 0 of the debug model on PP 2 x FSDP 2 (Interleaved1F1B:
+  # stages 0 and 2, the second receiving).
   local fake_pp=(--model.flavor 8B --parallelism.pipeline_parallel_degree 4 --parallelism.data_parallel_shard_degree 2
                  --parallelism.tensor_parallel_degree 8 --parallelism.pipeline_parallel_schedule Interleaved1F1B
                  --training.seq_len 8192 --training.local_batch_size 4) fake_pp_env=(NGPU=64 RANK=0)
-  [[ "$DRY_RUN" == 1 ]] && fake_pp=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2) && fake_pp_env=(NGPU=4 RANK=0)
+  [[ "$DRY_RUN" == 1 ]] && fake_pp=(--parallelism.pipeline_parallel_degree 2 --parallelism.data_parallel_shard_degree 2
+                                     --parallelism.pipeline_parallel_schedule Interleaved1F1B) && fake_pp_env=(NGPU=4 RANK=0)
   if within_budget cli.fake_backend_pp 60 && (export "${fake_pp_env[@]}"; train fake_backend_pp "${debug[@]}" --comm.mode fake_backend \
        --training.steps 3 "${fake_pp[@]}"); then
     checker memory "$LOGS/train-fake_backend_pp.log" --name cli.fake_backend_pp.memory_field

@@ -324,19 +324,34 @@ def test_every_builtin_profile_plans_and_pipelines_report_a_bubble():
         # 1F1B over 4 ranks with 8 micro-batches: 3 of 11 slots idle on each rank.
         assert p["time"]["bubble_fraction"] == pytest.approx(3 / 11), name
         assert "pipeline bubble" in p["time"]["terms"] and "tensor parallel" in p["time"]["terms"]
-        # Per kind of pipeline rank: the first holds the embedding and the most micro-batches, the last the logits;
-        # the busiest-rank figure bounds them all.
+        # Per kind of pipeline rank: the first holds the embedding and the most micro-batches, the last the logits,
+        # and of the middle ones rank 1 the most (one micro-batch fewer than rank 0, a block more: 21 of 80); the
+        # memory figure bounds them all.
         ranks = {r["kind"]: r for r in p["memory"]["pipeline_ranks"]}
-        assert [ranks[k]["pipeline_rank"] for k in ("first", "middle", "last")] == [0, 2, 3]
+        assert [ranks[k]["pipeline_rank"] for k in ("first", "middle", "last")] == [0, 1, 3]
         assert max(r["allocated_bytes"] for r in ranks.values()) <= p["memory"]["allocated_bytes"] * 1.0001
         assert ranks["first"]["allocated_bytes"] > ranks["middle"]["allocated_bytes"]
-    # In a V (ZBVZeroBubble, DualPipeV) rank 0 holds the first stage and the last, with the logits.
+    # In a V (ZBVZeroBubble, DualPipeV) rank 0 holds the first stage and the last, with the logits; of the others
+    # rank 1, with the most micro-batches in flight.
     for schedule in ("ZBVZeroBubble", "DualPipeV"):
         p = plan_json(["--cluster", "h100-sxm", "--model.flavor", "70B", "--training.seq_len", "8192", "--training.local_batch_size", "8",
                        "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "8",
                        "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", schedule])
         ranks = {r["kind"]: r["pipeline_rank"] for r in p["memory"]["pipeline_ranks"]}
-        assert ranks == {"first_and_last": 0, "middle": 3}, (schedule, ranks)
+        assert ranks == {"first_and_last": 0, "middle": 1}, (schedule, ranks)
+    # The plan names the dry run that measures its largest pipeline rank alone: that pipeline rank's first rank of
+    # the 128 (pp outermost, 32 ranks per pipeline rank).
+    for first_stage_less_layers, expected in (("1", 0), ("20", 1)):  # 20: stage 0 holds 5 blocks, stage 1 25
+        args = ["--cluster", "h100-sxm", "--model.flavor", "70B", "--training.seq_len", "8192", "--training.local_batch_size", "8",
+                "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "8",
+                "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "1F1B",
+                "--parallelism.pipeline_parallel_first_stage_less_layers", first_stage_less_layers]
+        ranks = plan_json(args)["memory"]["pipeline_ranks"]
+        largest = max(ranks, key=lambda r: r["allocated_bytes"])["pipeline_rank"]
+        assert largest == expected, ranks
+        text = run([binary("titan"), "plan", *args]).stdout
+        assert f"measure it: NGPU=128 RANK={32 * largest} titan train <these options> --comm.mode fake_backend" in text, text
+        assert f"trains rank {32 * largest} (pipeline rank {largest}) alone" in text, text
 
 
 def test_cluster_profiles_from_toml_and_their_errors(tmp_path):

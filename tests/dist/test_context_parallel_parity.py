@@ -93,6 +93,9 @@ BLOCK_CAUSAL_CASES = {
     "cp2_allgather_headtail": (2, 1, cp(2)),
     "cp4_alltoall_none": (4, 1, cp(4, "alltoall", balancer="None")),
     "pp2_cp2_alltoall": (4, 1, cp(2, "alltoall") + ["--parallelism.pipeline_parallel_degree", "2"]),
+    # Not context parallelism: the second stage's input under TP is a sequence shard, and its attention (over the
+    # gathered sequence) still takes the whole-sequence mask.
+    "pp2_tp2": (4, 1, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 
@@ -105,7 +108,8 @@ def block_causal_reference(tmp_path_factory):
 def test_block_causal_matches_single_process(tmp_path, reference, block_causal_reference, case):
     """Block-causal attention (tokens see their own document only) under context parallelism: each rank masks its
     queries' chunks against every key chunk by the documents of the whole sequence, skipping chunk pairs that share no
-    document; one process with the same mask is the reference (one run for every case)."""
+    document; one process with the same mask is the reference (one run for every case). And without it, on a later
+    pipeline stage under TP, whose input is a sequence shard while attention sees the whole sequence."""
     ranks, dp, args = BLOCK_CAUSAL_CASES[case]
     ref_meta, ref_final, _ = block_causal_reference
     # The mask changes the model's computation: the causal run's losses differ from the block-causal one's.

@@ -68,14 +68,19 @@ def test_one_pipeline_rank_is_that_rank_of_the_real_job(tmp_path):
     assert ELEMENTS.findall(out) == ELEMENTS.findall(real) and len(ELEMENTS.findall(out)) == 2, (out[-3000:], real[-3000:])
     assert terms(ESTIMATE.search(out).group(1)) == terms(ESTIMATE.search(real).group(1)), (out[-3000:], real[-3000:])
     steps = STEP.findall(out)
-    assert [int(s[0]) for s in steps] == [1, 2] and all(0 < float(s[1]) < 40 for s in steps), out[-3000:]
+    # The last stage's own loss (the real job's sums the last stage's over the pipeline, which a sum of copies would
+    # multiply by PP).
+    assert [int(s[0]) for s in steps] == [1, 2] and all(0 < float(s[1]) < 20 for s in steps), out[-3000:]
     real_peak = max(float(s[2]) for s in STEP.findall(real))
     print(f"rank 3 of PP 2 x FSDP 2: peak {float(steps[-1][2]):.2f} GiB alone (fake_backend), {real_peak:.2f} GiB in the real job")
     for rank, schedule in ((0, "Interleaved1F1B"), (0, "ZBVZeroBubble")):
         out = fake(tmp_path / f"{schedule}_{rank}", 4, rank, *layout[:-1], schedule).stdout
         steps = STEP.findall(out)
-        # Without the last stage a rank computes no loss (the real job's sums the last stage's over the pipeline).
+        # Without the last stage (1F1B-like schedules) a rank computes no loss; in a V rank 0 holds the last stage.
+        losses = [float(s[1]) for s in steps]
         assert [int(s[0]) for s in steps] == [1, 2] and "0 activation shape header(s) read back" in out, (schedule, out[-3000:])
+        assert all(loss == 0 for loss in losses) if schedule == "Interleaved1F1B" else all(0 < loss < 20 for loss in losses), \
+            (schedule, losses)
         print(f"{schedule}, rank {rank} of PP 2 x FSDP 2: peak {float(steps[-1][2]):.2f} GiB")
 
 

@@ -82,7 +82,7 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
 
 void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   std::cout << "layout: " << p.layout << " (" << p.dims.world_size << " ranks)\n"
-            << "memory per rank" << (p.dims.pp > 1 ? " (the busiest pipeline stage)" : "") << ":\n";
+            << "memory per rank" << (p.dims.pp > 1 ? " (bounding every pipeline rank: the most blocks and micro-batches any holds, with the embedding and the loss)" : "") << ":\n";
   bool apart = false, made = false, optimizer = false;
   for (const auto& t : p.memory.terms) {
     if (t.bytes <= 0) continue;
@@ -119,6 +119,18 @@ void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
     std::cout << strprintf("  %-18s %9.2f GiB allocated (pipeline rank %lld)\n",
                            r.kind == "first_and_last" ? "first+last stages" : (r.kind + " stage").c_str(), gib(r.memory.total()),
                            static_cast<long long>(r.rank));
+  // One rank's measured peak, on one device: comm.mode = "fake_backend" plays it alone (the pipeline rank with the
+  // largest estimate, whose first rank in the mesh's order, pp outermost, is pipeline rank x world / pp).
+  int64_t pipeline_rank = 0;
+  double largest = -1;
+  for (const auto& r : p.pipeline_ranks)
+    if (r.memory.total() > largest) largest = r.memory.total(), pipeline_rank = r.rank;
+  std::cout << strprintf("  measure it: NGPU=%lld RANK=%lld titan train <these options> --comm.mode fake_backend --training.steps 3\n"
+                         "    trains rank %lld%s alone on one device, with its shapes and memory and no communication "
+                         "(docs/distributed.md)\n",
+                         static_cast<long long>(p.dims.world_size), static_cast<long long>(pipeline_rank * p.dims.world_size / p.dims.pp),
+                         static_cast<long long>(pipeline_rank * p.dims.world_size / p.dims.pp),
+                         p.dims.pp > 1 ? strprintf(" (pipeline rank %lld)", static_cast<long long>(pipeline_rank)).c_str() : "");
   std::cout << strprintf("time per step: %.3f s\n", p.time.step_seconds);
   for (const auto& t : p.time.terms) {
     std::string hidden = t.total > t.seconds * 1.0001 ? strprintf(" (%.3f s in all, the rest hidden)", t.total) : "";

@@ -88,6 +88,7 @@ class CheckingCommunicator final : public Communicator {
   at::Device tensor_device() const override { return inner_->tensor_device(); }
   void set_timeout(std::chrono::seconds timeout) override { inner_->set_timeout(timeout); }
   bool globally_ordered() const override { return inner_->globally_ordered(); }
+  bool simulated() const override { return inner_->simulated(); }
   int64_t bytes_communicated() const override { return inner_->bytes_communicated() - overhead_bytes_; }
 
   std::shared_ptr<Work> all_reduce(at::Tensor& tensor, ReduceOp op, bool async) override {

@@ -1,5 +1,8 @@
 // The fake backend: one process standing in for rank r of a larger job (communicator.h, make_fake_world).
 #include <ATen/CPUGeneratorImpl.h>
+#ifdef TITAN_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -104,15 +107,16 @@ class FakeCommunicator final : public Communicator {
   bool simulated() const override { return true; }
   std::shared_ptr<Work> recv(at::Tensor& tensor, int source, int, bool) override {
     // What a pipeline neighbour sends is computed from what it received, not a copy of anything this rank sends:
-    // stand-in values of the shape the caller expects, the same on every run. Drawn on the CPU from this
-    // communicator's own generator (the process's random streams are left alone) and copied over.
+    // stand-in values of the shape the caller expects, the same on every run, drawn in place (no buffer beside the
+    // message, whose memory the dry run measures) from this communicator's own generator on the tensor's device,
+    // leaving the process's random streams alone.
     check_peer(source, "receive source");
     if (!at::isFloatingType(tensor.scalar_type())) {
       tensor.zero_();
       return completed_work();
     }
     std::lock_guard<std::mutex> lock(generator_mutex_);
-    tensor.copy_(at::empty(tensor.sizes(), at::TensorOptions().dtype(at::kFloat)).normal_(0.0, 1.0, generator_));
+    tensor.normal_(0.0, 1.0, generator_for(tensor.device()));
     return completed_work();
   }
   std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool) override {
@@ -141,8 +145,23 @@ class FakeCommunicator final : public Communicator {
   int rank_, size_;
   at::Device device_;
   std::atomic<int64_t> bytes_{0};
+  static constexpr uint64_t kStandInSeed = 20261201;
+  at::Generator& generator_for(const at::Device& device) {
+    if (device.is_cpu()) return cpu_generator_;
+#ifdef TITAN_WITH_CUDA
+    if (device.is_cuda()) {
+      if (!device_generator_.defined()) {
+        device_generator_ = at::cuda::detail::createCUDAGenerator(device.has_index() ? device.index() : 0);
+        device_generator_.set_current_seed(kStandInSeed);
+      }
+      return device_generator_;
+    }
+#endif
+    fail("internal: the fake backend draws stand-ins on the CPU or a CUDA device, not ", device.str());
+  }
   std::mutex generator_mutex_;
-  at::Generator generator_ = at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/20261201);  // operations may come from more than one thread
+  at::Generator cpu_generator_ = at::make_generator<at::CPUGeneratorImpl>(kStandInSeed);
+  at::Generator device_generator_;  // created on the first receive into device memory  // operations may come from more than one thread
 };
 
 int positive_env(const char* name, const char* what) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <tuple>
 
 #include "titan/common/error.h"
@@ -71,18 +72,23 @@ Plan make_plan(const protocols::ModelSpec& spec, const protocols::ModelArgs& arg
   plan.device_bytes = plan.reserved_bytes + kContextBytes;
   plan.fits = plan.device_bytes <= cluster.memory_bytes;
   if (dims.pp > 1 && per_pipeline_rank) {
-    std::vector<std::pair<const char*, int64_t>> kinds;
-    if (distributed::pipeline::schedule_traits(config.parallelism.pipeline_parallel_schedule).v_shape) {
-      // The V: rank 0 holds the first stage and the last, rank p - 1 the two in the middle.
-      kinds = {{"first_and_last", 0}, {"middle", dims.pp - 1}};
-    } else {
-      kinds = {{"first", 0}};
-      if (dims.pp > 2) kinds.push_back({"middle", dims.pp / 2});
-      kinds.push_back({"last", dims.pp - 1});
+    const auto estimate = [&](int64_t rank) {
+      return spec.estimate_memory(args, config, dims, autocast, 0, execution, rank, kernels, allocator);
+    };
+    // The ends: rank 0 (the embedding) and the last rank (the output and the loss), or under the V schedules
+    // (ZBVZeroBubble, DualPipeV) rank 0 alone, which holds the first stage and the last. Of the ranks between, the
+    // one with the largest estimate: more blocks or more micro-batches in flight (1F1B's rank 1 holds one fewer
+    // than rank 0 but may have a block more, the embedding counting as pipeline_parallel_first_stage_less_layers).
+    const bool v_shape = distributed::pipeline::schedule_traits(config.parallelism.pipeline_parallel_schedule).v_shape;
+    plan.pipeline_ranks.push_back({v_shape ? "first_and_last" : "first", 0, estimate(0)});
+    const int64_t middle_end = v_shape ? dims.pp : dims.pp - 1;
+    std::optional<Plan::PipelineRank> middle;
+    for (int64_t r = 1; r < middle_end; ++r) {
+      protocols::MemoryEstimate m = estimate(r);
+      if (!middle || m.total() > middle->memory.total()) middle = Plan::PipelineRank{"middle", r, std::move(m)};
     }
-    for (const auto& [kind, rank] : kinds)
-      plan.pipeline_ranks.push_back(
-          {kind, rank, spec.estimate_memory(args, config, dims, autocast, 0, execution, rank, kernels, allocator)});
+    if (middle) plan.pipeline_ranks.push_back(std::move(*middle));
+    if (!v_shape) plan.pipeline_ranks.push_back({"last", dims.pp - 1, estimate(dims.pp - 1)});
   }
   plan.time = estimate_step_time(models::as_decoder(args, "titan plan's step-time model"), config, dims, cluster, execution);
   const Speedups s = speedups_of(config);

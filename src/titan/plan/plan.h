@@ -16,13 +16,15 @@ namespace titan::plan {
 struct Plan {
   distributed::ParallelDims dims;
   std::string layout;           // "dp_shard 8 x tp 8 x pp 8, full AC, local batch 32, micro-batch 4, 1F1B"
-  protocols::MemoryEstimate memory;  // allocated bytes per rank, term by term (the busiest pipeline stage)
+  protocols::MemoryEstimate memory;  // allocated bytes per rank, term by term (under PP a bound over the pipeline ranks:
+                                     // the most blocks and micro-batches any holds, with both ends and the loss)
   double reserved_bytes = 0;    // what the caching allocator holds at the peak (allocated + fragmentation)
   double device_bytes = 0;      // reserved + the CUDA/HIP context and communicator buffers outside it
   bool fits = false;
-  // Under pipeline parallelism, each kind of pipeline rank: the first (embedding), a middle one and the last
-  // (output, logits), with its own layers and micro-batches in flight; under the V schedules (ZBVZeroBubble,
-  // DualPipeV) rank 0, which holds the first and the last stage, and rank p - 1. `memory` above bounds them all.
+  // Under pipeline parallelism, each kind of pipeline rank: the first (embedding), the largest of the middle ones
+  // and the last (output, logits), with its own layers and micro-batches in flight; under the V schedules
+  // (ZBVZeroBubble, DualPipeV) rank 0, which holds the first and the last stage, and the largest of the others.
+  // `memory` above bounds them all.
   struct PipelineRank {
     std::string kind;  // "first", "middle", "last"; "first_and_last" and "middle" in a V
     int64_t rank = 0;

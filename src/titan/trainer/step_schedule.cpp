@@ -103,7 +103,11 @@ class Pipelined : public StepSchedule {
     return sum.reshape({1}).to(at::kFloat);  // the float64 sum rounded once, on the device
   }
 
-  void gather_loss(at::Tensor& loss_total) override { pp_->all_reduce(loss_total, distributed::ReduceOp::Sum); }
+  // The loss lives on the last stage's ranks and is summed over the pipeline. The fake backend's sum of copies would
+  // be pp times this rank's: there the last stage's rank keeps its own and the others 0.
+  void gather_loss(at::Tensor& loss_total) override {
+    if (!pp_->simulated()) pp_->all_reduce(loss_total, distributed::ReduceOp::Sum);
+  }
 
   void finish_gradients() override {
     for (auto& part : pipeline_.parts()) {
@@ -116,7 +120,7 @@ class Pipelined : public StepSchedule {
   double evaluate(const data::Batch& batch) override {
     at::NoGradGuard no_grad;
     at::Tensor sum = pipeline_.evaluate(batch.inputs, batch.labels, block_causal_ ? batch.positions : at::Tensor()).reshape({1});
-    pp_->all_reduce(sum, distributed::ReduceOp::Sum);                  // from the last stage's ranks
+    if (!pp_->simulated()) pp_->all_reduce(sum, distributed::ReduceOp::Sum);  // from the last stage's ranks (gather_loss)
     if (cp_) cp_->all_reduce(sum, distributed::ReduceOp::Sum);         // each CP rank has its chunks' share
     return sum.cpu().item<double>();
   }

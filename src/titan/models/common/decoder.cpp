@@ -421,8 +421,9 @@ at::Tensor Decoder::forward_modules(const at::Tensor& input, int64_t begin, int6
   if (document_positions.defined()) {
     context.documents = document_ids(document_positions);
     // Under context parallelism the positions cover the whole sequence, of which this rank holds chunks: its
-    // attention masks chunk pair by chunk pair, and no whole-sequence mask is built.
-    if (document_positions.size(1) == input.size(1)) context.attn_mask = block_causal_mask(document_positions);
+    // attention masks chunk pair by chunk pair, and no whole-sequence mask is built. (The input's length says
+    // nothing: a later pipeline stage's input under tensor parallelism is a sequence shard too.)
+    if (!chunked_attention) context.attn_mask = block_causal_mask(document_positions);
   }
   TORCH_CHECK(seq_len <= rope_.size(0), "sequence length ", seq_len, " exceeds the model's max_seq_len ", rope_.size(0));
   context.rope = rope_;

@@ -163,6 +163,10 @@ class Decoder : public nn::Model {
   std::vector<std::shared_ptr<TransformerBlock>> layers;
   std::shared_ptr<nn::RMSNorm> norm;
   std::shared_ptr<OutputProjection> output;
+  // Set by context parallelism (decoder_parallelize.cpp): attention sees this rank's chunks of every sequence and
+  // masks block-causal documents chunk pair by chunk pair, so no whole-sequence mask is built. Otherwise attention
+  // sees whole sequences (tensor parallelism gathers a pipeline stage's sequence shards first), and the mask is built.
+  bool chunked_attention = false;
 
  private:
   DecoderArgs args_;

@@ -322,6 +322,7 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
     if (!cp)
       cp = std::make_shared<distributed::ContextParallel>(mesh.get("cp"), distributed::parse_cp_load_balancer(p.context_parallel_load_balancer),
                                                           distributed::parse_cp_rotate_method(p.context_parallel_rotate_method));
+    model.chunked_attention = true;
     for (int64_t i : block_indices(part, static_cast<int64_t>(model.layers.size())))
       model.layers[static_cast<size_t>(i)]->inner_attention().add_innermost_wrapper(
           "context_parallel", [cp](const nn::Unit::Inputs& in, const nn::Context& context, const nn::Unit::Next&) {
