@@ -133,11 +133,15 @@ def test_float8_all_gather_on_pp2_fsdp2(tmp_path, reference):
 def test_mxfp8_layouts_match_one_process(tmp_path):
     """MXFP8 (mxfp8_cublas_rceil, emulated): every block of 32 lies within one token's row or, for the weight
     gradient, within 32 consecutive tokens of one sequence (seq_len 32), so no scale depends on how the batch is
-    split: FSDP 2 and PP 2 x FSDP 2 follow one process to float32 precision."""
+    split: FSDP 2, PP 2 x FSDP 2 and PP 2 under ZBVZeroBubble (the weight gradients made in its weight steps) follow
+    one process to float32 precision."""
     one = probe(tmp_path, "mx_one", 1, ["--training.local_batch_size", "8"], recipe="mxfp8_cublas_rceil")
     for name, np_, extra in [("mx_fsdp2", 2, FSDP2),
                              ("mx_pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
-                                                  "1F1B", "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"])]:
+                                                  "1F1B", "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+                             # The V's split backward: the MX linears' weight gradients made in the weight steps.
+                             ("mx_pp2_zbv", 2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                                                "ZBVZeroBubble", "--training.local_batch_size", "8"])]:
         steps = probe(tmp_path, name, np_, extra, recipe="mxfp8_cublas_rceil")
         worst = relative(steps, one, "loss")
         print(f"MXFP8 {name}: worst relative loss difference from one process over {STEPS} steps {worst:.2e}")

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <optional>
 
 #include "titan/common/error.h"
 #include "titan/common/logging.h"
@@ -24,6 +25,7 @@
 #include "titan/kernels/fused_ops.h"
 #include "titan/nn/autocast.h"
 #include "titan/nn/matmul.h"
+#include "titan/nn/weight_gradients.h"
 
 namespace titan::nn::float8 {
 
@@ -382,24 +384,31 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
       // dW = g^T x: contraction over the tokens, g and x per column. Every rank holds all the tokens (sequence
       // parallelism gathers them before the matmuls), so no per-column amax is reduced.
       // Both operands column-major as cast (g^T then reads row-major): at::_scaled_mm takes them without a copy. A
-      // per-tensor cast of g that equals the one dx's matmul made reuses its scale (one amax, two layouts).
+      // per-tensor cast of g that equals the one dx's matmul made reuses its scale (one amax, two layouts). Under a
+      // zero-bubble schedule's input-gradient step it runs later, in the weight step (nn/weight_gradients.h), from
+      // what it reads here.
       const Cast& gc = r.grad_output_for_grad_weight;
       const bool same_g_cast = g_for_dx.quantized() && gc.scaling == Scaling::tensorwise &&
                                r.grad_output.scaling == gc.scaling && r.grad_output.dtype == gc.dtype;
-      Operand gq;
-      if (g_pre) {
-        gq = Operand{g_pre->data.reshape({-1, n}), g_pre->scale};
-      } else if (same_g_cast) {
-        gq = Operand{scaled_cast(g, g_for_dx.scale, gc.dtype, /*column_major=*/true), g_for_dx.scale};
-      } else {
-        gq = cast(g, gc, 0, r.power_of_two_scales, reduce, false, /*column_major=*/true);
-      }
-      gq = gq.t();
-      const Operand xq = ctx->saved_data.count("x8")
-                             ? Operand{ctx->saved_data["x8"].toTensor().reshape({-1, k}), ctx->saved_data["x8_scale"].toTensor()}
-                             : cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduce, false,
-                                    /*column_major=*/true);
-      dw = mm(gq, xq, grads[0].scalar_type(), emulate, false).to(weight.scalar_type());
+      std::optional<Operand> x8;
+      if (ctx->saved_data.count("x8")) x8 = Operand{ctx->saved_data["x8"].toTensor().reshape({-1, k}), ctx->saved_data["x8_scale"].toTensor()};
+      const at::Tensor g_scale = same_g_cast ? g_for_dx.scale : at::Tensor();
+      const auto weight_gradient = [=] {
+        Operand gq;
+        if (g_pre) {
+          gq = Operand{g_pre->data.reshape({-1, n}), g_pre->scale};
+        } else if (same_g_cast) {
+          gq = Operand{scaled_cast(g, g_scale, gc.dtype, /*column_major=*/true), g_scale};
+        } else {
+          gq = cast(g, gc, 0, r.power_of_two_scales, reduction.get(), false, /*column_major=*/true);
+        }
+        gq = gq.t();
+        const Operand xq = x8 ? *x8
+                              : cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduction.get(), false,
+                                     /*column_major=*/true);
+        return mm(gq, xq, g.scalar_type(), emulate, false).to(weight.scalar_type());
+      };
+      if (!defer_weight_gradient(weight, weight_gradient)) dw = weight_gradient();
     }
     return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -544,14 +553,16 @@ struct MxLinear : torch::autograd::Function<MxLinear> {
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0))  // dx = g W: g along N, W^T along N
       dx = mx_mm_nt(mx_cast(g, r), mx_cast(weight.t().contiguous(), r), g.scalar_type(), emulate).reshape(x.sizes());
-    if (ctx->needs_input_grad(1)) {  // dW = g^T x: both along the tokens
+    if (ctx->needs_input_grad(1)) {  // dW = g^T x: both along the tokens (later, under a zero-bubble input-gradient step)
       const at::Tensor x2 = x.reshape({-1, k});
       if (x2.size(0) % kMxBlock != 0)
         fail("MXFP8 linears need a multiple of 32 tokens per matmul (the weight gradient's blocks run along the tokens); "
              "this one has ", x2.size(0), ": choose training.seq_len and training.local_batch_size so that each rank's "
              "micro-batch holds a multiple of 32 tokens");
-      dw = mx_mm_nt(mx_cast(g.t().contiguous(), r), mx_cast(x2.t().contiguous(), r), g.scalar_type(), emulate)
-               .to(weight.scalar_type());
+      const auto weight_gradient = [g, x2, r, emulate, dtype = weight.scalar_type()] {
+        return mx_mm_nt(mx_cast(g.t().contiguous(), r), mx_cast(x2.t().contiguous(), r), g.scalar_type(), emulate).to(dtype);
+      };
+      if (!defer_weight_gradient(weight, weight_gradient)) dw = weight_gradient();
     }
     return {dx, dw, at::Tensor(), at::Tensor(), at::Tensor()};
   }

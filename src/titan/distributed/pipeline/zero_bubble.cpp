@@ -3,7 +3,6 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <atomic>
 #include <map>
 
 #include "titan/common/error.h"
@@ -15,10 +14,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// Set only by the training thread around an input-gradient pass; read by autograd (which on GPUs runs backward on
-// a device thread, hence not thread-local).
-std::atomic<DeferredWeights*> g_capture{nullptr};
 
 // `kept`: empty, or the output of the same call in forward (op-level selective checkpointing), returned as it is.
 struct DeferrableLinear : torch::autograd::Function<DeferrableLinear> {
@@ -33,30 +28,25 @@ struct DeferrableLinear : torch::autograd::Function<DeferrableLinear> {
     const at::Tensor& weight = saved[1];
     const at::Tensor& dy = grads[0];
     at::Tensor dx = nn::matmul(dy, weight.to(dy.scalar_type())).to(x.scalar_type());
-    if (DeferredWeights* capture = g_capture.load()) {
-      capture->add({weight, x, dy});
-      return {dx, at::Tensor(), at::Tensor()};
-    }
-    at::Tensor dw = nn::matmul(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type()));
-    return {dx, dw.to(weight.scalar_type()), at::Tensor()};
+    const auto dw = [x, dy, dtype = weight.scalar_type()] {
+      return nn::matmul(dy.reshape({-1, dy.size(-1)}).t(), x.reshape({-1, x.size(-1)}).to(dy.scalar_type())).to(dtype);
+    };
+    if (nn::defer_weight_gradient(weight, dw)) return {dx, at::Tensor(), at::Tensor()};
+    return {dx, dw(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-DeferredWeights::Capture::Capture(DeferredWeights& target) {
-  DeferredWeights* expected = nullptr;
-  if (!g_capture.compare_exchange_strong(expected, &target)) fail("internal: nested zero-bubble weight captures");
-}
+DeferredWeights::Capture::Capture(DeferredWeights& target) { nn::install_weight_gradient_target(&target); }
 
-DeferredWeights::Capture::~Capture() { g_capture.store(nullptr); }
+DeferredWeights::Capture::~Capture() { nn::install_weight_gradient_target(nullptr); }
 
 void DeferredWeights::apply() {
   // Summed per weight first, so each weight's accumulator (and its hooks) runs once per weight step.
   std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> sums;
   for (const auto& e : entries_) {
-    at::Tensor dw = nn::matmul(e.grad_output.reshape({-1, e.grad_output.size(-1)}).t(),
-                               e.input.reshape({-1, e.input.size(-1)}).to(e.grad_output.scalar_type()));
+    at::Tensor dw = e.compute();
     auto [it, fresh] = sums.try_emplace(e.weight.unsafeGetTensorImpl(), e.weight, dw);
     if (!fresh) it->second.second.add_(dw);
   }

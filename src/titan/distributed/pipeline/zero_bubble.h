@@ -1,19 +1,23 @@
 // The zero-bubble split of backward: linear layers whose weight gradient can be deferred. During an input-gradient
-// pass (a DeferredWeights::Capture is alive) they compute only the gradient of their input and keep (input,
-// output gradient); the schedule's weight step later turns those into the weight gradient, through the weight's
+// pass (a DeferredWeights::Capture is alive) they compute only the gradient of their input and hand over how to make
+// the weight's (nn/weight_gradients.h: LibTorch's linears from their input and output gradient, float8 and MXFP8
+// linears by their recipes); the schedule's weight step later makes it and accumulates it through the weight's
 // gradient accumulator as a normal backward would. Outside a capture they are ordinary linears.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <vector>
 
 #include "titan/nn/unit.h"
+#include "titan/nn/weight_gradients.h"
 
 namespace titan::distributed::pipeline {
 
-class DeferredWeights {
+class DeferredWeights final : public nn::WeightGradientTarget {
  public:
-  // Makes the weight gradients computed while it lives go to `target`. One at a time (not nested).
+  // Makes the weight gradients computed while it lives go to `target` (nn/weight_gradients.h). One at a time (not
+  // nested).
   class Capture {
    public:
     explicit Capture(DeferredWeights& target);
@@ -21,15 +25,18 @@ class DeferredWeights {
     Capture(const Capture&) = delete;
     Capture& operator=(const Capture&) = delete;
   };
-  struct Entry {
-    at::Tensor weight, input, grad_output;
-  };
-  void add(Entry entry) { entries_.push_back(std::move(entry)); }
+  void defer(const at::Tensor& weight, std::function<at::Tensor()> compute) override {
+    entries_.push_back({weight, std::move(compute)});
+  }
   bool empty() const { return entries_.empty(); }
-  // Computes every deferred weight gradient (one per weight) and accumulates it; leaves this empty.
+  // Computes every deferred weight gradient and accumulates it (one accumulation per weight); leaves this empty.
   void apply();
 
  private:
+  struct Entry {
+    at::Tensor weight;
+    std::function<at::Tensor()> compute;
+  };
   std::vector<Entry> entries_;
 };
 

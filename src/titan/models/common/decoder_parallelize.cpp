@@ -367,9 +367,12 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
                                             " batch slices per attention/feed-forward, their forward all-gathers and "
                                             "reduce-scatters overlapped with computation")
                                       : std::string()));
-    if (p.enable_async_tensor_parallel && config.training.local_batch_size < 2)
-      log::warn("parallelism.enable_async_tensor_parallel: with training.local_batch_size 1 there is one batch slice, "
-                "so nothing overlaps; use a local batch of 2 or more");
+    // The slices are of what one forward takes: the local batch, or under a pipeline one micro-batch.
+    if (p.enable_async_tensor_parallel && (dims.pp > 1 ? p.pipeline_parallel_microbatch_size : config.training.local_batch_size) < 2)
+      log::warn(dims.pp > 1 ? "parallelism.enable_async_tensor_parallel: with parallelism.pipeline_parallel_microbatch_size 1 each "
+                              "forward takes one sequence, one batch slice, so nothing overlaps; use micro-batches of 2 or more"
+                            : "parallelism.enable_async_tensor_parallel: with training.local_batch_size 1 there is one batch slice, "
+                              "so nothing overlaps; use a local batch of 2 or more");
   } else if (p.enable_async_tensor_parallel) {
     log::warn("parallelism.enable_async_tensor_parallel has no effect without tensor parallelism (tensor_parallel_degree = 1)");
   }
@@ -381,6 +384,8 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
       FeedForward* ffn = block.feed_forward ? block.feed_forward.get() : block.moe->shared_experts.get();
       std::vector<nn::Linear*> linears = block.attention_linears();
       if (ffn) linears.insert(linears.end(), {ffn->w1.get(), ffn->w2.get(), ffn->w3.get()});
+      // A float8 or MXFP8 linear's converter computes its product itself (its wrapper, outside this one, never calls
+      // on): its backward defers its own weight gradient, by its recipe (nn/weight_gradients.h).
       for (auto* linear : linears) distributed::pipeline::defer_weight_gradient(*linear);
     }
   }
