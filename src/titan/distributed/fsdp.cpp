@@ -10,6 +10,7 @@
 // backward.
 #include "titan/distributed/fsdp.h"
 
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -99,8 +100,9 @@ Fsdp::Fsdp(const std::vector<FsdpUnitSpec>& specs, std::vector<ShardedParameter>
                                                   const nn::Unit::Next& next) {
           if (!*alive) fail("the model's FSDP wrapping was destroyed; a model sharded by FSDP cannot run without it");
           unshard(u);
-          // In backward this is a recomputed forward (activation checkpointing): the next unit's turn has passed.
-          for (size_t v = u + 1; v < units_.size() && !in_backward_; ++v)
+          // Inside autograd's backward this is a recomputed forward (activation checkpointing): the next unit's turn
+          // has passed. (Asked of the engine, not kept as a flag: a pipeline's forwards come between its backwards.)
+          for (size_t v = u + 1; v < units_.size() && torch::autograd::get_current_graph_task_id() == -1; ++v)
             if (!units_[v].params.empty()) {
               start_gather(v);  // prefetch the next unit's parameters while this one computes
               break;
@@ -254,7 +256,6 @@ void Fsdp::reshard(size_t u) {
 }
 
 void Fsdp::pre_backward(size_t u) {
-  in_backward_ = true;
   unshard(u);
   for (size_t v = u; v-- > 0;)
     if (!units_[v].params.empty()) {
@@ -320,7 +321,6 @@ void Fsdp::reduce(size_t u) {
 }
 
 void Fsdp::after_backward() {
-  in_backward_ = false;
   if (options_.defer_gradient_reduction) return;
   // Units some of whose parameters received no gradient (unused in this pass) are reduced now, in reverse unit
   // order on every rank, with zeros for the missing gradients.
@@ -348,7 +348,6 @@ void Fsdp::finish_gradients() {
   // optimizer is about to change: drop them.
   for (size_t u = 0; u < units_.size(); ++u)
     if (units_[u].state != Unit::State::Sharded) reshard(u);
-  in_backward_ = false;
 }
 
 void Fsdp::accumulate(size_t count) {

@@ -104,7 +104,6 @@ class Fsdp final : public DataParallel {
   double wait_seconds_ = 0;
   int64_t bytes_gathered_ = 0, float8_bytes_gathered_ = 0;
   bool float8_scales_fresh_ = false;  // the precomputed scales match the shards
-  bool in_backward_ = false;          // from the first unit's backward until finish_gradients
   bool last_microbatch_ = true;
 };
 
