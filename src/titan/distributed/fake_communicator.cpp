@@ -116,7 +116,14 @@ class FakeCommunicator final : public Communicator {
       return completed_work();
     }
     std::lock_guard<std::mutex> lock(generator_mutex_);
-    tensor.normal_(0.0, 1.0, generator_for(tensor.device()));
+    const auto dtype = tensor.scalar_type();
+    at::Generator* generator = in_place_generator(tensor.device());
+    if (generator && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble)) {
+      tensor.normal_(0.0, 1.0, *generator);
+    } else {
+      // Another device (a ROCm build's) or dtype (float8, which has no normal_): drawn on the CPU and copied over.
+      tensor.copy_(at::empty(tensor.sizes(), at::kFloat).normal_(0.0, 1.0, cpu_generator_));
+    }
     return completed_work();
   }
   std::shared_ptr<Work> send_recv(const at::Tensor& send, int destination, at::Tensor& recv, int source, bool) override {
@@ -144,24 +151,26 @@ class FakeCommunicator final : public Communicator {
 
   int rank_, size_;
   at::Device device_;
-  std::atomic<int64_t> bytes_{0};
+  std::atomic<int64_t> bytes_{0};  // operations may come from more than one thread
   static constexpr uint64_t kStandInSeed = 20261201;
-  at::Generator& generator_for(const at::Device& device) {
-    if (device.is_cpu()) return cpu_generator_;
+  // A generator of this communicator's own that draws in place on `device`, or null: the CPU's, or (built with
+  // CUDA) one per communicator for its CUDA device.
+  at::Generator* in_place_generator(const at::Device& device) {
+    if (device.is_cpu()) return &cpu_generator_;
 #ifdef TITAN_WITH_CUDA
     if (device.is_cuda()) {
       if (!device_generator_.defined()) {
         device_generator_ = at::cuda::detail::createCUDAGenerator(device.has_index() ? device.index() : 0);
         device_generator_.set_current_seed(kStandInSeed);
       }
-      return device_generator_;
+      return &device_generator_;
     }
 #endif
-    fail("internal: the fake backend draws stand-ins on the CPU or a CUDA device, not ", device.str());
+    return nullptr;
   }
   std::mutex generator_mutex_;
   at::Generator cpu_generator_ = at::make_generator<at::CPUGeneratorImpl>(kStandInSeed);
-  at::Generator device_generator_;  // created on the first receive into device memory  // operations may come from more than one thread
+  at::Generator device_generator_;  // created on the first receive into CUDA memory
 };
 
 int positive_env(const char* name, const char* what) {

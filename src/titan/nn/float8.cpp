@@ -393,20 +393,24 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
       std::optional<Operand> x8;
       if (ctx->saved_data.count("x8")) x8 = Operand{ctx->saved_data["x8"].toTensor().reshape({-1, k}), ctx->saved_data["x8_scale"].toTensor()};
       const at::Tensor g_scale = same_g_cast ? g_for_dx.scale : at::Tensor();
+      // What it reads, and nothing more (a deferred one holds it until the weight step): the output gradient's
+      // float8 cast when one came with it, else the gradient; the input's float8 cast when one was saved, else the input.
+      const at::Tensor g_high = g_pre ? at::Tensor() : g, x_high = x8 ? at::Tensor() : x;
+      const at::ScalarType out_dtype = grads[0].scalar_type(), weight_dtype = weight.scalar_type();
       const auto weight_gradient = [=] {
         Operand gq;
         if (g_pre) {
           gq = Operand{g_pre->data.reshape({-1, n}), g_pre->scale};
         } else if (same_g_cast) {
-          gq = Operand{scaled_cast(g, g_scale, gc.dtype, /*column_major=*/true), g_scale};
+          gq = Operand{scaled_cast(g_high, g_scale, gc.dtype, /*column_major=*/true), g_scale};
         } else {
-          gq = cast(g, gc, 0, r.power_of_two_scales, reduction.get(), false, /*column_major=*/true);
+          gq = cast(g_high, gc, 0, r.power_of_two_scales, reduction.get(), false, /*column_major=*/true);
         }
         gq = gq.t();
         const Operand xq = x8 ? *x8
-                              : cast(x.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduction.get(), false,
-                                     /*column_major=*/true);
-        return mm(gq, xq, g.scalar_type(), emulate, false).to(weight.scalar_type());
+                              : cast(x_high.reshape({-1, k}), r.input_for_grad_weight, 0, r.power_of_two_scales, reduction.get(),
+                                     false, /*column_major=*/true);
+        return mm(gq, xq, out_dtype, emulate, false).to(weight_dtype);
       };
       if (!defer_weight_gradient(weight, weight_gradient)) dw = weight_gradient();
     }

@@ -45,10 +45,13 @@ DeferredWeights::Capture::~Capture() { nn::install_weight_gradient_target(nullpt
 void DeferredWeights::apply() {
   // Summed per weight first, so each weight's accumulator (and its hooks) runs once per weight step.
   std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> sums;
-  for (const auto& e : entries_) {
-    at::Tensor dw = e.compute();
-    auto [it, fresh] = sums.try_emplace(e.weight.unsafeGetTensorImpl(), e.weight, dw);
-    if (!fresh) it->second.second.add_(dw);
+  {
+    at::NoGradGuard no_grad;  // the products themselves record no graph (their inputs may require gradients)
+    for (const auto& e : entries_) {
+      at::Tensor dw = e.compute();
+      auto [it, fresh] = sums.try_emplace(e.weight.unsafeGetTensorImpl(), e.weight, dw);
+      if (!fresh) it->second.second.add_(dw);
+    }
   }
   entries_.clear();
   std::vector<at::Tensor> weights, gradients;
