@@ -346,9 +346,11 @@ def test_every_builtin_profile_plans_and_pipelines_report_a_bubble():
                 "--parallelism.data_parallel_shard_degree", "4", "--parallelism.tensor_parallel_degree", "8",
                 "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "1F1B",
                 "--parallelism.pipeline_parallel_first_stage_less_layers", first_stage_less_layers]
-        ranks = plan_json(args)["memory"]["pipeline_ranks"]
+        p = plan_json(args)
+        ranks = p["memory"]["pipeline_ranks"]
         largest = max(ranks, key=lambda r: r["allocated_bytes"])["pipeline_rank"]
         assert largest == expected, ranks
+        assert p["dry_run"] == {"NGPU": 128, "RANK": 32 * largest}, p["dry_run"]
         text = run([binary("titan"), "plan", *args]).stdout
         assert f"measure it: NGPU=128 RANK={32 * largest} titan train <these options> --comm.mode fake_backend" in text, text
         assert f"trains rank {32 * largest} (pipeline rank {largest}) alone" in text, text

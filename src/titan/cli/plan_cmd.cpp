@@ -52,6 +52,16 @@ const char* phase_name(protocols::Phase phase) {
   return "step";
 }
 
+// The rank whose memory the dry run (comm.mode = "fake_backend") measures: under a pipeline the first rank, in the
+// mesh's order (pp outermost), of the pipeline rank with the largest estimate; rank 0 otherwise.
+int64_t dry_run_rank(const plan::Plan& p) {
+  int64_t pipeline_rank = 0;
+  double largest = -1;
+  for (const auto& r : p.pipeline_ranks)
+    if (r.memory.total() > largest) largest = r.memory.total(), pipeline_rank = r.rank;
+  return pipeline_rank * p.dims.world_size / p.dims.pp;
+}
+
 nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& cluster) {
   nlohmann::ordered_json memory = nlohmann::ordered_json::object();
   for (const auto& t : p.memory.terms) memory[t.name] = t.bytes;
@@ -77,7 +87,8 @@ nlohmann::ordered_json to_json(const plan::Plan& p, const plan::ClusterProfile& 
           {"tokens_per_second_band", {p.time.tokens_per_second_low, p.time.tokens_per_second_high}},
           {"mfu", p.time.mfu},
           {"bound", p.time.bound},
-          {"not_runnable", p.not_runnable}};
+          {"not_runnable", p.not_runnable},
+          {"dry_run", {{"NGPU", p.dims.world_size}, {"RANK", dry_run_rank(p)}}}};
 }
 
 void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
@@ -119,18 +130,13 @@ void print_plan(const plan::Plan& p, const plan::ClusterProfile& cluster) {
     std::cout << strprintf("  %-18s %9.2f GiB allocated (pipeline rank %lld)\n",
                            r.kind == "first_and_last" ? "first+last stages" : (r.kind + " stage").c_str(), gib(r.memory.total()),
                            static_cast<long long>(r.rank));
-  // One rank's measured peak, on one device: comm.mode = "fake_backend" plays it alone (the pipeline rank with the
-  // largest estimate, whose first rank in the mesh's order, pp outermost, is pipeline rank x world / pp).
-  int64_t pipeline_rank = 0;
-  double largest = -1;
-  for (const auto& r : p.pipeline_ranks)
-    if (r.memory.total() > largest) largest = r.memory.total(), pipeline_rank = r.rank;
+  // One rank's measured peak, on one device: comm.mode = "fake_backend" plays it alone.
+  const int64_t rank = dry_run_rank(p), per_pipeline_rank = p.dims.world_size / p.dims.pp;
   std::cout << strprintf("  measure it: NGPU=%lld RANK=%lld titan train <these options> --comm.mode fake_backend --training.steps 3\n"
                          "    trains rank %lld%s alone on one device, with its shapes and memory and no communication "
                          "(docs/distributed.md)\n",
-                         static_cast<long long>(p.dims.world_size), static_cast<long long>(pipeline_rank * p.dims.world_size / p.dims.pp),
-                         static_cast<long long>(pipeline_rank * p.dims.world_size / p.dims.pp),
-                         p.dims.pp > 1 ? strprintf(" (pipeline rank %lld)", static_cast<long long>(pipeline_rank)).c_str() : "");
+                         static_cast<long long>(p.dims.world_size), static_cast<long long>(rank), static_cast<long long>(rank),
+                         p.dims.pp > 1 ? strprintf(" (pipeline rank %lld)", static_cast<long long>(rank / per_pipeline_rank)).c_str() : "");
   std::cout << strprintf("time per step: %.3f s\n", p.time.step_seconds);
   for (const auto& t : p.time.terms) {
     std::string hidden = t.total > t.seconds * 1.0001 ? strprintf(" (%.3f s in all, the rest hidden)", t.total) : "";
