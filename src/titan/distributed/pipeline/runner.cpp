@@ -202,8 +202,7 @@ at::Tensor PipelineRunner::receive_activation(int stage, int microbatch, double&
       const auto* h = h_cpu.data_ptr<int64_t>();
       c.shape.emplace(static_cast<at::ScalarType>(h[0]), std::vector<int64_t>(h + 2, h + 2 + h[1]));
       // What the stage expects is what the fake backend builds its stand-ins from: held to every real first message.
-      if (receiver.input_shape && receiver.input_shape() != *c.shape) {
-        const Stage::Shape expected = receiver.input_shape();
+      if (const Stage::Shape expected = receiver.input_shape ? receiver.input_shape() : *c.shape; expected != *c.shape) {
         fail("internal: stage ", stage, " expects ", expected.first, " ", at::IntArrayRef(expected.second), " from stage ", stage - 1,
              ", which sent ", c.shape->first, " ", at::IntArrayRef(c.shape->second));
       }

@@ -368,11 +368,12 @@ ModelPart parallelize(Decoder& model, const distributed::DeviceMesh& mesh, const
                                             "reduce-scatters overlapped with computation")
                                       : std::string()));
     // The slices are of what one forward takes: the local batch, or under a pipeline one micro-batch.
-    if (p.enable_async_tensor_parallel && (dims.pp > 1 ? p.pipeline_parallel_microbatch_size : config.training.local_batch_size) < 2)
-      log::warn(dims.pp > 1 ? "parallelism.enable_async_tensor_parallel: with parallelism.pipeline_parallel_microbatch_size 1 each "
-                              "forward takes one sequence, one batch slice, so nothing overlaps; use micro-batches of 2 or more"
-                            : "parallelism.enable_async_tensor_parallel: with training.local_batch_size 1 there is one batch slice, "
-                              "so nothing overlaps; use a local batch of 2 or more");
+    const bool pipelined = dims.pp > 1;
+    if (p.enable_async_tensor_parallel && (pipelined ? p.pipeline_parallel_microbatch_size : config.training.local_batch_size) < 2)
+      log::warn("parallelism.enable_async_tensor_parallel: with ",
+                pipelined ? "parallelism.pipeline_parallel_microbatch_size" : "training.local_batch_size",
+                " 1 each forward takes one sequence, one batch slice, so nothing overlaps; use ",
+                pipelined ? "micro-batches" : "a local batch", " of 2 or more");
   } else if (p.enable_async_tensor_parallel) {
     log::warn("parallelism.enable_async_tensor_parallel has no effect without tensor parallelism (tensor_parallel_degree = 1)");
   }
