@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "titan/config/job_config.h"
+#include "titan/distributed/pipeline/schedule.h"
 #include "titan/models/common/decoder_memory.h"
 #include "titan/models/llama3/args.h"
 
@@ -148,4 +150,67 @@ TEST(MemoryEstimate, OnAGpuTheGradientsReuseTheActivationsMemory) {
   EXPECT_DOUBLE_EQ(bytes_named(tied, "the embedding's gradients"), 0);
   EXPECT_DOUBLE_EQ(bytes_named(tied, "the embedding's backward"), 128256.0 * 2048 * 4);
   EXPECT_DOUBLE_EQ(bytes_named(tied, "the output's gradients"), (128256.0 * 2048 + 2048) * 4);
+}
+
+TEST(MemoryEstimate, ZeroBubbleSchedulesHoldWhatTheirWeightStepsWaitFor) {
+  using titan::distributed::pipeline::Schedule;
+  // Schedules without weight steps hold activations only, as many at most as their forwards in flight.
+  const Schedule one_f_one_b = Schedule::make("1F1B", 4, 4, 8);
+  for (int r = 0; r < 4; ++r) {
+    const auto held = one_f_one_b.held(r);
+    ASSERT_EQ(held.size(), 1u);
+    EXPECT_EQ(held[0].forwards, one_f_one_b.max_in_flight(r));
+    EXPECT_EQ(held[0].forwards, 4 - r);
+    EXPECT_EQ(held[0].deferred, 0);
+  }
+  // ZBV on 2 ranks: input steps wait for their weight steps, so some state holds deferred operands; none holds more
+  // forwards than the schedule's most in flight, and none is covered by another.
+  const Schedule zbv = Schedule::make("ZBVZeroBubble", 2, 4, 8);
+  for (int r = 0; r < 2; ++r) {
+    const auto held = zbv.held(r);
+    int most_forwards = 0, most_deferred = 0;
+    for (const auto& s : held) {
+      most_forwards = std::max(most_forwards, s.forwards);
+      most_deferred = std::max(most_deferred, s.deferred);
+      for (const auto& o : held)
+        EXPECT_FALSE(&o != &s && o.forwards >= s.forwards && o.deferred >= s.deferred) << r;
+    }
+    EXPECT_EQ(most_forwards, zbv.max_in_flight(r));
+    EXPECT_GT(most_deferred, 0) << r;
+  }
+
+  // The estimate: the 100M flavor's 8 blocks in float32 on PP 2, 4 micro-batches of 1 x 512 tokens, full AC. Each
+  // deferred (stage, micro-batch) pair keeps, per token of each of its blocks, every block linear's input (the two
+  // normalised streams and the attention's and SwiGLU's outputs) and output gradient, far more than a checkpointed
+  // forward's block input: the state with the most deferred steps is the rank's peak.
+  titan::models::DecoderArgs a = titan::llama3::flavor("100M");
+  a.n_layers = 8;
+  titan::config::JobConfig config = one_sequence(512);
+  config.training.dtype = "float32";
+  config.training.local_batch_size = 4;
+  config.activation_checkpoint.mode = "full";
+  config.parallelism.pipeline_parallel_degree = 2;
+  config.parallelism.pipeline_parallel_microbatch_size = 1;
+  titan::distributed::ParallelDims dims;
+  dims.pp = 2;
+  dims.world_size = 2;
+  const auto estimate = [&](const std::string& schedule, int64_t rank) {
+    config.parallelism.pipeline_parallel_schedule = schedule;
+    return titan::models::estimate_training_memory(a, config, dims, /*autocast=*/false, 0, Execution::titan, rank);
+  };
+  const double d = static_cast<double>(a.dim), q = static_cast<double>(a.n_heads * a.head_dim());
+  const double k = static_cast<double>(a.kv_heads() * a.head_dim()), h = static_cast<double>(a.ffn_hidden_dim());
+  const double per_token = 4 * ((q + 2 * k + d + 2 * h + d) + 2 * d + (q + h));
+  // A pair is one stage's micro-batch, counted as half the rank's blocks: torchtitan's split counts the embedding
+  // and the output as layers, so the V gives rank 0 (the first and last stages) 3 blocks and rank 1 the other 5.
+  const double blocks_on[] = {3, 5};
+  const Schedule zbv4 = Schedule::make("ZBVZeroBubble", 2, 4, 4);
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(bytes_named(estimate("Interleaved1F1B", rank), "deferred weight gradients' operands"), 0);
+    int most_deferred = 0;
+    for (const auto& s : zbv4.held(static_cast<int>(rank))) most_deferred = std::max(most_deferred, s.deferred);
+    EXPECT_GE(most_deferred, 1) << rank;
+    const double pair = 512 * per_token * blocks_on[rank] / 2;
+    EXPECT_NEAR(bytes_named(estimate("ZBVZeroBubble", rank), "deferred weight gradients' operands"), most_deferred * pair, 1e-9 * pair) << rank;
+  }
 }

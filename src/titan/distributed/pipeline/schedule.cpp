@@ -455,6 +455,27 @@ int Schedule::max_in_flight(int rank) const {
   return most;
 }
 
+std::vector<Schedule::Held> Schedule::held(int rank) const {
+  std::vector<Held> states;
+  Held now;
+  for (const auto& a : actions(rank)) {
+    if (a.op == Op::Forward) ++now.forwards;
+    else if (is_backward(a.op)) --now.forwards;
+    if (a.op == Op::BackwardInput) ++now.deferred;
+    else if (a.op == Op::BackwardWeight) --now.deferred;
+    states.push_back(now);
+  }
+  std::vector<Held> kept;
+  for (const Held& s : states) {
+    const bool covered = std::any_of(states.begin(), states.end(), [&](const Held& o) {
+      return o.forwards >= s.forwards && o.deferred >= s.deferred && (o.forwards > s.forwards || o.deferred > s.deferred);
+    });
+    const bool repeated = std::any_of(kept.begin(), kept.end(), [&](const Held& o) { return o.forwards == s.forwards && o.deferred == s.deferred; });
+    if (!covered && !repeated) kept.push_back(s);
+  }
+  return kept;
+}
+
 std::string Schedule::to_csv() const {
   std::string out;
   for (const auto& actions : per_rank_) {

@@ -65,6 +65,15 @@ class Schedule {
   Simulation simulate() const;
   // The most micro-batches whose forward ran and whose (input) backward has not, on `rank`'s stages together.
   int max_in_flight(int rank) const;
+  // What `rank` holds after each of its actions, counted in (stage, micro-batch) pairs: forwards whose (input)
+  // backward has not run, which keep their activations, and input steps whose weight step has not, which keep their
+  // linears' inputs and output gradients (zero-bubble schedules; always 0 for the others). Only the states no other
+  // state holds at least as much of both, in action order.
+  struct Held {
+    int forwards = 0;
+    int deferred = 0;
+  };
+  std::vector<Held> held(int rank) const;
   // One CSV row per rank in the from_csv format.
   std::string to_csv() const;
 

@@ -3,7 +3,6 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <map>
 
 #include "titan/common/error.h"
 #include "titan/nn/kept_ops.h"
@@ -43,23 +42,30 @@ DeferredWeights::Capture::Capture(DeferredWeights& target) { nn::install_weight_
 DeferredWeights::Capture::~Capture() { nn::install_weight_gradient_target(nullptr); }
 
 void DeferredWeights::apply() {
-  // Summed per weight first, so each weight's accumulator (and its hooks) runs once per weight step.
-  std::map<c10::TensorImpl*, std::pair<at::Tensor, at::Tensor>> sums;
-  {
-    at::NoGradGuard no_grad;  // the products themselves record no graph (their inputs may require gradients)
-    for (const auto& e : entries_) {
-      at::Tensor dw = e.compute();
-      auto [it, fresh] = sums.try_emplace(e.weight.unsafeGetTensorImpl(), e.weight, dw);
-      if (!fresh) it->second.second.add_(dw);
-    }
-  }
+  // One weight at a time: its deferred products summed (a weight used twice accumulates once, so its accumulator and
+  // hooks run once per weight step), landed through its gradient accumulator, and freed before the next weight's are
+  // made. Each entry's operands are released as soon as it has run, so the step holds one weight's gradient and
+  // what the remaining entries read, never the whole stage's weight gradients at once.
+  std::vector<Entry> entries = std::move(entries_);
   entries_.clear();
-  std::vector<at::Tensor> weights, gradients;
-  for (auto& [impl, item] : sums) {
-    weights.push_back(item.first);
-    gradients.push_back(item.second.to(item.first.scalar_type()));
+  std::vector<bool> done(entries.size(), false);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (done[i]) continue;
+    const at::Tensor weight = entries[i].weight;
+    at::Tensor dw;
+    {
+      at::NoGradGuard no_grad;  // the products themselves record no graph (their inputs may require gradients)
+      for (size_t j = i; j < entries.size(); ++j) {
+        if (done[j] || !entries[j].weight.is_same(weight)) continue;
+        at::Tensor part = entries[j].compute();
+        entries[j] = Entry{};
+        done[j] = true;
+        if (dw.defined()) dw.add_(part);
+        else dw = std::move(part);
+      }
+    }
+    torch::autograd::backward({weight}, {dw.to(weight.scalar_type())});
   }
-  if (!weights.empty()) torch::autograd::backward(weights, gradients);
 }
 
 void defer_weight_gradient(nn::Linear& linear) {

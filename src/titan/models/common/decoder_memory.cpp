@@ -63,7 +63,7 @@ struct BlockActivations {
 };
 
 BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double r, double c, bool autocast, int64_t tp,
-                                   FusedKernels kernels, bool experts_local) {
+                                   FusedKernels kernels, bool experts_local, bool weights_deferred) {
   const bool fused = kernels == FusedKernels::cpu, cuda = kernels == FusedKernels::cuda;
   const double d = static_cast<double>(a.dim), t = static_cast<double>(tp);
   const double h = static_cast<double>(moe_block ? (a.moe->top_k + a.moe->num_shared_experts) * a.moe->hidden_dim : a.ffn_hidden_dim());
@@ -97,34 +97,63 @@ BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double 
   // the block saved (debug model, full AC, 4 x 2048: 0.66x with half of it).
   out.backward_buffers = out.full;
   out.input_only = d * r / t;
+  if (weights_deferred && autocast && tp == 1) {
+    // Zero-bubble schedules' deferrable linears (distributed/pipeline/zero_bubble.cpp) save the normalised input
+    // they are given, in the parameter dtype, instead of autocast's compute-dtype copy: attention's (and a dense
+    // feed-forward's) copies are not kept, and under the fused kernels the norms' outputs stay alive.
+    const double copies = (a.mla ? 2 : 3) + (moe_block ? 0 : 2), streams = moe_block ? 1 : 2;
+    out.full += -copies * d * c + (fused ? streams * d * r : 0);
+  }
   return out;
+}
+
+// Zero-bubble schedules: per token of one block, what an input-gradient step leaves for its weight step
+// (distributed/pipeline/zero_bubble.cpp): each deferred linear's input and its output's gradient, in the compute
+// dtype but for the normalised streams, kept as given (the parameter dtype; under sequence parallelism the gathered
+// compute-dtype copy). A Mixture-of-Experts block's routed experts compute their weight gradients at once.
+double deferred_per_token(const DecoderArgs& a, bool moe_block, double r, double c, int64_t tp) {
+  using Split = BlockLinear::Split;
+  using Input = BlockLinear::Input;
+  const double t = static_cast<double>(tp);
+  double bytes = 0;
+  for (const auto& l : block_linears(a, moe_block)) {
+    bytes += l.out / (l.split == Split::column ? t : 1.0) * c;
+    if (l.input == Input::stream) bytes += l.in * (tp > 1 ? c : r);
+    else if (l.input == Input::own) bytes += l.in / (l.split == Split::row ? t : 1.0) * c;
+  }
+  return bytes;
 }
 
 }  // namespace
 
 std::vector<BlockLinear> block_linears(const DecoderArgs& a, bool moe_block) {
   using Split = BlockLinear::Split;
+  using Input = BlockLinear::Input;
   const double d = static_cast<double>(a.dim), heads = static_cast<double>(a.n_heads);
   std::vector<BlockLinear> out;
   if (a.mla) {
     const auto& m = *a.mla;
     const double w = heads * static_cast<double>(m.qk_head_dim()), latent = static_cast<double>(m.kv_lora_rank);
+    const double kv_a = latent + static_cast<double>(m.qk_rope_head_dim);
     if (m.q_lora_rank > 0) {
       const double low_rank = static_cast<double>(m.q_lora_rank);
-      out.push_back({d, low_rank, Split::none});  // wq_a
-      out.push_back({low_rank, w, Split::column});  // wq_b
+      out.push_back({d, low_rank, Split::none, Input::stream});  // wq_a
+      out.push_back({low_rank, w, Split::column});                // wq_b
+      out.push_back({d, kv_a, Split::none, Input::shared});       // wkv_a (reads wq_a's input)
     } else {
-      out.push_back({d, w, Split::column});  // wq
+      out.push_back({d, w, Split::column, Input::stream});  // wq
+      out.push_back({d, kv_a, Split::none, Input::shared});  // wkv_a
     }
-    out.push_back({d, latent + static_cast<double>(m.qk_rope_head_dim), Split::none});                       // wkv_a
     out.push_back({latent, heads * static_cast<double>(m.qk_nope_head_dim + m.v_head_dim), Split::column});  // wkv_b
     out.push_back({heads * static_cast<double>(m.v_head_dim), d, Split::row});                               // wo
   } else {
     const double q = static_cast<double>(a.n_heads * a.head_dim()), k = static_cast<double>(a.kv_heads() * a.head_dim());
-    out.insert(out.end(), {{d, q, Split::column}, {d, k, Split::column}, {d, k, Split::column}, {q, d, Split::row}});
+    out.insert(out.end(), {{d, q, Split::column, Input::stream}, {d, k, Split::column, Input::shared},
+                           {d, k, Split::column, Input::shared}, {q, d, Split::row}});
   }
   const double h = moe_block ? static_cast<double>(a.moe->num_shared_experts * a.moe->hidden_dim) : static_cast<double>(a.ffn_hidden_dim());
-  if (h > 0) out.insert(out.end(), {{d, h, Split::column}, {d, h, Split::column}, {h, d, Split::row}});  // w1, w3, w2
+  if (h > 0)  // w1, w3, w2
+    out.insert(out.end(), {{d, h, Split::column, Input::stream}, {d, h, Split::column, Input::shared}, {h, d, Split::row}});
   return out;
 }
 
@@ -327,31 +356,33 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   const double cp = static_cast<double>(dims.cp);
   const int64_t microbatch = pipelined ? parallelism.pipeline_parallel_microbatch_size : training.local_batch_size;
   const double tokens = static_cast<double>(microbatch) * static_cast<double>(training.seq_len) / cp;
-  int64_t in_flight = 1;
+  // What the rank holds at once, in (stage, micro-batch) pairs: one forward's activations without a pipeline.
+  using Held = distributed::pipeline::Schedule::Held;
+  std::vector<Held> held{{1, 0}};
   if (pipelined) {
     const int64_t m = training.local_batch_size / std::max<int64_t>(1, parallelism.pipeline_parallel_microbatch_size);
-    // The schedule says how many micro-batches a rank holds at once (1F1B: pp - rank on rank `rank`); the busiest
+    // The schedule says how many micro-batches' activations a rank holds at once (1F1B: pp - rank on rank `rank`)
+    // and, on zero-bubble schedules, how many input steps wait for their weight steps; the states of the busiest
     // rank's when no rank is given. A schedule that cannot run these numbers is reported by the trainer.
-    in_flight = std::min<int64_t>(m, dims.pp * stages_per_rank);
+    held = {{static_cast<int>(std::min<int64_t>(m, dims.pp * stages_per_rank)), 0}};
     // Per (schedule, ranks, micro-batches): `titan plan --search` asks for the same ones many times.
-    static std::map<std::tuple<std::string, int64_t, int64_t>, std::vector<int>> per_rank_cache;
+    static std::map<std::tuple<std::string, int64_t, int64_t>, std::vector<std::vector<Held>>> per_rank_cache;
     const auto key = std::make_tuple(parallelism.pipeline_parallel_schedule, dims.pp, m);
     auto it = per_rank_cache.find(key);
     if (it == per_rank_cache.end()) {
-      std::vector<int> per_rank;
+      std::vector<std::vector<Held>> per_rank;
       try {
         const auto schedule = distributed::pipeline::Schedule::make(parallelism.pipeline_parallel_schedule, static_cast<int>(dims.pp),
                                                                     static_cast<int>(stages), static_cast<int>(m));
-        for (int r = 0; r < dims.pp; ++r) per_rank.push_back(schedule.max_in_flight(r));
+        for (int r = 0; r < dims.pp; ++r) per_rank.push_back(schedule.held(r));
       } catch (const UserError&) {
       }
       it = per_rank_cache.emplace(key, std::move(per_rank)).first;
     }
     if (!it->second.empty()) {
-      int most = 0;
+      held.clear();
       for (int r = 0; r < dims.pp; ++r)
-        if (pipeline_rank < 0 || r == pipeline_rank) most = std::max(most, it->second[static_cast<size_t>(r)]);
-      in_flight = most;
+        if (pipeline_rank < 0 || r == pipeline_rank) held.insert(held.end(), it->second[static_cast<size_t>(r)].begin(), it->second[static_cast<size_t>(r)].end());
     }
   }
   // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
@@ -360,12 +391,13 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   const auto& ac = config.activation_checkpoint;
   // Per token: what the rank's blocks keep through the step, and the most one block holds while it runs backward
   // (recomputed, and its gradients' buffers).
-  double per_token = 0, recompute = 0, backward_buffers = 0;
+  double per_token = 0, recompute = 0, backward_buffers = 0, deferred_per_token_here = 0;
   for (const bool moe_kind : {false, true}) {
     const int64_t count = moe_kind ? blocks.moe : blocks.dense;
     if (count == 0) continue;
     const auto n = static_cast<double>(count);
-    const BlockActivations block = block_activations(a, moe_kind, r, c, autocast, dims.tp, kernels, dims.ep == 1);
+    const BlockActivations block = block_activations(a, moe_kind, r, c, autocast, dims.tp, kernels, dims.ep == 1, schedule.splits_backward);
+    if (schedule.splits_backward) deferred_per_token_here += n * deferred_per_token(a, moe_kind, r, c, dims.tp);
     backward_buffers = std::max(backward_buffers, block.backward_buffers);
     if (ac.mode == "full") {
       per_token += n * block.input_only;
@@ -385,7 +417,7 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     }
   }
   if (holds_last) per_token += d * (p_bytes + c) / tp;  // the final norm and the output projection's input
-  // Under a multi-stage schedule `in_flight` counts (stage, micro-batch) pairs, each holding one stage's layers.
+  // Under a multi-stage schedule `held` counts (stage, micro-batch) pairs, each holding one stage's layers.
   const double stage_share = 1.0 / static_cast<double>(stages_per_rank);
   // titan's own execution: a micro-batch's loss is done and its logits freed before the blocks' backward, where a
   // checkpointed block is recomputed and its gradients flow, so the peak holds the larger of the two (`titan plan
@@ -395,8 +427,13 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   const bool all_forwards_first = pipelined && (schedule.name == "GPipe" || schedule.name == "LoopedBFS");
   const bool phased = execution == Execution::titan && !all_forwards_first;
   const Phase backward_phase = phased ? Phase::blocks_backward : Phase::step;
-  e.terms.push_back({"activations", tokens * per_token * static_cast<double>(in_flight) * stage_share,
-                     made_in_backward ? Phase::activations : Phase::step});
+  // The schedule's state that holds the most of both.
+  const double per_pair = tokens * per_token * stage_share, deferred_per_pair = tokens * deferred_per_token_here * stage_share;
+  const Held most = *std::max_element(held.begin(), held.end(), [&](const Held& x, const Held& y) {
+    return x.forwards * per_pair + x.deferred * deferred_per_pair < y.forwards * per_pair + y.deferred * deferred_per_pair;
+  });
+  e.terms.push_back({"activations", per_pair * most.forwards, made_in_backward ? Phase::activations : Phase::step});
+  if (most.deferred > 0) e.terms.push_back({"deferred weight gradients' operands", deferred_per_pair * most.deferred});
   e.terms.push_back({"recomputed block", layers_here > 0 ? tokens * recompute : 0, backward_phase});
   // While a block runs backward, the gradients flowing through it and its kernels' temporaries take about what it
   // saved in forward (measured: docs/metrics.md).

@@ -26,8 +26,12 @@ using protocols::Phase;
 // column-wise, the input row-wise, or not at all: latent attention's wq_a and wkv_a run whole on every rank).
 struct BlockLinear {
   enum class Split { column, row, none };
+  // What it reads: a normalised residual stream (attention's or the feed-forward's input), the same tensor as an
+  // earlier linear in the list (wk and wv as wq, w3 as w1, wkv_a as wq_a or wq), or a tensor of its own.
+  enum class Input { stream, shared, own };
   double in = 0, out = 0;
   Split split = Split::none;
+  Input input = Input::own;
 };
 // A block's linears in forward order, as op-level checkpointing counts them (nn/kept_ops.h: the 1st, 3rd, ... are
 // kept, the others recomputed): attention's, then the dense feed-forward's or a MoE block's shared experts' (none
