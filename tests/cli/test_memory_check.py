@@ -71,6 +71,12 @@ LAYOUTS = {
 WIDER = {
     "debug selective AC 2": (1, UNFUSED),
     "100M (8 blocks) PP 2 (1F1B), 2 x 512": (2, UNFUSED + model_100m(8, 2, 512) + NO_FSDP + ["--parallelism.pipeline_parallel_degree", "2"]),
+    # ZB-V under full AC: the rank's peak is where the most weight steps wait, each holding its stage's linears'
+    # inputs and output gradients (2026-12-01, Zen 4: 0.87 and 0.89; 0.80 and 0.73 before they were counted, with
+    # weight steps that also held a stage's weight gradients at once).
+    "100M (8 blocks) PP 2 (ZBVZeroBubble), full AC, 4 x 512": (2, UNFUSED + model_100m(8, 4, 512) + NO_FSDP + [
+        "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
+        "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode", "full"]),
 }
 
 
