@@ -77,6 +77,13 @@ WIDER = {
     "100M (8 blocks) PP 2 (ZBVZeroBubble), full AC, 4 x 512": (2, UNFUSED + model_100m(8, 4, 512) + NO_FSDP + [
         "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
         "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode", "full"]),
+    # Under TP 2 (4 ranks), where the deferred linears keep the gathered streams in float32, at 4 x 1024 (2026-12-02,
+    # Zen 4: 0.83-0.87 on the four ranks, Interleaved1F1B on the same layout 0.81-0.84; at 4 x 512 0.72-0.77 and
+    # 0.72-0.77, the pipeline's unestimated ~0.1 GiB per rank weighing more).
+    "100M (8 blocks) TP 2 x PP 2 (ZBVZeroBubble), full AC, 4 x 1024": (4, UNFUSED + model_100m(8, 4, 1024) + NO_FSDP + [
+        "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
+        "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode", "full",
+        "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 

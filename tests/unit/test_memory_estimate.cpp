@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 
 #include "titan/config/job_config.h"
 #include "titan/distributed/pipeline/schedule.h"
@@ -213,4 +214,44 @@ TEST(MemoryEstimate, ZeroBubbleSchedulesHoldWhatTheirWeightStepsWaitFor) {
     const double pair = 512 * per_token * blocks_on[rank] / 2;
     EXPECT_NEAR(bytes_named(estimate("ZBVZeroBubble", rank), "deferred weight gradients' operands"), most_deferred * pair, 1e-9 * pair) << rank;
   }
+
+  // A custom order (pipeline_parallel_schedule_csv) is what runs: InterleavedZeroBubble's order under the name
+  // Interleaved1F1B is estimated as InterleavedZeroBubble, and Interleaved1F1B's order under the zero-bubble name
+  // defers nothing.
+  const auto write_csv = [](const std::string& name, const Schedule& order) {
+    const std::string path = ::testing::TempDir() + "/" + name + ".csv";
+    std::ofstream(path) << order.to_csv();
+    return path;
+  };
+  const std::string zero_bubble_csv = write_csv("izb", Schedule::make("InterleavedZeroBubble", 2, 4, 4));
+  const std::string plain_csv = write_csv("i1f1b", Schedule::make("Interleaved1F1B", 2, 4, 4));
+  for (int64_t rank = 0; rank < 2; ++rank) {
+    const MemoryEstimate named = estimate("InterleavedZeroBubble", rank);
+    ASSERT_GT(bytes_named(named, "deferred weight gradients' operands"), 0) << rank;
+    config.parallelism.pipeline_parallel_schedule_csv = zero_bubble_csv;
+    EXPECT_DOUBLE_EQ(estimate("Interleaved1F1B", rank).total(), named.total()) << rank;
+    config.parallelism.pipeline_parallel_schedule_csv = plain_csv;
+    EXPECT_EQ(bytes_named(estimate("InterleavedZeroBubble", rank), "deferred weight gradients' operands"), 0) << rank;
+    EXPECT_DOUBLE_EQ(estimate("InterleavedZeroBubble", rank).total(), estimate("Interleaved1F1B", rank).total()) << rank;
+    config.parallelism.pipeline_parallel_schedule_csv = std::string();
+  }
+
+  // torch.distributed.pipelining (`--as torchtitan`): an input step keeps the forward's graph until the weight
+  // step, so forwards stay in flight longer, and the deferred pairs add only their linears' output gradients. On
+  // ZBV's rank 1 (the middle stages, 5 blocks, no output): a forward keeps each checkpointed block's float32 input.
+  // Every state of titan's order is held at least as long there, and some there holds more than any of titan's
+  // (on this rank: 4 forwards and 1 deferred pair, 3 and 3, against titan's 4 and 0, 3 and 1, 1 and 2, 0 and 3).
+  const auto titan_states = zbv4.held(1), graph_states = zbv4.held(1, true);
+  const auto covers = [](const auto& o, const auto& s) { return o.forwards >= s.forwards && o.deferred >= s.deferred; };
+  for (const auto& s : titan_states)
+    EXPECT_TRUE(std::any_of(graph_states.begin(), graph_states.end(), [&](const auto& o) { return covers(o, s); }));
+  EXPECT_TRUE(std::any_of(graph_states.begin(), graph_states.end(), [&](const auto& s) {
+    return std::none_of(titan_states.begin(), titan_states.end(), [&](const auto& o) { return covers(o, s); });
+  }));
+  config.parallelism.pipeline_parallel_schedule = "ZBVZeroBubble";
+  const MemoryEstimate torchtitan = titan::models::estimate_training_memory(a, config, dims, false, 0, Execution::torchtitan, 1);
+  const double forward_pair = 512.0 * 5 * d * 4 / 2, outputs_pair = 512.0 * 5 * 4 * (q + 2 * k + d + 2 * h + d) / 2;
+  double most = 0;
+  for (const auto& s : zbv4.held(1, true)) most = std::max(most, s.forwards * forward_pair + s.deferred * outputs_pair);
+  EXPECT_NEAR(bytes_named(torchtitan, "activations") + bytes_named(torchtitan, "deferred weight gradients' operands"), most, 1e-9 * most);
 }

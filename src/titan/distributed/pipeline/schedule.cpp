@@ -455,12 +455,12 @@ int Schedule::max_in_flight(int rank) const {
   return most;
 }
 
-std::vector<Schedule::Held> Schedule::held(int rank) const {
+std::vector<Schedule::Held> Schedule::held(int rank, bool graph_until_weight_step) const {
   std::vector<Held> states;
   Held now;
   for (const auto& a : actions(rank)) {
     if (a.op == Op::Forward) ++now.forwards;
-    else if (is_backward(a.op)) --now.forwards;
+    else if (graph_until_weight_step ? a.op == Op::Backward || a.op == Op::BackwardWeight : is_backward(a.op)) --now.forwards;
     if (a.op == Op::BackwardInput) ++now.deferred;
     else if (a.op == Op::BackwardWeight) --now.deferred;
     states.push_back(now);

@@ -68,12 +68,13 @@ class Schedule {
   // What `rank` holds after each of its actions, counted in (stage, micro-batch) pairs: forwards whose (input)
   // backward has not run, which keep their activations, and input steps whose weight step has not, which keep their
   // linears' inputs and output gradients (zero-bubble schedules; always 0 for the others). Only the states no other
-  // state holds at least as much of both, in action order.
+  // state holds at least as much of both, in action order. `graph_until_weight_step`: a forward keeps its
+  // activations until its weight step (torch.distributed.pipelining's input step retains the graph for it).
   struct Held {
     int forwards = 0;
     int deferred = 0;
   };
-  std::vector<Held> held(int rank) const;
+  std::vector<Held> held(int rank, bool graph_until_weight_step = false) const;
   // One CSV row per rank in the from_csv format.
   std::string to_csv() const;
 

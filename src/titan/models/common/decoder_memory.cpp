@@ -92,33 +92,42 @@ BlockActivations block_activations(const DecoderArgs& a, bool moe_block, double 
   if (tp > 1) gathered = 2 * d * c;
   BlockActivations out;
   out.full = sharded / t + attention_saved(a, c, autocast, fused, cuda, t) + gathered;
+  if (weights_deferred && autocast) {
+    // Zero-bubble schedules' deferrable linears (distributed/pipeline/zero_bubble.cpp) save the normalised input
+    // they are given, in the residual dtype, instead of autocast's compute-dtype copy: the copies of attention's
+    // linears and of a dense feed-forward's or a MoE block's shared experts' w1 and w3 are not kept. Without TP,
+    // under the fused kernels, the norms' outputs they read stay alive instead; under TP the gathered streams stay
+    // in the residual dtype (a MoE block's routed experts keep their own gathered copy).
+    const bool shared_experts = moe_block && a.moe->num_shared_experts > 0;
+    const double ffn_linears = !moe_block || shared_experts ? 2 : 0;
+    const double streams = 1 + (ffn_linears > 0 ? 1 : 0);
+    out.full -= (a.mla ? 2 * d * c : 3 * d * c / t) + ffn_linears * d * c / t;  // as attention_saved and `sharded` count them
+    if (tp > 1) out.full += streams * d * r - (moe_block ? 1 : 2) * d * c;
+    else if (fused) out.full += streams * d * r;
+  }
   // The fused kernels' backward allocates less beside what they saved, but with the loss fused (no logits held
   // through the blocks' backward) the measured peak of the fused path sits in the blocks' backward: about what
   // the block saved (debug model, full AC, 4 x 2048: 0.66x with half of it).
   out.backward_buffers = out.full;
   out.input_only = d * r / t;
-  if (weights_deferred && autocast && tp == 1) {
-    // Zero-bubble schedules' deferrable linears (distributed/pipeline/zero_bubble.cpp) save the normalised input
-    // they are given, in the parameter dtype, instead of autocast's compute-dtype copy: attention's (and a dense
-    // feed-forward's) copies are not kept, and under the fused kernels the norms' outputs stay alive.
-    const double copies = (a.mla ? 2 : 3) + (moe_block ? 0 : 2), streams = moe_block ? 1 : 2;
-    out.full += -copies * d * c + (fused ? streams * d * r : 0);
-  }
   return out;
 }
 
 // Zero-bubble schedules: per token of one block, what an input-gradient step leaves for its weight step
 // (distributed/pipeline/zero_bubble.cpp): each deferred linear's input and its output's gradient, in the compute
-// dtype but for the normalised streams, kept as given (the parameter dtype; under sequence parallelism the gathered
-// compute-dtype copy). A Mixture-of-Experts block's routed experts compute their weight gradients at once.
-double deferred_per_token(const DecoderArgs& a, bool moe_block, double r, double c, int64_t tp) {
+// dtype but for the normalised streams, kept as given: in the residual dtype, whole under tensor parallelism (a
+// sequence-parallel stream is gathered before the cast; autocast casts inside the linear). A Mixture-of-Experts
+// block's routed experts compute their weight gradients at once. `inputs` false: the output gradients only
+// (torch.distributed.pipelining keeps the inputs in the retained graph, counted with the activations).
+double deferred_per_token(const DecoderArgs& a, bool moe_block, double r, double c, int64_t tp, bool inputs) {
   using Split = BlockLinear::Split;
   using Input = BlockLinear::Input;
   const double t = static_cast<double>(tp);
   double bytes = 0;
   for (const auto& l : block_linears(a, moe_block)) {
     bytes += l.out / (l.split == Split::column ? t : 1.0) * c;
-    if (l.input == Input::stream) bytes += l.in * (tp > 1 ? c : r);
+    if (!inputs) continue;
+    if (l.input == Input::stream) bytes += l.in * r;
     else if (l.input == Input::own) bytes += l.in / (l.split == Split::row ? t : 1.0) * c;
   }
   return bytes;
@@ -359,30 +368,47 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // What the rank holds at once, in (stage, micro-batch) pairs: one forward's activations without a pipeline.
   using Held = distributed::pipeline::Schedule::Held;
   std::vector<Held> held{{1, 0}};
+  bool splits_backward = false;  // zero-bubble: weight steps apart from input steps
   if (pipelined) {
     const int64_t m = training.local_batch_size / std::max<int64_t>(1, parallelism.pipeline_parallel_microbatch_size);
     // The schedule says how many micro-batches' activations a rank holds at once (1F1B: pp - rank on rank `rank`)
     // and, on zero-bubble schedules, how many input steps wait for their weight steps; the states of the busiest
     // rank's when no rank is given. A schedule that cannot run these numbers is reported by the trainer.
     held = {{static_cast<int>(std::min<int64_t>(m, dims.pp * stages_per_rank)), 0}};
-    // Per (schedule, ranks, micro-batches): `titan plan --search` asks for the same ones many times.
-    static std::map<std::tuple<std::string, int64_t, int64_t>, std::vector<std::vector<Held>>> per_rank_cache;
-    const auto key = std::make_tuple(parallelism.pipeline_parallel_schedule, dims.pp, m);
+    // Per (schedule, its CSV order if any, ranks, micro-batches, execution): `titan plan --search` asks for the
+    // same ones many times. A custom order (pipeline_parallel_schedule_csv) is what the trainer runs: its input and
+    // weight steps, not its name's, say whether and how long weight steps wait. torch.distributed.pipelining's input
+    // step retains the forward's graph for the weight step, so under `--as torchtitan` a forward's activations stay
+    // until then.
+    struct Orders {
+      std::vector<std::vector<Held>> per_rank;
+      bool splits_backward = false;
+    };
+    static std::map<std::tuple<std::string, std::string, int64_t, int64_t, bool>, Orders> per_rank_cache;
+    const std::string csv = parallelism.pipeline_parallel_schedule_csv.value_or("");
+    const bool graph_until_weight_step = execution == Execution::torchtitan;
+    const auto key = std::make_tuple(parallelism.pipeline_parallel_schedule, csv, dims.pp, m, graph_until_weight_step);
     auto it = per_rank_cache.find(key);
     if (it == per_rank_cache.end()) {
-      std::vector<std::vector<Held>> per_rank;
+      Orders orders;
+      orders.splits_backward = schedule.splits_backward;
       try {
-        const auto schedule = distributed::pipeline::Schedule::make(parallelism.pipeline_parallel_schedule, static_cast<int>(dims.pp),
-                                                                    static_cast<int>(stages), static_cast<int>(m));
-        for (int r = 0; r < dims.pp; ++r) per_rank.push_back(schedule.held(r));
+        const auto order = csv.empty() ? distributed::pipeline::Schedule::make(parallelism.pipeline_parallel_schedule, static_cast<int>(dims.pp),
+                                                                               static_cast<int>(stages), static_cast<int>(m))
+                                       : distributed::pipeline::Schedule::from_csv(csv, static_cast<int>(dims.pp), static_cast<int>(stages),
+                                                                                   static_cast<int>(m), schedule.v_shape);
+        for (int r = 0; r < dims.pp; ++r) orders.per_rank.push_back(order.held(r, graph_until_weight_step));
+        orders.splits_backward = order.splits_backward();
       } catch (const UserError&) {
       }
-      it = per_rank_cache.emplace(key, std::move(per_rank)).first;
+      it = per_rank_cache.emplace(key, std::move(orders)).first;
     }
-    if (!it->second.empty()) {
+    splits_backward = it->second.splits_backward;
+    if (!it->second.per_rank.empty()) {
       held.clear();
       for (int r = 0; r < dims.pp; ++r)
-        if (pipeline_rank < 0 || r == pipeline_rank) held.insert(held.end(), it->second[static_cast<size_t>(r)].begin(), it->second[static_cast<size_t>(r)].end());
+        if (pipeline_rank < 0 || r == pipeline_rank)
+          held.insert(held.end(), it->second.per_rank[static_cast<size_t>(r)].begin(), it->second.per_rank[static_cast<size_t>(r)].end());
     }
   }
   // The residual stream: titan keeps it in the parameter dtype (measured: docs/metrics.md); torchtitan's FSDP
@@ -396,8 +422,9 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     const int64_t count = moe_kind ? blocks.moe : blocks.dense;
     if (count == 0) continue;
     const auto n = static_cast<double>(count);
-    const BlockActivations block = block_activations(a, moe_kind, r, c, autocast, dims.tp, kernels, dims.ep == 1, schedule.splits_backward);
-    if (schedule.splits_backward) deferred_per_token_here += n * deferred_per_token(a, moe_kind, r, c, dims.tp);
+    const BlockActivations block = block_activations(a, moe_kind, r, c, autocast, dims.tp, kernels, dims.ep == 1,
+                                                     splits_backward && execution == Execution::titan);
+    if (splits_backward) deferred_per_token_here += n * deferred_per_token(a, moe_kind, r, c, dims.tp, execution == Execution::titan);
     backward_buffers = std::max(backward_buffers, block.backward_buffers);
     if (ac.mode == "full") {
       per_token += n * block.input_only;
