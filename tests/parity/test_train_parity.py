@@ -141,6 +141,9 @@ def test_steps_in_backward_match_torchtitans_optimizers_in_backward(tmp_path):
     # Unclipped: titan's max_norm (0.5) was below these norms, and clipping would have changed every step.
     assert all(s["grad_norm"] > MAX_NORM for s in meta["steps"])
     final = load_file(str(out / "final.safetensors"))
+    # AdamW moves a weight whose gradient is near zero by up to the learning rate on the gradient's sign and size
+    # relative to its running mean: float32 differences of the matmuls' summation order there move it by a few
+    # percent of the rate (one element of 65,536 by 1.7e-5, the rate 3e-3, on an AMX Xeon, 2026-12-02).
     for name, p in model.state_dict().items():
-        torch.testing.assert_close(final[name], p, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(final[name], p, rtol=1e-4, atol=5e-5, msg=lambda m: f"{name}: {m}")
     print(f"optimizers in backward: worst relative loss difference over {STEPS} steps {worst:.2e}")

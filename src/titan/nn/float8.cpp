@@ -593,13 +593,16 @@ at::Tensor cast_values(const at::Tensor& x, GroupedCast cast, at::ScalarType dty
 
 // The rows [start, start + count) of `x` [M, D] transposed ([D, count]) and cast along the tokens. MXFP8's blocks of
 // 32 start at the group's first row and the last one is filled with zeros (torchao pads each expert's tokens to a
-// multiple of 32 with zero rows, which change no block's amax); float8's scales are over the group's tokens.
+// multiple of 32 with zero rows, which change no block's amax), and the zeros stay: the weight gradient's product
+// then runs over the same padded length as torchao's, whose accumulation order some CPU kernels choose by that
+// length (oneDNN's AMX ones; on AVX-512 BF16 without AMX the unpadded product was bitwise the same). float8's
+// scales are over the group's tokens.
 at::Tensor group_along_tokens(const at::Tensor& x, int64_t start, int64_t count, GroupedCast cast, at::ScalarType dtype) {
   if (cast == GroupedCast::float8_rowwise) return cast_values(x.narrow(0, start, count).t().contiguous(), cast, dtype);
   const int64_t padded = (count + kMxBlock - 1) / kMxBlock * kMxBlock;
   at::Tensor t = at::zeros({x.size(1), padded}, x.options());
   t.narrow(1, 0, count).copy_(x.narrow(0, start, count).t());
-  return cast_values(t, cast, dtype).narrow(1, 0, count);
+  return cast_values(t, cast, dtype);
 }
 
 // MXFP8 multiplies the dequantised values in x's dtype (torchao's emulation), float8 in float32 (a scaled matmul's
