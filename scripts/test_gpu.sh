@@ -24,8 +24,8 @@
 # Debian packages: OpenMPI, toml++, nlohmann-json, PCRE2, zstd, zlib, sentencepiece, GoogleTest, pkg-config.
 #
 # Machines that reach no package registry (this workplace's GPU machines) get those as .deb files:
-#   1. On a Debian bookworm machine with network: scripts/test_gpu.sh --fetch-debs  (apt-get download, about
-#      9 MB, into .debs/, which it lists in .git/info/exclude).
+#   1. On a Debian bookworm machine with network: scripts/test_gpu.sh --fetch-debs  (apt-get download, 22
+#      packages, about 17 MB, into .debs/, which it lists in .git/info/exclude).
 #   2. Carry the folder to the GPU machine: the device tool sends ignored folders only when named in `carry`
 #      (/work/.library/device/README.md), e.g. run with
 #        command: set -o pipefail; scripts/test_gpu.sh 2>&1 | tee $OUT/test_gpu.log
