@@ -72,15 +72,15 @@ WIDER = {
     "debug selective AC 2": (1, UNFUSED),
     "100M (8 blocks) PP 2 (1F1B), 2 x 512": (2, UNFUSED + model_100m(8, 2, 512) + NO_FSDP + ["--parallelism.pipeline_parallel_degree", "2"]),
     # ZB-V under full AC: the rank's peak is where the most weight steps wait, each holding its stage's linears'
-    # inputs and output gradients (2026-12-02, a Zen 3 EPYC with AVX2 only: 0.84 and 0.87; 0.87 and 0.89 on 2026-12-01 before the deferred
-    # linears' streams were counted whole; 0.80 and 0.73 before the deferred operands were counted, with weight steps
-    # that also held a stage's weight gradients at once).
+    # inputs and output gradients (2026-12-02, a Zen 3 EPYC with AVX2 only: 0.84 and 0.87; 0.87 and 0.89 on
+    # 2026-12-01 before the deferred linears' streams were counted whole; 0.80 and 0.73 before the deferred operands
+    # were counted, with weight steps that also held a stage's weight gradients at once).
     "100M (8 blocks) PP 2 (ZBVZeroBubble), full AC, 4 x 512": (2, UNFUSED + model_100m(8, 4, 512) + NO_FSDP + [
         "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
         "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode", "full"]),
     # Under TP 2 (4 ranks), where the deferred linears keep the gathered streams in float32, at 4 x 1024 (2026-12-02:
-    # 0.83-0.87 on the four ranks on an AMX Xeon, Interleaved1F1B on the same layout 0.81-0.84; 0.82-0.86 on a Zen 3 EPYC (AVX2 only);
-    # at 4 x 512 0.72-0.77, the pipeline's unestimated ~0.1 GiB per rank weighing more).
+    # 0.83-0.87 on the four ranks on an AMX Xeon, Interleaved1F1B on the same layout 0.81-0.84; 0.82-0.86 on a Zen 3
+    # EPYC with AVX2 only; at 4 x 512 0.72-0.77, the pipeline's unestimated ~0.1 GiB per rank weighing more).
     "100M (8 blocks) TP 2 x PP 2 (ZBVZeroBubble), full AC, 4 x 1024": (4, UNFUSED + model_100m(8, 4, 1024) + NO_FSDP + [
         "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
         "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode", "full",
