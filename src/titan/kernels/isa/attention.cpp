@@ -274,18 +274,26 @@ void backward_impl(const AttentionShape& a, const T* q, const T* k, const T* v, 
   }
 }
 
-// The vectorised forms for head dims that are multiples of 16: a row's 64 scores are four Vec16 registers and its
-// output or gradient rows kD / 16 registers, so nothing of the inner loops goes through memory.
+// The vectorised forms for head dims that are multiples of 16: a row's 64 scores are four Vec16 and its output or
+// gradient rows kD / 16, summed in registers in passes of the sizes below.
 constexpr int64_t kKeyVecs = kBlock / kVec;
 
-// Rows handled together, so that each key (or value) vector loaded serves several rows: as many as the registers
-// hold (AVX-512 has 32 of 64 bytes; the narrower copies run one row at a time).
-#ifdef TITAN_ISA_WIDE_REGISTERS
-constexpr int64_t kScoreRows = 4;
-constexpr int64_t kAccumulatorVecs = 16;
+// How the inner loops use the registers, so that each key (or value) vector loaded serves several rows:
+//   kScoreRows:       query rows whose scores are computed together;
+//   kAccumulatorVecs: Vec16 accumulators one pass keeps (scores or output rows of all the rows handled together);
+//   kChunkVecs:       the most Vec16 of one output row's head_dim a pass accumulates; longer rows are summed in
+//                     several passes, each re-reading the weights (scores likewise, kAccumulatorVecs / kScoreRows
+//                     Vec16 of each row's 64 per pass).
+// AVX-512 has 32 registers of 64 bytes: 4 rows and whole head dims up to 192. AVX2 has 16 of 32 bytes, two per Vec16:
+// 4 rows one Vec16 at a time (8 registers of sums), measured 1.2-1.5x faster there at head dims 64-192 than one row
+// of whole head dims, which overflowed the registers. The generic copy (SSE, four registers per Vec16) is fastest
+// one row at a time.
+#if defined(TITAN_ISA_WIDE_REGISTERS)
+constexpr int64_t kScoreRows = 4, kAccumulatorVecs = 16, kChunkVecs = 16;
+#elif defined(__AVX2__)
+constexpr int64_t kScoreRows = 4, kAccumulatorVecs = 4, kChunkVecs = 1;
 #else
-constexpr int64_t kScoreRows = 1;
-constexpr int64_t kAccumulatorVecs = 4;
+constexpr int64_t kScoreRows = 1, kAccumulatorVecs = 4, kChunkVecs = 16;
 #endif
 
 // How the inner products multiply and add. FloatFma: one float of a row times a vector of 16 floats per step.
@@ -305,19 +313,23 @@ template <typename Ops, int64_t kD, int64_t R>
 __attribute__((always_inline)) inline void scores_rows(const typename Ops::Word* rows, const typename Ops::Word* key_t,
                                                        float scale, Vec16 (*s)[kKeyVecs]) {
   constexpr int64_t kSteps = kD / Ops::kPerWord;
-  Vec16 acc[R][kKeyVecs];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = splat(0.0f);
-  for (int64_t step = 0; step < kSteps; ++step) {
-    typename Ops::Operand kt[kKeyVecs];
-    for (int64_t x = 0; x < kKeyVecs; ++x) kt[x] = Ops::load(key_t + step * kBlock + x * kVec);
-    for (int64_t r = 0; r < R; ++r) {
-      const typename Ops::Operand w = Ops::broadcast(rows[r * kSteps + step]);
-      for (int64_t x = 0; x < kKeyVecs; ++x) acc[r][x] = Ops::madd(acc[r][x], w, kt[x]);
+  constexpr int64_t kKeyChunk = kKeyVecs * R <= kAccumulatorVecs ? kKeyVecs : kAccumulatorVecs / R;
+  static_assert(kKeyChunk >= 1 && kKeyVecs % kKeyChunk == 0, "the keys are scored in whole chunks of vectors");
+  for (int64_t x0 = 0; x0 < kKeyVecs; x0 += kKeyChunk) {
+    Vec16 acc[R][kKeyChunk];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t x = 0; x < kKeyChunk; ++x) acc[r][x] = splat(0.0f);
+    for (int64_t step = 0; step < kSteps; ++step) {
+      typename Ops::Operand kt[kKeyChunk];
+      for (int64_t x = 0; x < kKeyChunk; ++x) kt[x] = Ops::load(key_t + step * kBlock + (x0 + x) * kVec);
+      for (int64_t r = 0; r < R; ++r) {
+        const typename Ops::Operand w = Ops::broadcast(rows[r * kSteps + step]);
+        for (int64_t x = 0; x < kKeyChunk; ++x) acc[r][x] = Ops::madd(acc[r][x], w, kt[x]);
+      }
     }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t x = 0; x < kKeyChunk; ++x) s[r][x0 + x] = scale == 1.0f ? acc[r][x] : acc[r][x] * scale;
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < kKeyVecs; ++x) s[r][x] = scale == 1.0f ? acc[r][x] : acc[r][x] * scale;
 }
 
 // out[r] += sum over c in [begin, end) of the word weights[r * out_stride + c * sum_stride] times the word row c of
@@ -326,20 +338,23 @@ template <typename Ops, int64_t kD, int64_t R>
 __attribute__((always_inline)) inline void accumulate_rows(const typename Ops::Word* weights, int64_t out_stride,
                                                            int64_t sum_stride, int64_t begin, int64_t end,
                                                            const typename Ops::Word* rows, float* out) {
-  constexpr int64_t NV = kD / kVec;
-  Vec16 o[R][NV];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < NV; ++x) o[r][x] = load16(out + r * kD + x * kVec);
-  for (int64_t c = begin; c < end; ++c) {
-    typename Ops::Operand v[NV];
-    for (int64_t x = 0; x < NV; ++x) v[x] = Ops::load(rows + c * kD + x * kVec);
-    for (int64_t r = 0; r < R; ++r) {
-      const typename Ops::Operand w = Ops::broadcast(weights[r * out_stride + c * sum_stride]);
-      for (int64_t x = 0; x < NV; ++x) o[r][x] = Ops::madd(o[r][x], w, v[x]);
+  constexpr int64_t NV = kD / kVec, kChunk = NV < kChunkVecs ? NV : kChunkVecs;
+  static_assert(NV % kChunk == 0, "head_dim is summed in whole chunks of vectors");
+  for (int64_t x0 = 0; x0 < NV; x0 += kChunk) {
+    Vec16 o[R][kChunk];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t x = 0; x < kChunk; ++x) o[r][x] = load16(out + r * kD + (x0 + x) * kVec);
+    for (int64_t c = begin; c < end; ++c) {
+      typename Ops::Operand v[kChunk];
+      for (int64_t x = 0; x < kChunk; ++x) v[x] = Ops::load(rows + c * kD + (x0 + x) * kVec);
+      for (int64_t r = 0; r < R; ++r) {
+        const typename Ops::Operand w = Ops::broadcast(weights[r * out_stride + c * sum_stride]);
+        for (int64_t x = 0; x < kChunk; ++x) o[r][x] = Ops::madd(o[r][x], w, v[x]);
+      }
     }
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t x = 0; x < kChunk; ++x) store16(out + r * kD + (x0 + x) * kVec, o[r][x]);
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t x = 0; x < NV; ++x) store16(out + r * kD + x * kVec, o[r][x]);
 }
 
 // For rows [r, r + n) of a block: the end of the keys any of them sees (weights past a row's own end are zero).
@@ -351,7 +366,7 @@ inline int64_t longest(const int64_t* last, int64_t n) {
 
 template <int64_t kD>
 constexpr int64_t accumulate_rows_at_once() {
-  constexpr int64_t n = kAccumulatorVecs / (kD / kVec);
+  constexpr int64_t n = kAccumulatorVecs / (kD / kVec < kChunkVecs ? kD / kVec : kChunkVecs);
   return n < 1 ? 1 : (n > 4 ? 4 : n);
 }
 
