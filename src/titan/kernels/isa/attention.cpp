@@ -285,8 +285,8 @@ constexpr int64_t kKeyVecs = kBlock / kVec;
 //                     several passes, each re-reading the weights (scores likewise, kAccumulatorVecs / kScoreRows
 //                     Vec16 of each row's 64 per pass).
 // AVX-512 has 32 registers of 64 bytes: 4 rows and whole head dims up to 192. AVX2 has 16 of 32 bytes, two per Vec16:
-// 4 rows one Vec16 at a time (8 registers of sums), measured 1.2-1.5x faster there at head dims 64-192 than one row
-// of whole head dims, which overflowed the registers. The generic copy (SSE, four registers per Vec16) is fastest
+// 4 rows one Vec16 at a time (8 registers of sums), measured 1.13-1.53x faster there (forward + backward, head dims
+// 16-192) than one row of whole head dims, which overflowed the registers. The generic copy (SSE, four registers per Vec16) is fastest
 // one row at a time.
 #if defined(TITAN_ISA_WIDE_REGISTERS)
 constexpr int64_t kScoreRows = 4, kAccumulatorVecs = 16, kChunkVecs = 16;
@@ -295,6 +295,12 @@ constexpr int64_t kScoreRows = 4, kAccumulatorVecs = 4, kChunkVecs = 1;
 #else
 constexpr int64_t kScoreRows = 1, kAccumulatorVecs = 4, kChunkVecs = 16;
 #endif
+
+// The Vec16 of a head_dim-kD row that one pass of accumulate_rows sums.
+template <int64_t kD>
+constexpr int64_t chunk_vecs() {
+  return kD / kVec < kChunkVecs ? kD / kVec : kChunkVecs;
+}
 
 // How the inner products multiply and add. FloatFma: one float of a row times a vector of 16 floats per step.
 struct FloatFma {
@@ -338,7 +344,7 @@ template <typename Ops, int64_t kD, int64_t R>
 __attribute__((always_inline)) inline void accumulate_rows(const typename Ops::Word* weights, int64_t out_stride,
                                                            int64_t sum_stride, int64_t begin, int64_t end,
                                                            const typename Ops::Word* rows, float* out) {
-  constexpr int64_t NV = kD / kVec, kChunk = NV < kChunkVecs ? NV : kChunkVecs;
+  constexpr int64_t NV = kD / kVec, kChunk = chunk_vecs<kD>();
   static_assert(NV % kChunk == 0, "head_dim is summed in whole chunks of vectors");
   for (int64_t x0 = 0; x0 < NV; x0 += kChunk) {
     Vec16 o[R][kChunk];
@@ -366,7 +372,7 @@ inline int64_t longest(const int64_t* last, int64_t n) {
 
 template <int64_t kD>
 constexpr int64_t accumulate_rows_at_once() {
-  constexpr int64_t n = kAccumulatorVecs / (kD / kVec < kChunkVecs ? kD / kVec : kChunkVecs);
+  constexpr int64_t n = kAccumulatorVecs / chunk_vecs<kD>();
   return n < 1 ? 1 : (n > 4 ? 4 : n);
 }
 
