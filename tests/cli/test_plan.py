@@ -209,8 +209,8 @@ def test_the_plan_and_the_trainer_use_one_memory_estimate(tmp_path, model):
                "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full", *model]
     # The plan describes GPUs, where titan's fused CPU kernels (which keep less for backward) do not run; the fused
     # loss runs on every device, so both are compared without fused kernels. Two micro-batches per step: the
-    # gradients then exist through the step on every device (on a GPU with one micro-batch they reuse the
-    # activations' memory, which titan's host cache does not: the next test).
+    # gradients then exist through the step on every device (with one micro-batch they reuse the activations' memory:
+    # the next test).
     options += ["--training.fused_kernels", "false", "--training.global_batch_size", "4"]
     trained = run([binary("titan"), "train", *options, "--job.dump_folder", str(tmp_path), "--training.steps", "1"]).stdout
     found = re.search(r"Memory estimate for this rank: (.*): ([\d.]+) (GiB|MiB) of", trained)

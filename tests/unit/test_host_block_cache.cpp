@@ -1,5 +1,6 @@
-// The host block cache: large CPU blocks are reused instead of mapped again, small ones are left to malloc, and
-// what it maps stays within 1.25x the peak of the live blocks when the sizes a program asks for change.
+// The host block cache: large CPU blocks are reused instead of mapped again, small ones are left to malloc, a held
+// block is split for a smaller request and merged back when it is freed, and what it maps stays within 1.25x the
+// peak of the live blocks when the sizes a program asks for change.
 #include <gtest/gtest.h>
 #include <c10/core/Allocator.h>
 
@@ -31,6 +32,41 @@ TEST(HostBlockCache, AFreedLargeBlockServesTheNextRequestOfItsSize) {
   EXPECT_EQ(after.reuses, before.reuses + 1);
   EXPECT_EQ(after.maps, before.maps);
   EXPECT_EQ(after.cached_bytes, before.cached_bytes - after.live_bytes + before.live_bytes);
+}
+
+TEST(HostBlockCache, AHeldBlockIsSplitForSmallerRequestsAndMergedBackWhenTheyAreFreed) {
+  c10::Allocator* cache = host_block_cache();
+  char* whole = nullptr;
+  {
+    c10::DataPtr block = cache->allocate(64 * kMiB);
+    whole = static_cast<char*>(block.get());
+    std::memset(whole, 1, 64 * kMiB);
+  }
+  const auto before = host_block_cache_stats();
+  char* start = nullptr;
+  {
+    // Three requests of other sizes (as backward's gradients after the forward's activations) take the held
+    // 64 MiB, the smallest held block large enough, one after another: nothing is mapped.
+    c10::DataPtr a = cache->allocate(20 * kMiB);
+    c10::DataPtr b = cache->allocate(12 * kMiB);
+    c10::DataPtr c = cache->allocate(30 * kMiB);
+    for (auto* p : {&a, &b, &c}) std::memset(p->get(), 2, 12 * kMiB);
+    const auto during = host_block_cache_stats();
+    EXPECT_EQ(during.maps, before.maps);
+    EXPECT_EQ(during.splits, before.splits + 3);
+    // The held block starts at `whole`, or lower when a neighbour held by an earlier test merged with it.
+    start = static_cast<char*>(a.get());
+    EXPECT_LE(start, whole);
+    EXPECT_EQ(static_cast<char*>(b.get()), start + 20 * kMiB);
+    EXPECT_EQ(static_cast<char*>(c.get()), start + 32 * kMiB);
+    EXPECT_EQ(during.live_bytes + during.cached_bytes, before.live_bytes + before.cached_bytes);
+  }
+  // Freed in another order than taken, the pieces merge back into one block that serves the whole size again.
+  c10::DataPtr again = cache->allocate(64 * kMiB);
+  EXPECT_EQ(static_cast<char*>(again.get()), start);
+  const auto after = host_block_cache_stats();
+  EXPECT_EQ(after.maps, before.maps);
+  std::memset(again.get(), 3, 64 * kMiB);  // the merged block is one writable range
 }
 
 TEST(HostBlockCache, SmallBlocksAreLeftToMalloc) {

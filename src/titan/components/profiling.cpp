@@ -125,6 +125,7 @@ void Profiler::save_memory_snapshot(int64_t step) {
                              {"peak_live_bytes", cache.peak_live_bytes},
                              {"maps", cache.maps},
                              {"reuses", cache.reuses},
+                             {"splits", cache.splits},
                              {"unmaps", cache.unmaps}};
   write_file(path, j.dump(2) + "\n");
   log::info("Memory figures saved to ", path);

@@ -64,11 +64,13 @@ double compute_dtype_bytes(const config::JobConfig& config, const distributed::P
 // passes), or none (the ATen compositions).
 enum class FusedKernels { none, cpu, cuda };
 
-// Which allocator holds the memory. titan's host block cache (CPUs: components/metrics/host_block_cache.h) gives a
-// freed block only to a request of its own size class, so the gradients backward makes take new blocks beside the
-// activations' freed ones: the peak holds both (measured within 10% on CPUs). A GPU's caching allocator splits its
-// freed segments for requests of any size, so the gradients reuse the activations' memory as backward frees it: the
-// peak holds the larger (Phase::activations and Phase::gradients; measured on an H200, docs/plan.md).
+// Which allocator holds the memory. One that gives a freed block only to a request of about its own size
+// (`host_cache`: titan's host block cache until 2026-12-03) gives the gradients that backward makes new blocks beside
+// the activations' freed ones, so the peak holds both. One that splits its freed memory for requests of any size (a
+// GPU's caching allocator; the host block cache since it splits and merges its blocks) lets the gradients reuse the
+// activations' memory as backward frees it: the peak holds the larger (Phase::activations and Phase::gradients;
+// measured within 10% on CPUs, docs/metrics.md, and on an H200, docs/plan.md). The trainer and `titan plan` use
+// `device_caching` on every device; `host_cache` remains for comparing the two rules (tests/unit/test_memory_estimate.cpp).
 enum class Allocator { host_cache, device_caching };
 
 }  // namespace titan::protocols

@@ -533,7 +533,10 @@ void Trainer::check_memory(const distributed::ParallelDims& dims) {
   const FusedKernels fused = device_.is_cpu()                                   ? FusedKernels::cpu
                              : device_.is_cuda() && kernels::cuda_kernels_built() ? FusedKernels::cuda
                                                                                  : FusedKernels::none;
-  const auto allocator = device_.is_cpu() ? protocols::Allocator::host_cache : protocols::Allocator::device_caching;
+  // Every device's allocator now reuses freed memory for requests of any size (a GPU's caching allocator; on the CPU
+  // the host block cache, which splits and merges its blocks since 2026-12-03), so the gradients backward makes take
+  // the activations' memory as it is freed.
+  const auto allocator = protocols::Allocator::device_caching;
   auto estimate = spec_->estimate_memory(*model_args_, c, dims, autocast, runtime, protocols::Execution::titan,
                                          mesh_->coordinate("pp"), fused, allocator);
   // Asynchronous checkpoints keep a host copy of the rank's whole state (its parameters and AdamW moments) for their

@@ -28,8 +28,10 @@ size_t size_class(size_t n) {
 
 struct State {
   std::mutex mutex;
-  std::unordered_map<void*, size_t> live;               // block -> its class size
-  std::map<size_t, std::vector<void*>> free;  // class size -> blocks held for reuse
+  std::unordered_map<void*, size_t> live;  // block -> its size
+  // Held blocks, by size (the best fit for a request) and by address (to merge a freed block with held neighbours).
+  std::multimap<size_t, char*> by_size;
+  std::map<char*, size_t> by_address;
   HostBlockCacheStats stats;
 };
 
@@ -41,12 +43,33 @@ State& state() {
 
 void unmap(void* block, size_t size) { munmap(block, size); }
 
+void hold(State& s, char* block, size_t size) {
+  s.by_address.emplace(block, size);
+  s.by_size.emplace(size, block);
+  s.stats.cached_bytes += static_cast<int64_t>(size);
+}
+
+// Takes a held block out of both indices (under the lock); `in_size` is its entry in by_size.
+void take(State& s, std::multimap<size_t, char*>::iterator in_size) {
+  s.by_address.erase(in_size->second);
+  s.stats.cached_bytes -= static_cast<int64_t>(in_size->first);
+  s.by_size.erase(in_size);
+}
+
+void take(State& s, std::map<char*, size_t>::iterator in_address) {
+  auto [first, last] = s.by_size.equal_range(in_address->second);
+  for (auto it = first; it != last; ++it)
+    if (it->second == in_address->first) {
+      take(s, it);
+      return;
+    }
+}
+
 // Hands every held block back to the kernel (under the lock).
 std::vector<std::pair<void*, size_t>> take_all_cached(State& s) {
-  std::vector<std::pair<void*, size_t>> out;
-  for (auto& [size, blocks] : s.free)
-    for (void* b : blocks) out.emplace_back(b, size);
-  s.free.clear();
+  std::vector<std::pair<void*, size_t>> out(s.by_address.begin(), s.by_address.end());
+  s.by_address.clear();
+  s.by_size.clear();
   s.stats.cached_bytes = 0;
   s.stats.unmaps += static_cast<int64_t>(out.size());
   return out;
@@ -57,17 +80,32 @@ void* map_block(size_t size) {
   return p == MAP_FAILED ? nullptr : p;
 }
 
-// Keeps a large block for reuse; false when `block` is not one of the cache's large blocks.
-bool hold_for_reuse(void* block) {
+// Keeps a large block for reuse, merged with the held blocks next to it in the address space (pieces of one mapping
+// split earlier, or mappings the kernel placed side by side: munmap and the tensors need only that the range is
+// mapped); false when `block` is not one of the cache's large blocks.
+bool hold_for_reuse(void* pointer) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  auto it = s.live.find(block);
+  auto it = s.live.find(pointer);
   if (it == s.live.end()) return false;
-  const size_t size = it->second;
+  char* block = static_cast<char*>(pointer);
+  size_t size = it->second;
   s.live.erase(it);
   s.stats.live_bytes -= static_cast<int64_t>(size);
-  s.free[size].push_back(block);
-  s.stats.cached_bytes += static_cast<int64_t>(size);
+  if (auto next = s.by_address.find(block + size); next != s.by_address.end()) {
+    size += next->second;
+    take(s, next);
+  }
+  if (auto next = s.by_address.lower_bound(block); next != s.by_address.begin()) {
+    auto before = std::prev(next);
+    if (before->first + before->second == block) {
+      char* start = before->first;
+      size += before->second;
+      take(s, before);
+      block = start;
+    }
+  }
+  hold(s, block, size);
   return true;
 }
 
@@ -90,15 +128,21 @@ class HostBlockCache final : public c10::Allocator {
     void* block = nullptr;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
-      // The smallest held block of this class or up to a quarter larger.
-      for (auto it = s.free.lower_bound(size); it != s.free.end() && it->first <= size + size / 4; ++it) {
-        if (it->second.empty()) continue;
-        block = it->second.back();
-        it->second.pop_back();
-        s.stats.cached_bytes -= static_cast<int64_t>(it->first);
+      // The smallest held block that is large enough. What it has beyond the request stays held as a block of its
+      // own (merged back when the request's tensor is freed), unless that is under a large block's size: then the
+      // request takes the whole block.
+      if (auto it = s.by_size.lower_bound(size); it != s.by_size.end()) {
+        char* held = it->second;
+        size_t taken = it->first;
+        take(s, it);
+        if (taken - size >= kLarge) {
+          hold(s, held + size, taken - size);
+          taken = size;
+          ++s.stats.splits;
+        }
         ++s.stats.reuses;
-        note_live(s, block, it->first);
-        break;
+        note_live(s, held, taken);
+        block = held;
       }
     }
     if (!block) {
@@ -110,14 +154,9 @@ class HostBlockCache final : public c10::Allocator {
         const int64_t want = s.stats.live_bytes + static_cast<int64_t>(size);
         const int64_t limit = std::max(s.stats.peak_live_bytes, want) / 4 * 5;
         while (s.stats.cached_bytes > 0 && want + s.stats.cached_bytes > limit) {
-          auto it = std::prev(s.free.end());
-          if (it->second.empty()) {
-            s.free.erase(it);
-            continue;
-          }
-          evicted.emplace_back(it->second.back(), it->first);
-          it->second.pop_back();
-          s.stats.cached_bytes -= static_cast<int64_t>(it->first);
+          auto it = std::prev(s.by_size.end());
+          evicted.emplace_back(it->second, it->first);
+          take(s, it);
           ++s.stats.unmaps;
         }
       }

@@ -81,7 +81,8 @@ std::string keep_freed_host_memory() {
   if (!install_host_block_cache())
     return cat("host allocator: LibTorch's allocation tracker was installed first, so large blocks are not cached; "
                "smaller ones from ", small);
-  return cat("host allocator: blocks of 1 MiB and more mapped in size classes and kept for reuse, smaller ones from ",
+  return cat("host allocator: blocks of 1 MiB and more mapped in size classes and kept for reuse (split for smaller "
+             "requests, merged again when freed), smaller ones from ",
              small, " (TITAN_HOST_ALLOCATOR=malloc leaves LibTorch's allocator alone)");
 }
 

@@ -11,6 +11,7 @@
 #include "titan/distributed/loss_parallel.h"
 #include "titan/distributed/pipeline/schedule.h"
 #include "titan/distributed/pipeline/stages.h"
+#include "titan/nn/matmul.h"
 
 namespace titan::models {
 
@@ -308,8 +309,8 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
   // The trainer frees the gradients before each step's forward (Adam::zero_grad), and backward makes them as it goes:
   // with one micro-batch per step they do not exist while the forward runs. The output's (and the final norm's) are
   // made by the loss's backward, before the first block's; the blocks' and the embedding's as the blocks' activations
-  // are freed, whose memory a GPU's caching allocator gives them (protocols::Allocator; titan's host cache does not,
-  // so on CPUs the peak holds both). Accumulating over micro-batches, a pipeline's later micro-batches and steps in
+  // are freed, whose memory the allocator gives them (a GPU's caching allocator, titan's host block cache:
+  // protocols::Allocator). Accumulating over micro-batches, a pipeline's later micro-batches and steps in
   // backward keep them through the step. torchtitan's training loop does the same (zero_grad with set_to_none; FSDP2
   // makes each unit's gradient shards at its reduce-scatter): its published 8B peaks came 4-5% closer this way. Not
   // its pure data parallelism: PyTorch's DDP keeps its gradient buckets from step to step.
@@ -484,8 +485,12 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     // Without titan's kernels (devices that have none, or kernels that do not apply) the two passes are ATen ops
     // with a float32 temporary of the chunk.
     const double aten_temporary = kernels != FusedKernels::none ? 0 : chunk * vocab_here * 4;
+    // CPUs without bf16 products (nn/matmul.h) compute the chunk's logits as the float32 product of float32 copies of
+    // its bf16 operands, then round it: for a moment the weight's float32 copy and the float32 logits are there too
+    // (measured: Llama 3's vocabulary on the debug blocks, 2 x 512 tokens on an AVX2 EPYC, 0.70x without them).
+    const double float32_product = kernels == FusedKernels::cpu && c == 2 && nn::emulates_bf16_gemm() ? (chunk + d) * vocab_here * 4 : 0;
     const double input_gradient = tokens * d * c;
-    const double fused = chunk * vocab_here * c + aten_temporary + vocab_here * d * (4 + (c == 4 ? 0 : c));
+    const double fused = chunk * vocab_here * c + aten_temporary + float32_product + vocab_here * d * (4 + (c == 4 ? 0 : c));
     if (made_in_backward) {
       // Its backward runs before the first block's: what it kept is freed then, but for d loss / d x, made in its
       // forward, which flows into the blocks and dies with their activations (its weight gradient becomes the output's
