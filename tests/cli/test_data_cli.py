@@ -115,6 +115,41 @@ def test_bad_input_is_reported_with_file_and_line(corpus, tmp_path):
     assert result.returncode == 2 and "weight must be a positive number" in result.stderr, result.stderr
 
 
+def test_command_lines_without_documents_flags_or_values_are_refused(corpus, tmp_path):
+    """Found by a new user's walk through the commands (2026-12-03): each of these exited 0 or misnamed the problem."""
+    path, _ = cl100k()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    # Nothing to tokenize: an error, as training gives for a source without documents.
+    result = run([binary("titan"), "data", "tokenize", "--tokenizer", str(path), "--input", str(empty), "--output",
+                  str(tmp_path / "o")], check=False)
+    assert result.returncode == 2 and "no documents in" in result.stderr and "empty.jsonl" in result.stderr, result.stderr
+    # --help after a subcommand gives the usage; a misspelled flag at the end of the line is an unknown option.
+    for command in (["data", "tokenize"], ["tokenizer", "encode"], ["tokenizer", "train"]):
+        result = run([binary("titan"), *command, "--help"], check=False)
+        assert result.returncode == 0 and "usage" in result.stdout, (command, result.stderr)
+    for command in (["data", "tokenize", "--input", str(empty), "--inptu"], ["tokenizer", "encode", "--jsnol"],
+                    ["generate", "--checkpoint", "x", "--jsn"], ["convert", "--from", "a", "--to", "b", "--bogus"]):
+        result = run([binary("titan"), *command], check=False)
+        assert result.returncode == 2 and "unknown option" in result.stderr and "expects a value" not in result.stderr, (command, result.stderr)
+    result = run([binary("titan"), "generate", "--checkpoint", "x", "--seed", "-3"], check=False)
+    assert result.returncode == 2 and "--seed must be 0 or positive" in result.stderr, result.stderr
+    # A train option whose value was left out does not take the next option as its value.
+    result = run([binary("titan"), "train", "--job.dump_folder", "--checkpoint.enable"], check=False)
+    assert result.returncode == 2 and 'followed by the option "--checkpoint.enable"' in result.stderr, result.stderr
+    # `titan plan --help` prints its percentages (its usage was a printf format).
+    result = run([binary("titan"), "plan", "--help"])
+    assert "within 15% (10% on memory)" in result.stdout, result.stdout[-400:]
+    # A folder holding one *.tiktoken file is a tokenizer folder (titan's own {dump_folder}/builtin_tokenizer/).
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for suffix in (".tiktoken", ".meta.json"):  # the ranks and, beside them, cl100k's pattern and special tokens
+        (folder / ("cl100k_base" + suffix)).write_bytes(path.with_suffix(suffix).read_bytes())
+    by_folder = run([binary("titan"), "tokenizer", "encode", "--tokenizer", str(folder)], input_text="hello world").stdout
+    by_file = run([binary("titan"), "tokenizer", "encode", "--tokenizer", str(path)], input_text="hello world").stdout
+    assert by_folder == by_file and by_folder.strip(), (by_folder, by_file)
+
+
 def test_text_is_utf8_in_every_format_and_a_files_byte_order_mark_is_not_text(tmp_path):
     """Python decodes text strictly and Hugging Face's tokenizers take only str: a row that is not UTF-8 is refused
     in every format, naming the file and the line or row, and --skip-malformed-rows skips that row alone. A UTF-8

@@ -177,6 +177,11 @@ TEST(Config, WrongTypesAndRanges) {
   EXPECT_NE(e.find("did you mean 'training.steps'"), std::string::npos) << e;
   e = error_of([] { load_job_config({"--training.steps"}); });
   EXPECT_NE(e.find("expects a value"), std::string::npos) << e;
+  // A value left out before the next option: refused, not taken as the value (a dump folder named
+  // "--checkpoint.enable", and checkpointing off). A value that starts with -- is written with "=".
+  e = error_of([] { load_job_config({"--job.dump_folder", "--checkpoint.enable"}); });
+  EXPECT_NE(e.find("job.dump_folder expects a value (str) but is followed by the option \"--checkpoint.enable\""), std::string::npos) << e;
+  EXPECT_EQ(load_job_config({"--job.dump_folder=--odd", "--checkpoint.enable"}).config.job.dump_folder, "--odd");
   e = error_of([] { load_job_config({"--parallelism.data_parallel_shard_degree", "0"}); });
   EXPECT_NE(e.find("(or -1)"), std::string::npos) << e;
   e = error_of([] { load_job_config({"--checkpoint.keep_latest_k", "1"}); });

@@ -83,7 +83,7 @@ TEST(TokenizerLoading, ErrorsNameThePath) {
   };
   expect_error(tmp.path() + "/missing", "does not exist");
   tmp.write("empty_dir/notes.txt", "x");
-  expect_error(tmp.path() + "/empty_dir", "expected tokenizer.json or tokenizer.model");
+  expect_error(tmp.path() + "/empty_dir", "expected tokenizer.json, tokenizer.model or one *.tiktoken file");
   expect_error(tmp.write("bad.tiktoken", "QQ== 0\nnot base64!! 1\n"), "bad.tiktoken:2");
   expect_error(tmp.write("partial.tiktoken", "QQ== 0\n"), "has no token");
   expect_error(tmp.write("huge.tiktoken", "QQ== 3000000000\n"), "huge.tiktoken:1");

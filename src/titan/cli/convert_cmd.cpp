@@ -195,6 +195,11 @@ int run_convert(const std::vector<std::string>& args) {
       return 0;
     }
     if (take_job_argument(args, i, job)) continue;
+    static const std::vector<std::string> with_value = {"--from", "--to", "--model", "--flavor", "--dtype", "--format",
+                                                        "--tokenizer", "--max-shard-mb", "--gguf-type"};
+    // An unknown option is named as such even at the end of the line (not as one that "expects a value").
+    if (std::find(with_value.begin(), with_value.end(), a) == with_value.end())
+      fail("unknown option ", quote(a), " for `titan convert`\n", kConvertUsage);
     if (i + 1 >= args.size()) fail(a, " expects a value\n", kConvertUsage);
     const std::string v = args[++i];
     if (a == "--from") from = v;

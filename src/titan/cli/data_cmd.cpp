@@ -55,6 +55,11 @@ Options parse(const std::vector<std::string>& args) {
   Options o;
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& a = args[i];
+    static const std::vector<std::string> with_value = {"--tokenizer", "--input", "--output", "--format", "--text-field",
+                                                        "--shard-tokens", "--threads"};
+    // An unknown option is named as such even at the end of the line (not as one that "expects a value").
+    if (a != "--skip-malformed-rows" && std::find(with_value.begin(), with_value.end(), a) == with_value.end())
+      fail("unknown option ", quote(a), " for `titan data tokenize`\n", kDataUsage);
     auto value = [&]() -> std::string {
       if (i + 1 >= args.size()) fail(a, " expects a value\n", kDataUsage);
       return args[++i];
@@ -210,6 +215,10 @@ int tokenize(const Options& o) {
   }
   while (!pending.empty()) drain_one();
   if (writer) writer->finish();
+  // Training refuses a source that gives no document; so does this, rather than report an empty success.
+  if (docs == 0)
+    fail("no documents in ", join(o.inputs, ", "), " (", skipped ? cat(skipped, " malformed rows skipped") : std::string("the inputs are empty"),
+         "): nothing was tokenized", written.empty() ? "" : cat("; ", written.size(), " empty shard(s) written to ", quote(o.output)));
   progress.update(total_bytes, docs, tokens, true);
   const double seconds = now_seconds() - start;
   nlohmann::ordered_json summary;
@@ -273,6 +282,12 @@ int run_data(const std::vector<std::string>& args) {
     std::cout << kDataUsage;
     return args.empty() ? 2 : 0;
   }
+  // `titan data tokenize --help` (anywhere on the line): the usage, as the other commands give it.
+  for (const auto& a : args)
+    if (a == "--help" || a == "-h") {
+      std::cout << kDataUsage;
+      return 0;
+    }
   if (args[0] == "tokenize") return tokenize(parse(args));
   if (args[0] == "inspect") return inspect(args);
   fail("unknown data command ", quote(args[0]), "\n", kDataUsage);

@@ -79,6 +79,12 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
     if (a == "--ignore-eos") { o.ignore_eos = true; continue; }
     if (a == "--json") { o.json = true; continue; }
     if (take_job_argument(args, i, o.job)) continue;
+    static const std::vector<std::string> with_value = {"--checkpoint", "--prompt", "--prompt-file", "--tokenizer", "--model",
+                                                        "--flavor", "--dtype", "--device", "--max-new-tokens", "--top-k",
+                                                        "--context", "--temperature", "--top-p", "--seed"};
+    // An unknown option is named as such even at the end of the line (not as one that "expects a value").
+    if (std::find(with_value.begin(), with_value.end(), a) == with_value.end())
+      fail("unknown option ", quote(a), " for `titan generate`\n", kGenerateUsage);
     if (i + 1 >= args.size()) fail(a, " expects a value\n", kGenerateUsage);
     const std::string v = args[++i];
     if (a == "--checkpoint") o.checkpoint = v;
@@ -98,7 +104,11 @@ Options parse(const std::vector<std::string>& args, bool read_stdin, bool check_
     else if (a == "--context") o.context = integer_argument(a, v);
     else if (a == "--temperature") o.temperature = number_argument(a, v);
     else if (a == "--top-p") o.top_p = number_argument(a, v);
-    else if (a == "--seed") o.seed = static_cast<uint64_t>(integer_argument(a, v));
+    else if (a == "--seed") {
+      const int64_t seed = integer_argument(a, v);
+      if (seed < 0) fail("--seed must be 0 or positive, got ", seed);
+      o.seed = static_cast<uint64_t>(seed);
+    }
     else fail("unknown option ", quote(a), " for `titan generate`\n", kGenerateUsage);
   }
   if (o.checkpoint.empty()) fail("`titan generate` needs --checkpoint\n", kGenerateUsage);

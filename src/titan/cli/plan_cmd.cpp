@@ -33,7 +33,7 @@ const char* kPlanUsage =
     "constants fitted on the other folds predict each fold's runs (K folds of whole groups; default: one per group).\n"
     "       titan plan --evaluate RUNS.jsonl [--json]\n"
     "Predicts the runs of such a file with their profiles' constants, fitting nothing, and reports each run's\n"
-    "predicted / measured ratio, how many are within 15% (10% on memory) and how many inside the printed band.\n";
+    "predicted / measured ratio, how many are within 15%% (10%% on memory) and how many inside the printed band.\n";
 
 double gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
 

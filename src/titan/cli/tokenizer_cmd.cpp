@@ -48,6 +48,11 @@ Options parse(const std::vector<std::string>& args, size_t first) {
   Options o;
   for (size_t i = first; i < args.size(); ++i) {
     const std::string& a = args[i];
+    static const std::vector<std::string> flags = {"--tokenizer", "--input", "--output", "--text-field", "--format", "--repeat",
+                                                   "--vocab-size", "--document", "--jsonl", "--skip-special"};
+    // An unknown option is named as such even at the end of the line (not as one that "expects a value").
+    if (std::find(flags.begin(), flags.end(), a) == flags.end())
+      fail("unknown option ", quote(a), " for `titan tokenizer ", args[0], "`\n", kTokenizerUsage);
     auto value = [&]() -> std::string {
       if (i + 1 >= args.size()) fail(a, " expects a value\n", kTokenizerUsage);
       return args[++i];
@@ -87,6 +92,11 @@ int run_tokenizer(const std::vector<std::string>& args) {
     std::cout << kTokenizerUsage;
     return args.empty() ? 2 : 0;
   }
+  for (const auto& a : args)
+    if (a == "--help" || a == "-h") {
+      std::cout << kTokenizerUsage;
+      return 0;
+    }
   const std::string& verb = args[0];
   Options o = parse(args, 1);
   if (verb == "train") {

@@ -398,6 +398,11 @@ void apply_cli(KeyIndex& index, LoadedConfig& loaded, const std::vector<std::str
       value = *inline_value;
     } else {
       if (i + 1 >= args.size()) fail(where, ": ", spec->full_name(), " expects a value (", spec->type_name(), ")");
+      // An option in a value's place means the value was left out: taken as the value, it would be lost (a folder
+      // named "--checkpoint.enable", and checkpointing off) without a word.
+      if (starts_with(args[i + 1], "--"))
+        fail(where, ": ", spec->full_name(), " expects a value (", spec->type_name(), ") but is followed by the option ",
+             quote(args[i + 1]), "; for a value that starts with --, write ", arg, "=VALUE");
       value = args[++i];
     }
     set_from_string(*spec, value, where);

@@ -194,15 +194,16 @@ std::vector<SourceSpec> resolve_sources(const std::string& dataset, const std::o
     if (dataset == "fortunes") return {builtin_fortunes()};
     if (dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation")  // torchtitan's Hugging Face names
       fail(where, ".dataset = ", quote(dataset), " is a Hugging Face dataset that titan.cpp does not download; set --",
-           where, ".dataset_path to a file or directory (.txt/.jsonl/.tokens, optionally .gz/.zst), use "
-           "[[training.datasets]] tables, or the built-in dataset \"fortunes\"");
+           where, ".dataset_path to a file or directory (.txt/.jsonl/.tokens, optionally .gz/.zst)",
+           where == "training" ? ", use [[training.datasets]] tables," : "", " or the built-in dataset \"fortunes\"");
     fail(where, ".dataset = ", quote(dataset), " is not built in and there is no --", where,
          ".dataset_path; datasets are files (built-in: fortunes)");
   }
   config::DatasetSource source;
-  // torchtitan's default names (c4_test, ...) label nothing here once a path is given: the path names the source.
-  const bool hub_name = dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation";
-  source.name = hub_name ? *dataset_path : dataset;
+  // torchtitan's default names (c4_test, ...) and the built-in corpus's label nothing here once a path is given: the
+  // path names the source.
+  const bool default_name = dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation" || dataset == "fortunes";
+  source.name = default_name ? *dataset_path : dataset;
   source.path = *dataset_path;
   source.format = format;
   source.text_field = text_field;

@@ -59,11 +59,18 @@ std::unique_ptr<Tokenizer> load(const std::string& path) {
   for (const char* candidate : {"tokenizer.json", "tokenizer.model", "original/tokenizer.model"}) {
     if (fs::is_regular_file(p / candidate)) return load_file(p / candidate);
   }
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(p)) names.push_back(entry.path().filename().string());
+  std::vector<std::string> names, tiktoken_files;
+  for (const auto& entry : fs::directory_iterator(p)) {
+    names.push_back(entry.path().filename().string());
+    if (entry.is_regular_file() && ends_with(names.back(), ".tiktoken")) tiktoken_files.push_back(names.back());
+  }
   std::sort(names.begin(), names.end());
+  std::sort(tiktoken_files.begin(), tiktoken_files.end());
+  // A folder of one *.tiktoken file (titan's {dump_folder}/builtin_tokenizer/, or a downloaded ranks file).
+  if (tiktoken_files.size() == 1) return load_tiktoken((p / tiktoken_files.front()).string());
   if (names.size() > 12) names.resize(12), names.push_back("...");
-  fail("no tokenizer in ", quote(path), ": expected tokenizer.json or tokenizer.model there; found [", join(names, ", "), "]");
+  fail("no tokenizer in ", quote(path), ": expected tokenizer.json, tokenizer.model or one *.tiktoken file there; found [",
+       join(names, ", "), "]", tiktoken_files.size() > 1 ? " (several *.tiktoken files: name the one to use)" : "");
 }
 
 }  // namespace titan::tokenizer
