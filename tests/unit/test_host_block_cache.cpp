@@ -102,15 +102,19 @@ TEST(HostBlockCache, MappedMemoryStaysWithinAQuarterAboveThePeakOfLiveBlocksWhen
     return s.live_bytes + s.cached_bytes;
   };
   const auto start = host_block_cache_stats();
-  // Phase after phase of blocks of another size, each phase freed before the next: without eviction the cache would
-  // hold every phase's blocks; with it, what is mapped stays near one phase's worth. A phase is at least the peak
-  // so far (other tests in this process may have used the cache), so that the second phase must evict.
+  // Phase after phase of blocks of a larger size, each phase freed before the next: a request larger than every held
+  // block finds none to split, and without eviction the cache would hold every phase's blocks; with it, what is
+  // mapped stays near one phase's worth. A 1 MiB guard stays live after each block, so that freed blocks the kernel
+  // placed side by side do not merge into one large enough for the next phase. A phase is at least the peak so far
+  // (other tests in this process may have used the cache), so that the second phase must evict.
   const size_t per_phase = std::max<size_t>(40, static_cast<size_t>(start.peak_live_bytes) / kMiB + 1);
-  for (size_t mib : {8, 5, 13, 3, 21, 2}) {
+  std::vector<c10::DataPtr> guards;
+  for (size_t mib : {2, 3, 5, 8, 13, 21}) {
     std::vector<c10::DataPtr> phase;
     for (size_t i = 0; i < per_phase / mib + 1; ++i) {
       phase.push_back(cache->allocate(mib * kMiB));
       std::memset(phase.back().get(), 1, mib * kMiB);
+      guards.push_back(cache->allocate(kMiB));
       const auto s = host_block_cache_stats();
       EXPECT_LE(static_cast<double>(mapped()), 1.25 * static_cast<double>(s.peak_live_bytes) + 1.0) << mib;
     }

@@ -218,7 +218,7 @@ int tokenize(const Options& o) {
   // Training refuses a source that gives no document; so does this, rather than report an empty success.
   if (docs == 0)
     fail("no documents in ", join(o.inputs, ", "), " (", skipped ? cat(skipped, " malformed rows skipped") : std::string("the inputs are empty"),
-         "): nothing was tokenized", written.empty() ? "" : cat("; ", written.size(), " empty shard(s) written to ", quote(o.output)));
+         "): nothing was tokenized");
   progress.update(total_bytes, docs, tokens, true);
   const double seconds = now_seconds() - start;
   nlohmann::ordered_json summary;

@@ -69,8 +69,8 @@ enum class FusedKernels { none, cpu, cuda };
 // the activations' freed ones, so the peak holds both. One that splits its freed memory for requests of any size (a
 // GPU's caching allocator; the host block cache since it splits and merges its blocks) lets the gradients reuse the
 // activations' memory as backward frees it: the peak holds the larger (Phase::activations and Phase::gradients;
-// measured within 10% on CPUs, docs/metrics.md, and on an H200, docs/plan.md). The trainer and `titan plan` use
-// `device_caching` on every device; `host_cache` remains for comparing the two rules (tests/unit/test_memory_estimate.cpp).
+// measured within 10% on CPUs, docs/metrics.md, and on an H200, docs/plan.md). The trainer uses `host_cache`
+// only on a CPU without titan's cache (TITAN_HOST_ALLOCATOR=malloc: glibc's heap keeps what it serves).
 enum class Allocator { host_cache, device_caching };
 
 }  // namespace titan::protocols

@@ -1,5 +1,7 @@
 #include "titan/trainer/trainer.h"
 
+#include <c10/core/CPUAllocator.h>
+
 #include <ATen/Parallel.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <unistd.h>
@@ -20,6 +22,7 @@
 #include "titan/components/checkpoint/formats/dcp.h"
 #include "titan/components/data/builtin.h"
 #include "titan/components/metrics/cuda_device.h"
+#include "titan/components/metrics/host_block_cache.h"
 #include "titan/components/quantization/float8.h"
 #include "titan/config/dtypes.h"
 #include "titan/config/support.h"
@@ -533,10 +536,12 @@ void Trainer::check_memory(const distributed::ParallelDims& dims) {
   const FusedKernels fused = device_.is_cpu()                                   ? FusedKernels::cpu
                              : device_.is_cuda() && kernels::cuda_kernels_built() ? FusedKernels::cuda
                                                                                  : FusedKernels::none;
-  // Every device's allocator now reuses freed memory for requests of any size (a GPU's caching allocator; on the CPU
-  // the host block cache, which splits and merges its blocks since 2026-12-03), so the gradients backward makes take
-  // the activations' memory as it is freed.
-  const auto allocator = protocols::Allocator::device_caching;
+  // A GPU's caching allocator, and on the CPU titan's host block cache (which splits and merges its blocks since
+  // 2026-12-03), reuse freed memory for requests of any size, so the gradients backward makes take the activations'
+  // memory as it is freed. Without the cache (TITAN_HOST_ALLOCATOR=malloc, another malloc preloaded) glibc's heap
+  // keeps the blocks it serves, and the peak holds both.
+  const bool host_cache = device_.is_cpu() && c10::GetCPUAllocator() == metrics::host_block_cache();
+  const auto allocator = !device_.is_cpu() || host_cache ? protocols::Allocator::device_caching : protocols::Allocator::host_cache;
   auto estimate = spec_->estimate_memory(*model_args_, c, dims, autocast, runtime, protocols::Execution::titan,
                                          mesh_->coordinate("pp"), fused, allocator);
   // Asynchronous checkpoints keep a host copy of the rank's whole state (its parameters and AdamW moments) for their

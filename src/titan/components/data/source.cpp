@@ -195,7 +195,7 @@ std::vector<SourceSpec> resolve_sources(const std::string& dataset, const std::o
     if (dataset == "c4" || dataset == "c4_test" || dataset == "c4_validation")  // torchtitan's Hugging Face names
       fail(where, ".dataset = ", quote(dataset), " is a Hugging Face dataset that titan.cpp does not download; set --",
            where, ".dataset_path to a file or directory (.txt/.jsonl/.tokens, optionally .gz/.zst)",
-           where == "training" ? ", use [[training.datasets]] tables," : "", " or the built-in dataset \"fortunes\"");
+           where == "training" ? ", use [[training.datasets]] tables," : ";", " or use the built-in dataset \"fortunes\"");
     fail(where, ".dataset = ", quote(dataset), " is not built in and there is no --", where,
          ".dataset_path; datasets are files (built-in: fortunes)");
   }

@@ -41,12 +41,23 @@ State& state() {
   return *s;
 }
 
-void unmap(void* block, size_t size) { munmap(block, size); }
+// Hands a held range back to the kernel. Unmapping part of a mapping splits it, which fails at the kernel's limit of
+// mappings (vm.max_map_count): the range is then held again rather than lost.
+void unmap(void* block, size_t size);
 
 void hold(State& s, char* block, size_t size) {
-  s.by_address.emplace(block, size);
+  const bool added = s.by_address.emplace(block, size).second;
+  TORCH_INTERNAL_ASSERT(added, "titan host block cache: a block held twice");
   s.by_size.emplace(size, block);
   s.stats.cached_bytes += static_cast<int64_t>(size);
+}
+
+void unmap(void* block, size_t size) {
+  if (munmap(block, size) == 0) return;
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  hold(s, static_cast<char*>(block), size);
+  --s.stats.unmaps;
 }
 
 // Takes a held block out of both indices (under the lock); `in_size` is its entry in by_size.
@@ -116,6 +127,31 @@ void free_any(void* block) {
   if (block && !hold_for_reuse(block)) c10::free_cpu(block);
 }
 
+void note_live(State& s, void* block, size_t size) {
+  s.live.emplace(block, size);
+  s.stats.live_bytes += static_cast<int64_t>(size);
+  s.stats.peak_live_bytes = std::max(s.stats.peak_live_bytes, s.stats.live_bytes);
+}
+
+// The smallest held block large enough for `size` bytes, made live (under the lock); nullptr when none is. What it
+// has beyond the request stays held as a block of its own (merged back when the request's tensor is freed), unless
+// that is under a large block's size: then the request takes the whole block.
+void* reuse(State& s, size_t size) {
+  auto it = s.by_size.lower_bound(size);
+  if (it == s.by_size.end()) return nullptr;
+  char* held = it->second;
+  size_t taken = it->first;
+  take(s, it);
+  if (taken - size >= kLarge) {
+    hold(s, held + size, taken - size);
+    taken = size;
+    ++s.stats.splits;
+  }
+  ++s.stats.reuses;
+  note_live(s, held, taken);
+  return held;
+}
+
 class HostBlockCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) override {
@@ -128,22 +164,7 @@ class HostBlockCache final : public c10::Allocator {
     void* block = nullptr;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
-      // The smallest held block that is large enough. What it has beyond the request stays held as a block of its
-      // own (merged back when the request's tensor is freed), unless that is under a large block's size: then the
-      // request takes the whole block.
-      if (auto it = s.by_size.lower_bound(size); it != s.by_size.end()) {
-        char* held = it->second;
-        size_t taken = it->first;
-        take(s, it);
-        if (taken - size >= kLarge) {
-          hold(s, held + size, taken - size);
-          taken = size;
-          ++s.stats.splits;
-        }
-        ++s.stats.reuses;
-        note_live(s, held, taken);
-        block = held;
-      }
+      block = reuse(s, size);
     }
     if (!block) {
       // Mapping more would take live and held blocks together above a quarter over the most ever live: the largest
@@ -151,6 +172,8 @@ class HostBlockCache final : public c10::Allocator {
       std::vector<std::pair<void*, size_t>> evicted;
       {
         std::lock_guard<std::mutex> lock(s.mutex);
+        // Another thread's free may have merged a block large enough since the search above.
+        if (void* merged = reuse(s, size)) return {merged, merged, &free_large, c10::Device(c10::DeviceType::CPU)};
         const int64_t want = s.stats.live_bytes + static_cast<int64_t>(size);
         const int64_t limit = std::max(s.stats.peak_live_bytes, want) / 4 * 5;
         while (s.stats.cached_bytes > 0 && want + s.stats.cached_bytes > limit) {
@@ -187,12 +210,6 @@ class HostBlockCache final : public c10::Allocator {
 
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
 
- private:
-  static void note_live(State& s, void* block, size_t size) {
-    s.live.emplace(block, size);
-    s.stats.live_bytes += static_cast<int64_t>(size);
-    s.stats.peak_live_bytes = std::max(s.stats.peak_live_bytes, s.stats.live_bytes);
-  }
 };
 
 }  // namespace

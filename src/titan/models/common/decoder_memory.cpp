@@ -488,7 +488,8 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& a, const config::JobC
     // CPUs without bf16 products (nn/matmul.h) compute the chunk's logits as the float32 product of float32 copies of
     // its bf16 operands, then round it: for a moment the weight's float32 copy and the float32 logits are there too
     // (measured: Llama 3's vocabulary on the debug blocks, 2 x 512 tokens on an AVX2 EPYC, 0.70x without them).
-    const double float32_product = kernels == FusedKernels::cpu && c == 2 && nn::emulates_bf16_gemm() ? (chunk + d) * vocab_here * 4 : 0;
+    const double float32_product =
+        kernels == FusedKernels::cpu && c == 2 && training.mixed_precision_param == "bfloat16" && nn::emulates_bf16_gemm() ? (chunk + d) * vocab_here * 4 : 0;
     const double input_gradient = tokens * d * c;
     const double fused = chunk * vocab_here * c + aten_temporary + float32_product + vocab_here * d * (4 + (c == 4 ? 0 : c));
     if (made_in_backward) {

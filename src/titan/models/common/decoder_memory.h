@@ -51,6 +51,6 @@ MemoryEstimate estimate_training_memory(const DecoderArgs& args, const config::J
                                         const distributed::ParallelDims& dims, bool autocast, double runtime_bytes,
                                         Execution execution = Execution::titan, int64_t pipeline_rank = -1,
                                         FusedKernels kernels = FusedKernels::none,
-                                        Allocator allocator = Allocator::host_cache);
+                                        Allocator allocator = Allocator::device_caching);
 
 }  // namespace titan::models
