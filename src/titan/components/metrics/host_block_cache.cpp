@@ -161,46 +161,38 @@ class HostBlockCache final : public c10::Allocator {
     }
     const size_t size = size_class(n);
     State& s = state();
-    void* block = nullptr;
+    // Mapping more would take live and held blocks together above a quarter over the most ever live: the largest
+    // held blocks go back first (a class the step needs again is mapped and faulted in again then).
+    std::vector<std::pair<void*, size_t>> evicted;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
-      block = reuse(s, size);
+      if (void* held = reuse(s, size)) return {held, held, &free_large, c10::Device(c10::DeviceType::CPU)};
+      const int64_t want = s.stats.live_bytes + static_cast<int64_t>(size);
+      const int64_t limit = std::max(s.stats.peak_live_bytes, want) / 4 * 5;
+      while (s.stats.cached_bytes > 0 && want + s.stats.cached_bytes > limit) {
+        auto it = std::prev(s.by_size.end());
+        evicted.emplace_back(it->second, it->first);
+        take(s, it);
+        ++s.stats.unmaps;
+      }
     }
+    for (auto& [b, bytes] : evicted) unmap(b, bytes);
+    void* block = map_block(size);
     if (!block) {
-      // Mapping more would take live and held blocks together above a quarter over the most ever live: the largest
-      // held blocks go back first (a class the step needs again is mapped and faulted in again then).
-      std::vector<std::pair<void*, size_t>> evicted;
+      // Out of address space or memory: give back what is held for other sizes, then try once more.
+      std::vector<std::pair<void*, size_t>> held;
       {
         std::lock_guard<std::mutex> lock(s.mutex);
-        // Another thread's free may have merged a block large enough since the search above.
-        if (void* merged = reuse(s, size)) return {merged, merged, &free_large, c10::Device(c10::DeviceType::CPU)};
-        const int64_t want = s.stats.live_bytes + static_cast<int64_t>(size);
-        const int64_t limit = std::max(s.stats.peak_live_bytes, want) / 4 * 5;
-        while (s.stats.cached_bytes > 0 && want + s.stats.cached_bytes > limit) {
-          auto it = std::prev(s.by_size.end());
-          evicted.emplace_back(it->second, it->first);
-          take(s, it);
-          ++s.stats.unmaps;
-        }
+        held = take_all_cached(s);
       }
-      for (auto& [b, bytes] : evicted) unmap(b, bytes);
+      for (auto& [b, bytes] : held) unmap(b, bytes);
       block = map_block(size);
-      if (!block) {
-        // Out of address space or memory: give back what is held for other sizes, then try once more.
-        std::vector<std::pair<void*, size_t>> held;
-        {
-          std::lock_guard<std::mutex> lock(s.mutex);
-          held = take_all_cached(s);
-        }
-        for (auto& [b, bytes] : held) unmap(b, bytes);
-        block = map_block(size);
-      }
-      TORCH_CHECK_WITH(OutOfMemoryError, block, "titan host block cache: could not map ", size, " bytes for a ", n,
-                       "-byte CPU tensor (mmap failed; the blocks held for reuse were given back first)");
-      std::lock_guard<std::mutex> lock(s.mutex);
-      ++s.stats.maps;
-      note_live(s, block, size);
     }
+    TORCH_CHECK_WITH(OutOfMemoryError, block, "titan host block cache: could not map ", size, " bytes for a ", n,
+                     "-byte CPU tensor (mmap failed; the blocks held for reuse were given back first)");
+    std::lock_guard<std::mutex> lock(s.mutex);
+    ++s.stats.maps;
+    note_live(s, block, size);
     return {block, block, &free_large, c10::Device(c10::DeviceType::CPU)};
   }
 
